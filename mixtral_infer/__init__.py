@@ -1,0 +1,32 @@
+"""mixtral_infer: a readable reference implementation of Mistral 7B and Mixtral 8x7B inference."""
+
+from mixtral_infer.cache import (
+    CacheView,
+    RotatingBufferCache,
+    RotatingCacheInputMetadata,
+    interleave_list,
+    unrotate,
+)
+from mixtral_infer.errors import CheckpointError, ConfigError, GenerationError, MixtralInferError
+from mixtral_infer.generate import generate
+from mixtral_infer.model import ModelArgs, Transformer
+from mixtral_infer.moe import MoeArgs, MoeLayer
+from mixtral_infer.tokenizer import Tokenizer
+
+__all__ = [
+    "CacheView",
+    "CheckpointError",
+    "ConfigError",
+    "GenerationError",
+    "MixtralInferError",
+    "ModelArgs",
+    "MoeArgs",
+    "MoeLayer",
+    "RotatingBufferCache",
+    "RotatingCacheInputMetadata",
+    "Tokenizer",
+    "Transformer",
+    "generate",
+    "interleave_list",
+    "unrotate",
+]

@@ -1,0 +1,190 @@
+"""Attention over a flat batch, with the mask given as an xformers attention bias.
+
+On CUDA, when xformers' kernels load, ``xformers.ops.memory_efficient_attention``
+does the work. Everywhere else (CPU, or an xformers build without its CUDA
+extension) the same result is computed with ``scaled_dot_product_attention``:
+
+* block-diagonal biases (prefill): one SDPA call per sequence, with that
+  sequence's (q_len, kv_len) causal / sliding-window mask, never a dense mask
+  over the whole batch;
+* the padded-keys bias (decoding): one batched SDPA call, each sequence's single
+  query against its own cache buffer, with a per-sequence key length.
+
+Grouped-query attention uses SDPA's ``enable_gqa``: K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from mixtral_infer.xformers_bias import (
+    AttentionBias,
+    BlockDiagonalCausalFromBottomRightMask,
+    BlockDiagonalCausalLocalAttentionFromBottomRightMask,
+    BlockDiagonalCausalLocalAttentionMask,
+    BlockDiagonalCausalMask,
+    BlockDiagonalCausalWithOffsetPaddedKeysMask,
+    BlockDiagonalMask,
+)
+
+
+@functools.lru_cache(maxsize=None)
+def xformers_kernels_available() -> bool:
+    """True when xformers' CUDA kernels can be used on this machine.
+
+    Without CUDA there is nothing to try, and importing ``xformers.ops`` would only
+    print xformers' "can't load C++/CUDA extensions" warning, so it is not imported.
+    """
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import xformers
+
+        if not getattr(xformers, "_has_cpp_library", False):
+            return False
+        from xformers.ops import memory_efficient_attention  # noqa: F401
+    except Exception as error:  # pragma: no cover - depends on the installed wheel
+        logging.getLogger(__name__).warning("xformers kernels unavailable (%s); using torch SDPA", error)
+        return False
+    return True
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
+    """Attention of q ``(T_q, H, D)`` over k, v ``(T_k, H_kv, D)``; returns ``(T_q, H, D)``."""
+    if q.is_cuda and xformers_kernels_available():
+        return _xformers_attention(q, k, v, bias)
+    return torch_attention(q, k, v, bias)
+
+
+def _xformers_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
+    from xformers.ops import memory_efficient_attention
+
+    n_heads, n_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group = n_heads // n_kv_heads
+    # xformers' grouped layout (B, M, G, H, K): G = KV heads, H = query heads per KV head.
+    q5 = q.view(1, q.shape[0], n_kv_heads, group, head_dim)
+    k5 = k.view(1, k.shape[0], n_kv_heads, 1, head_dim).expand(-1, -1, -1, group, -1)
+    v5 = v.view(1, v.shape[0], n_kv_heads, 1, head_dim).expand(-1, -1, -1, group, -1)
+    out = memory_efficient_attention(q5, k5, v5, attn_bias=bias)  # (1, T_q, G, H, K)
+    return out.view(q.shape)
+
+
+def local_causal_mask(
+    q_len: int, kv_len: int, window: Optional[int], device: torch.device
+) -> Optional[torch.Tensor]:
+    """Boolean ``(q_len, kv_len)`` mask, aligned at the bottom right.
+
+    Query i sits at key index ``i + kv_len - q_len`` and sees the keys from
+    ``window - 1`` before itself up to itself. Returns None when every key is visible.
+    """
+    shift = kv_len - q_len
+    query = torch.arange(q_len, device=device)[:, None] + shift
+    key = torch.arange(kv_len, device=device)[None, :]
+    allowed = key <= query
+    if window is not None:
+        allowed &= key > query - window
+    return allowed
+
+
+def _block_semantics(bias: BlockDiagonalMask) -> tuple[bool, bool, Optional[int]]:
+    """(causal, from_bottom_right, window) of a block-diagonal bias."""
+    if isinstance(bias, BlockDiagonalCausalLocalAttentionFromBottomRightMask):
+        return True, True, bias._window_size
+    if isinstance(bias, BlockDiagonalCausalFromBottomRightMask):
+        return True, True, None
+    if isinstance(bias, BlockDiagonalCausalLocalAttentionMask):
+        return True, False, bias._window_size
+    if isinstance(bias, BlockDiagonalCausalMask):
+        return True, False, None
+    if type(bias) is BlockDiagonalMask:
+        return False, False, None
+    raise NotImplementedError(f"no CPU attention for bias type {type(bias).__name__}")
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """SDPA on (T, H, D) layouts; returns (T_q, H, D)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    )  # (H, T_q, D)
+    return out.transpose(0, 1)
+
+
+def _block_diagonal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalMask
+) -> torch.Tensor:
+    causal, bottom_right, window = _block_semantics(bias)
+    out = torch.empty_like(q)
+    for (q_start, q_end), (k_start, k_end) in zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()):
+        q_len, kv_len = q_end - q_start, k_end - k_start
+        if q_len == 0:
+            continue
+        mask = None
+        if causal:
+            # A top-left causal block is the bottom-right one when the block is square.
+            if not bottom_right and q_len != kv_len:
+                raise NotImplementedError("top-left causal blocks must be square")
+            mask = local_causal_mask(q_len, kv_len, window, q.device)
+        out[q_start:q_end] = _sdpa(q[q_start:q_end], k[k_start:k_end], v[k_start:k_end], mask)
+    return out
+
+
+def _padded_keys_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalCausalWithOffsetPaddedKeysMask
+) -> torch.Tensor:
+    """Decoding: at most one query per sequence, each over its own padded block of keys."""
+    q_seqlens = [end - start for start, end in bias.q_seqinfo.intervals()]
+    kv_seqlens = bias.k_seqinfo.seqlen_py
+    padding = bias.k_seqinfo.padding
+    if max(q_seqlens, default=0) > 1:
+        return _padded_keys_attention_per_block(q, k, v, bias)
+    batch = len(q_seqlens)
+    n_kv_heads, head_dim = k.shape[1:]
+    rows = [b for b, n in enumerate(q_seqlens) if n == 1]
+    keys = k.view(batch, padding, n_kv_heads, head_dim)
+    values = v.view(batch, padding, n_kv_heads, head_dim)
+    if len(rows) != batch:
+        index = torch.tensor(rows, device=k.device)
+        keys, values = keys[index], values[index]  # (B_active, S, H_kv, D)
+    lengths = [kv_seqlens[b] for b in rows]
+    mask = None
+    if min(lengths) < padding:
+        slot = torch.arange(padding, device=k.device)
+        valid = slot[None, :] < torch.tensor(lengths, device=k.device)[:, None]  # (B_active, S)
+        # Unused slots may hold anything (NaN included): zero them so 0 * NaN cannot leak in.
+        keys = keys.masked_fill(~valid[:, :, None, None], 0)
+        values = values.masked_fill(~valid[:, :, None, None], 0)
+        mask = valid[:, None, None, :]  # (B_active, 1, 1, S)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :],  # (B_active, H, 1, D)
+        keys.transpose(1, 2),  # (B_active, H_kv, S, D)
+        values.transpose(1, 2),
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    return out[:, :, 0, :]  # (B_active, H, D) == (T_q, H, D)
+
+
+def _padded_keys_attention_per_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalCausalWithOffsetPaddedKeysMask
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for (q_start, q_end), (k_start, k_end) in zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()):
+        q_len, kv_len = q_end - q_start, k_end - k_start
+        if q_len == 0:
+            continue
+        mask = local_causal_mask(q_len, kv_len, None, q.device)
+        out[q_start:q_end] = _sdpa(q[q_start:q_end], k[k_start:k_end], v[k_start:k_end], mask)
+    return out
+
+
+def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
+    """The portable path: same semantics as xformers' kernels for the biases used here."""
+    if isinstance(bias, BlockDiagonalCausalWithOffsetPaddedKeysMask):
+        return _padded_keys_attention(q, k, v, bias)
+    if isinstance(bias, BlockDiagonalMask):
+        return _block_diagonal_attention(q, k, v, bias)
+    raise NotImplementedError(f"no CPU attention for bias type {type(bias).__name__}")

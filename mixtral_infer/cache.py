@@ -1,0 +1,301 @@
+"""The rotating (rolling) buffer KV cache used with sliding-window attention.
+
+With a sliding window of W tokens, position ``p`` only ever attends to positions
+``p-W+1 .. p``. So a sequence needs at most W keys/values in its cache, and the
+keys/values of position ``i`` are stored in slot ``i % W``: the buffer "rotates".
+
+Worked example (the article in ``shared/seeds``), W = 3, one prompt of 10 tokens
+prefilled in chunks of 5. Only the last W tokens of a chunk are written::
+
+    chunk 0, positions 0..4: writes 2 -> slot 2, 3 -> slot 0, 4 -> slot 1
+             cache slots hold positions [3, 4, 2]
+    chunk 1, positions 5..9: writes 7 -> slot 1, 8 -> slot 2, 9 -> slot 0
+             cache slots hold positions [9, 7, 8]
+
+To attend, the cache is put back in position order by ``unrotate``: with 10
+tokens seen, the oldest one lives in slot ``10 % 3 = 1``, so the order is slots
+``[1, 2, 0]`` = positions ``[7, 8, 9]``.
+
+The whole batch is one flat tensor of ``sum(seqlens)`` tokens. A chunk of a
+later prefill attends to ``[unrotated cache of seq 0 | chunk of seq 0 | unrotated
+cache of seq 1 | chunk of seq 1 | ...]``: ``interleave_list`` builds that order.
+
+``RotatingBufferCache`` owns the buffers and each sequence's length so far;
+``RotatingCacheInputMetadata`` says, for one chunk, which tokens go where and
+which attention bias to use; ``CacheView`` is one layer's window onto both.
+Nothing here knows about layers or weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, TypeVar
+
+import torch
+from mixtral_infer.xformers_bias import (
+    AttentionBias,
+    BlockDiagonalCausalMask,
+    BlockDiagonalCausalWithOffsetPaddedKeysMask,
+    BlockDiagonalMask,
+)
+
+T = TypeVar("T")
+
+
+def interleave_list(first: Sequence[T], second: Sequence[T]) -> List[T]:
+    """``[a0, b0, a1, b1, ...]`` from ``[a0, a1, ...]`` and ``[b0, b1, ...]``.
+
+    >>> interleave_list(["cache0", "cache1"], ["chunk0", "chunk1"])
+    ['cache0', 'chunk0', 'cache1', 'chunk1']
+    """
+    if len(first) != len(second):
+        raise ValueError(f"interleave_list needs lists of equal length, got {len(first)} and {len(second)}")
+    return [item for pair in zip(first, second) for item in pair]
+
+
+def unrotate(buffer: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """One sequence's cache slots in position order.
+
+    ``buffer`` is ``(S, ...)`` with ``S`` slots where position ``i`` lives in slot
+    ``i % S``; ``seqlen`` is how many tokens the sequence has seen. Returns the
+    last ``min(seqlen, S)`` positions, oldest first.
+
+    W = 4, 10 tokens seen, slots hold positions ``[8, 9, 6, 7]``: the oldest is
+    in slot ``10 % 4 = 2``, so the result is ``[6, 7, 8, 9]``.
+    """
+    size = buffer.shape[0]
+    if seqlen < size:
+        return buffer[:seqlen]
+    oldest = seqlen % size
+    if oldest == 0:
+        return buffer
+    return torch.cat([buffer[oldest:], buffer[:oldest]], dim=0)
+
+
+@dataclass
+class RotatingCacheInputMetadata:
+    """What one forward pass over a chunk needs to read and write the cache.
+
+    Worked example: seqlens ``[5, 7, 2]`` arriving when the sequences have seen
+    ``[0, 1, 3]`` tokens, W = 3::
+
+        positions       = [0 1 2 3 4 | 1 2 3 4 5 6 7 | 3 4]
+        to_cache_mask   = [F F T T T | F F F F T T T | T T]   (last W of each)
+        cached_elements = [3, 3, 2]
+        cache_positions = [2 0 1 | 5 3 4 | 6 7]              (b * W + p % W)
+    """
+
+    positions: torch.Tensor  # (T,) absolute position of each token in its sequence
+    to_cache_mask: torch.Tensor  # (T,) bool: the token is among its sequence's last `cache_size` in this chunk
+    cached_elements: torch.Tensor  # (B,) how many tokens of each sequence this chunk writes
+    cache_positions: torch.Tensor  # (sum(cached_elements),) flat slot index b * cache_size + p % cache_size
+    prefill: bool  # True: attend over [unrotated cache | chunk]; False: decode over the buffers
+    mask: AttentionBias
+    seqlens: List[int]  # (B,) tokens of each sequence in this chunk; 0 for a sequence that sits it out
+    seen_before: List[int]  # (B,) tokens each sequence had seen before this chunk
+
+    @property
+    def first_prefill(self) -> bool:
+        """No sequence taking part has anything cached yet: attend within the chunk only."""
+        return all(seen == 0 for seen, n in zip(self.seen_before, self.seqlens) if n > 0)
+
+
+def _causal_mask(q_seqlens: List[int], window: Optional[int], device: torch.device) -> AttentionBias:
+    mask = BlockDiagonalCausalMask.from_seqlens(q_seqlens, device=device)
+    return mask.make_local_attention(window) if window is not None else mask
+
+
+def _bottom_right_mask(
+    q_seqlens: List[int], kv_seqlens: List[int], window: Optional[int], device: torch.device
+) -> AttentionBias:
+    mask = BlockDiagonalMask.from_seqlens(q_seqlens, kv_seqlens, device=device)
+    if window is not None:
+        return mask.make_local_attention_from_bottomright(window)
+    return mask.make_causal_from_bottomright()
+
+
+def causal_attention_bias(seqlens: List[int], window: Optional[int], device: torch.device) -> AttentionBias:
+    """Plain causal (sliding-window) attention within each sequence, no cache."""
+    return _causal_mask([n for n in seqlens if n > 0], window, device)
+
+
+def build_input_metadata(
+    seqlens: List[int],
+    seen_before: List[int],
+    cache_size: int,
+    sliding_window: Optional[int],
+    device: torch.device,
+) -> RotatingCacheInputMetadata:
+    """Metadata for a chunk: pure function of the lengths, so it is easy to test."""
+    if len(seqlens) != len(seen_before):
+        raise ValueError(f"got {len(seqlens)} sequence lengths for a cache holding {len(seen_before)} sequences")
+    if any(n < 0 for n in seqlens):
+        raise ValueError(f"sequence lengths must be >= 0, got {seqlens}")
+
+    positions: List[int] = []
+    to_cache: List[bool] = []
+    cache_positions: List[int] = []
+    cached_elements: List[int] = []
+    for b, (n, seen) in enumerate(zip(seqlens, seen_before)):
+        first_cached = max(n - cache_size, 0)  # only the last `cache_size` tokens are written
+        positions.extend(range(seen, seen + n))
+        to_cache.extend(i >= first_cached for i in range(n))
+        cache_positions.extend(b * cache_size + p % cache_size for p in range(seen + first_cached, seen + n))
+        cached_elements.append(n - first_cached)
+
+    active = [b for b, n in enumerate(seqlens) if n > 0]
+    q_seqlens = [seqlens[b] for b in active]
+    cached_before = [min(seen_before[b], cache_size) for b in active]
+    prefill = any(n > 1 for n in seqlens) or all(c == 0 for c in cached_before)
+    if not prefill:
+        # Decoding: every sequence adds at most one token and the query attends to the whole
+        # (rotated) buffer of its sequence, whose order does not matter to attention.
+        mask: AttentionBias = BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+            q_seqlen=list(seqlens),
+            kv_padding=cache_size,
+            kv_seqlen=[min(seen + n, cache_size) for seen, n in zip(seen_before, seqlens)],
+            device=device,
+        )
+    elif all(c == 0 for c in cached_before):
+        mask = _causal_mask(q_seqlens, sliding_window, device)
+    else:
+        kv_seqlens = [n + c for n, c in zip(q_seqlens, cached_before)]
+        mask = _bottom_right_mask(q_seqlens, kv_seqlens, sliding_window, device)
+
+    return RotatingCacheInputMetadata(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        to_cache_mask=torch.tensor(to_cache, dtype=torch.bool, device=device),
+        cached_elements=torch.tensor(cached_elements, dtype=torch.long, device=device),
+        cache_positions=torch.tensor(cache_positions, dtype=torch.long, device=device),
+        prefill=prefill,
+        mask=mask,
+        seqlens=list(seqlens),
+        seen_before=list(seen_before),
+    )
+
+
+class CacheView:
+    """One layer's keys/values buffers seen through one chunk's metadata."""
+
+    def __init__(
+        self,
+        cache_k: torch.Tensor,  # (B_max, S, H_kv, D)
+        cache_v: torch.Tensor,  # (B_max, S, H_kv, D)
+        metadata: RotatingCacheInputMetadata,
+    ):
+        self.cache_k = cache_k
+        self.cache_v = cache_v
+        self.metadata = metadata
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.metadata.seqlens)
+
+    @property
+    def prefill(self) -> bool:
+        return self.metadata.prefill
+
+    @property
+    def mask(self) -> AttentionBias:
+        return self.metadata.mask
+
+    def update(self, xk: torch.Tensor, xv: torch.Tensor) -> None:
+        """Write the chunk's keys/values (T, H_kv, D) into their slots (only the last S of each sequence)."""
+        n_kv_heads, head_dim = self.cache_k.shape[-2:]
+        flat_k = self.cache_k.view(-1, n_kv_heads, head_dim)  # (B_max*S, H_kv, D)
+        flat_v = self.cache_v.view(-1, n_kv_heads, head_dim)
+        mask = self.metadata.to_cache_mask
+        flat_k.index_copy_(0, self.metadata.cache_positions, xk[mask])
+        flat_v.index_copy_(0, self.metadata.cache_positions, xv[mask])
+
+    def interleave_kv(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values a prefill chunk attends to, before this chunk is written.
+
+        Returns ``[cache_0 | chunk_0 | cache_1 | chunk_1 | ...]`` over the sequences
+        taking part in the chunk, each cache unrotated to position order:
+        ``(sum(min(seen_b, S) + seqlen_b), H_kv, D)``.
+        """
+        if self.metadata.first_prefill:
+            return xk, xv
+        seqlens, seen = self.metadata.seqlens, self.metadata.seen_before
+        active = [b for b, n in enumerate(seqlens) if n > 0]
+        chunk_k = torch.split(xk, [seqlens[b] for b in active])
+        chunk_v = torch.split(xv, [seqlens[b] for b in active])
+        cached_k = [unrotate(self.cache_k[b], seen[b]) for b in active]
+        cached_v = [unrotate(self.cache_v[b], seen[b]) for b in active]
+        key = torch.cat(interleave_list(cached_k, chunk_k), dim=0)
+        value = torch.cat(interleave_list(cached_v, chunk_v), dim=0)
+        return key, value
+
+    @property
+    def key(self) -> torch.Tensor:
+        """The buffers of the sequences in use, flat: (B*S, H_kv, D), for decoding."""
+        return self.cache_k[: self.batch_size].flatten(0, 1)
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.cache_v[: self.batch_size].flatten(0, 1)
+
+
+class RotatingBufferCache:
+    """Per-layer K and V buffers ``(max_batch_size, cache_size, n_kv_heads, head_dim)``.
+
+    ``cache_size`` is the sliding window, or, when the model has none, the longest
+    sequence the caller will run (prompt + new tokens): nothing is ever evicted then.
+    ``seqlens`` counts the tokens each sequence has seen so far (not clamped).
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        max_batch_size: int,
+        cache_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        sliding_window: Optional[int] = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if sliding_window is not None and cache_size > sliding_window:
+            raise ValueError(f"cache_size {cache_size} is larger than the sliding window {sliding_window}")
+        self.cache_size = cache_size
+        self.sliding_window = sliding_window
+        self.max_batch_size = max_batch_size
+        shape = (n_layers, max_batch_size, cache_size, n_kv_heads, head_dim)
+        # Zeros, not empty: no result depends on unused slots, but zeros keep them finite.
+        self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.seqlens: List[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache_k.device
+
+    @property
+    def n_layers(self) -> int:
+        return self.cache_k.shape[0]
+
+    def nbytes(self) -> int:
+        return self.cache_k.nbytes + self.cache_v.nbytes
+
+    def reset(self) -> None:
+        """Forget every sequence; the buffers are reused as they are."""
+        self.seqlens = []
+
+    def init_kvseqlens(self, batch_size: int) -> None:
+        if batch_size > self.max_batch_size:
+            raise ValueError(f"batch of {batch_size} sequences exceeds the cache's max_batch_size={self.max_batch_size}")
+        self.seqlens = [0] * batch_size
+
+    def get_input_metadata(self, seqlens: List[int]) -> RotatingCacheInputMetadata:
+        if not self.seqlens:
+            self.init_kvseqlens(len(seqlens))
+        return build_input_metadata(seqlens, self.seqlens, self.cache_size, self.sliding_window, self.device)
+
+    def get_view(self, layer: int, metadata: RotatingCacheInputMetadata) -> CacheView:
+        return CacheView(self.cache_k[layer], self.cache_v[layer], metadata)
+
+    def update_seqlens(self, seqlens: List[int]) -> None:
+        self.seqlens = [seen + n for seen, n in zip(self.seqlens, seqlens)]

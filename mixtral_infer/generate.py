@@ -1,0 +1,165 @@
+"""Batched generation: chunked prefill of ragged prompts, then token-by-token decoding.
+
+Prompts of different lengths are prefilled together, ``chunk_size`` tokens of each
+at a time; a prompt that has run out simply sits the later chunks out (length 0).
+Each sequence then decodes until its own EOS; the loop ends when all have.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from mixtral_infer.cache import RotatingBufferCache
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.model import Transformer
+from mixtral_infer.sampling import sample_next
+
+TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
+
+
+def check_settings(
+    encoded_prompts: Sequence[Sequence[int]],
+    model: Transformer,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: Optional[int],
+    chunk_size: Optional[int],
+    max_batch_size: int,
+) -> None:
+    """Raise GenerationError, before any work, on settings out of range."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise GenerationError(f"max_tokens={max_tokens!r} must be an integer >= 0")
+    if not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise GenerationError(f"temperature={temperature!r} must be >= 0 (0 means greedy)")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise GenerationError(f"top_p={top_p!r} must be in (0, 1]")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise GenerationError(f"top_k={top_k!r} must be an integer >= 1 (or None for no limit)")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise GenerationError(f"chunk_size={chunk_size!r} must be an integer >= 1")
+    if len(encoded_prompts) == 0:
+        raise GenerationError("no prompts given: pass a list with at least one encoded prompt")
+    if len(encoded_prompts) > max_batch_size:
+        raise GenerationError(
+            f"{len(encoded_prompts)} prompts exceed max_batch_size={max_batch_size}: pass fewer prompts or load "
+            "the model with a larger max_batch_size"
+        )
+    vocab_size = model.args.vocab_size
+    for index, prompt in enumerate(encoded_prompts):
+        if len(prompt) == 0:
+            raise GenerationError(f"prompt {index} is empty: encode it with bos=True or give at least one token")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise GenerationError(f"prompt {index} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
+
+
+def _check_finite(logits: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(logits).all():
+        raise GenerationError(f"the model produced NaN or inf logits {where}: the weights may be broken")
+
+
+def prefill(
+    model: Transformer,
+    cache: RotatingBufferCache,
+    encoded_prompts: Sequence[Sequence[int]],
+    chunk_size: int,
+) -> Tuple[torch.Tensor, List[List[float]]]:
+    """Run every prompt through the model in chunks.
+
+    Returns the logits after each prompt's last token ``(B, V)`` and, per prompt,
+    the log-probability of each of its tokens after the first.
+    """
+    batch = len(encoded_prompts)
+    longest = max(len(p) for p in encoded_prompts)
+    last_logits: List[Optional[torch.Tensor]] = [None] * batch
+    logprobs: List[List[float]] = [[] for _ in range(batch)]
+    for start in range(0, longest, chunk_size):
+        chunks = [list(p[start : start + chunk_size]) for p in encoded_prompts]
+        seqlens = [len(c) for c in chunks]
+        input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)
+        logits = model(input_ids, seqlens, cache)  # (T, V)
+        _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
+        log_probs = torch.log_softmax(logits, dim=-1)
+        offset = 0
+        for i, (prompt, n) in enumerate(zip(encoded_prompts, seqlens)):
+            if n == 0:
+                continue
+            # Row j of this chunk predicts prompt token start + j + 1 (when there is one).
+            targets = list(prompt[start + 1 : start + n + 1])
+            if targets:
+                rows = log_probs[offset : offset + len(targets)]
+                index = torch.tensor(targets, device=rows.device)[:, None]
+                logprobs[i].extend(rows.gather(1, index)[:, 0].tolist())
+            if start + n == len(prompt):
+                last_logits[i] = logits[offset + n - 1]
+            offset += n
+    return torch.stack(last_logits), logprobs  # type: ignore[arg-type]
+
+
+@torch.inference_mode()
+def generate(
+    encoded_prompts: Sequence[Sequence[int]],
+    model: Transformer,
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    eos_id: Optional[int] = None,
+    seed: Optional[int] = None,
+    cache: Optional[RotatingBufferCache] = None,
+    on_token: Optional[TokenCallback] = None,
+) -> Tuple[List[List[int]], List[List[float]]]:
+    """Continue each prompt by up to ``max_tokens`` tokens.
+
+    Returns ``(generated, logprobs)``: ``generated[i]`` are prompt i's new tokens
+    (EOS not included); ``logprobs[i]`` the log-probability of every prompt token
+    after the first, then of every generated token.
+
+    ``cache``: continue sequences already in this cache (a conversation); the
+    prompts are then appended to what it holds. Left None, a fresh cache is made.
+    ``on_token(i, token)`` is called as each token of prompt i is chosen (streaming).
+    """
+    max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
+    check_settings(encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size)
+    batch = len(encoded_prompts)
+    longest = max(len(p) for p in encoded_prompts)
+    if cache is None:
+        cache = model.make_cache(batch, max_seqlen=longest + max_tokens)
+        cache.init_kvseqlens(batch)
+    elif not cache.seqlens:
+        cache.init_kvseqlens(batch)
+    elif len(cache.seqlens) != batch:
+        raise GenerationError(f"the cache holds {len(cache.seqlens)} sequences but {batch} prompts were given")
+    chunk_size = chunk_size or model.args.sliding_window or longest
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+
+    logits, logprobs = prefill(model, cache, encoded_prompts, chunk_size)  # (B, V)
+    generated: List[List[int]] = [[] for _ in range(batch)]
+    active = list(range(batch))  # sequences still generating; row r of `logits` is sequence active[r]
+    for step in range(max_tokens):
+        tokens = sample_next(logits, temperature, top_p, top_k, generator)  # (B_active,)
+        token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+        still_active = []
+        for i, token, logprob in zip(active, tokens.tolist(), token_logprobs.tolist()):
+            if eos_id is not None and token == eos_id:
+                continue
+            generated[i].append(token)
+            logprobs[i].append(logprob)
+            if on_token is not None:
+                on_token(i, token)
+            still_active.append(i)
+        if not still_active or step == max_tokens - 1:
+            break
+        active = still_active
+        seqlens = [0] * batch
+        for i in active:
+            seqlens[i] = 1
+        input_ids = torch.tensor([generated[i][-1] for i in active], dtype=torch.long, device=model.device)
+        logits = model(input_ids, seqlens, cache)  # (B_active, V)
+        _check_finite(logits, f"at generation step {step + 1}")
+    return generated, logprobs

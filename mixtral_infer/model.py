@@ -1,0 +1,261 @@
+"""The Mistral / Mixtral decoder: GQA attention with rotary embeddings, RMSNorm,
+SwiGLU (dense) or mixture-of-experts feed-forward.
+
+The batch is one flat tensor of ``sum(seqlens)`` tokens with the list of
+sequence lengths, so ragged batches need no padding. Shape legend:
+T tokens in the flat batch, D model dim, H query heads, K KV heads, Dh head dim,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from simple_parsing.helpers import Serializable
+from torch import nn
+
+from mixtral_infer.attention import attention
+from mixtral_infer.cache import CacheView, RotatingBufferCache, causal_attention_bias
+from mixtral_infer.errors import ConfigError
+from mixtral_infer.moe import MoeArgs, MoeLayer
+from mixtral_infer.rope import apply_rotary, rotary_angles
+
+
+@dataclass
+class ModelArgs(Serializable):
+    dim: int
+    n_layers: int
+    head_dim: int
+    hidden_dim: int
+    n_heads: int
+    n_kv_heads: int
+    norm_eps: float
+    vocab_size: int
+    max_batch_size: int = 1
+    # When absent: 10000.0 with a sliding window, 1e6 without (as the published models do).
+    rope_theta: Optional[float] = None
+    sliding_window: Optional[int] = None
+    moe: Optional[MoeArgs] = None
+
+    def __post_init__(self) -> None:
+        if self.rope_theta is None:
+            self.rope_theta = 10000.0 if self.sliding_window is not None else 1e6
+        if isinstance(self.moe, dict):
+            self.moe = MoeArgs(**self.moe)
+        self.validate()
+
+    def validate(self, source: str = "ModelArgs") -> None:
+        """Raise ConfigError on values no model can have."""
+        for name in ("dim", "n_layers", "head_dim", "hidden_dim", "n_heads", "n_kv_heads", "vocab_size", "max_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{source}: {name}={value!r} must be a positive integer")
+        if not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
+            raise ConfigError(f"{source}: norm_eps={self.norm_eps!r} must be a positive number")
+        if not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
+            raise ConfigError(f"{source}: rope_theta={self.rope_theta!r} must be a positive number")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ConfigError(
+                f"{source}: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"{source}: head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ConfigError(f"{source}: sliding_window={self.sliding_window!r} must be a positive integer or null")
+        if self.moe is not None:
+            n, k = self.moe.num_experts, self.moe.num_experts_per_tok
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (n, k)):
+                raise ConfigError(f"{source}: moe needs positive integers, got num_experts={n!r}, num_experts_per_tok={k!r}")
+            if k > n:
+                raise ConfigError(f"{source}: moe.num_experts_per_tok={k} exceeds moe.num_experts={n}")
+
+    @classmethod
+    def from_params(cls, params: dict, source: str = "params.json") -> "ModelArgs":
+        """Build from a params.json dict; unknown keys are ignored with a warning."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            warnings.warn(f"{source}: ignoring unknown keys {unknown}", stacklevel=2)
+        missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in params]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {missing}")
+        fields = {key: value for key, value in params.items() if key in known}
+        moe = fields.get("moe")
+        if moe is not None:
+            if not isinstance(moe, dict) or set(moe) - {"num_experts", "num_experts_per_tok"} or len(moe) != 2:
+                raise ConfigError(f"{source}: moe must be {{'num_experts': int, 'num_experts_per_tok': int}}, got {moe!r}")
+            fields["moe"] = MoeArgs(**moe)
+        try:
+            return cls(**fields)
+        except TypeError as error:
+            raise ConfigError(f"{source}: {error}") from None
+
+    def to_params(self) -> dict:
+        """The params.json dict (no null entries)."""
+        params = dataclasses.asdict(self)
+        return {key: value for key, value in params.items() if value is not None}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, D)
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        cache: Optional[CacheView],
+        mask,
+    ) -> torch.Tensor:
+        n_tokens = x.shape[0]
+        xq = self.wq(x).view(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
+        xk = self.wk(x).view(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
+        xv = self.wv(x).view(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
+        xq, xk = apply_rotary(xq, *rotary), apply_rotary(xk, *rotary)
+
+        if cache is None:
+            key, value = xk, xv
+        elif cache.prefill:
+            key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), K, Dh)
+            cache.update(xk, xv)
+            mask = cache.mask
+        else:
+            cache.update(xk, xv)
+            key, value = cache.key, cache.value  # (B*S, K, Dh)
+            mask = cache.mask
+        out = attention(xq, key, value, mask)  # (T, H, Dh)
+        return self.wo(out.reshape(n_tokens, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        if args.moe is not None:
+            self.feed_forward: nn.Module = MoeLayer(args.dim, args.hidden_dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x: torch.Tensor, rotary, cache: Optional[CacheView], mask) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotary, cache, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def make_cache(self, batch_size: int, max_seqlen: Optional[int] = None) -> RotatingBufferCache:
+        """A cache for ``batch_size`` sequences.
+
+        With a sliding window W it holds ``min(W, max_seqlen)`` slots per sequence;
+        without one it holds ``max_seqlen`` (the longest prompt plus the new tokens).
+        """
+        window = self.args.sliding_window
+        if window is None and max_seqlen is None:
+            raise ValueError("a model without a sliding window needs max_seqlen to size its cache")
+        cache_size = window if max_seqlen is None else max_seqlen if window is None else min(window, max_seqlen)
+        return RotatingBufferCache(
+            self.args.n_layers,
+            batch_size,
+            max(cache_size, 1),
+            self.args.n_kv_heads,
+            self.args.head_dim,
+            sliding_window=window,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) every sequence's tokens, concatenated
+        seqlens: List[int],
+        cache: Optional[RotatingBufferCache] = None,
+    ) -> torch.Tensor:
+        """Float logits ``(T, V)``. Without a cache: causal sliding-window attention per sequence."""
+        seqlens = [int(n) for n in seqlens]
+        if input_ids.dim() != 1 or input_ids.shape[0] != sum(seqlens):
+            raise ValueError(
+                f"input_ids must be flat with sum(seqlens)={sum(seqlens)} tokens, got shape {tuple(input_ids.shape)}"
+            )
+        if cache is None:
+            positions = torch.cat([torch.arange(n) for n in seqlens]) if seqlens else torch.zeros(0, dtype=torch.long)
+            positions = positions.to(self.device)
+            mask = causal_attention_bias(seqlens, self.args.sliding_window, self.device)
+            metadata = None
+        else:
+            metadata = cache.get_input_metadata(seqlens)
+            positions, mask = metadata.positions, metadata.mask
+        rotary = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
+
+        h = self.tok_embeddings(input_ids)  # (T, D)
+        for index, layer in enumerate(self.layers):
+            view = cache.get_view(index, metadata) if cache is not None else None
+            h = layer(h, rotary, view, mask)
+        if cache is not None:
+            cache.update_seqlens(seqlens)
+        return self.output(self.norm(h)).float()  # (T, V)
+
+    @classmethod
+    def from_folder(
+        cls,
+        folder: str | Path,
+        max_batch_size: int = 1,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> "Transformer":
+        """Load a model folder (params.json + consolidated weights); see ``checkpoint.load_model``."""
+        from mixtral_infer.checkpoint import load_model
+
+        return load_model(folder, max_batch_size=max_batch_size, device=device, dtype=dtype)

@@ -1,0 +1,62 @@
+"""Mixture-of-experts feed-forward with top-k routing (top-2 in Mixtral).
+
+Experts are stored stacked: ``w1, w3: (E, I, D)`` and ``w2: (E, D, I)``. Each token
+picks the k experts with the largest gate logits; their outputs are mixed with a
+softmax over those k logits. Tokens are grouped by expert so that each expert
+runs once, as one matmul over all of its tokens; experts nobody chose are skipped.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from simple_parsing.helpers import Serializable
+from torch import nn
+
+
+@dataclass
+class MoeArgs(Serializable):
+    num_experts: int
+    num_experts_per_tok: int
+
+
+class MoeLayer(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, args: MoeArgs):
+        super().__init__()
+        self.args = args
+        n = args.num_experts
+        self.gate = nn.Linear(dim, n, bias=False)
+        self.w1 = nn.Parameter(torch.empty(n, hidden_dim, dim))  # (E, I, D)
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden_dim))  # (E, D, I)
+        self.w3 = nn.Parameter(torch.empty(n, hidden_dim, dim))  # (E, I, D)
+        for weight in (self.w1, self.w2, self.w3):
+            nn.init.normal_(weight, std=dim**-0.5)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chosen experts ``(T, K)`` and their mixing weights ``(T, K)`` for x ``(T, D)``."""
+        logits = self.gate(x)  # (T, E)
+        top_logits, experts = torch.topk(logits, self.args.num_experts_per_tok, dim=-1)  # (T, K)
+        weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+        return experts, weights
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of expert e on x ``(N, D)``."""
+        return (F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
+        experts, weights = self.route(x)  # (T, K), (T, K)
+        k = experts.shape[1]
+        flat_experts = experts.flatten()  # (T*K,)
+        order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
+        tokens = order // k  # (T*K,) the token of each sorted assignment
+        mix = weights.flatten()[order, None]  # (T*K, 1)
+        counts = torch.bincount(flat_experts, minlength=self.args.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            chosen = tokens[start : start + count]
+            out.index_add_(0, chosen, self.expert(e, x[chosen]) * mix[start : start + count])
+            start += count
+        return out
