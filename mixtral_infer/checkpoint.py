@@ -139,13 +139,23 @@ def load_model(
     args = read_params(folder)
     args.max_batch_size = max_batch_size
     path = weights_file(folder)
+    return build_model(args, iter_published_tensors(path), path, device=device, dtype=dtype)
+
+
+def build_model(
+    args: ModelArgs,
+    tensors: Iterator[Tuple[str, torch.Tensor]],
+    source: Path | str,
+    device: Optional[torch.device | str] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> Transformer:
+    """A model on ``device`` in ``dtype`` from published (name, tensor) pairs, built on the meta device."""
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-
     with torch.device("meta"):
         model = Transformer(args)
-    state = published_to_internal(iter_published_tensors(path), args)
-    check_state(model, state, path)
+    state = published_to_internal(tensors, args)
+    check_state(model, state, Path(source))
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in state.items()}
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval()

@@ -20,6 +20,7 @@ Steps:
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import io
 import json
@@ -43,7 +44,8 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from mixtral_infer import ModelArgs, MoeArgs, Transformer  # noqa: E402
+from mixtral_infer import ModelArgs, MoeArgs, Tokenizer, Transformer, generate  # noqa: E402
+from mixtral_infer.checkpoint import TOKENIZER_FILE, save_consolidated  # noqa: E402
 
 DEFAULT_CORPUS = Path("/usr/lib/bible.data")  # installed by Debian's `bible-kjv-text`
 CORPUS_NAME = "King James Bible (1611), Debian package bible-kjv-text"
@@ -184,7 +186,9 @@ def init_weights(model: nn.Module, n_layers: int, std: float = 0.02) -> None:
     for name, param in model.named_parameters():
         if param.dim() < 2:
             continue  # norm weights keep their ones
-        scale = 1.0 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
+        # Dense and stacked-expert names: "...attention.wo.weight", "...w2.weight", "...feed_forward.w2".
+        residual_output = name.endswith(("wo.weight", "w2.weight", "feed_forward.w2"))
+        scale = 1.0 / math.sqrt(2 * n_layers) if residual_output else 1.0
         nn.init.normal_(param, mean=0.0, std=std * scale)
 
 
@@ -373,160 +377,162 @@ def unigram_perplexity(train_tokens: torch.Tensor, heldout_tokens: torch.Tensor,
 # --------------------------------------------------------------------------- saving
 
 
-def params_dict(args: ModelArgs) -> dict:
-    """`params.json` content as in Mistral's releases: the ModelArgs fields, `None`s dropped."""
-    params = dataclasses.asdict(args)
-    params.pop("max_batch_size", None)  # a runtime choice, not part of the checkpoint
-    return {k: v for k, v in params.items() if v is not None}
+def save_model(model: Transformer, folder: Path, tokenizer_path: Path, dtype: torch.dtype) -> None:
+    """Write params.json and consolidated.safetensors (published tensor names, weights in
+    `dtype`) with the package's `save_consolidated`, and copy the tokenizer next to them."""
+    save_consolidated(copy.deepcopy(model).to(dtype), folder)
+    shutil.copyfile(tokenizer_path, folder / TOKENIZER_FILE)
 
 
-PUBLISHED_NAME = re.compile(
-    r"tok_embeddings\.weight|norm\.weight|output\.weight|layers\.\d+\.("
-    r"attention\.w[qkvo]|attention_norm|ffn_norm|feed_forward\.(w[123]|gate|experts\.\d+\.w[123]))\.weight"
-)
-
-
-def save_weights(model: Transformer, folder: Path) -> str:
-    """Write `consolidated.safetensors` with the published tensor names; returns the method used.
-
-    Prefers the package's `save_consolidated`; otherwise writes the state dict directly, which
-    is only correct if the module names already are the published ones (checked).
-    """
-    try:
-        from mixtral_infer.checkpoint import save_consolidated
-    except ImportError:
-        save_consolidated = None
-    if save_consolidated is not None:
-        save_consolidated(model, folder)
-        return "mixtral_infer.checkpoint.save_consolidated"
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    unexpected = [k for k in state if not PUBLISHED_NAME.fullmatch(k)]
-    if unexpected:
-        raise RuntimeError(f"no save_consolidated and state dict names are not the published ones: {unexpected[:5]}")
-    save_file(state, str(folder / "consolidated.safetensors"))
-    return "state_dict fallback"
-
-
-def save_model(model: Transformer, args: ModelArgs, folder: Path, tokenizer_path: Path, report: dict) -> None:
-    """Write params.json, consolidated.safetensors, tokenizer.model and training.json."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "params.json").write_text(json.dumps(params_dict(args), indent=2) + "\n")
-    save_weights(model, folder)
-    shutil.copyfile(tokenizer_path, folder / "tokenizer.model")
-    (folder / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+def sample_text(folder: Path, prompt: str, max_tokens: int, temperature: float) -> str:
+    """Continue `prompt` with the saved model, through the package's public API."""
+    model = Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+    tokenizer = Tokenizer(folder / TOKENIZER_FILE)
+    generated, _ = generate([tokenizer.encode(prompt, bos=True)], model, max_tokens=max_tokens, temperature=temperature, seed=0)
+    return prompt + tokenizer.decode(generated[0])
 
 
 # --------------------------------------------------------------------------- main
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="bible.data or a UTF-8 text file (default: %(default)s)")
-    parser.add_argument("--out-dir", type=Path, default=None, help=f"where the model folders go (default: {DEFAULT_OUT_DIR}; with --quick a temp folder)")
-    parser.add_argument("--models", nargs="+", choices=list(MODEL_NAMES), default=list(MODEL_NAMES))
-    parser.add_argument("--vocab-size", type=int, default=2000)
-    parser.add_argument("--holdout", type=float, default=0.02, help="fraction of lines (at the end) held out")
-    parser.add_argument("--steps", type=int, default=2500, help="optimizer steps per model")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128, help="training window (bos included)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup-steps", type=int, default=100)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--balance-coef", type=float, default=0.01, help="MoE load-balancing loss weight")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 30 steps per model, temp output folder")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.steps, args.warmup_steps = 30, 5
-        if args.out_dir is None:
-            args.out_dir = Path(tempfile.mkdtemp(prefix="train_small_quick_"))
-    if args.out_dir is None:
-        args.out_dir = DEFAULT_OUT_DIR
-    return args
+@dataclass
+class Corpus:
+    """The tokenized corpus shared by both models."""
+
+    tokenizer_path: Path
+    vocab_size: int
+    train: TokenStream
+    heldout: TokenStream
+    unigram_perplexity: float
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    cli = parse_args(argv)
-    torch.set_num_threads(cli.threads)
+def prepare_corpus(cli: argparse.Namespace, workdir: Path) -> Corpus:
+    """Read and split the corpus, train the tokenizer, encode both splits, score the baseline."""
     lines = read_corpus(cli.corpus)
     train_lines, heldout_lines = split_corpus(lines, cli.holdout)
     print(f"corpus: {len(lines)} lines; training {len(train_lines)}, held out {len(heldout_lines)}")
-
-    cli.out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer_path = Path(tmp) / "tokenizer.model"
-        start = time.time()
-        tokenizer = train_tokenizer(train_lines, cli.vocab_size, tokenizer_path)
-        train_stream = encode_lines(tokenizer, train_lines)
-        heldout_stream = encode_lines(tokenizer, heldout_lines)
-        print(
-            f"tokenizer: vocab {tokenizer.vocab_size()}, trained in {time.time() - start:.0f}s; "
-            f"{len(train_stream.tokens)} training tokens, {len(heldout_stream.tokens)} held out"
-        )
-        baseline = unigram_perplexity(train_stream.tokens, heldout_stream.tokens, tokenizer.vocab_size())
-        print(f"unigram baseline held-out perplexity: {baseline:.1f}")
-
-        for name in cli.models:
-            report = train_one(name, cli, tokenizer.vocab_size(), train_stream, heldout_stream, baseline)
-            folder = cli.out_dir / name
-            report["tokenizer"] = {"type": "sentencepiece bpe", "vocab_size": tokenizer.vocab_size(), "byte_fallback": True}
-            save_model(report.pop("model"), report.pop("args"), folder, tokenizer_path, report)
-            size_kb = sum(f.stat().st_size for f in folder.iterdir()) / 1024
-            print(f"saved {folder} ({size_kb:.0f} KiB)")
+    start = time.time()
+    tokenizer_path = workdir / TOKENIZER_FILE
+    tokenizer = train_tokenizer(train_lines, cli.vocab_size, tokenizer_path)
+    train, heldout = encode_lines(tokenizer, train_lines), encode_lines(tokenizer, heldout_lines)
+    print(
+        f"tokenizer: vocab {tokenizer.vocab_size()}, trained in {time.time() - start:.0f}s; "
+        f"{len(train.tokens)} training tokens, {len(heldout.tokens)} held out"
+    )
+    baseline = unigram_perplexity(train.tokens, heldout.tokens, tokenizer.vocab_size())
+    print(f"unigram baseline held-out perplexity: {baseline:.1f}")
+    return Corpus(tokenizer_path, tokenizer.vocab_size(), train, heldout, baseline)
 
 
-def train_one(
-    name: str, cli: argparse.Namespace, vocab_size: int, train_stream: TokenStream, heldout_stream: TokenStream, baseline: float
-) -> dict:
-    """Build, train and evaluate one model; returns the training report (with model and args)."""
-    torch.manual_seed(cli.seed)
-    args = tiny_model_args(vocab_size, moe=MODEL_NAMES[name])
-    model = Transformer(args)
-    init_weights(model, args.n_layers)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"\n{name}: {n_params / 1e6:.2f}M parameters")
-    router = RouterStats(model, args.moe.num_experts_per_tok) if args.moe else None
-    if router and not router.found_gates:
-        print("  warning: no `feed_forward.gate` modules found, training without balancing loss")
-        router = None
-    config = TrainConfig(
+def train_config(cli: argparse.Namespace, moe: bool) -> TrainConfig:
+    return TrainConfig(
         steps=cli.steps,
         batch_size=cli.batch_size,
         seq_len=cli.seq_len,
         lr=cli.lr,
         min_lr_ratio=0.1,
-        warmup_steps=cli.warmup_steps,
+        warmup_steps=min(cli.warmup_steps, cli.steps),
         weight_decay=cli.weight_decay,
-        balance_coef=cli.balance_coef if router else 0.0,
+        balance_coef=cli.balance_coef if moe else 0.0,
         seed=cli.seed,
         log_every=max(1, min(100, cli.steps // 10)),
     )
-    summary = train(model, train_stream, config, router)
-    if router:
+
+
+def train_and_save(name: str, cli: argparse.Namespace, corpus: Corpus) -> dict:
+    """Train one model, save it, re-load the saved folder and evaluate that; returns the report."""
+    torch.manual_seed(cli.seed)
+    args = tiny_model_args(corpus.vocab_size, moe=MODEL_NAMES[name])
+    model = Transformer(args)
+    init_weights(model, args.n_layers)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"\n{name}: {n_params / 1e6:.2f}M parameters")
+    router = RouterStats(model, args.moe.num_experts_per_tok) if args.moe else None
+    if router is not None and not router.found_gates:
+        raise RuntimeError("MoE model without `feed_forward.gate` modules: cannot balance the experts")
+    config = train_config(cli, moe=router is not None)
+    summary = train(model, corpus.train, config, router)
+    if router is not None:
         router.clear()
-    ppl = model_perplexity(model, heldout_stream, cli.seq_len)
-    print(f"  held-out perplexity: {name} {ppl:.1f} vs unigram {baseline:.1f}")
+    ppl_trained = model_perplexity(model, corpus.heldout, cli.seq_len)
+
+    folder = cli.out_dir / name
+    save_model(model, folder, corpus.tokenizer_path, getattr(torch, cli.save_dtype))
+    shipped = Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+    shipped_router = RouterStats(shipped, args.moe.num_experts_per_tok) if args.moe else None
+    ppl = model_perplexity(shipped, corpus.heldout, cli.seq_len)
+    print(
+        f"  held-out perplexity: {name} {ppl:.2f} (before saving in {cli.save_dtype}: {ppl_trained:.2f}) "
+        f"vs unigram {corpus.unigram_perplexity:.2f}"
+    )
     report = {
-        "model": model,
-        "args": args,
         "name": name,
         "corpus": CORPUS_NAME,
-        "corpus_split": f"last {cli.holdout:.0%} of the verses held out",
-        "heldout_tokens": len(heldout_stream.tokens),
+        "heldout": f"last {cli.holdout:.0%} of the verses ({len(corpus.heldout.tokens)} tokens)",
         "heldout_perplexity": round(ppl, 2),
-        "unigram_heldout_perplexity": round(baseline, 2),
+        "heldout_perplexity_before_saving": round(ppl_trained, 2),
+        "unigram_heldout_perplexity": round(corpus.unigram_perplexity, 2),
         "parameters": n_params,
-        "steps": cli.steps,
+        "saved_dtype": cli.save_dtype,
+        "tokenizer": {"type": "sentencepiece bpe", "vocab_size": corpus.vocab_size, "byte_fallback": True},
+        "steps": config.steps,
         "config": dataclasses.asdict(config),
         "threads": cli.threads,
         **summary,
     }
-    if router:
-        report["heldout_expert_shares_per_layer"] = router.pop_expert_shares()
+    if shipped_router is not None:
+        report["heldout_expert_shares_per_layer"] = shipped_router.pop_expert_shares()
+    report["samples"] = {
+        f"temperature {t}": sample_text(folder, SAMPLE_PROMPT, max_tokens=48, temperature=t) for t in (0.0, 0.8)
+    }
+    for label, text in report["samples"].items():
+        print(f"  sample ({label}): {text}")
+    (folder / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    size_kib = sum(f.stat().st_size for f in folder.iterdir()) / 1024
+    print(f"  saved {folder} ({size_kib:.0f} KiB)")
     return report
+
+
+SAMPLE_PROMPT = "And God said"
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="bible.data or a UTF-8 text file, one verse per line (default: %(default)s)")
+    parser.add_argument("--out-dir", type=Path, default=None, help=f"where the model folders go (default: {DEFAULT_OUT_DIR}; with --quick a new temp folder)")
+    parser.add_argument("--models", nargs="+", choices=list(MODEL_NAMES), default=list(MODEL_NAMES))
+    parser.add_argument("--vocab-size", type=int, default=2000)
+    parser.add_argument("--holdout", type=float, default=0.02, help="fraction of lines (at the end) held out (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=2500, help="optimizer steps per model (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128, help="training window, bos included (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--balance-coef", type=float, default=0.01, help="MoE load-balancing loss weight (default: %(default)s)")
+    parser.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="dtype of the saved weights (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke run (~1 minute): 20 steps per model, temp output folder")
+    cli = parser.parse_args(argv)
+    if cli.quick:
+        cli.steps, cli.warmup_steps = 20, 5
+        cli.out_dir = cli.out_dir or Path(tempfile.mkdtemp(prefix="train_small_quick_"))
+    cli.out_dir = cli.out_dir or DEFAULT_OUT_DIR
+    return cli
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    cli = parse_args(argv)
+    torch.set_num_threads(cli.threads)
+    start = time.time()
+    with tempfile.TemporaryDirectory() as workdir:
+        corpus = prepare_corpus(cli, Path(workdir))
+        reports = [train_and_save(name, cli, corpus) for name in cli.models]
+    print("\nheld-out perplexity per token (unigram baseline {:.2f}):".format(corpus.unigram_perplexity))
+    for report in reports:
+        print(f"  {report['name']:14s} {report['heldout_perplexity']:8.2f}   trained in {report['wall_time_s']:.0f}s")
+    print(f"total wall time {time.time() - start:.0f}s; models in {cli.out_dir}")
 
 
 if __name__ == "__main__":

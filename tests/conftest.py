@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny random models, ours and Hugging Face transformers' on the same weights."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mixtral_infer import ModelArgs, MoeArgs, Transformer
+from mixtral_infer.checkpoint import build_model
+from mixtral_infer.hf_format import hf_to_published
+
+WINDOW = 8
+
+
+def tiny_args(moe: bool = True, sliding_window: int | None = WINDOW, max_batch_size: int = 4) -> ModelArgs:
+    """2 layers, GQA ratio 2, head_dim 16; MoE with 4 experts, top-2."""
+    return ModelArgs(
+        dim=64,
+        n_layers=2,
+        head_dim=16,
+        hidden_dim=96,
+        n_heads=4,
+        n_kv_heads=2,
+        norm_eps=1e-5,
+        vocab_size=128,
+        max_batch_size=max_batch_size,
+        sliding_window=sliding_window,
+        moe=MoeArgs(num_experts=4, num_experts_per_tok=2) if moe else None,
+    )
+
+
+def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
+    """Our model with random weights large enough that logits are far from uniform."""
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.8, 1.2)
+            else:
+                param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def hf_config(args: ModelArgs):
+    import transformers
+
+    common = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        sliding_window=args.sliding_window,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.15,
+    )
+    if args.moe is None:
+        return transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    config = transformers.MixtralConfig(
+        num_local_experts=args.moe.num_experts, num_experts_per_tok=args.moe.num_experts_per_tok, **common
+    )
+    return config, transformers.MixtralForCausalLM
+
+
+def hf_model(args: ModelArgs, seed: int = 0):
+    """A transformers model with random float32 weights."""
+    config, model_class = hf_config(args)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_class(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.uniform_(0.8, 1.2)
+    return model.float().eval()
+
+
+def ours_from_hf(hf, args: ModelArgs) -> Transformer:
+    tensors = hf_to_published(hf.state_dict().items(), args)
+    return build_model(args, tensors, "transformers", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session", params=["mistral", "mixtral"])
+def model_pair(request):
+    """(ours, transformers', args) on the same random weights."""
+    args = tiny_args(moe=request.param == "mixtral")
+    hf = hf_model(args)
+    return ours_from_hf(hf, args), hf, args
