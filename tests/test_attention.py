@@ -1,0 +1,81 @@
+"""The CPU attention path equals dense masked attention with xformers' own materialized bias."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mixtral_infer.attention import torch_attention
+from mixtral_infer.cache import build_input_metadata
+from mixtral_infer.xformers_bias import (
+    BlockDiagonalCausalLocalAttentionFromBottomRightMask,
+    BlockDiagonalCausalLocalAttentionMask,
+    BlockDiagonalCausalWithOffsetPaddedKeysMask,
+    BlockDiagonalMask,
+)
+
+N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def dense_attention(q, k, v, bias):
+    """Reference: every query against every key, masked by xformers' materialized bias."""
+    mask = bias.materialize((q.shape[0], k.shape[0]), dtype=torch.float32)  # (T_q, T_k), 0 or -inf
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1]) + mask
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def random_qkv(n_q, n_k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(n_q, N_HEADS, HEAD_DIM, generator=g),
+        torch.randn(n_k, N_KV_HEADS, HEAD_DIM, generator=g),
+        torch.randn(n_k, N_KV_HEADS, HEAD_DIM, generator=g),
+    )
+
+
+@pytest.mark.parametrize("window", [1, 3, 16])
+def test_first_chunk_causal_local(window):
+    seqlens = [5, 1, 9]
+    bias = BlockDiagonalMask.from_seqlens(seqlens, device=torch.device("cpu")).make_local_attention(window)
+    assert isinstance(bias, BlockDiagonalCausalLocalAttentionMask)
+    q, k, v = random_qkv(sum(seqlens), sum(seqlens))
+    torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [2, 4, 7])
+def test_later_chunk_causal_local_from_bottom_right(window):
+    q_seqlens, kv_seqlens = [3, 1, 6], [3 + 4, 1 + 2, 6 + 4]
+    bias = BlockDiagonalMask.from_seqlens(q_seqlens, kv_seqlens, device=torch.device("cpu"))
+    bias = bias.make_local_attention_from_bottomright(window)
+    assert isinstance(bias, BlockDiagonalCausalLocalAttentionFromBottomRightMask)
+    q, k, v = random_qkv(sum(q_seqlens), sum(kv_seqlens))
+    torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_padded_keys_with_finished_sequences():
+    """One query per sequence (none for the second), each over its own padded buffer of 4 keys."""
+    metadata = build_input_metadata([1, 0, 1, 1], [9, 5, 1, 3], cache_size=4, sliding_window=4, device=torch.device("cpu"))
+    bias = metadata.mask
+    assert isinstance(bias, BlockDiagonalCausalWithOffsetPaddedKeysMask)
+    q, k, v = random_qkv(3, 4 * 4)
+    # Unused slots may hold anything: NaN must not leak into the result.
+    k[2 * 4 + 2 : 3 * 4] = float("nan")  # sequence 2 uses 2 of its 4 slots
+    v[2 * 4 + 2 : 3 * 4] = float("nan")
+    k[4:8] = float("nan")  # sequence 1 takes no part in this step
+    got = torch_attention(q, k, v, bias)
+    assert torch.isfinite(got).all()
+    expected = dense_attention(q, torch.nan_to_num(k), torch.nan_to_num(v), bias)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_with_every_slot_in_use_takes_the_unmasked_path():
+    metadata = build_input_metadata([1, 1], [7, 12], cache_size=4, sliding_window=4, device=torch.device("cpu"))
+    q, k, v = random_qkv(2, 8, seed=3)
+    torch.testing.assert_close(
+        torch_attention(q, k, v, metadata.mask), dense_attention(q, k, v, metadata.mask), atol=1e-5, rtol=1e-5
+    )

@@ -1,0 +1,112 @@
+"""The rotating cache against the worked examples of the article in shared/seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixtral_infer import RotatingBufferCache, interleave_list, unrotate
+from mixtral_infer.cache import build_input_metadata
+from mixtral_infer.xformers_bias import (
+    BlockDiagonalCausalLocalAttentionFromBottomRightMask,
+    BlockDiagonalCausalLocalAttentionMask,
+    BlockDiagonalCausalWithOffsetPaddedKeysMask,
+)
+
+
+def position_cache(window: int, batch: int) -> RotatingBufferCache:
+    """A one-layer cache with one KV head of size 1, so each slot holds a single number."""
+    cache = RotatingBufferCache(1, batch, window, n_kv_heads=1, head_dim=1, sliding_window=window)
+    cache.init_kvseqlens(batch)
+    return cache
+
+
+def write_chunk(cache: RotatingBufferCache, seqlens: list[int]) -> None:
+    """Write a chunk whose keys are the tokens' own positions, as the model would (update, then count)."""
+    metadata = cache.get_input_metadata(seqlens)
+    keys = metadata.positions.float()[:, None, None]  # (T, 1, 1)
+    cache.get_view(0, metadata).update(keys, keys)
+    cache.update_seqlens(seqlens)
+
+
+def slots(cache: RotatingBufferCache, b: int) -> list[int]:
+    return cache.cache_k[0, b, :, 0, 0].long().tolist()
+
+
+def test_chunk_larger_than_window_keeps_last_w_positions_in_rotated_slots():
+    """W=3, chunk 5: prompt 0 holds [3, 4, 2] after chunk 0 and [9, 7, 8] after chunk 1."""
+    cache = position_cache(window=3, batch=1)
+    write_chunk(cache, [5])
+    assert slots(cache, 0) == [3, 4, 2]
+    write_chunk(cache, [5])
+    assert slots(cache, 0) == [9, 7, 8]
+    assert unrotate(cache.cache_k[0, 0], 10)[:, 0, 0].long().tolist() == [7, 8, 9]
+
+
+def test_ragged_chunk_rotates_and_unrotates():
+    """W=4, three prompts prefilled in chunks of 4; the last chunk has lengths [4, 2, 1]."""
+    cache = position_cache(window=4, batch=3)
+    write_chunk(cache, [4, 4, 4])
+    write_chunk(cache, [4, 4, 4])
+    write_chunk(cache, [4, 2, 1])
+    assert slots(cache, 0) == [8, 9, 10, 11]
+    assert slots(cache, 1) == [8, 9, 6, 7]
+    assert slots(cache, 2) == [8, 5, 6, 7]
+    assert unrotate(cache.cache_k[0, 1], 10)[:, 0, 0].long().tolist() == [6, 7, 8, 9]
+    assert unrotate(cache.cache_k[0, 2], 9)[:, 0, 0].long().tolist() == [5, 6, 7, 8]
+
+
+def test_metadata_worked_example():
+    """seqlens [5, 7, 2] at positions [0, 1, 3], W=3 (the example in cache.py's docstring)."""
+    metadata = build_input_metadata([5, 7, 2], [0, 1, 3], cache_size=3, sliding_window=3, device=torch.device("cpu"))
+    assert metadata.positions.tolist() == [0, 1, 2, 3, 4, 1, 2, 3, 4, 5, 6, 7, 3, 4]
+    assert metadata.to_cache_mask.tolist() == [False, False, True, True, True] + [False] * 4 + [True] * 5
+    assert metadata.cached_elements.tolist() == [3, 3, 2]
+    assert metadata.cache_positions.tolist() == [2, 0, 1, 5, 3, 4, 6, 7]
+    assert metadata.prefill
+    assert isinstance(metadata.mask, BlockDiagonalCausalLocalAttentionFromBottomRightMask)
+    # Sequence 0 has nothing cached; sequence 1 has 1 token, sequence 2 has 3 (clamped to W=3).
+    assert metadata.mask.k_seqinfo.seqstart_py == [0, 5, 5 + 8, 5 + 8 + 5]
+
+
+def test_first_chunk_uses_causal_local_mask_and_decode_uses_padded_keys():
+    first = build_input_metadata([4, 2], [0, 0], cache_size=4, sliding_window=4, device=torch.device("cpu"))
+    assert isinstance(first.mask, BlockDiagonalCausalLocalAttentionMask)
+    assert first.first_prefill
+    decode = build_input_metadata([1, 0, 1], [9, 5, 2], cache_size=4, sliding_window=4, device=torch.device("cpu"))
+    assert not decode.prefill
+    assert isinstance(decode.mask, BlockDiagonalCausalWithOffsetPaddedKeysMask)
+    assert decode.mask.k_seqinfo.seqlen_py == [4, 4, 3]
+    assert decode.cache_positions.tolist() == [9 % 4, 2 * 4 + 2]
+
+
+def test_interleave_kv_puts_each_cache_before_its_chunk():
+    cache = position_cache(window=4, batch=3)
+    write_chunk(cache, [6, 2, 0])
+    metadata = cache.get_input_metadata([2, 1, 3])
+    keys = metadata.positions.float()[:, None, None]
+    key, _ = cache.get_view(0, metadata).interleave_kv(keys, keys)
+    assert key[:, 0, 0].long().tolist() == [2, 3, 4, 5, 6, 7] + [0, 1, 2] + [0, 1, 2]
+
+
+def test_interleave_list():
+    assert interleave_list([1, 2, 3], ["a", "b", "c"]) == [1, "a", 2, "b", 3, "c"]
+    with pytest.raises(ValueError):
+        interleave_list([1], [])
+
+
+@pytest.mark.parametrize("seen, expected", [(2, [0, 1]), (4, [0, 1, 2, 3]), (5, [1, 2, 3, 0]), (7, [3, 0, 1, 2])])
+def test_unrotate_returns_slots_oldest_first(seen, expected):
+    buffer = torch.arange(4)
+    assert unrotate(buffer, seen).tolist() == expected
+
+
+def test_cache_without_window_is_sized_by_the_caller_and_never_wraps():
+    from conftest import random_model, tiny_args
+
+    model = random_model(tiny_args(sliding_window=None))
+    cache = model.make_cache(2, max_seqlen=30)
+    assert cache.cache_size == 30
+    assert cache.cache_k.shape == (2, 2, 30, 2, 16)
+    windowed = random_model(tiny_args(sliding_window=8)).make_cache(2, max_seqlen=1000)
+    assert windowed.cache_size == 8

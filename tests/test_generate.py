@@ -1,0 +1,107 @@
+"""Generation: chunking does not change results, logprobs are consistent, EOS is per sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import WINDOW, random_model, tiny_args
+from mixtral_infer import generate
+from test_model import random_prompts
+
+PROMPT_LENGTHS = [3 * WINDOW + 5, 6, 1, WINDOW]
+
+
+@pytest.fixture(scope="module", params=["mistral", "mixtral"])
+def model(request):
+    return random_model(tiny_args(moe=request.param == "mixtral"), seed=3)
+
+
+def score(model, sequences):
+    """Log-probability of every token after the first, by one forward pass without a cache."""
+    with torch.no_grad():
+        logits = model(torch.tensor([t for s in sequences for t in s]), [len(s) for s in sequences])
+    log_probs = torch.log_softmax(logits, dim=-1)
+    result, offset = [], 0
+    for s in sequences:
+        rows = log_probs[offset : offset + len(s) - 1]
+        result.append(rows.gather(1, torch.tensor(s[1:])[:, None])[:, 0].tolist())
+        offset += len(s)
+    return result
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, WINDOW, 2 * WINDOW + 3, 100])
+def test_chunk_size_does_not_change_tokens_or_logprobs(model, chunk_size):
+    prompts = random_prompts(PROMPT_LENGTHS, model.args.vocab_size, seed=4)
+    reference_tokens, reference_logprobs = generate(prompts, model, max_tokens=3 * WINDOW, chunk_size=None)
+    tokens, logprobs = generate(prompts, model, max_tokens=3 * WINDOW, chunk_size=chunk_size)
+    assert tokens == reference_tokens
+    for got, expected in zip(logprobs, reference_logprobs):
+        assert got == pytest.approx(expected, abs=1e-4)
+
+
+def test_rescoring_generated_text_gives_the_logprobs_seen_while_generating(model):
+    prompts = random_prompts(PROMPT_LENGTHS, model.args.vocab_size, seed=5)
+    generated, logprobs = generate(prompts, model, max_tokens=4 * WINDOW, temperature=0.8, seed=0, chunk_size=5)
+    full = [p + g for p, g in zip(prompts, generated)]
+    for got, expected, sequence in zip(logprobs, score(model, full), full):
+        assert len(got) == len(sequence) - 1
+        assert got == pytest.approx(expected, abs=1e-4)
+
+
+def test_each_sequence_stops_at_its_own_eos(model):
+    prompts = random_prompts(PROMPT_LENGTHS, model.args.vocab_size, seed=6)
+    free, _ = generate(prompts, model, max_tokens=20)
+    eos = free[1][4]  # the token sequence 1 emits fifth
+    stopped, logprobs = generate(prompts, model, max_tokens=20, eos_id=eos)
+    for tokens_free, tokens_stopped, prompt, lp in zip(free, stopped, prompts, logprobs):
+        cut = tokens_free.index(eos) if eos in tokens_free else len(tokens_free)
+        assert tokens_stopped == tokens_free[:cut]
+        assert len(lp) == len(prompt) - 1 + len(tokens_stopped)
+    assert len(stopped[1]) <= 4
+
+
+def test_a_prompt_generates_the_same_alone_and_in_a_batch(model):
+    prompts = random_prompts(PROMPT_LENGTHS, model.args.vocab_size, seed=7)
+    batched, _ = generate(prompts, model, max_tokens=2 * WINDOW, chunk_size=4)
+    for prompt, tokens in zip(prompts, batched):
+        alone, _ = generate([prompt], model, max_tokens=2 * WINDOW, chunk_size=4)
+        assert alone[0] == tokens
+
+
+def test_sampling_is_reproducible_with_a_seed(model):
+    prompts = random_prompts([5, 9], model.args.vocab_size, seed=8)
+    kwargs = dict(max_tokens=30, temperature=1.0, top_p=0.9, top_k=20)
+    first, _ = generate(prompts, model, seed=123, **kwargs)
+    again, _ = generate(prompts, model, seed=123, **kwargs)
+    other, _ = generate(prompts, model, seed=124, **kwargs)
+    assert first == again
+    assert first != other
+
+
+def test_greedy_generation_matches_transformers(model_pair):
+    ours, hf, args = model_pair
+    prompts = random_prompts([2 * WINDOW + 3, 5, 1], args.vocab_size, seed=9)
+    generated, _ = generate(prompts, ours, max_tokens=3 * WINDOW, eos_id=2, chunk_size=WINDOW)
+    for prompt, tokens in zip(prompts, generated):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=3 * WINDOW,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        expected = out[0, len(prompt) :].tolist()
+        if 2 in expected:
+            expected = expected[: expected.index(2)]
+        assert tokens == expected
+
+
+def test_no_window_model_generates_like_its_uncached_forward():
+    model = random_model(tiny_args(sliding_window=None), seed=11)
+    prompts = random_prompts([13, 4], model.args.vocab_size, seed=10)
+    generated, logprobs = generate(prompts, model, max_tokens=25, chunk_size=5)
+    full = [p + g for p, g in zip(prompts, generated)]
+    for got, expected in zip(logprobs, score(model, full)):
+        assert got == pytest.approx(expected, abs=1e-4)
