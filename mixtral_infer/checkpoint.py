@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -26,6 +26,8 @@ PARAMS_FILE = "params.json"
 SAFETENSORS_FILE = "consolidated.safetensors"
 PTH_FILE = "consolidated.00.pth"
 TOKENIZER_FILE = "tokenizer.model"
+
+Progress = Callable[[int, int], None]  # (tensors read, tensors in all)
 
 _EXPERT_NAME = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(\d+)\.(w[123])\.weight$")
 
@@ -59,18 +61,24 @@ def weights_file(folder: str | Path) -> Path:
     raise CheckpointError(f"{folder}: no weights found (expected {SAFETENSORS_FILE} or {PTH_FILE})")
 
 
-def iter_published_tensors(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a weights file, read lazily where the format allows."""
+def iter_published_tensors(path: Path, progress: Optional[Progress] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a weights file, read lazily (safetensors, or a memory-mapped .pth)."""
     try:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
+                names = list(handle.keys())
+                for done, name in enumerate(names, 1):
                     yield name, handle.get_tensor(name)
+                    if progress is not None:
+                        progress(done, len(names))
         else:
             state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
             if not isinstance(state, dict):
                 raise CheckpointError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
-            yield from state.items()
+            for done, (name, tensor) in enumerate(state.items(), 1):
+                yield name, tensor
+                if progress is not None:
+                    progress(done, len(state))
     except CheckpointError:
         raise
     except Exception as error:  # safetensors and pickle raise many types for a corrupt file
@@ -131,6 +139,7 @@ def load_model(
     max_batch_size: int = 1,
     device: Optional[torch.device | str] = None,
     dtype: Optional[torch.dtype] = None,
+    progress: Optional[Progress] = None,
 ) -> Transformer:
     """Build the model on the meta device and fill it tensor by tensor from the weights file."""
     folder = Path(folder)
@@ -139,7 +148,7 @@ def load_model(
     args = read_params(folder)
     args.max_batch_size = max_batch_size
     path = weights_file(folder)
-    return build_model(args, iter_published_tensors(path), path, device=device, dtype=dtype)
+    return build_model(args, iter_published_tensors(path, progress), path, device=device, dtype=dtype)
 
 
 def build_model(

@@ -254,8 +254,12 @@ class Transformer(nn.Module):
         max_batch_size: int = 1,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
+        progress=None,
     ) -> "Transformer":
-        """Load a model folder (params.json + consolidated weights); see ``checkpoint.load_model``."""
+        """Load a model folder (params.json + consolidated weights); see ``checkpoint.load_model``.
+
+        ``device=None``: CUDA when available, else CPU; ``dtype=None``: bfloat16 on CUDA, float32 on CPU.
+        """
         from mixtral_infer.checkpoint import load_model
 
-        return load_model(folder, max_batch_size=max_batch_size, device=device, dtype=dtype)
+        return load_model(folder, max_batch_size=max_batch_size, device=device, dtype=dtype, progress=progress)

@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import sentencepiece as spm
 import torch
@@ -53,7 +53,7 @@ WHOLE_BIBLE = "Gen1:1-Rev22:21"
 DEFAULT_OUT_DIR = REPO_ROOT / "mixtral_infer" / "models"
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
-# "Ge1:1 In the beginning..." or "1Jo4:8 He that loveth not..." -> the reference to strip.
+# "Ge1:1 In the beginning..." or "1Jn4:8 He that loveth not..." -> the reference to strip.
 VERSE_REFERENCE = re.compile(r"^\s*\d?\s*[A-Za-z][A-Za-z ]*\d+:\d+\s+")
 
 
@@ -66,7 +66,7 @@ def read_corpus(path: Path) -> list[str]:
     `path` is either Debian's compressed `bible.data` (decoded with the `bible` program from
     the `bible-kjv` package) or a UTF-8 text file with one verse or paragraph per line.
 
-    >>> VERSE_REFERENCE.sub("", "1Jo4:8 He that loveth not knoweth not God; for God is love.")
+    >>> VERSE_REFERENCE.sub("", "1Jn4:8 He that loveth not knoweth not God; for God is love.")
     'He that loveth not knoweth not God; for God is love.'
     """
     if not path.exists():
@@ -503,7 +503,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", choices=list(MODEL_NAMES), default=list(MODEL_NAMES))
     parser.add_argument("--vocab-size", type=int, default=2000)
     parser.add_argument("--holdout", type=float, default=0.02, help="fraction of lines (at the end) held out (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=2500, help="optimizer steps per model (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3000, help="optimizer steps per model (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128, help="training window, bos included (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=3e-3)

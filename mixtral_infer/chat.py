@@ -1,0 +1,113 @@
+"""A conversation that streams its answers and keeps its context in the rotating cache.
+
+With a sliding-window model the cache keeps W slots however long the
+conversation grows, so each turn only feeds the tokens the cache has not seen
+yet (the new user turn, and the last answer token, which generation samples but
+never feeds). Without a window every turn re-reads the whole history.
+
+Instruct format (Mistral's): ``<s>[INST] question [/INST] answer</s>[INST] next [/INST]``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+from mixtral_infer.cache import RotatingBufferCache
+from mixtral_infer.generate import generate
+from mixtral_infer.model import Transformer
+from mixtral_infer.tokenizer import Tokenizer
+
+REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
+
+
+class TextStream:
+    """Turns tokens into printable text pieces as they arrive.
+
+    Decoding token by token loses sentencepiece's spaces and splits multi-byte
+    characters, so the whole answer is decoded each time and only the new suffix
+    is emitted (held back while it ends in half a character).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, emit: Callable[[str], None], leading_space: bool):
+        self.tokenizer, self.emit, self.leading_space = tokenizer, emit, leading_space
+        self.tokens: List[int] = []
+        self.shown = 0
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.tokens)
+        if self.leading_space and self.tokens and self.tokenizer.id_to_piece(self.tokens[0]).startswith("\u2581"):
+            text = " " + text
+        return text
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.text()
+        if text.endswith(REPLACEMENT_CHARACTER):
+            return
+        self.emit(text[self.shown :])
+        self.shown = len(text)
+
+
+class Conversation:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        instruct: bool = False,
+        max_tokens: int = 100,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        seed: Optional[int] = None,
+    ):
+        self.model, self.tokenizer, self.instruct = model, tokenizer, instruct
+        self.settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, chunk_size=chunk_size)
+        self.seed = seed
+        self.turns = 0
+        self.history: List[int] = []
+        self.cache: Optional[RotatingBufferCache] = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation."""
+        self.history = []
+        self.cache = self.model.make_cache(1) if self.model.args.sliding_window is not None else None
+
+    def _turn_tokens(self, text: str) -> List[int]:
+        if not self.instruct:
+            return self.tokenizer.encode(text, bos=True)
+        tokens = self.tokenizer.encode(f"[INST] {text} [/INST]", bos=False)
+        return ([self.tokenizer.bos_id] if not self.history else []) + tokens
+
+    def reply(self, text: str, emit: Callable[[str], None] = lambda piece: None) -> str:
+        """Answer ``text``, calling ``emit`` with each new piece of the answer; returns the answer."""
+        if not self.instruct:
+            self.reset()  # plain completion: every line is a new prompt
+        turn = self._turn_tokens(text)
+        if self.cache is not None:
+            seen = self.cache.seqlens[0] if self.cache.seqlens else 0
+            cache = self.cache
+        else:
+            seen, cache = 0, None
+        prompt = self.history[seen:] + turn
+        stream = TextStream(self.tokenizer, emit, leading_space=not self.instruct)
+        seed = None if self.seed is None else self.seed + self.turns
+        self.turns += 1
+        ended_by_eos = False
+        try:
+            generated, _ = generate(
+                [prompt],
+                self.model,
+                eos_id=self.tokenizer.eos_id,
+                seed=seed,
+                cache=cache,
+                on_token=lambda _, token: stream.push(token),
+                **self.settings,
+            )
+            ended_by_eos = len(generated[0]) < self.settings["max_tokens"]
+        finally:
+            # Also on Ctrl-C: keep what was said; the cache only counts tokens it fully read.
+            self.history += turn + stream.tokens + ([self.tokenizer.eos_id] if ended_by_eos else [])
+        return stream.text()

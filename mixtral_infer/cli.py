@@ -1,0 +1,202 @@
+"""The command line: ``demo`` and ``interactive``, parsed by fire.
+
+Every function here only turns options into API calls and prints; errors of the
+package are printed as one line (exit code 1), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from mixtral_infer.chat import Conversation
+from mixtral_infer.checkpoint import TOKENIZER_FILE, default_device
+from mixtral_infer.errors import GenerationError, MixtralInferError
+from mixtral_infer.generate import generate
+from mixtral_infer.model import Transformer
+from mixtral_infer.tokenizer import Tokenizer
+
+SHIPPED_MODELS = Path(__file__).parent / "models"
+DEFAULT_MODEL = SHIPPED_MODELS / "tiny-mixtral"
+DEMO_PROMPTS = [
+    "In the beginning",
+    "And the LORD spake unto Moses, saying,",
+    "Blessed are",
+]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise GenerationError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: Optional[str]) -> torch.device:
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise GenerationError(f"--device {name!r} is not a torch device (try cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GenerationError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    return device
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, shown only for checkpoints with many tensors."""
+
+    def __init__(self, label: str, width: int = 30):
+        self.label, self.width = label, width
+
+    def __call__(self, done: int, total: int) -> None:
+        if total < 50 or not sys.stderr.isatty():
+            return
+        filled = self.width * done // total
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}")
+        if done == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def load(model_path: Optional[str], max_batch_size: int, device: Optional[str], dtype: Optional[str]):
+    """(model, tokenizer) from a model folder, the shipped tiny Mixtral when no path is given."""
+    folder = Path(model_path) if model_path is not None else DEFAULT_MODEL
+    torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
+    if not folder.is_dir():
+        raise MixtralInferError(f"{folder}: model folder not found")
+    tokenizer = Tokenizer(folder / TOKENIZER_FILE)
+    start = time.perf_counter()
+    model = Transformer.from_folder(
+        folder, max_batch_size=max_batch_size, device=torch_device, dtype=torch_dtype, progress=ProgressBar("loading")
+    )
+    if tokenizer.n_words != model.args.vocab_size:
+        raise MixtralInferError(
+            f"{folder / TOKENIZER_FILE}: vocabulary of {tokenizer.n_words} tokens, params.json says vocab_size={model.args.vocab_size}"
+        )
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}, {model.device}) "
+        f"in {time.perf_counter() - start:.2f}s",
+        file=sys.stderr,
+    )
+    return model, tokenizer
+
+
+def demo(
+    model_path: Optional[str] = None,
+    max_tokens: int = 60,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    device: Optional[str] = None,
+    dtype: Optional[str] = None,
+) -> None:
+    """Complete three prompts of different lengths in one batch and print them."""
+    model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype)
+    encoded = [tokenizer.encode(prompt, bos=True) for prompt in DEMO_PROMPTS]
+    start = time.perf_counter()
+    generated, _ = generate(
+        encoded,
+        model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        chunk_size=chunk_size,
+        eos_id=tokenizer.eos_id,
+        seed=seed,
+    )
+    elapsed = time.perf_counter() - start
+    for prompt, tokens in zip(DEMO_PROMPTS, generated):
+        print(f"{prompt}{_continuation(tokenizer, tokens)}")
+        print("-" * 40)
+    n_tokens = sum(len(t) for t in generated)
+    print(f"{n_tokens} tokens in {elapsed:.2f}s ({n_tokens / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
+
+
+def _continuation(tokenizer: Tokenizer, tokens: List[int]) -> str:
+    """Decoded new tokens, with the space that sentencepiece drops at the start of a decode."""
+    text = tokenizer.decode(tokens)
+    if tokens and tokenizer.id_to_piece(tokens[0]).startswith("\u2581"):
+        text = " " + text
+    return text
+
+
+def interactive(
+    model_path: Optional[str] = None,
+    instruct: bool = False,
+    max_tokens: int = 100,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    top_k: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    seed: Optional[int] = None,
+    device: Optional[str] = None,
+    dtype: Optional[str] = None,
+) -> None:
+    """A prompt loop that streams each answer; /reset starts over, /quit (or end of input) leaves.
+
+    With --instruct, turns are wrapped in [INST] ... [/INST] and later turns see earlier ones.
+    """
+    model, tokenizer = load(model_path, 1, device, dtype)
+    conversation = Conversation(
+        model,
+        tokenizer,
+        instruct=instruct,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        chunk_size=chunk_size,
+        seed=seed,
+    )
+    print("type a prompt; /reset starts a new conversation, /quit leaves", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        if line.startswith("/"):
+            command = line.strip()
+            if command == "/quit":
+                return
+            if command == "/reset":
+                conversation.reset()
+                print("(new conversation)", file=sys.stderr)
+                continue
+            print(f"unknown command {command}: use /reset or /quit", file=sys.stderr)
+            continue
+        try:
+            conversation.reply(line, emit=lambda piece: print(piece, end="", flush=True))
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print(flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import fire
+
+    try:
+        fire.Fire({"demo": demo, "interactive": interactive}, command=argv, name="mixtral-infer")
+    except MixtralInferError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
