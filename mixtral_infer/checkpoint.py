@@ -1,35 +1,49 @@
-"""Reading and writing model folders in the published consolidated format.
+"""Reading model folders: the published consolidated format and Hugging Face's.
 
-A model folder holds ``params.json``, ``consolidated.safetensors`` (or
-``consolidated.00.pth``) and usually ``tokenizer.model``. Weight names are the
-published ones; the only difference from this package's modules is that the
-experts of a MoE layer are stacked: published
-``layers.{i}.feed_forward.experts.{j}.w1.weight`` (I, D) for j in 0..E-1 becomes
-``layers.{i}.feed_forward.w1`` (E, I, D) here.
+A **Mistral folder** holds ``params.json``, ``consolidated.safetensors`` (or
+``consolidated.00.pth``) and ``tokenizer.model``. A **Hugging Face folder** holds
+``config.json`` (``MistralForCausalLM`` / ``MixtralForCausalLM``), ``model.safetensors``
+or shards listed in ``model.safetensors.index.json``, and ``tokenizer.model``.
+The format is detected from the files.
+
+Both are read as a stream of tensors under their *published* names
+(``hf_format`` translates), and each tensor goes straight to its final dtype and
+device in a model built on the meta device, so loading holds about one copy of
+the model. This package's modules differ from the published names only in that
+a MoE layer's experts are stacked: published
+``layers.{i}.feed_forward.experts.{j}.w1.weight`` (I, D), j = 0..E-1, becomes
+``layers.{i}.feed_forward.w1`` (E, I, D).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from torch import nn
 
 from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.hf_format import args_from_hf_config, hf_to_published
 from mixtral_infer.model import ModelArgs, Transformer
 
 PARAMS_FILE = "params.json"
 SAFETENSORS_FILE = "consolidated.safetensors"
 PTH_FILE = "consolidated.00.pth"
 TOKENIZER_FILE = "tokenizer.model"
+HF_CONFIG_FILE = "config.json"
+HF_WEIGHTS_FILE = "model.safetensors"
+HF_INDEX_FILE = "model.safetensors.index.json"
+HF_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")
 
 Progress = Callable[[int, int], None]  # (tensors read, tensors in all)
+NamedTensors = Iterator[Tuple[str, torch.Tensor]]
 
 _EXPERT_NAME = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(\d+)\.(w[123])\.weight$")
+_STACKED_NAME = re.compile(r"^layers\.(\d+)\.feed_forward\.(w[123])$")
 
 
 def default_device() -> torch.device:
@@ -40,98 +54,208 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path}: not valid JSON ({_one_line(error)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_params(folder: str | Path) -> ModelArgs:
     path = Path(folder) / PARAMS_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found (a model folder needs params.json)")
+    return ModelArgs.from_params(_read_json(path), source=str(path))
+
+
+# ---------------------------------------------------------------- reading tensors
+
+
+def _safetensors_tensors(path: Path) -> NamedTensors:
+    from safetensors import safe_open
+
     try:
-        params = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(params, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(params).__name__}")
-    return ModelArgs.from_params(params, source=str(path))
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+    except Exception as error:  # safetensors raises its own error type for bad headers or data
+        raise CheckpointError(f"{path}: cannot read weights ({_one_line(error)})") from None
 
 
-def weights_file(folder: str | Path) -> Path:
-    folder = Path(folder)
-    for name in (SAFETENSORS_FILE, PTH_FILE):
-        if (folder / name).is_file():
-            return folder / name
-    raise CheckpointError(f"{folder}: no weights found (expected {SAFETENSORS_FILE} or {PTH_FILE})")
-
-
-def iter_published_tensors(path: Path, progress: Optional[Progress] = None) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a weights file, read lazily (safetensors, or a memory-mapped .pth)."""
+def _pth_tensors(path: Path) -> NamedTensors:
     try:
-        if path.suffix == ".safetensors":
+        state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:
+        message = _one_line(error)
+        if "weights_only" in str(error) or "Unsupported global" in str(error):
+            message = "it holds pickled objects other than tensors, which could run code; refused (weights-only loading)"
+        raise CheckpointError(f"{path}: cannot read weights: {message}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensor name -> tensor")
+    yield from state.items()
+
+
+def _tensor_count(path: Path) -> int:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
-                names = list(handle.keys())
-                for done, name in enumerate(names, 1):
-                    yield name, handle.get_tensor(name)
-                    if progress is not None:
-                        progress(done, len(names))
-        else:
-            state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-            if not isinstance(state, dict):
-                raise CheckpointError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
-            for done, (name, tensor) in enumerate(state.items(), 1):
-                yield name, tensor
+                return len(list(handle.keys()))
+        except Exception as error:
+            raise CheckpointError(f"{path}: cannot read weights ({_one_line(error)})") from None
+    return 0
+
+
+@dataclass
+class Checkpoint:
+    """A model folder, opened: its arguments and where its tensors are. Nothing is read yet."""
+
+    folder: Path
+    format: str  # "mistral" or "hf"
+    args: ModelArgs
+    weight_files: List[Path]
+
+    def published_tensors(self, progress: Optional[Progress] = None) -> NamedTensors:
+        """Every tensor under its published name, one at a time."""
+        total = sum(_tensor_count(p) for p in self.weight_files) if progress is not None else 0
+        done = 0
+        for path in self.weight_files:
+            raw = _safetensors_tensors(path) if path.suffix == ".safetensors" else _pth_tensors(path)
+            for name, tensor in raw:
+                done += 1
                 if progress is not None:
-                    progress(done, len(state))
-    except CheckpointError:
-        raise
-    except Exception as error:  # safetensors and pickle raise many types for a corrupt file
-        raise CheckpointError(f"{path}: cannot read weights ({type(error).__name__}: {error})") from None
+                    progress(done, max(total, done))
+                if self.format == "hf":
+                    yield from hf_to_published([(name, tensor)], self.args)
+                else:
+                    yield name, tensor
 
 
-def published_to_internal(tensors: Iterator[Tuple[str, torch.Tensor]], args: ModelArgs) -> Dict[str, torch.Tensor]:
-    """Map published names to this package's, stacking each MoE layer's experts."""
-    state: Dict[str, torch.Tensor] = {}
-    experts: Dict[Tuple[int, str], Dict[int, torch.Tensor]] = {}
+def _hf_weight_files(folder: Path) -> List[Path]:
+    index = folder / HF_INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no weight_map")
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        for path in files:
+            if not path.is_file():
+                raise CheckpointError(f"{path}: file not found (listed in {HF_INDEX_FILE})")
+        return files
+    if (folder / HF_WEIGHTS_FILE).is_file():
+        return [folder / HF_WEIGHTS_FILE]
+    raise CheckpointError(f"{folder}: no weights found (expected {HF_WEIGHTS_FILE} or {HF_INDEX_FILE})")
+
+
+def open_checkpoint(folder: str | Path) -> Checkpoint:
+    """Detect the folder's format and read its configuration; raise CheckpointError if it is neither."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: model folder not found")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: is not a folder (give the folder holding params.json or config.json)")
+    if (folder / PARAMS_FILE).is_file():
+        args = read_params(folder)
+        for name in (SAFETENSORS_FILE, PTH_FILE):
+            if (folder / name).is_file():
+                return Checkpoint(folder, "mistral", args, [folder / name])
+        raise CheckpointError(f"{folder}: no weights found (expected {SAFETENSORS_FILE} or {PTH_FILE})")
+    if (folder / HF_CONFIG_FILE).is_file():
+        config_path = folder / HF_CONFIG_FILE
+        config = _read_json(config_path)
+        architectures = config.get("architectures") or []
+        if not set(architectures) & set(HF_ARCHITECTURES):
+            raise CheckpointError(f"{config_path}: architectures={architectures}, expected one of {list(HF_ARCHITECTURES)}")
+        return Checkpoint(folder, "hf", args_from_hf_config(config, str(config_path)), _hf_weight_files(folder))
+    raise CheckpointError(f"{folder}: neither {PARAMS_FILE} (Mistral format) nor {HF_CONFIG_FILE} (Hugging Face format) found")
+
+
+# ---------------------------------------------------------------- filling a model
+
+
+def _stack_experts(tensors: NamedTensors, args: ModelArgs) -> NamedTensors:
+    """Published pairs -> internal pairs: each layer's experts stacked once the last one arrives."""
+    n_experts = args.moe.num_experts if args.moe is not None else 0
+    pending: Dict[Tuple[int, str], Dict[int, torch.Tensor]] = {}
     for name, tensor in tensors:
         match = _EXPERT_NAME.match(name)
-        if match:
-            layer, expert, weight = int(match[1]), int(match[2]), match[3]
-            experts.setdefault((layer, weight), {})[expert] = tensor
-        else:
-            state[name] = tensor
-    n_experts = args.moe.num_experts if args.moe is not None else 0
-    for (layer, weight), by_index in experts.items():
-        if sorted(by_index) != list(range(n_experts)):
-            raise CheckpointError(
-                f"layer {layer} {weight}: found experts {sorted(by_index)}, params.json says {n_experts} experts"
-            )
-        state[f"layers.{layer}.feed_forward.{weight}"] = torch.stack([by_index[j] for j in range(n_experts)])
-    return state
+        if match is None:
+            yield name, tensor
+            continue
+        layer, expert, weight = int(match[1]), int(match[2]), match[3]
+        if expert >= n_experts:
+            raise CheckpointError(f"unexpected tensor {name}: params say {n_experts} experts")
+        group = pending.setdefault((layer, weight), {})
+        group[expert] = tensor
+        if len(group) == n_experts:
+            del pending[(layer, weight)]
+            yield f"layers.{layer}.feed_forward.{weight}", torch.stack([group[j] for j in range(n_experts)])
+    for (layer, weight), group in pending.items():
+        missing = sorted(set(range(n_experts)) - set(group))
+        raise CheckpointError(f"missing tensor(s) layers.{layer}.feed_forward.experts.{missing}.{weight}.weight")
 
 
-def internal_to_published(state: Dict[str, torch.Tensor], args: ModelArgs) -> Dict[str, torch.Tensor]:
-    """The inverse of ``published_to_internal``: one tensor per expert again."""
-    published: Dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        match = re.match(r"^layers\.(\d+)\.feed_forward\.(w[123])$", name)
-        if match and args.moe is not None:
-            for j in range(args.moe.num_experts):
-                published[f"layers.{match[1]}.feed_forward.experts.{j}.{match[2]}.weight"] = tensor[j].clone()
-        else:
-            published[name] = tensor
-    return published
+def _assign(model: Transformer, name: str, tensor: torch.Tensor, source: str) -> None:
+    module_path, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_path) if module_path else model
+        current = module._parameters[leaf]
+    except (AttributeError, KeyError):
+        raise CheckpointError(f"{source}: unexpected tensor {name}") from None
+    if current is None or tuple(current.shape) != tuple(tensor.shape):
+        expected = None if current is None else tuple(current.shape)
+        raise CheckpointError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model config implies {expected}")
+    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-def check_state(model: Transformer, state: Dict[str, torch.Tensor], source: Path) -> None:
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+def build_model(
+    args: ModelArgs,
+    tensors: NamedTensors,
+    source: Path | str,
+    device: Optional[torch.device | str] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> Transformer:
+    """A model on ``device`` in ``dtype`` from published (name, tensor) pairs.
+
+    Built on the meta device; each tensor is moved to its final dtype and device as
+    it is read, so the peak is about one model plus one layer's experts.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    with torch.device("meta"):
+        model = Transformer(args)
+    seen = set()
+    for name, tensor in _stack_experts(tensors, args):
+        if name in seen:
+            raise CheckpointError(f"{source}: tensor {name} appears twice")
+        seen.add(name)
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{source}: tensor {name} has dtype {tensor.dtype}, expected floating point")
+        _assign(model, name, tensor.to(device=device, dtype=dtype), str(source))
+    missing = [name for name, param in model.named_parameters() if param.is_meta]
     if missing:
-        raise CheckpointError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if unexpected:
-        raise CheckpointError(f"{source}: unexpected tensor(s) {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, params.json implies {tuple(expected[name].shape)}"
-            )
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{source}: missing tensor(s) {missing[:5]}{more}")
+    return model.eval()
+
+
+def check_tokenizer_vocab(tokenizer_path: Path, args: ModelArgs) -> None:
+    from mixtral_infer.tokenizer import Tokenizer
+
+    n_words = Tokenizer(tokenizer_path).n_words
+    if n_words != args.vocab_size:
+        raise CheckpointError(
+            f"{tokenizer_path}: vocabulary of {n_words} tokens, but the model config says vocab_size={args.vocab_size}"
+        )
 
 
 def load_model(
@@ -141,42 +265,38 @@ def load_model(
     dtype: Optional[torch.dtype] = None,
     progress: Optional[Progress] = None,
 ) -> Transformer:
-    """Build the model on the meta device and fill it tensor by tensor from the weights file."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: model folder not found")
-    args = read_params(folder)
-    args.max_batch_size = max_batch_size
-    path = weights_file(folder)
-    return build_model(args, iter_published_tensors(path, progress), path, device=device, dtype=dtype)
+    """Load a Mistral or Hugging Face model folder (format detected from its files)."""
+    checkpoint = open_checkpoint(folder)
+    checkpoint.args.max_batch_size = max_batch_size
+    tokenizer = checkpoint.folder / TOKENIZER_FILE
+    if tokenizer.is_file():
+        check_tokenizer_vocab(tokenizer, checkpoint.args)  # before any weight is read
+    return build_model(
+        checkpoint.args, checkpoint.published_tensors(progress), checkpoint.weight_files[0].parent, device, dtype
+    )
 
 
-def build_model(
-    args: ModelArgs,
-    tensors: Iterator[Tuple[str, torch.Tensor]],
-    source: Path | str,
-    device: Optional[torch.device | str] = None,
-    dtype: Optional[torch.dtype] = None,
-) -> Transformer:
-    """A model on ``device`` in ``dtype`` from published (name, tensor) pairs, built on the meta device."""
-    device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or default_dtype(device)
-    with torch.device("meta"):
-        model = Transformer(args)
-    state = published_to_internal(tensors, args)
-    check_state(model, state, Path(source))
-    state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in state.items()}
-    model.load_state_dict(state, assign=True, strict=True)
-    return model.eval()
+# ---------------------------------------------------------------- writing
+
+
+def internal_to_published(state: Dict[str, torch.Tensor], args: ModelArgs) -> NamedTensors:
+    """This package's (name, tensor) pairs under published names: one tensor per expert again."""
+    for name, tensor in state.items():
+        match = _STACKED_NAME.match(name)
+        if match and args.moe is not None:
+            for j in range(args.moe.num_experts):
+                yield f"layers.{match[1]}.feed_forward.experts.{j}.{match[2]}.weight", tensor[j]
+        else:
+            yield name, tensor
 
 
 def save_consolidated(model: Transformer, folder: str | Path) -> None:
     """Write params.json and consolidated.safetensors with the published names."""
+    from mixtral_infer.safetensors_writer import write_safetensors
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = internal_to_published(model.state_dict(), model.args)
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
     params = model.args.to_params()
     params.pop("max_batch_size", None)
     (folder / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
-    save_file(tensors, str(folder / SAFETENSORS_FILE))
+    write_safetensors(folder / SAFETENSORS_FILE, internal_to_published(model.state_dict(), model.args))

@@ -70,17 +70,13 @@ def load(model_path: Optional[str], max_batch_size: int, device: Optional[str], 
     """(model, tokenizer) from a model folder, the shipped tiny Mixtral when no path is given."""
     folder = Path(model_path) if model_path is not None else DEFAULT_MODEL
     torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
-    if not folder.is_dir():
-        raise MixtralInferError(f"{folder}: model folder not found")
-    tokenizer = Tokenizer(folder / TOKENIZER_FILE)
+    if folder.is_dir() and not (folder / TOKENIZER_FILE).is_file():
+        raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
     start = time.perf_counter()
     model = Transformer.from_folder(
         folder, max_batch_size=max_batch_size, device=torch_device, dtype=torch_dtype, progress=ProgressBar("loading")
     )
-    if tokenizer.n_words != model.args.vocab_size:
-        raise MixtralInferError(
-            f"{folder / TOKENIZER_FILE}: vocabulary of {tokenizer.n_words} tokens, params.json says vocab_size={model.args.vocab_size}"
-        )
+    tokenizer = Tokenizer(folder / TOKENIZER_FILE)
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}, {model.device}) "
@@ -184,11 +180,20 @@ def interactive(
         print(flush=True)
 
 
+def convert(src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] = None) -> None:
+    """Write the model folder SRC to the new folder DST in the other layout (--to mistral|hf)."""
+    from mixtral_infer.convert import convert as convert_folder
+
+    start = time.perf_counter()
+    written = convert_folder(src, dst, to=to, dtype=parse_dtype(dtype))
+    print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     import fire
 
     try:
-        fire.Fire({"demo": demo, "interactive": interactive}, command=argv, name="mixtral-infer")
+        fire.Fire({"demo": demo, "interactive": interactive, "convert": convert}, command=argv, name="mixtral-infer")
     except MixtralInferError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -118,3 +118,70 @@ def _hf_layer_to_published(
         yield f"{prefix}.feed_forward.experts.{parts[2]}.{parts[3]}.weight", tensor
     else:
         yield f"model.layers.{layer}.{rest}", tensor
+
+
+_PUBLISHED_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_PUBLISHED_ATTENTION = {v: k for k, v in _ATTENTION.items()}
+_PUBLISHED_DENSE = {v: k for k, v in _DENSE.items()}
+
+
+def published_to_hf(tensors: Iterable[Tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield transformers' (name, tensor) pairs, experts in the per-expert 4.x layout published on the hub."""
+    for name, tensor in tensors:
+        if name == "tok_embeddings.weight":
+            yield "model.embed_tokens.weight", tensor
+        elif name == "norm.weight":
+            yield "model.norm.weight", tensor
+        elif name == "output.weight":
+            yield "lm_head.weight", tensor
+        elif (match := _PUBLISHED_LAYER.match(name)) is not None:
+            prefix, rest = f"model.layers.{match[1]}", match[2]
+            parts = rest.split(".")
+            if rest == "attention_norm.weight":
+                yield f"{prefix}.input_layernorm.weight", tensor
+            elif rest == "ffn_norm.weight":
+                yield f"{prefix}.post_attention_layernorm.weight", tensor
+            elif parts[0] == "attention":
+                if parts[1] == "wq":
+                    tensor = published_rows_to_hf(tensor, args.n_heads)
+                elif parts[1] == "wk":
+                    tensor = published_rows_to_hf(tensor, args.n_kv_heads)
+                yield f"{prefix}.self_attn.{_PUBLISHED_ATTENTION[parts[1]]}.weight", tensor
+            elif rest == "feed_forward.gate.weight":
+                yield f"{prefix}.block_sparse_moe.gate.weight", tensor
+            elif parts[:2] == ["feed_forward", "experts"]:
+                yield f"{prefix}.block_sparse_moe.experts.{parts[2]}.{parts[3]}.weight", tensor
+            elif parts[0] == "feed_forward":
+                yield f"{prefix}.mlp.{_PUBLISHED_DENSE[parts[1]]}.weight", tensor
+            else:
+                raise ValueError(f"no Hugging Face name for tensor {name}")
+        else:
+            raise ValueError(f"no Hugging Face name for tensor {name}")
+
+
+def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """A config.json dict that transformers reads as MistralConfig / MixtralConfig."""
+    config = {
+        "architectures": ["MixtralForCausalLM" if args.moe is not None else "MistralForCausalLM"],
+        "model_type": "mixtral" if args.moe is not None else "mistral",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "sliding_window": args.sliding_window,
+        "max_position_embeddings": 32768,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if args.moe is not None:
+        config["num_local_experts"] = args.moe.num_experts
+        config["num_experts_per_tok"] = args.moe.num_experts_per_tok
+    return config

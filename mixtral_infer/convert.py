@@ -1,0 +1,76 @@
+"""Converting a model folder between the Mistral layout and Hugging Face's.
+
+Tensors stream from the source to the destination one at a time (never the
+whole model in memory twice). Everything is written into a hidden sibling
+folder that is renamed to the destination only once complete, so an interrupted
+conversion leaves no half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from mixtral_infer.checkpoint import (
+    HF_CONFIG_FILE,
+    HF_WEIGHTS_FILE,
+    PARAMS_FILE,
+    SAFETENSORS_FILE,
+    TOKENIZER_FILE,
+    open_checkpoint,
+)
+from mixtral_infer.errors import CheckpointError
+from mixtral_infer.hf_format import hf_config_from_args, published_to_hf
+from mixtral_infer.safetensors_writer import write_safetensors
+
+FORMATS = ("mistral", "hf")
+
+
+def convert(src: str | Path, dst: str | Path, to: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:
+    """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one)."""
+    checkpoint = open_checkpoint(src)
+    target = to or ("hf" if checkpoint.format == "mistral" else "mistral")
+    if target not in FORMATS:
+        raise CheckpointError(f"--to {target!r}: expected one of {', '.join(FORMATS)}")
+    dst = Path(dst)
+    if dst.exists():
+        raise CheckpointError(f"{dst}: already exists; choose a new destination folder")
+    if not dst.parent.is_dir():
+        raise CheckpointError(f"{dst.parent}: folder not found")
+
+    partial = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+    partial.mkdir()
+    try:
+        tensors = checkpoint.published_tensors()
+        if dtype is not None:
+            tensors = ((name, tensor.to(dtype)) for name, tensor in tensors)
+        params = checkpoint.args.to_params()
+        params.pop("max_batch_size", None)
+        if target == "mistral":
+            write_safetensors(partial / SAFETENSORS_FILE, tensors)
+            (partial / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
+        else:
+            write_safetensors(partial / HF_WEIGHTS_FILE, published_to_hf(tensors, checkpoint.args), metadata={"format": "pt"})
+            written_dtype = dtype or _first_dtype(partial / HF_WEIGHTS_FILE)
+            config = hf_config_from_args(checkpoint.args, written_dtype)
+            (partial / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        tokenizer = checkpoint.folder / TOKENIZER_FILE
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
+        os.replace(partial, dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return dst
+
+
+def _first_dtype(path: Path) -> torch.dtype:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        return handle.get_tensor(next(iter(handle.keys()))).dtype
