@@ -29,6 +29,7 @@ from torch import nn
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.hf_format import args_from_hf_config, hf_to_published
 from mixtral_infer.model import ModelArgs, Transformer
+from mixtral_infer.safetensors_reader import iter_tensors, read_header
 
 PARAMS_FILE = "params.json"
 SAFETENSORS_FILE = "consolidated.safetensors"
@@ -80,14 +81,7 @@ def read_params(folder: str | Path) -> ModelArgs:
 
 
 def _safetensors_tensors(path: Path) -> NamedTensors:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
-    except Exception as error:  # safetensors raises its own error type for bad headers or data
-        raise CheckpointError(f"{path}: cannot read weights ({_one_line(error)})") from None
+    return iter_tensors(path)
 
 
 def _pth_tensors(path: Path) -> NamedTensors:
@@ -104,15 +98,7 @@ def _pth_tensors(path: Path) -> NamedTensors:
 
 
 def _tensor_count(path: Path) -> int:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                return len(list(handle.keys()))
-        except Exception as error:
-            raise CheckpointError(f"{path}: cannot read weights ({_one_line(error)})") from None
-    return 0
+    return len(read_header(path)) if path.suffix == ".safetensors" else 0
 
 
 @dataclass

@@ -26,6 +26,7 @@ from mixtral_infer.checkpoint import (
 )
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.hf_format import hf_config_from_args, published_to_hf
+from mixtral_infer.safetensors_reader import read_header
 from mixtral_infer.safetensors_writer import write_safetensors
 
 FORMATS = ("mistral", "hf")
@@ -70,7 +71,4 @@ def convert(src: str | Path, dst: str | Path, to: Optional[str] = None, dtype: O
 
 
 def _first_dtype(path: Path) -> torch.dtype:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
-        return handle.get_tensor(next(iter(handle.keys()))).dtype
+    return read_header(path)[0].dtype

@@ -1,0 +1,133 @@
+"""Model folders in both layouts load and give transformers' logits; conversion round-trips exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import hf_model, random_model, tiny_args
+from mixtral_infer import Transformer
+from mixtral_infer.checkpoint import internal_to_published, save_consolidated
+from mixtral_infer.convert import convert
+from mixtral_infer.hf_format import hf_config_from_args, published_to_hf
+from mixtral_infer.safetensors_writer import write_safetensors
+
+TOLERANCE = 1e-4
+
+
+def max_difference(ours: Transformer, hf, length: int = 40) -> float:
+    ids = torch.randint(3, ours.args.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (ours(ids, [length]) - hf(ids[None]).logits[0]).abs().max().item()
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_sharded_hf_folder_saved_by_transformers_loads_and_matches(tmp_path, moe):
+    hf = hf_model(tiny_args(moe=moe), seed=1)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    ours = Transformer.from_folder(tmp_path, device="cpu", dtype=torch.float32)
+    assert max_difference(ours, hf) <= TOLERANCE
+
+
+def test_hf_folder_with_per_expert_layout_of_transformers_4(tmp_path):
+    """The layout published on the hub: block_sparse_moe.experts.{j}.w1/w2/w3."""
+    import transformers
+
+    args = tiny_args(moe=True)
+    model = random_model(args, seed=2)
+    names = dict(published_to_hf(internal_to_published(model.state_dict(), args), args))
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names
+    write_safetensors(tmp_path / "model.safetensors", names.items(), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(args, torch.float32)))
+    ours = Transformer.from_folder(tmp_path, device="cpu", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert max_difference(ours, hf) <= TOLERANCE
+    assert max_difference(ours, hf) == max_difference(model, hf)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_convert_mistral_to_hf_and_back_is_byte_identical(tmp_path, moe):
+    import transformers
+
+    args = tiny_args(moe=moe)
+    model = random_model(args, seed=3)
+    save_consolidated(model, tmp_path / "mistral")
+    convert(tmp_path / "mistral", tmp_path / "hf", to="hf")
+    convert(tmp_path / "hf", tmp_path / "back", to="mistral")
+    for name in ("consolidated.safetensors", "params.json"):
+        assert (tmp_path / "mistral" / name).read_bytes() == (tmp_path / "back" / name).read_bytes()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert max_difference(model, hf) <= TOLERANCE
+
+
+def test_convert_to_bfloat16_and_load_in_any_dtype(tmp_path):
+    args = tiny_args(moe=True)
+    model = random_model(args, seed=4)
+    save_consolidated(model, tmp_path / "mistral")
+    convert(tmp_path / "mistral", tmp_path / "bf16", to="mistral", dtype=torch.bfloat16)
+    loaded = Transformer.from_folder(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16)
+    assert loaded.dtype == torch.bfloat16
+    for (name, expected), got in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(expected.to(torch.bfloat16), got), name
+    upcast = Transformer.from_folder(tmp_path / "bf16", device="cpu", dtype=torch.float32)
+    assert upcast.dtype == torch.float32
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
+    import mixtral_infer.convert as convert_module
+
+    save_consolidated(random_model(tiny_args()), tmp_path / "mistral")
+
+    def fail_midway(path, tensors, metadata=None):
+        next(iter(tensors))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_module, "write_safetensors", fail_midway)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tmp_path / "mistral", tmp_path / "hf", to="hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mistral"]
+
+
+PEAK_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from mixtral_infer import Transformer
+
+    def rss_kib(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1])
+
+    torch.ones(1) @ torch.ones(1)  # let torch allocate what it allocates once
+    before = rss_kib("VmRSS")
+    model = Transformer.from_folder(sys.argv[1], device="cpu", dtype=torch.float32)
+    print((rss_kib("VmHWM") - before) * 1024)
+    """
+)
+
+
+def test_loading_peak_memory_stays_near_one_copy(tmp_path):
+    """Peak resident memory while loading, measured in a fresh process, stays below 1.5x the checkpoint."""
+    from mixtral_infer import ModelArgs, MoeArgs
+
+    args = ModelArgs(
+        dim=512, n_layers=4, head_dim=64, hidden_dim=1024, n_heads=8, n_kv_heads=2, norm_eps=1e-5,
+        vocab_size=16000, sliding_window=64, moe=MoeArgs(num_experts=4, num_experts_per_tok=2),
+    )
+    save_consolidated(Transformer(args), tmp_path)
+    checkpoint_bytes = (tmp_path / "consolidated.safetensors").stat().st_size
+    assert checkpoint_bytes > 100e6
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(tmp_path)], capture_output=True, text=True, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    peak = int(result.stdout.strip())
+    assert peak < 1.5 * checkpoint_bytes, f"peak {peak / 1e6:.0f} MB for a {checkpoint_bytes / 1e6:.0f} MB checkpoint"
