@@ -156,11 +156,13 @@ def interactive(
         chunk_size=chunk_size,
         seed=seed,
     )
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # undecodable bytes become U+FFFD, not a crash
     print("type a prompt; /reset starts a new conversation, /quit leaves", file=sys.stderr)
     while True:
         try:
             line = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return
         if line.startswith("/"):

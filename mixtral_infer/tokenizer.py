@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import List
 
 from sentencepiece import SentencePieceProcessor
 
 from mixtral_infer.errors import CheckpointError
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Tokenizer:
@@ -39,7 +42,10 @@ class Tokenizer:
         return self._model.pad_id()
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> List[int]:
-        ids = self._model.encode(text)
+        """Token ids of ``text``. Lone surrogates (undecodable input bytes) become U+FFFD."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        ids = self._model.encode(LONE_SURROGATE.sub("\ufffd", text))
         if bos:
             ids = [self.bos_id] + ids
         if eos:

@@ -97,3 +97,35 @@ def model_pair(request):
     args = tiny_args(moe=request.param == "mixtral")
     hf = hf_model(args)
     return ours_from_hf(hf, args), hf, args
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(tmp_path_factory):
+    """A small sentencepiece model (byte fallback, Mistral's special ids) trained on torch's docstrings."""
+    import inspect
+
+    import sentencepiece as spm
+    import torch.nn.modules.module as text_source
+
+    lines = [line.strip() for line in inspect.getsource(text_source).splitlines() if line.strip()]
+    prefix = tmp_path_factory.mktemp("tokenizer") / "tokenizer"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=400, model_type="bpe",
+        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, byte_fallback=True, minloglevel=2,
+    )
+    return prefix.with_suffix(".model")
+
+
+@pytest.fixture()
+def model_folder(tmp_path, tokenizer_path):
+    """A complete Mistral-format folder: params.json, consolidated.safetensors, tokenizer.model (vocab 400)."""
+    import dataclasses
+    import shutil
+
+    from mixtral_infer.checkpoint import save_consolidated
+
+    args = dataclasses.replace(tiny_args(moe=True), vocab_size=400)
+    folder = tmp_path / "model"
+    save_consolidated(random_model(args, seed=5), folder)
+    shutil.copyfile(tokenizer_path, folder / "tokenizer.model")
+    return folder
