@@ -1,0 +1,78 @@
+"""A conversation continued through the rotating cache answers as if it re-read the whole history."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import random_model, tiny_args
+from mixtral_infer import Tokenizer, generate
+from mixtral_infer.chat import Conversation, TextStream
+
+
+@pytest.fixture(params=[8, None], ids=["window", "no-window"])
+def chat_parts(request, tokenizer_path):
+    args = dataclasses.replace(tiny_args(sliding_window=request.param), vocab_size=400)
+    return random_model(args, seed=12), Tokenizer(tokenizer_path)
+
+
+def answer_from_scratch(model, tokenizer, history, max_tokens):
+    """What a fresh greedy generation over the whole history says."""
+    generated, _ = generate([history], model, max_tokens=max_tokens, eos_id=tokenizer.eos_id)
+    return generated[0]
+
+
+def test_later_turns_see_earlier_ones(chat_parts):
+    model, tokenizer = chat_parts
+    conversation = Conversation(model, tokenizer, instruct=True, max_tokens=20)
+    conversation.reply("first question")
+    history = list(conversation.history)
+    assert history[0] == tokenizer.bos_id
+    pieces = []
+    answer = conversation.reply("and a second one", emit=pieces.append)
+    turn = tokenizer.encode("[INST] and a second one [/INST]", bos=False)
+    expected = answer_from_scratch(model, tokenizer, history + turn, 20)
+    assert conversation.history[len(history) + len(turn) :][: len(expected)] == expected
+    assert "".join(pieces) == answer == tokenizer.decode(expected)
+    if model.args.sliding_window is not None:
+        assert conversation.cache.cache_size == model.args.sliding_window  # constant memory
+        assert conversation.cache.seqlens[0] > 3 * model.args.sliding_window
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(chat_parts):
+    model, tokenizer = chat_parts
+    conversation = Conversation(model, tokenizer, instruct=True, max_tokens=20)
+    conversation.reply("hello")
+    received = []
+
+    def interrupt_after_three(piece):
+        received.append(piece)
+        if len(received) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        conversation.reply("tell me more", emit=interrupt_after_three)
+    history = list(conversation.history)
+    turn = tokenizer.encode("[INST] go on [/INST]", bos=False)
+    answer = conversation.reply("go on")
+    assert answer == tokenizer.decode(answer_from_scratch(model, tokenizer, history + turn, 20))
+
+
+def test_plain_mode_treats_each_line_as_a_new_prompt(chat_parts):
+    model, tokenizer = chat_parts
+    conversation = Conversation(model, tokenizer, max_tokens=10)
+    conversation.reply("something else first")
+    answer = conversation.reply("The module")
+    expected = answer_from_scratch(model, tokenizer, tokenizer.encode("The module"), 10)
+    assert answer.strip() == tokenizer.decode(expected).strip()
+
+
+def test_text_stream_holds_back_half_characters(tokenizer_path):
+    tokenizer = Tokenizer(tokenizer_path)
+    shown = []
+    stream = TextStream(tokenizer, shown.append, leading_space=False)
+    for token in tokenizer.encode("naïve 中文 🙂", bos=False):
+        stream.push(token)
+    assert "".join(shown) == "naïve 中文 🙂"
+    assert all("\ufffd" not in piece for piece in shown)
