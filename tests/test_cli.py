@@ -1,0 +1,63 @@
+"""The command line end to end, in a subprocess, on the model shipped with the package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixtral_infer import Tokenizer, Transformer, generate
+from mixtral_infer.cli import DEFAULT_MODEL, DEMO_PROMPTS, SHIPPED_MODELS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args, stdin=None):
+    return subprocess.run(
+        [sys.executable, str(REPO / "main.py"), *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_shipped_models_are_complete():
+    for name in ("tiny-mixtral", "tiny-mistral"):
+        folder = SHIPPED_MODELS / name
+        for file in ("params.json", "consolidated.safetensors", "tokenizer.model"):
+            assert (folder / file).is_file(), folder / file
+    mixtral = Transformer.from_folder(DEFAULT_MODEL, device="cpu")
+    assert mixtral.args.moe is not None and mixtral.args.moe.num_experts_per_tok == 2
+    assert mixtral.args.sliding_window is not None
+
+
+def test_demo_prints_each_prompt_with_the_greedy_completion():
+    result = run("demo", "--max_tokens", "40")
+    assert result.returncode == 0, result.stderr
+    model = Transformer.from_folder(DEFAULT_MODEL, max_batch_size=3, device="cpu")
+    tokenizer = Tokenizer(DEFAULT_MODEL / "tokenizer.model")
+    generated, _ = generate(
+        [tokenizer.encode(p) for p in DEMO_PROMPTS], model, max_tokens=40, eos_id=tokenizer.eos_id
+    )
+    for prompt, tokens in zip(DEMO_PROMPTS, generated):
+        completion = tokenizer.decode(tokens)
+        assert len(completion.split()) >= 5
+        assert completion.strip() in result.stdout
+        assert prompt in result.stdout
+    # The demo's output runs past the window, so the cache has rotated.
+    assert max(len(tokenizer.encode(p)) + len(t) for p, t in zip(DEMO_PROMPTS, generated)) > model.args.sliding_window
+
+
+def test_interactive_streams_two_instruct_turns_then_ends_at_end_of_input():
+    result = run("interactive", "--instruct", "--max_tokens", "12", "--temperature", "0", stdin="Who art thou?\nSay more.\n")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    answers = [line for line in result.stdout.split("> ") if line.strip()]
+    assert len(answers) == 2
+    assert all(len(a.split()) >= 2 for a in answers)
+
+
+def test_interactive_reset_and_quit():
+    result = run("interactive", "--max_tokens", "5", "--temperature", "0", stdin="In the beginning\n/reset\n/quit\nnever read\n")
+    assert result.returncode == 0, result.stderr
+    assert "(new conversation)" in result.stderr
+    assert result.stdout.count("> ") == 3  # three prompts shown; the line after /quit is never read
