@@ -47,6 +47,13 @@ class TextStream:
         self.emit(text[self.shown :])
         self.shown = len(text)
 
+    def finish(self) -> None:
+        """Emit whatever was held back (an answer may end in half a character)."""
+        text = self.text()
+        if len(text) > self.shown:
+            self.emit(text[self.shown :])
+            self.shown = len(text)
+
 
 class Conversation:
     def __init__(
@@ -107,6 +114,7 @@ class Conversation:
                 **self.settings,
             )
             ended_by_eos = len(generated[0]) < self.settings["max_tokens"]
+            stream.finish()
         finally:
             # Also on Ctrl-C: keep what was said; the cache only counts tokens it fully read.
             self.history += turn + stream.tokens + ([self.tokenizer.eos_id] if ended_by_eos else [])

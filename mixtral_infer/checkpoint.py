@@ -29,7 +29,8 @@ from torch import nn
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.hf_format import args_from_hf_config, hf_to_published
 from mixtral_infer.model import ModelArgs, Transformer
-from mixtral_infer.safetensors_reader import iter_tensors, read_header
+from mixtral_infer.parallel import Parallel, Selection
+from mixtral_infer.safetensors_reader import Selector, apply_selection, iter_tensors, read_header
 
 PARAMS_FILE = "params.json"
 SAFETENSORS_FILE = "consolidated.safetensors"
@@ -80,11 +81,11 @@ def read_params(folder: str | Path) -> ModelArgs:
 # ---------------------------------------------------------------- reading tensors
 
 
-def _safetensors_tensors(path: Path) -> NamedTensors:
-    return iter_tensors(path)
+def _safetensors_tensors(path: Path, select: Optional[Selector] = None) -> NamedTensors:
+    return iter_tensors(path, select)
 
 
-def _pth_tensors(path: Path) -> NamedTensors:
+def _pth_tensors(path: Path, select: Optional[Selector] = None) -> NamedTensors:
     try:
         state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:
@@ -94,7 +95,10 @@ def _pth_tensors(path: Path) -> NamedTensors:
         raise CheckpointError(f"{path}: cannot read weights: {message}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a dict of tensor name -> tensor")
-    yield from state.items()
+    for name, tensor in state.items():
+        selection = select(name) if select is not None else Selection()
+        if selection is not None:
+            yield name, apply_selection(tensor, selection)
 
 
 def _tensor_count(path: Path) -> int:
@@ -110,20 +114,28 @@ class Checkpoint:
     args: ModelArgs
     weight_files: List[Path]
 
-    def published_tensors(self, progress: Optional[Progress] = None) -> NamedTensors:
-        """Every tensor under its published name, one at a time."""
+    def published_tensors(self, progress: Optional[Progress] = None, select: Optional[Selector] = None) -> NamedTensors:
+        """Every tensor under its published name, one at a time.
+
+        ``select(published_name)`` keeps part of a tensor or skips it; in the Mistral
+        layout skipped tensors are not even read.
+        """
         total = sum(_tensor_count(p) for p in self.weight_files) if progress is not None else 0
         done = 0
         for path in self.weight_files:
-            raw = _safetensors_tensors(path) if path.suffix == ".safetensors" else _pth_tensors(path)
+            file_select = select if self.format == "mistral" else None
+            raw = _safetensors_tensors(path, file_select) if path.suffix == ".safetensors" else _pth_tensors(path, file_select)
             for name, tensor in raw:
                 done += 1
                 if progress is not None:
                     progress(done, max(total, done))
-                if self.format == "hf":
-                    yield from hf_to_published([(name, tensor)], self.args)
-                else:
+                if self.format == "mistral":
                     yield name, tensor
+                    continue
+                for published, part in hf_to_published([(name, tensor)], self.args):
+                    selection = select(published) if select is not None else Selection()
+                    if selection is not None:
+                        yield published, apply_selection(part, selection)
 
 
 def _hf_weight_files(folder: Path) -> List[Path]:
@@ -168,9 +180,13 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
 # ---------------------------------------------------------------- filling a model
 
 
-def _stack_experts(tensors: NamedTensors, args: ModelArgs) -> NamedTensors:
-    """Published pairs -> internal pairs: each layer's experts stacked once the last one arrives."""
+def _stack_experts(tensors: NamedTensors, args: ModelArgs, parallel: Parallel = Parallel()) -> NamedTensors:
+    """Published pairs -> internal pairs: each layer's experts stacked once the last one arrives.
+
+    With expert parallelism only this rank's experts arrive and are stacked.
+    """
     n_experts = args.moe.num_experts if args.moe is not None else 0
+    local = parallel.share(n_experts)
     pending: Dict[Tuple[int, str], Dict[int, torch.Tensor]] = {}
     for name, tensor in tensors:
         match = _EXPERT_NAME.match(name)
@@ -182,11 +198,11 @@ def _stack_experts(tensors: NamedTensors, args: ModelArgs) -> NamedTensors:
             raise CheckpointError(f"unexpected tensor {name}: params say {n_experts} experts")
         group = pending.setdefault((layer, weight), {})
         group[expert] = tensor
-        if len(group) == n_experts:
+        if len(group) == len(local):
             del pending[(layer, weight)]
-            yield f"layers.{layer}.feed_forward.{weight}", torch.stack([group[j] for j in range(n_experts)])
+            yield f"layers.{layer}.feed_forward.{weight}", torch.stack([group[j] for j in local])
     for (layer, weight), group in pending.items():
-        missing = sorted(set(range(n_experts)) - set(group))
+        missing = sorted(set(local) - set(group))
         raise CheckpointError(f"missing tensor(s) layers.{layer}.feed_forward.experts.{missing}.{weight}.weight")
 
 
@@ -209,6 +225,7 @@ def build_model(
     source: Path | str,
     device: Optional[torch.device | str] = None,
     dtype: Optional[torch.dtype] = None,
+    parallel: Parallel = Parallel(),
 ) -> Transformer:
     """A model on ``device`` in ``dtype`` from published (name, tensor) pairs.
 
@@ -218,9 +235,9 @@ def build_model(
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, parallel)
     seen = set()
-    for name, tensor in _stack_experts(tensors, args):
+    for name, tensor in _stack_experts(tensors, args, parallel):
         if name in seen:
             raise CheckpointError(f"{source}: tensor {name} appears twice")
         seen.add(name)
@@ -250,16 +267,21 @@ def load_model(
     device: Optional[torch.device | str] = None,
     dtype: Optional[torch.dtype] = None,
     progress: Optional[Progress] = None,
+    parallel: Parallel = Parallel(),
 ) -> Transformer:
-    """Load a Mistral or Hugging Face model folder (format detected from its files)."""
+    """Load a Mistral or Hugging Face model folder (format detected from its files).
+
+    With ``parallel``, only this rank's share of the weights is read and kept.
+    """
     checkpoint = open_checkpoint(folder)
     checkpoint.args.max_batch_size = max_batch_size
+    parallel.check(checkpoint.args)
     tokenizer = checkpoint.folder / TOKENIZER_FILE
     if tokenizer.is_file():
         check_tokenizer_vocab(tokenizer, checkpoint.args)  # before any weight is read
-    return build_model(
-        checkpoint.args, checkpoint.published_tensors(progress), checkpoint.weight_files[0].parent, device, dtype
-    )
+    select = None if parallel == Parallel() else lambda name: parallel.select(name, checkpoint.args)
+    tensors = checkpoint.published_tensors(progress, select)
+    return build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel)
 
 
 # ---------------------------------------------------------------- writing

@@ -24,6 +24,7 @@ from mixtral_infer.attention import attention
 from mixtral_infer.cache import CacheView, RotatingBufferCache, causal_attention_bias
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.moe import MoeArgs, MoeLayer
+from mixtral_infer.parallel import Parallel
 from mixtral_infer.rope import apply_rotary, rotary_angles
 
 
@@ -117,13 +118,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Grouped-query attention; with tensor parallelism, this rank's share of the heads."""
+
+    def __init__(self, args: ModelArgs, parallel: Parallel = Parallel()):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.parallel = parallel
+        self.n_heads = len(parallel.share(args.n_heads))
+        self.n_kv_heads = len(parallel.share(args.n_kv_heads))
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, self.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(
         self,
@@ -149,30 +155,34 @@ class Attention(nn.Module):
             key, value = cache.key, cache.value  # (B*S, K, Dh)
             mask = cache.mask
         out = attention(xq, key, value, mask)  # (T, H, Dh)
-        return self.wo(out.reshape(n_tokens, self.n_heads * self.head_dim))
+        return self.parallel.all_reduce(self.wo(out.reshape(n_tokens, self.n_heads * self.head_dim)))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    """SwiGLU; with tensor parallelism, this rank's share of the hidden units."""
+
+    def __init__(self, dim: int, hidden_dim: int, parallel: Parallel = Parallel()):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.parallel = parallel
+        local_hidden = len(parallel.share(hidden_dim))
+        self.w1 = nn.Linear(dim, local_hidden, bias=False)
+        self.w2 = nn.Linear(local_hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, local_hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.parallel.all_reduce(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, parallel: Parallel = Parallel()):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = Attention(args, parallel)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         if args.moe is not None:
-            self.feed_forward: nn.Module = MoeLayer(args.dim, args.hidden_dim, args.moe)
+            self.feed_forward: nn.Module = MoeLayer(args.dim, args.hidden_dim, args.moe, parallel)
         else:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim, parallel)
 
     def forward(self, x: torch.Tensor, rotary, cache: Optional[CacheView], mask) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rotary, cache, mask)
@@ -180,21 +190,30 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The decoder. ``parallel`` says which share of it this process holds (all of it by default).
+
+    Layers are kept in a dict keyed by their global index, so parameter names are
+    ``layers.{i}...`` whichever pipeline stage holds layer i.
+    """
+
+    def __init__(self, args: ModelArgs, parallel: Parallel = Parallel()):
         super().__init__()
+        parallel.check(args)
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.parallel = parallel
+        self.layer_ids = parallel.layer_range(args.n_layers)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if parallel.is_first_stage else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, parallel) for i in self.layer_ids})
+        self.norm = RMSNorm(args.dim, args.norm_eps) if parallel.is_last_stage else None
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if parallel.is_last_stage else None
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+        return next(self.parameters()).dtype
 
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
+        return next(self.parameters()).device
 
     def make_cache(self, batch_size: int, max_seqlen: Optional[int] = None) -> RotatingBufferCache:
         """A cache for ``batch_size`` sequences.
@@ -207,10 +226,10 @@ class Transformer(nn.Module):
             raise ValueError("a model without a sliding window needs max_seqlen to size its cache")
         cache_size = window if max_seqlen is None else max_seqlen if window is None else min(window, max_seqlen)
         return RotatingBufferCache(
-            self.args.n_layers,
+            len(self.layer_ids),
             batch_size,
             max(cache_size, 1),
-            self.args.n_kv_heads,
+            len(self.parallel.share(self.args.n_kv_heads)),
             self.args.head_dim,
             sliding_window=window,
             dtype=self.dtype,
@@ -239,13 +258,37 @@ class Transformer(nn.Module):
             positions, mask = metadata.positions, metadata.mask
         rotary = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
 
-        h = self.tok_embeddings(input_ids)  # (T, D)
-        for index, layer in enumerate(self.layers):
-            view = cache.get_view(index, metadata) if cache is not None else None
+        h = self._stage_input(input_ids)  # (T, D)
+        for local_index, layer in enumerate(self.layers.values()):
+            view = cache.get_view(local_index, metadata) if cache is not None else None
             h = layer(h, rotary, view, mask)
         if cache is not None:
             cache.update_seqlens(seqlens)
-        return self.output(self.norm(h)).float()  # (T, V)
+        return self._stage_output(h)  # (T, V)
+
+    def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings on the first pipeline stage; the previous stage's hidden states elsewhere."""
+        if self.parallel.is_first_stage:
+            return self.tok_embeddings(input_ids)
+        import torch.distributed as dist
+
+        h = torch.empty(input_ids.shape[0], self.args.dim, dtype=self.dtype, device=self.device)
+        dist.recv(h, src=self.parallel.rank - 1)
+        return h
+
+    def _stage_output(self, h: torch.Tensor) -> torch.Tensor:
+        """Float logits on the last stage, shared with every stage; elsewhere, pass h on."""
+        if self.parallel.num_pipeline_ranks == 1:
+            return self.output(self.norm(h)).float()
+        import torch.distributed as dist
+
+        if self.parallel.is_last_stage:
+            logits = self.output(self.norm(h)).float()
+        else:
+            dist.send(h.contiguous(), dst=self.parallel.rank + 1)
+            logits = torch.empty(h.shape[0], self.args.vocab_size, dtype=torch.float32, device=self.device)
+        dist.broadcast(logits, src=self.parallel.num_pipeline_ranks - 1)
+        return logits
 
     @classmethod
     def from_folder(
@@ -255,11 +298,15 @@ class Transformer(nn.Module):
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
         progress=None,
+        parallel: Parallel = Parallel(),
     ) -> "Transformer":
         """Load a model folder (params.json + consolidated weights); see ``checkpoint.load_model``.
 
         ``device=None``: CUDA when available, else CPU; ``dtype=None``: bfloat16 on CUDA, float32 on CPU.
+        ``parallel``: this process's share when the model is cut across a torch.distributed group.
         """
         from mixtral_infer.checkpoint import load_model
 
-        return load_model(folder, max_batch_size=max_batch_size, device=device, dtype=dtype, progress=progress)
+        return load_model(
+            folder, max_batch_size=max_batch_size, device=device, dtype=dtype, progress=progress, parallel=parallel
+        )

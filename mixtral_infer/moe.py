@@ -4,6 +4,10 @@ Experts are stored stacked: ``w1, w3: (E, I, D)`` and ``w2: (E, D, I)``. Each to
 picks the k experts with the largest gate logits; their outputs are mixed with a
 softmax over those k logits. Tokens are grouped by expert so that each expert
 runs once, as one matmul over all of its tokens; experts nobody chose are skipped.
+
+With expert parallelism a rank holds only the experts ``parallel.share(E)``; the
+routing still sees all E experts, each rank adds what its own experts contribute,
+and an all-reduce sums the ranks' contributions.
 """
 
 from dataclasses import dataclass
@@ -13,6 +17,8 @@ import torch.nn.functional as F
 from simple_parsing.helpers import Serializable
 from torch import nn
 
+from mixtral_infer.parallel import Parallel
+
 
 @dataclass
 class MoeArgs(Serializable):
@@ -21,11 +27,13 @@ class MoeArgs(Serializable):
 
 
 class MoeLayer(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, args: MoeArgs):
+    def __init__(self, dim: int, hidden_dim: int, args: MoeArgs, parallel: Parallel = Parallel()):
         super().__init__()
         self.args = args
-        n = args.num_experts
-        self.gate = nn.Linear(dim, n, bias=False)
+        self.parallel = parallel
+        self.local_experts = parallel.share(args.num_experts)
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        n = len(self.local_experts)
         self.w1 = nn.Parameter(torch.empty(n, hidden_dim, dim))  # (E, I, D)
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden_dim))  # (E, D, I)
         self.w3 = nn.Parameter(torch.empty(n, hidden_dim, dim))  # (E, I, D)
@@ -40,7 +48,7 @@ class MoeLayer(nn.Module):
         return experts, weights
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of expert e on x ``(N, D)``."""
+        """SwiGLU of this rank's e-th expert on x ``(N, D)``."""
         return (F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
@@ -52,11 +60,11 @@ class MoeLayer(nn.Module):
         mix = weights.flatten()[order, None]  # (T*K, 1)
         counts = torch.bincount(flat_experts, minlength=self.args.num_experts).tolist()
         out = torch.zeros_like(x)
-        start = 0
-        for e, count in enumerate(counts):
+        starts = [sum(counts[:e]) for e in range(len(counts))]
+        for local, e in enumerate(self.local_experts):
+            count, start = counts[e], starts[e]
             if count == 0:
                 continue
             chosen = tokens[start : start + count]
-            out.index_add_(0, chosen, self.expert(e, x[chosen]) * mix[start : start + count])
-            start += count
-        return out
+            out.index_add_(0, chosen, self.expert(local, x[chosen]) * mix[start : start + count])
+        return self.parallel.all_reduce(out)

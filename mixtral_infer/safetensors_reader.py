@@ -17,11 +17,12 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from mixtral_infer.errors import CheckpointError
+from mixtral_infer.parallel import Selection
 
 DTYPES = {
     "F64": torch.float64,
@@ -86,18 +87,45 @@ def read_header(path: str | Path) -> List[TensorEntry]:
     return entries
 
 
-def iter_tensors(path: str | Path) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the file, in file order, each read on demand."""
+Selector = Callable[[str], Optional[Selection]]
+
+
+def apply_selection(tensor: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """The part of ``tensor`` a selection keeps, as a tensor of its own."""
+    if selection.rows is None and selection.columns is None:
+        return tensor
+    if selection.rows is not None:
+        tensor = tensor[selection.rows]
+    if selection.columns is not None:
+        tensor = tensor[:, selection.columns]
+    return tensor.clone()
+
+
+def iter_tensors(path: str | Path, select: Optional[Selector] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) for the file's tensors, in file order, each read on demand.
+
+    ``select(name)`` may skip a tensor (None: its bytes are never read) or keep a
+    part of it: a row range is read as one byte range, columns are cut after reading.
+    """
     path = Path(path)
     entries = sorted(read_header(path), key=lambda e: e.begin)
     with open(path, "rb") as handle:
         for entry in entries:
-            tensor = torch.empty(entry.shape, dtype=entry.dtype)
-            buffer = tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else None
-            handle.seek(entry.begin)
-            if buffer is not None and handle.readinto(memoryview(buffer)) != entry.end - entry.begin:
-                raise CheckpointError(f"{path}: truncated while reading tensor {entry.name}")
-            yield entry.name, tensor
+            selection = select(entry.name) if select is not None else Selection()
+            if selection is None:
+                continue
+            shape, begin = entry.shape, entry.begin
+            if selection.rows is not None and shape:
+                rows = range(shape[0])[selection.rows]
+                row_bytes = (entry.end - entry.begin) // max(shape[0], 1)
+                shape, begin = (len(rows), *shape[1:]), entry.begin + rows.start * row_bytes
+            tensor = torch.empty(shape, dtype=entry.dtype)
+            if tensor.numel():
+                buffer = tensor.view(-1).view(torch.uint8).numpy()
+                handle.seek(begin)
+                if handle.readinto(memoryview(buffer)) != buffer.nbytes:
+                    raise CheckpointError(f"{path}: truncated while reading tensor {entry.name}")
+            yield entry.name, apply_selection(tensor, Selection(columns=selection.columns))
 
 
 def tensor_shapes(path: str | Path) -> Dict[str, Tuple[int, ...]]:

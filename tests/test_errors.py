@@ -287,7 +287,7 @@ def test_unused_cache_slots_full_of_nan_change_nothing(window):
 def test_nan_logits_are_reported_not_sampled():
     model = random_model(tiny_args(), seed=9)
     with torch.no_grad():
-        model.layers[1].attention.wo.weight[0, 0] = float("nan")
+        model.layers["1"].attention.wo.weight[0, 0] = float("nan")
     with pytest.raises(GenerationError, match="NaN or inf logits"):
         generate([[1, 2, 3]], model, max_tokens=3, temperature=1.0, seed=0)
 

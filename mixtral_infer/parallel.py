@@ -1,0 +1,160 @@
+"""Cutting one model across processes with torch.distributed (launched by torchrun).
+
+Two ways, one at a time:
+
+* **Pipeline** (``num_pipeline_ranks=N``): rank r holds a contiguous slice of the
+  layers (rank 0 also the embeddings, the last rank the final norm and output),
+  receives the hidden states from rank r-1 and sends its own to rank r+1. The last
+  rank's logits are broadcast so every rank samples the same tokens.
+* **Tensor / expert** (``tensor_parallel=N``): every rank holds every layer, with
+  1/N of the query and KV heads, 1/N of the dense feed-forward's hidden units, or
+  1/N of the experts. Each rank's partial output is summed with an all-reduce.
+
+Each rank keeps only its share of the KV cache and reads only its share of the
+weights: tensors of other ranks' layers or experts are skipped, row slices are
+read as byte ranges, column slices are cut after reading the tensor.
+
+Worked example, 4 layers, 8 query heads, 2 KV heads, 4 experts, N = 2::
+
+    pipeline  rank 0: embeddings, layers 0-1        rank 1: layers 2-3, norm, output
+    tensor    rank 0: heads 0-3, KV head 0, experts 0-1   rank 1: heads 4-7, KV head 1, experts 2-3
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mixtral_infer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which part of a published tensor one rank keeps."""
+
+    rows: Optional[slice] = None  # keep these rows (read as one byte range)
+    columns: Optional[slice] = None  # then keep these columns
+
+
+_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^feed_forward\.experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This process's place in the group. ``Parallel()`` is the single-process model."""
+
+    tensor_parallel: int = 1
+    num_pipeline_ranks: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "num_pipeline_ranks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.tensor_parallel > 1 and self.num_pipeline_ranks > 1:
+            raise ConfigError("use either tensor_parallel or num_pipeline_ranks, not both")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside a group of {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.num_pipeline_ranks
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.num_pipeline_ranks == 1 or self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.num_pipeline_ranks == 1 or self.rank == self.num_pipeline_ranks - 1
+
+    def check(self, args) -> None:
+        """Raise ConfigError, before any weight is read, when the model cannot be cut this way."""
+        n = self.tensor_parallel
+        if n > 1:
+            for name, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), ("hidden_dim", args.hidden_dim)):
+                if value % n:
+                    raise ConfigError(f"tensor_parallel={n} does not divide {name}={value}")
+            if args.moe is not None and args.moe.num_experts % n:
+                raise ConfigError(f"tensor_parallel={n} does not divide moe.num_experts={args.moe.num_experts}")
+        if self.num_pipeline_ranks > args.n_layers:
+            raise ConfigError(f"num_pipeline_ranks={self.num_pipeline_ranks} exceeds n_layers={args.n_layers}")
+
+    # ------------------------------------------------------------ shares
+
+    def layer_range(self, n_layers: int) -> range:
+        """Contiguous layers of this pipeline stage; earlier stages take one more when uneven."""
+        if self.num_pipeline_ranks == 1:
+            return range(n_layers)
+        base, extra = divmod(n_layers, self.num_pipeline_ranks)
+        start = self.rank * base + min(self.rank, extra)
+        return range(start, start + base + (1 if self.rank < extra else 0))
+
+    def share(self, n: int) -> range:
+        """This rank's contiguous 1/N of n heads, hidden units or experts (all of them without tensor parallel)."""
+        if self.tensor_parallel == 1:
+            return range(n)
+        size = n // self.tensor_parallel
+        return range(self.rank * size, (self.rank + 1) * size)
+
+    def select(self, name: str, args) -> Optional[Selection]:
+        """The part of published tensor ``name`` this rank keeps; None when it keeps nothing."""
+        if name == "tok_embeddings.weight":
+            return Selection() if self.is_first_stage else None
+        if name in ("norm.weight", "output.weight"):
+            return Selection() if self.is_last_stage else None
+        match = _LAYER_TENSOR.match(name)
+        if match is None:
+            return Selection()  # not ours to judge: the loader reports it as unexpected
+        if int(match[1]) not in self.layer_range(args.n_layers):
+            return None
+        if self.tensor_parallel == 1:
+            return Selection()
+        rest = match[2]
+        expert = _EXPERT.match(rest)
+        if expert is not None:
+            return Selection() if int(expert[1]) in self.share(args.moe.num_experts if args.moe else 0) else None
+        heads = _as_slice(self.share(args.n_heads), args.head_dim)
+        kv_heads = _as_slice(self.share(args.n_kv_heads), args.head_dim)
+        hidden = _as_slice(self.share(args.hidden_dim), 1)
+        return {
+            "attention.wq.weight": Selection(rows=heads),
+            "attention.wk.weight": Selection(rows=kv_heads),
+            "attention.wv.weight": Selection(rows=kv_heads),
+            "attention.wo.weight": Selection(columns=heads),
+            "feed_forward.w1.weight": Selection(rows=hidden),
+            "feed_forward.w3.weight": Selection(rows=hidden),
+            "feed_forward.w2.weight": Selection(columns=hidden),
+        }.get(rest, Selection())
+
+    # ------------------------------------------------------------ communication
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the partial results of the tensor-parallel ranks (no-op in one process)."""
+        if self.tensor_parallel > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x)
+        return x
+
+
+def _as_slice(units: range, width: int) -> slice:
+    return slice(units.start * width, units.stop * width)
+
+
+def shared_seed(seed: Optional[int]) -> Optional[int]:
+    """In a process group, every rank must sample alike: rank 0's seed is used by all."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return seed
+    value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**62, ()).item())], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.broadcast(value, src=0)
+    return int(value.item())

@@ -1,0 +1,105 @@
+"""Two CPU processes (gloo, loopback) give the single-process logits, pipeline and tensor/expert parallel."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import WINDOW, random_model, tiny_args
+from mixtral_infer import ConfigError, Transformer
+from mixtral_infer.checkpoint import save_consolidated
+from mixtral_infer.parallel import Parallel
+from test_model import cached_logits, random_prompts
+
+LENGTHS = [3 * WINDOW + 27, WINDOW + 24, 5]  # each decodes 24 steps, the first two well past the window
+PREFIXES = [3 * WINDOW + 3, WINDOW, 5]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank, world_size, port, folder, parallel_kind, out_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        if parallel_kind == "tensor":
+            parallel = Parallel(tensor_parallel=world_size, rank=rank)
+        else:
+            parallel = Parallel(num_pipeline_ranks=world_size, rank=rank)
+        model = Transformer.from_folder(folder, max_batch_size=3, device="cpu", dtype=torch.float32, parallel=parallel)
+        sequences = random_prompts(LENGTHS, model.args.vocab_size, seed=3)
+        logits = cached_logits(model, sequences, PREFIXES, chunk_size=5)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        cache_bytes = model.make_cache(3, max_seqlen=max(LENGTHS)).nbytes()
+        torch.save({"logits": logits, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes}, f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=["mistral", "mixtral"])
+def saved_model(request, tmp_path_factory):
+    args = dataclasses.replace(tiny_args(moe=request.param == "mixtral", max_batch_size=3), n_layers=3)
+    model = random_model(args, seed=21)
+    folder = tmp_path_factory.mktemp(request.param)
+    save_consolidated(model, folder)
+    return folder, model
+
+
+@pytest.mark.parametrize("parallel_kind", ["pipeline", "tensor"])
+def test_two_processes_match_one(saved_model, parallel_kind, tmp_path):
+    folder, model = saved_model
+    out_path = tmp_path / "result"
+    mp.start_processes(worker, args=(2, free_port(), str(folder), parallel_kind, str(out_path)), nprocs=2, start_method="spawn")
+    expected = cached_logits(model, random_prompts(LENGTHS, model.args.vocab_size, seed=3), PREFIXES, chunk_size=5)
+    results = [torch.load(f"{out_path}.{rank}") for rank in range(2)]
+    for result in results:  # every rank sees the same logits
+        for got, want in zip(result["logits"], expected):
+            assert (got - want).abs().max().item() <= 1e-5
+
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    full_cache = model.make_cache(3, max_seqlen=max(LENGTHS)).nbytes()
+    shares = [r["weight_bytes"] for r in results]
+    if parallel_kind == "pipeline":
+        assert sum(shares) == full_bytes  # every tensor lives on exactly one rank
+        assert sum(r["cache_bytes"] for r in results) == full_cache
+    else:
+        replicated = 2 * model.args.vocab_size * model.args.dim * 4  # embeddings and output on both ranks
+        replicated += sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith("norm.weight") or "gate" in n)
+        assert all(share == (full_bytes - replicated) // 2 + replicated for share in shares)
+        assert all(r["cache_bytes"] == full_cache // 2 for r in results)
+
+
+@pytest.mark.parametrize(
+    "parallel, message",
+    [
+        (Parallel(tensor_parallel=3, rank=0), "tensor_parallel=3 does not divide n_heads=4"),
+        (Parallel(num_pipeline_ranks=3, rank=0), "num_pipeline_ranks=3 exceeds n_layers=2"),
+    ],
+)
+def test_a_rank_count_that_does_not_divide_is_refused_before_loading(tmp_path, monkeypatch, parallel, message):
+    save_consolidated(random_model(tiny_args()), tmp_path)
+    import mixtral_infer.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "iter_tensors", lambda *a: pytest.fail("weights read before the check"))
+    with pytest.raises(ConfigError, match=message):
+        Transformer.from_folder(tmp_path, device="cpu", parallel=parallel)
+
+
+def test_kv_heads_and_experts_must_divide_too():
+    args = tiny_args()
+    with pytest.raises(ConfigError, match="tensor_parallel=4 does not divide n_kv_heads=2"):
+        Parallel(tensor_parallel=4).check(args)
+    odd_experts = dataclasses.replace(args, n_kv_heads=4, moe=dataclasses.replace(args.moe, num_experts=3))
+    with pytest.raises(ConfigError, match="does not divide moe.num_experts=3"):
+        Parallel(tensor_parallel=2).check(odd_experts)
+    with pytest.raises(ConfigError, match="either tensor_parallel or num_pipeline_ranks"):
+        Parallel(tensor_parallel=2, num_pipeline_ranks=2)
