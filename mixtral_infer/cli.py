@@ -18,6 +18,7 @@ from mixtral_infer.checkpoint import TOKENIZER_FILE, default_device
 from mixtral_infer.errors import GenerationError, MixtralInferError
 from mixtral_infer.generate import generate
 from mixtral_infer.model import Transformer
+from mixtral_infer.parallel import Parallel
 from mixtral_infer.tokenizer import Tokenizer
 
 SHIPPED_MODELS = Path(__file__).parent / "models"
@@ -66,21 +67,67 @@ class ProgressBar:
         sys.stderr.flush()
 
 
-def load(model_path: Optional[str], max_batch_size: int, device: Optional[str], dtype: Optional[str]):
+def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Optional[str]):
+    """(Parallel, device) for this process; joins the torchrun group when the model is cut."""
+    import os
+
+    parallel_size = tensor_parallel * num_pipeline_ranks
+    if parallel_size == 1:
+        return Parallel(), parse_device(device)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != parallel_size:
+        raise MixtralInferError(
+            f"--tensor_parallel {tensor_parallel} --num_pipeline_ranks {num_pipeline_ranks} needs {parallel_size} "
+            f"processes; this is {world_size}: launch with torchrun --nproc-per-node {parallel_size} main.py ..."
+        )
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    parallel = Parallel(tensor_parallel=tensor_parallel, num_pipeline_ranks=num_pipeline_ranks, rank=dist.get_rank())
+    return parallel, torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+
+
+def is_main_process() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def load(
+    model_path: Optional[str],
+    max_batch_size: int,
+    device: Optional[str],
+    dtype: Optional[str],
+    tensor_parallel: int = 1,
+    num_pipeline_ranks: int = 1,
+):
     """(model, tokenizer) from a model folder, the shipped tiny Mixtral when no path is given."""
     folder = Path(model_path) if model_path is not None else DEFAULT_MODEL
-    torch_device, torch_dtype = parse_device(device), parse_dtype(dtype)
+    parallel, torch_device = join_process_group(tensor_parallel, num_pipeline_ranks, device)
+    torch_dtype = parse_dtype(dtype)
     if folder.is_dir() and not (folder / TOKENIZER_FILE).is_file():
         raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
     start = time.perf_counter()
     model = Transformer.from_folder(
-        folder, max_batch_size=max_batch_size, device=torch_device, dtype=torch_dtype, progress=ProgressBar("loading")
+        folder,
+        max_batch_size=max_batch_size,
+        device=torch_device,
+        dtype=torch_dtype,
+        progress=ProgressBar("loading") if is_main_process() else None,
+        parallel=parallel,
     )
     tokenizer = Tokenizer(folder / TOKENIZER_FILE)
     n_params = sum(p.numel() for p in model.parameters())
     print(
+        f"rank {parallel.rank}: " if parallel.world_size > 1 else "",
         f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}, {model.device}) "
         f"in {time.perf_counter() - start:.2f}s",
+        sep="",
         file=sys.stderr,
     )
     return model, tokenizer
@@ -96,9 +143,14 @@ def demo(
     seed: Optional[int] = None,
     device: Optional[str] = None,
     dtype: Optional[str] = None,
+    tensor_parallel: int = 1,
+    num_pipeline_ranks: int = 1,
 ) -> None:
-    """Complete three prompts of different lengths in one batch and print them."""
-    model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype)
+    """Complete three prompts of different lengths in one batch and print them.
+
+    Under torchrun, --tensor_parallel N or --num_pipeline_ranks N cut the model across the N processes.
+    """
+    model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype, tensor_parallel, num_pipeline_ranks)
     encoded = [tokenizer.encode(prompt, bos=True) for prompt in DEMO_PROMPTS]
     start = time.perf_counter()
     generated, _ = generate(
@@ -113,6 +165,8 @@ def demo(
         seed=seed,
     )
     elapsed = time.perf_counter() - start
+    if not is_main_process():
+        return
     for prompt, tokens in zip(DEMO_PROMPTS, generated):
         print(f"{prompt}{_continuation(tokenizer, tokens)}")
         print("-" * 40)
@@ -139,12 +193,16 @@ def interactive(
     seed: Optional[int] = None,
     device: Optional[str] = None,
     dtype: Optional[str] = None,
+    tensor_parallel: int = 1,
+    num_pipeline_ranks: int = 1,
 ) -> None:
     """A prompt loop that streams each answer; /reset starts over, /quit (or end of input) leaves.
 
     With --instruct, turns are wrapped in [INST] ... [/INST] and later turns see earlier ones.
+    Under torchrun, rank 0 reads the input and shares each line with the other ranks.
     """
-    model, tokenizer = load(model_path, 1, device, dtype)
+    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks)
+    main_process = is_main_process()
     conversation = Conversation(
         model,
         tokenizer,
@@ -158,12 +216,12 @@ def interactive(
     )
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # undecodable bytes become U+FFFD, not a crash
-    print("type a prompt; /reset starts a new conversation, /quit leaves", file=sys.stderr)
+    if main_process:
+        print("type a prompt; /reset starts a new conversation, /quit leaves", file=sys.stderr)
     while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
+        line = _read_line() if main_process else None
+        line = _share_line(line)
+        if line is None:
             return
         if line.startswith("/"):
             command = line.strip()
@@ -171,15 +229,39 @@ def interactive(
                 return
             if command == "/reset":
                 conversation.reset()
-                print("(new conversation)", file=sys.stderr)
-                continue
-            print(f"unknown command {command}: use /reset or /quit", file=sys.stderr)
+                message = "(new conversation)"
+            else:
+                message = f"unknown command {command}: use /reset or /quit"
+            if main_process:
+                print(message, file=sys.stderr)
             continue
+        emit = (lambda piece: print(piece, end="", flush=True)) if main_process else (lambda piece: None)
         try:
-            conversation.reply(line, emit=lambda piece: print(piece, end="", flush=True))
+            conversation.reply(line, emit=emit)
         except KeyboardInterrupt:
             print(" [stopped]", end="")
-        print(flush=True)
+        if main_process:
+            print(flush=True)
+
+
+def _read_line() -> Optional[str]:
+    """The next input line, or None at end of input or Ctrl-C."""
+    try:
+        return input("> ")
+    except (EOFError, KeyboardInterrupt):
+        print(file=sys.stderr)
+        return None
+
+
+def _share_line(line: Optional[str]) -> Optional[str]:
+    """Rank 0's line, on every rank of a process group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return line
+    shared = [line]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 def convert(src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] = None) -> None:
@@ -202,6 +284,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

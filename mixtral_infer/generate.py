@@ -14,6 +14,7 @@ import torch
 from mixtral_infer.cache import RotatingBufferCache
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.model import Transformer
+from mixtral_infer.parallel import shared_seed
 from mixtral_infer.sampling import sample_next
 
 TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
@@ -136,6 +137,8 @@ def generate(
     elif len(cache.seqlens) != batch:
         raise GenerationError(f"the cache holds {len(cache.seqlens)} sequences but {batch} prompts were given")
     chunk_size = chunk_size or model.args.sliding_window or longest
+    if model.parallel.world_size > 1:
+        seed = shared_seed(seed)  # every rank must draw the same tokens
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
 
     logits, logprobs = prefill(model, cache, encoded_prompts, chunk_size)  # (B, V)

@@ -61,3 +61,27 @@ def test_interactive_reset_and_quit():
     assert result.returncode == 0, result.stderr
     assert "(new conversation)" in result.stderr
     assert result.stdout.count("> ") == 3  # three prompts shown; the line after /quit is never read
+
+
+@pytest.mark.parametrize("option", ["--tensor_parallel", "--num_pipeline_ranks"])
+def test_torchrun_with_two_processes_prints_the_same_completions(option):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    single = run("demo", "--max_tokens", "30")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(port), str(REPO / "main.py"), "demo", "--max_tokens", "30", option, "2",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == single.stdout  # only rank 0 prints
+
+
+def test_parallel_options_without_torchrun_are_a_clear_error():
+    result = run("demo", "--tensor_parallel", "2")
+    assert result.returncode == 1
+    assert "launch with torchrun --nproc-per-node 2" in result.stderr
+    assert "Traceback" not in result.stderr
