@@ -136,17 +136,20 @@ def load(
 def demo(
     model_path: Optional[str] = None,
     max_tokens: int = 60,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
     top_k: Optional[int] = None,
     chunk_size: Optional[int] = None,
-    seed: Optional[int] = None,
+    seed: Optional[int] = 0,
     device: Optional[str] = None,
     dtype: Optional[str] = None,
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
 ) -> None:
     """Complete three prompts of different lengths in one batch and print them.
+
+    Sampled (temperature 0.7, top-p 0.9) with a fixed seed, so the output is the same every run;
+    --temperature 0 for greedy.
 
     Under torchrun, --tensor_parallel N or --num_pipeline_ranks N cut the model across the N processes.
     """

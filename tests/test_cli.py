@@ -30,13 +30,15 @@ def test_shipped_models_are_complete():
     assert mixtral.args.sliding_window is not None
 
 
-def test_demo_prints_each_prompt_with_the_greedy_completion():
-    result = run("demo", "--max_tokens", "40")
+@pytest.mark.parametrize("settings", [[], ["--temperature", "0"]], ids=["sampled", "greedy"])
+def test_demo_prints_each_prompt_with_its_completion(settings):
+    result = run("demo", "--max_tokens", "40", *settings)
     assert result.returncode == 0, result.stderr
     model = Transformer.from_folder(DEFAULT_MODEL, max_batch_size=3, device="cpu")
     tokenizer = Tokenizer(DEFAULT_MODEL / "tokenizer.model")
+    sampling = dict(temperature=0.7, top_p=0.9, seed=0) if not settings else {}
     generated, _ = generate(
-        [tokenizer.encode(p) for p in DEMO_PROMPTS], model, max_tokens=40, eos_id=tokenizer.eos_id
+        [tokenizer.encode(p) for p in DEMO_PROMPTS], model, max_tokens=40, eos_id=tokenizer.eos_id, **sampling
     )
     for prompt, tokens in zip(DEMO_PROMPTS, generated):
         completion = tokenizer.decode(tokens)
