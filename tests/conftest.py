@@ -9,7 +9,7 @@ import torch
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint import build_model
-from mixtral_infer.hf_format import hf_to_published
+from mixtral_infer.hf_format import hf_config_from_args, hf_to_published
 
 WINDOW = 8
 
@@ -45,31 +45,15 @@ def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
 
 
 def hf_config(args: ModelArgs):
+    """transformers' config for the same shapes (through the package's own config.json writer)."""
     import transformers
 
-    common = dict(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        intermediate_size=args.hidden_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        rms_norm_eps=args.norm_eps,
-        rope_theta=args.rope_theta,
-        sliding_window=args.sliding_window,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.15,
-    )
-    if args.moe is None:
-        return transformers.MistralConfig(**common), transformers.MistralForCausalLM
-    config = transformers.MixtralConfig(
-        num_local_experts=args.moe.num_experts, num_experts_per_tok=args.moe.num_experts_per_tok, **common
-    )
-    return config, transformers.MixtralForCausalLM
+    config = hf_config_from_args(args, torch.float32)
+    config.update(initializer_range=0.15, max_position_embeddings=4096)
+    config.pop("architectures"), config.pop("torch_dtype")
+    if config.pop("model_type") == "mixtral":
+        return transformers.MixtralConfig(**config), transformers.MixtralForCausalLM
+    return transformers.MistralConfig(**config), transformers.MistralForCausalLM
 
 
 def hf_model(args: ModelArgs, seed: int = 0):
