@@ -4,7 +4,7 @@ The trained folders (`tiny-mixtral`, `tiny-mistral`) are committed, so this scri
 needed to re-train them. It needs the public-domain KJV text from Debian:
 
     apt-get install bible-kjv-text        # also pulls in the `bible` reader program
-    python scripts/train_small.py         # ~25 minutes on 2 CPU cores
+    python scripts/train_small.py         # ~20 minutes on 2 idle CPU cores
     python scripts/train_small.py --quick # ~1 minute smoke run, writes to a temp folder
 
 Steps:
@@ -388,8 +388,11 @@ def sample_text(folder: Path, prompt: str, max_tokens: int, temperature: float) 
     """Continue `prompt` with the saved model, through the package's public API."""
     model = Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
     tokenizer = Tokenizer(folder / TOKENIZER_FILE)
-    generated, _ = generate([tokenizer.encode(prompt, bos=True)], model, max_tokens=max_tokens, temperature=temperature, seed=0)
-    return prompt + tokenizer.decode(generated[0])
+    prompt_ids = tokenizer.encode(prompt, bos=True)
+    generated, _ = generate([prompt_ids], model, max_tokens=max_tokens, temperature=temperature, seed=0)
+    # Decode prompt and continuation together: decoding the continuation alone would drop the
+    # space of its first piece ("▁unto" -> "unto"), as sentencepiece strips a leading space.
+    return tokenizer.decode(prompt_ids + generated[0])
 
 
 # --------------------------------------------------------------------------- main
