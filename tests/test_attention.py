@@ -79,3 +79,18 @@ def test_decode_with_every_slot_in_use_takes_the_unmasked_path():
     torch.testing.assert_close(
         torch_attention(q, k, v, metadata.mask), dense_attention(q, k, v, metadata.mask), atol=1e-5, rtol=1e-5
     )
+
+
+def test_importing_the_package_prints_nothing_on_a_cpu_only_machine():
+    """xformers' "can't load C++/CUDA extensions" warning is silenced where CUDA cannot exist."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("the warning is kept on machines with CUDA")
+    result = subprocess.run(
+        [sys.executable, "-c", "import mixtral_infer, mixtral_infer.attention; print('ok')"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.stdout == "ok\n"
+    assert result.stderr == ""
