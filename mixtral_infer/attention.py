@@ -151,6 +151,10 @@ def _padded_keys_attention(
         keys, values = keys[index], values[index]  # (B_active, S, H_kv, D)
     lengths = [kv_seqlens[b] for b in rows]
     mask = None
+    longest = max(lengths)
+    if longest < padding:
+        # Slots past the longest sequence are never read: drop them rather than mask them.
+        keys, values, padding = keys[:, :longest], values[:, :longest], longest
     if min(lengths) < padding:
         slot = torch.arange(padding, device=k.device)
         valid = slot[None, :] < torch.tensor(lengths, device=k.device)[:, None]  # (B_active, S)

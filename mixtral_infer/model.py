@@ -23,6 +23,7 @@ from torch import nn
 from mixtral_infer.attention import attention
 from mixtral_infer.cache import CacheView, RotatingBufferCache, causal_attention_bias
 from mixtral_infer.errors import ConfigError
+from mixtral_infer.linear import linear
 from mixtral_infer.moe import MoeArgs, MoeLayer
 from mixtral_infer.parallel import Parallel
 from mixtral_infer.rope import apply_rotary, rotary_angles
@@ -112,8 +113,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x / sqrt(mean(x^2) + eps)
         return normed.type_as(x) * self.weight
 
 
@@ -139,9 +139,9 @@ class Attention(nn.Module):
         mask,
     ) -> torch.Tensor:
         n_tokens = x.shape[0]
-        xq = self.wq(x).view(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
-        xk = self.wk(x).view(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
-        xv = self.wv(x).view(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
+        xq = linear(x, self.wq.weight).reshape(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
+        xk = linear(x, self.wk.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
+        xv = linear(x, self.wv.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
         xq, xk = apply_rotary(xq, *rotary), apply_rotary(xk, *rotary)
 
         if cache is None:
@@ -155,7 +155,8 @@ class Attention(nn.Module):
             key, value = cache.key, cache.value  # (B*S, K, Dh)
             mask = cache.mask
         out = attention(xq, key, value, mask)  # (T, H, Dh)
-        return self.parallel.all_reduce(self.wo(out.reshape(n_tokens, self.n_heads * self.head_dim)))
+        out = linear(out.reshape(n_tokens, self.n_heads * self.head_dim), self.wo.weight)  # (T, D)
+        return self.parallel.all_reduce(out)
 
 
 class FeedForward(nn.Module):
@@ -170,7 +171,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, local_hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        hidden = F.silu(linear(x, self.w1.weight)) * linear(x, self.w3.weight)  # (T, I)
+        return self.parallel.all_reduce(linear(hidden, self.w2.weight))
 
 
 class TransformerBlock(nn.Module):
@@ -279,11 +281,11 @@ class Transformer(nn.Module):
     def _stage_output(self, h: torch.Tensor) -> torch.Tensor:
         """Float logits on the last stage, shared with every stage; elsewhere, pass h on."""
         if self.parallel.num_pipeline_ranks == 1:
-            return self.output(self.norm(h)).float()
+            return linear(self.norm(h), self.output.weight).float()
         import torch.distributed as dist
 
         if self.parallel.is_last_stage:
-            logits = self.output(self.norm(h)).float()
+            logits = linear(self.norm(h), self.output.weight).float()
         else:
             dist.send(h.contiguous(), dst=self.parallel.rank + 1)
             logits = torch.empty(h.shape[0], self.args.vocab_size, dtype=torch.float32, device=self.device)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from simple_parsing.helpers import Serializable
 from torch import nn
 
+from mixtral_infer.linear import linear
 from mixtral_infer.parallel import Parallel
 
 
@@ -49,10 +50,12 @@ class MoeLayer(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of this rank's e-th expert on x ``(N, D)``."""
-        return (F.silu(x @ self.w1[e].T) * (x @ self.w3[e].T)) @ self.w2[e].T
+        return linear(F.silu(linear(x, self.w1[e])) * linear(x, self.w3[e]), self.w2[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
         experts, weights = self.route(x)  # (T, K), (T, K)
+        if x.shape[0] == 1:
+            return self.parallel.all_reduce(self._one_token(x, experts[0], weights[0]))
         k = experts.shape[1]
         flat_experts = experts.flatten()  # (T*K,)
         order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
@@ -61,10 +64,23 @@ class MoeLayer(nn.Module):
         counts = torch.bincount(flat_experts, minlength=self.args.num_experts).tolist()
         out = torch.zeros_like(x)
         starts = [sum(counts[:e]) for e in range(len(counts))]
+        rows, parts = [], []
         for local, e in enumerate(self.local_experts):
             count, start = counts[e], starts[e]
             if count == 0:
                 continue
             chosen = tokens[start : start + count]
-            out.index_add_(0, chosen, self.expert(local, x[chosen]) * mix[start : start + count])
+            rows.append(chosen)
+            parts.append(self.expert(local, x[chosen]) * mix[start : start + count])
+        if parts:
+            # One accumulation for all experts (index_add_ runs as a slow scatter on CPU).
+            out.index_put_((torch.cat(rows),), torch.cat(parts), accumulate=True)
         return self.parallel.all_reduce(out)
+
+    def _one_token(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Decoding at batch 1: run the token's k experts directly, no grouping. x: (1, D)."""
+        out = torch.zeros_like(x)
+        for e, weight in zip(experts.tolist(), weights):
+            if e in self.local_experts:
+                out += self.expert(e - self.local_experts.start, x) * weight
+        return out
