@@ -239,6 +239,78 @@ def other_busy_processes() -> List[str]:
     return busy
 
 
+class CpuWatcher:
+    """Samples, every few seconds, which processes outside this benchmark use the CPU.
+
+    The machine is shared: a test run or a training job started by someone else during the
+    benchmark slows both sides and, worse, makes 2-thread OpenMP runs stall at every barrier.
+    The report says whether (and by what) each run was disturbed.
+    """
+
+    def __init__(self, interval: float = 5.0, threshold: float = 0.2):
+        import threading
+
+        self.interval, self.threshold = interval, threshold
+        self.samples = 0
+        self.busy_samples = 0
+        self.offenders: Dict[str, float] = {}  # command -> highest share of one core seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _snapshot() -> Dict[int, tuple]:
+        table = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                rest = stat[stat.rindex(")") + 2 :].split()
+                ppid, ticks = int(rest[1]), int(rest[11]) + int(rest[12])
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                table[int(entry)] = (ppid, ticks, cmd or stat[stat.index("(") : stat.rindex(")") + 1])
+            except (OSError, ValueError, IndexError):
+                continue
+        return table
+
+    def _ours(self, table: Dict[int, tuple]) -> set:
+        ours, changed = {os.getpid()}, True
+        while changed:
+            changed = False
+            for pid, (ppid, _, _) in table.items():
+                if ppid in ours and pid not in ours:
+                    ours.add(pid)
+                    changed = True
+        return ours
+
+    def _run(self) -> None:
+        hz = os.sysconf("SC_CLK_TCK")
+        before, t0 = self._snapshot(), time.monotonic()
+        while not self._stop.wait(self.interval):
+            after, t1 = self._snapshot(), time.monotonic()
+            ours = self._ours(after)
+            busy = False
+            for pid, (_, ticks, cmd) in after.items():
+                if pid in ours or pid not in before:
+                    continue
+                share = (ticks - before[pid][1]) / hz / (t1 - t0)
+                if share > self.threshold:
+                    busy = True
+                    self.offenders[cmd[:120]] = max(self.offenders.get(cmd[:120], 0.0), round(share, 2))
+            self.samples += 1
+            self.busy_samples += busy
+            before, t0 = after, t1
+
+    def start(self) -> "CpuWatcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"samples": self.samples, "busy_samples": self.busy_samples, "offenders": self.offenders}
+
+
 def read_bandwidth(gigabytes: float = 1.5, repeats: int = 7) -> float:
     """Best-of-N read bandwidth (bytes/s) of a float32 sum over a large tensor."""
     # Random data, not ones: pages of identical bytes can be deduplicated by the host and read from cache.
@@ -550,10 +622,16 @@ def table(results: dict) -> str:
         f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
         f"transformers {m['transformers']}, float32"
     )
-    lines.append(
-        f"read bandwidth: {results['bandwidth_gb_s']:.1f} GB/s (best of 7 sums over 1.5 GB)"
-        + (f"; other busy processes: {len(results['busy_processes'])}" if results["busy_processes"] else "")
-    )
+    lines.append(f"read bandwidth: {results['bandwidth_gb_s']:.1f} GB/s at the start (best of 7 sums over 1.5 GB)")
+    load = results.get("other_cpu_load")
+    if load is not None:
+        if load["busy_samples"]:
+            lines.append(
+                f"WARNING: other processes used the CPU in {load['busy_samples']} of {load['samples']} samples "
+                f"(every 5 s): " + "; ".join(f"{cmd} ({share:.0%})" for cmd, share in load["offenders"].items())
+            )
+        else:
+            lines.append(f"no other process used the CPU during the run ({load['samples']} samples, every 5 s)")
     for name, r in results["models"].items():
         lines.append("")
         lines.append(f"== {name} (weights {r['weights_gb']:.2f} GB, {r['hf_impl']})")
@@ -631,6 +709,7 @@ def main(argv=None) -> int:
         print(message, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
+    watcher = CpuWatcher().start()
     results: dict = {"machine": machine_info(), "busy_processes": other_busy_processes()}
     if results["busy_processes"]:
         log("WARNING: other processes are using the CPU; the timings will be low:\n  " + "\n  ".join(results["busy_processes"]))
@@ -685,6 +764,7 @@ def main(argv=None) -> int:
             cli.out.parent.mkdir(parents=True, exist_ok=True)
             cli.out.write_text(json.dumps(results, indent=2) + "\n")
     results["busy_processes_at_end"] = other_busy_processes()
+    results["other_cpu_load"] = watcher.stop()
     results["total_seconds"] = time.perf_counter() - t0
     text = table(results)
     print(text)
