@@ -649,11 +649,12 @@ def table(results: dict) -> str:
                 f"{p['speedup']:7.2f}x  (ours chunk {p['chunk']}; last-logit diff {p['last_logits_max_abs_diff']:.1e})"
             )
         c = r["ceiling"]
-        lines.append(
-            f"{'bytes read per decode step b1':34s} {c['bytes_b1'] / 1e6:9.1f}M  at {c['bandwidth_gb_s']:.1f} GB/s -> "
-            f"ceiling {c['tok_s_b1']:.1f} tok/s; ours b1 = {c['ours_fraction_b1']:.0%}, "
-            f"transformers b1 = {c['hf_fraction_b1']:.0%} of it"
-        )
+        if c["ours_fraction_b1"] is not None:
+            lines.append(
+                f"{'bytes read per decode step b1':34s} {c['bytes_b1'] / 1e6:9.1f}M  at {c['bandwidth_gb_s']:.1f} GB/s -> "
+                f"ceiling {c['tok_s_b1']:.1f} tok/s; ours b1 = {c['ours_fraction_b1']:.0%}, "
+                f"transformers b1 = {c['hf_fraction_b1']:.0%} of it"
+            )
         mem = r.get("memory", [])
         if mem:
             lines.append(
