@@ -117,6 +117,19 @@ def _block_diagonal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalMask
 ) -> torch.Tensor:
     causal, bottom_right, window = _block_semantics(bias)
+    return _per_block_attention(q, k, v, bias, causal, bottom_right, window)
+
+
+def _per_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias,
+    causal: bool,
+    bottom_right: bool,
+    window: Optional[int],
+) -> torch.Tensor:
+    """One SDPA call per block of the bias, each with its own (q_len, kv_len) mask."""
     out = torch.empty_like(q)
     for (q_start, q_end), (k_start, k_end) in zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()):
         q_len, kv_len = q_end - q_start, k_end - k_start
@@ -140,7 +153,8 @@ def _padded_keys_attention(
     kv_seqlens = bias.k_seqinfo.seqlen_py
     padding = bias.k_seqinfo.padding
     if max(q_seqlens, default=0) > 1:
-        return _padded_keys_attention_per_block(q, k, v, bias)
+        # Several queries per sequence: causal from the bottom right within each used block.
+        return _per_block_attention(q, k, v, bias, causal=True, bottom_right=True, window=None)
     batch = len(q_seqlens)
     n_kv_heads, head_dim = k.shape[1:]
     rows = [b for b, n in enumerate(q_seqlens) if n == 1]
@@ -170,19 +184,6 @@ def _padded_keys_attention(
         enable_gqa=True,
     )
     return out[:, :, 0, :]  # (B_active, H, D) == (T_q, H, D)
-
-
-def _padded_keys_attention_per_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalCausalWithOffsetPaddedKeysMask
-) -> torch.Tensor:
-    out = torch.empty_like(q)
-    for (q_start, q_end), (k_start, k_end) in zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()):
-        q_len, kv_len = q_end - q_start, k_end - k_start
-        if q_len == 0:
-            continue
-        mask = local_causal_mask(q_len, kv_len, None, q.device)
-        out[q_start:q_end] = _sdpa(q[q_start:q_end], k[k_start:k_end], v[k_start:k_end], mask)
-    return out
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:

@@ -81,10 +81,6 @@ def read_params(folder: str | Path) -> ModelArgs:
 # ---------------------------------------------------------------- reading tensors
 
 
-def _safetensors_tensors(path: Path, select: Optional[Selector] = None) -> NamedTensors:
-    return iter_tensors(path, select)
-
-
 def _pth_tensors(path: Path, select: Optional[Selector] = None) -> NamedTensors:
     try:
         state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
@@ -124,7 +120,7 @@ class Checkpoint:
         done = 0
         for path in self.weight_files:
             file_select = select if self.format == "mistral" else None
-            raw = _safetensors_tensors(path, file_select) if path.suffix == ".safetensors" else _pth_tensors(path, file_select)
+            raw = iter_tensors(path, file_select) if path.suffix == ".safetensors" else _pth_tensors(path, file_select)
             for name, tensor in raw:
                 done += 1
                 if progress is not None:
