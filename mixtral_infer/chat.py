@@ -111,6 +111,7 @@ class Conversation:
                 seed=seed,
                 cache=cache,
                 on_token=lambda _, token: stream.push(token),
+                prompt_logprobs=False,
                 **self.settings,
             )
             ended_by_eos = len(generated[0]) < self.settings["max_tokens"]

@@ -166,6 +166,7 @@ def demo(
         chunk_size=chunk_size,
         eos_id=tokenizer.eos_id,
         seed=seed,
+        prompt_logprobs=False,
     )
     elapsed = time.perf_counter() - start
     if not is_main_process():

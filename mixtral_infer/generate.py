@@ -67,20 +67,32 @@ def prefill(
     cache: RotatingBufferCache,
     encoded_prompts: Sequence[Sequence[int]],
     chunk_size: int,
+    logprobs: bool = True,
 ) -> Tuple[torch.Tensor, List[List[float]]]:
     """Run every prompt through the model in chunks.
 
     Returns the logits after each prompt's last token ``(B, V)`` and, per prompt,
-    the log-probability of each of its tokens after the first.
+    the log-probability of each of its tokens after the first. With ``logprobs=False``
+    those lists stay empty and only the rows of each prompt's last token go through
+    the output matrix (``Transformer.forward``'s ``logit_rows``).
     """
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
     last_logits: List[Optional[torch.Tensor]] = [None] * batch
-    logprobs: List[List[float]] = [[] for _ in range(batch)]
+    prompt_logprobs: List[List[float]] = [[] for _ in range(batch)]
     for start in range(0, longest, chunk_size):
         chunks = [list(p[start : start + chunk_size]) for p in encoded_prompts]
         seqlens = [len(c) for c in chunks]
         input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)
+        ends = [i for i, (p, n) in enumerate(zip(encoded_prompts, seqlens)) if n and start + n == len(p)]
+        if not logprobs:
+            # Only the prompts that end in this chunk need logits: their last rows.
+            rows = [sum(seqlens[: i + 1]) - 1 for i in ends]
+            logits = model(input_ids, seqlens, cache, logit_rows=rows)  # (len(ends), V)
+            _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
+            for row, i in enumerate(ends):
+                last_logits[i] = logits[row]
+            continue
         logits = model(input_ids, seqlens, cache)  # (T, V)
         _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
         log_probs = torch.log_softmax(logits, dim=-1)
@@ -93,11 +105,11 @@ def prefill(
             if targets:
                 rows = log_probs[offset : offset + len(targets)]
                 index = torch.tensor(targets, device=rows.device)[:, None]
-                logprobs[i].extend(rows.gather(1, index)[:, 0].tolist())
-            if start + n == len(prompt):
+                prompt_logprobs[i].extend(rows.gather(1, index)[:, 0].tolist())
+            if i in ends:
                 last_logits[i] = logits[offset + n - 1]
             offset += n
-    return torch.stack(last_logits), logprobs  # type: ignore[arg-type]
+    return torch.stack(last_logits), prompt_logprobs  # type: ignore[arg-type]
 
 
 @torch.inference_mode()
@@ -114,12 +126,15 @@ def generate(
     seed: Optional[int] = None,
     cache: Optional[RotatingBufferCache] = None,
     on_token: Optional[TokenCallback] = None,
+    prompt_logprobs: bool = True,
 ) -> Tuple[List[List[int]], List[List[float]]]:
     """Continue each prompt by up to ``max_tokens`` tokens.
 
     Returns ``(generated, logprobs)``: ``generated[i]`` are prompt i's new tokens
     (EOS not included); ``logprobs[i]`` the log-probability of every prompt token
-    after the first, then of every generated token.
+    after the first, then of every generated token. With ``prompt_logprobs=False``,
+    ``logprobs[i]`` holds the generated tokens' only, and the prefill computes logits
+    for each prompt's last token alone (faster; the tokens are the same).
 
     ``cache``: continue sequences already in this cache (a conversation); the
     prompts are then appended to what it holds. Left None, a fresh cache is made.
@@ -141,7 +156,7 @@ def generate(
         seed = shared_seed(seed)  # every rank must draw the same tokens
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
 
-    logits, logprobs = prefill(model, cache, encoded_prompts, chunk_size)  # (B, V)
+    logits, logprobs = prefill(model, cache, encoded_prompts, chunk_size, prompt_logprobs)  # (B, V)
     generated: List[List[int]] = [[] for _ in range(batch)]
     active = list(range(batch))  # sequences still generating; row r of `logits` is sequence active[r]
     for step in range(max_tokens):

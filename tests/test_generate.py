@@ -40,6 +40,18 @@ def test_chunk_size_does_not_change_tokens_or_logprobs(model, chunk_size):
         assert got == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, WINDOW, 2 * WINDOW + 3])
+def test_without_prompt_logprobs_the_tokens_and_generated_logprobs_are_the_same(model, chunk_size):
+    """prompt_logprobs=False computes logits for each prompt's last token only; nothing else changes."""
+    prompts = random_prompts(PROMPT_LENGTHS, model.args.vocab_size, seed=8)
+    settings = dict(max_tokens=2 * WINDOW, temperature=0.8, seed=1, chunk_size=chunk_size)
+    reference_tokens, reference_logprobs = generate(prompts, model, **settings)
+    tokens, logprobs = generate(prompts, model, prompt_logprobs=False, **settings)
+    assert tokens == reference_tokens
+    for got, expected, prompt in zip(logprobs, reference_logprobs, prompts):
+        assert got == pytest.approx(expected[len(prompt) - 1 :], abs=1e-5)
+
+
 def test_rescoring_generated_text_gives_the_logprobs_seen_while_generating(model):
     prompts = random_prompts(PROMPT_LENGTHS, model.args.vocab_size, seed=5)
     generated, logprobs = generate(prompts, model, max_tokens=4 * WINDOW, temperature=0.8, seed=0, chunk_size=5)

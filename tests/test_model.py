@@ -73,3 +73,31 @@ def test_logits_are_far_from_uniform(model_pair):
     ours, _, args = model_pair
     logits = ours(torch.tensor(random_prompts([20], args.vocab_size)[0]), [20])
     assert logits.std(dim=-1).min().item() > 0.5
+
+
+def test_logit_rows_select_rows_of_the_full_logits(model_pair):
+    """A ragged chunk with a cache: ``logit_rows`` gives those rows of the full logits, nothing else changes."""
+    ours, _, args = model_pair
+    chunks = random_prompts([WINDOW + 3, 1, 5], args.vocab_size, seed=9)
+    seqlens = [len(c) for c in chunks]
+    input_ids = torch.tensor(sum(chunks, []))
+    rows = [WINDOW + 2, WINDOW + 3, 0, len(input_ids) - 1]
+    caches = [ours.make_cache(3), ours.make_cache(3)]
+    with torch.no_grad():
+        for cache in caches:
+            cache.init_kvseqlens(3)
+        full = ours(input_ids, seqlens, caches[0])  # (T, V)
+        some = ours(input_ids, seqlens, caches[1], logit_rows=rows)  # (4, V)
+        none = ours(input_ids[:2], [2, 0, 0], ours.make_cache(3), logit_rows=[])
+    assert some.shape == (len(rows), args.vocab_size)
+    assert (some - full[rows]).abs().max().item() <= 1e-5
+    assert none.shape == (0, args.vocab_size)
+    assert caches[0].seqlens == caches[1].seqlens
+    for layer in range(args.n_layers):
+        assert torch.equal(caches[0].cache_k[layer], caches[1].cache_k[layer])
+
+
+def test_logit_rows_out_of_range_is_refused(model_pair):
+    ours, _, args = model_pair
+    with pytest.raises(ValueError, match="logit_rows must index the 3 tokens"):
+        ours(torch.tensor([5, 6, 7]), [3], logit_rows=[3])

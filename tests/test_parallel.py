@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from conftest import WINDOW, random_model, tiny_args
 from mixtral_infer import ConfigError, Transformer
 from mixtral_infer.checkpoint import save_consolidated
+from mixtral_infer.generate import prefill
 from mixtral_infer.parallel import Parallel
 from test_model import cached_logits, random_prompts
 
@@ -38,11 +39,21 @@ def worker(rank, world_size, port, folder, parallel_kind, out_path):
         model = Transformer.from_folder(folder, max_batch_size=3, device="cpu", dtype=torch.float32, parallel=parallel)
         sequences = random_prompts(LENGTHS, model.args.vocab_size, seed=3)
         logits = cached_logits(model, sequences, PREFIXES, chunk_size=5)
+        last_logits = last_logits_only(model, sequences)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         cache_bytes = model.make_cache(3, max_seqlen=max(LENGTHS)).nbytes()
-        torch.save({"logits": logits, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes}, f"{out_path}.{rank}")
+        torch.save({"logits": logits, "last_logits": last_logits, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes}, f"{out_path}.{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def last_logits_only(model, sequences):
+    """Each sequence's last logits from a chunked prefill that skips every other row (``logit_rows``)."""
+    cache = model.make_cache(len(sequences), max_seqlen=max(LENGTHS))
+    cache.init_kvseqlens(len(sequences))
+    with torch.no_grad():
+        logits, _ = prefill(model, cache, sequences, chunk_size=5, logprobs=False)
+    return logits  # (B, V)
 
 
 @pytest.fixture(scope="module", params=["mistral", "mixtral"])
@@ -64,6 +75,8 @@ def test_two_processes_match_one(saved_model, parallel_kind, tmp_path):
     for result in results:  # every rank sees the same logits
         for got, want in zip(result["logits"], expected):
             assert (got - want).abs().max().item() <= 1e-5
+        last = torch.stack([rows[-1] for rows in expected])
+        assert (result["last_logits"] - last).abs().max().item() <= 1e-5
 
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     full_cache = model.make_cache(3, max_seqlen=max(LENGTHS)).nbytes()
