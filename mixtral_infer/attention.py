@@ -120,6 +120,32 @@ def _block_diagonal_attention(
     return _per_block_attention(q, k, v, bias, causal, bottom_right, window)
 
 
+QUERY_TILE = 256  # queries per SDPA call in a long sliding-window block (at least the window)
+
+
+def window_tiles(q_len: int, kv_len: int, window: Optional[int]) -> list[tuple[int, int, int, int]]:
+    """Tiles ``(q_from, q_to, k_from, k_to)`` of a bottom-right-aligned sliding-window block.
+
+    A dense mask over the whole block costs ``q_len * kv_len`` scores, nearly all masked
+    out when the block is much longer than the window. Each tile of ``t = max(window,
+    QUERY_TILE)`` queries instead gets only the keys its queries can see: at most
+    ``t + window - 1``. Query i sits at key index ``i + kv_len - q_len``, so a tile is
+    itself bottom-right aligned and takes ``local_causal_mask`` as it is.
+
+    Example, q_len = kv_len = 700, window 100 (t = 256)::
+
+        [(0, 256, 0, 256), (256, 512, 157, 512), (512, 700, 413, 700)]
+    """
+    shift = kv_len - q_len
+    tile = max(window or 0, QUERY_TILE)
+    if window is None or q_len <= tile:
+        return [(0, q_len, 0, kv_len)]
+    return [
+        (start, min(start + tile, q_len), max(0, start + shift - window + 1), min(start + tile, q_len) + shift)
+        for start in range(0, q_len, tile)
+    ]
+
+
 def _per_block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,19 +155,25 @@ def _per_block_attention(
     bottom_right: bool,
     window: Optional[int],
 ) -> torch.Tensor:
-    """One SDPA call per block of the bias, each with its own (q_len, kv_len) mask."""
+    """SDPA per block of the bias, each with its own (q_len, kv_len) mask; long
+    sliding-window blocks in tiles of queries (``window_tiles``)."""
     out = torch.empty_like(q)
     for (q_start, q_end), (k_start, k_end) in zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()):
         q_len, kv_len = q_end - q_start, k_end - k_start
         if q_len == 0:
             continue
-        mask = None
-        if causal:
-            # A top-left causal block is the bottom-right one when the block is square.
-            if not bottom_right and q_len != kv_len:
-                raise NotImplementedError("top-left causal blocks must be square")
-            mask = local_causal_mask(q_len, kv_len, window, q.device)
-        out[q_start:q_end] = _sdpa(q[q_start:q_end], k[k_start:k_end], v[k_start:k_end], mask)
+        if not causal:
+            out[q_start:q_end] = _sdpa(q[q_start:q_end], k[k_start:k_end], v[k_start:k_end], None)
+            continue
+        # A top-left causal block is the bottom-right one when the block is square.
+        if not bottom_right and q_len != kv_len:
+            raise NotImplementedError("top-left causal blocks must be square")
+        for q_from, q_to, k_from, k_to in window_tiles(q_len, kv_len, window):
+            mask = local_causal_mask(q_to - q_from, k_to - k_from, window, q.device)
+            out[q_start + q_from : q_start + q_to] = _sdpa(
+                q[q_start + q_from : q_start + q_to], k[k_start + k_from : k_start + k_to],
+                v[k_start + k_from : k_start + k_to], mask,
+            )  # fmt: skip
     return out
 
 

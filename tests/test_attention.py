@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mixtral_infer.attention import torch_attention
+from mixtral_infer.attention import torch_attention, window_tiles
 from mixtral_infer.cache import build_input_metadata
 from mixtral_infer.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
@@ -55,6 +55,18 @@ def test_later_chunk_causal_local_from_bottom_right(window):
     assert isinstance(bias, BlockDiagonalCausalLocalAttentionFromBottomRightMask)
     q, k, v = random_qkv(sum(q_seqlens), sum(kv_seqlens))
     torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [100, 256, 300])
+def test_long_blocks_run_in_query_tiles_with_the_same_result(window):
+    """Blocks longer than QUERY_TILE (256) go through window_tiles; the result is the dense one."""
+    assert window_tiles(700, 700, 100) == [(0, 256, 0, 256), (256, 512, 157, 512), (512, 700, 413, 700)]
+    first = BlockDiagonalMask.from_seqlens([700, 30], device=torch.device("cpu")).make_local_attention(window)
+    later = BlockDiagonalMask.from_seqlens([600, 3], [600 + window - 1, 3 + 5], device=torch.device("cpu"))
+    later = later.make_local_attention_from_bottomright(window)
+    for bias, n_q, n_k in [(first, 730, 730), (later, 603, 608 + window - 1)]:
+        q, k, v = random_qkv(n_q, n_k, seed=window)
+        torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_padded_keys_with_finished_sequences():
