@@ -22,8 +22,8 @@ What is measured, in one process unless said otherwise:
    one forward of the model over the B last tokens with the KV cache, then ``argmax`` of the
    ``(B, V)`` logits.
 
-   * ours: ``generate.prefill`` over the prompts (chunk = window, as ``generate`` does, into the
-     cache ``generate`` would make: ``make_cache(B, max_seqlen=64 + 128)``), then the timed loop
+   * ours: ``generate.prefill`` over the prompts (default chunk, last logits only, as ``generate``
+     does, into the cache ``generate`` would make: ``make_cache(B, max_seqlen=64 + 128)``), then the timed loop
      ``logits = model(tokens, [1] * B, cache); tokens = logits.argmax(-1)``. This is ``generate()``'s
      loop without its per-step bookkeeping (log-softmax of the logits for the returned log-probs,
      the finiteness check, ``.tolist()``); that bookkeeping is measured separately and reported as
@@ -40,22 +40,27 @@ What is measured, in one process unless said otherwise:
    when they would take longer than ``--budget`` seconds per side). tokens/s = B * 128 /
    seconds. The greedy tokens of both must be equal: the first index where they differ is reported.
 
-2. Prefill throughput of one 2048-token prompt (8 x the window), full logits on both sides:
-   ours in chunks of the window (``model(chunk, [256], cache)`` x 8 into a window-sized cache);
-   transformers in one ``model(prompt, use_cache=True)``. Median of ``--repeats`` after a warm-up.
+2. Prefill throughput of one 2048-token prompt (8 x the window), into a window-sized cache for
+   ours, in one ``model(prompt, use_cache=True)`` for transformers. Three rows, each the median of
+   ``--repeats`` runs after a warm-up, ours and transformers alternating:
+
+   * last logit, ours with the default chunk (``generate.default_chunk_size(1)`` = 2048 tokens):
+     what generation does. Ours ``generate.prefill(..., logprobs=False)``, transformers
+     ``logits_to_keep=1`` (as ``hf.generate`` does);
+   * the same with ours in chunks of the window (256): less activation memory, smaller matmuls;
+   * all logits, ours with the default chunk: every prompt token's logits on both sides (scoring).
 
 3. KV-cache bytes and peak resident memory for a context of 1x, 4x and 16x the window (batch 1).
    Each measurement runs in its own subprocess that builds only the model it needs, runs a small
    warm-up forward, resets the peak (``echo 5 > /proc/self/clear_refs``), reads VmRSS as the
-   baseline, then prefills the context exactly as in 2. and decodes 4 tokens; peak = VmHWM minus
+   baseline, then prefills the context as generation does (the first row of 2.: ours in chunks of
+   2048 tokens, last logit only on both sides) and decodes 4 tokens; peak = VmHWM minus
    the baseline (weights and library buffers excluded). Cache bytes:
    ours ``cache.nbytes()`` (the whole rotating buffer); transformers the bytes of the tensors its
    ``DynamicCache`` holds (``nbytes``) and of the storages behind them: transformers 5's
    ``DynamicSlidingWindowLayer`` keeps the last ``window - 1`` positions as a *view* of the full
    concatenated keys/values, so right after a long prefill the whole context stays allocated until
    the next decode step replaces it.
-   The transformers side also materialises the logits of every prompt token (``context x 32000 x
-   4`` bytes, reported as ``logits_bytes``); ours only those of one chunk at a time.
 
 4. Memory bandwidth and the decode ceiling: read bandwidth = best of 7 ``torch.sum`` over a 1.5 GB
    float32 tensor, measured at the start and again right before each model's decode runs (this
@@ -89,6 +94,7 @@ import torch
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint import build_model
+from mixtral_infer.generate import default_chunk_size
 from mixtral_infer.generate import prefill as ours_prefill
 from mixtral_infer.hf_format import hf_to_published
 
@@ -359,7 +365,7 @@ def ours_decode(model: Transformer, prompts: List[List[int]], new_tokens: int) -
     batch = len(prompts)
     cache = model.make_cache(batch, max_seqlen=len(prompts[0]) + new_tokens)
     cache.init_kvseqlens(batch)
-    logits, _ = ours_prefill(model, cache, prompts, model.args.sliding_window or len(prompts[0]))
+    logits, _ = ours_prefill(model, cache, prompts, default_chunk_size(len(prompts)), logprobs=False)
     tokens = logits.argmax(-1)
     out = [tokens]
     seqlens = [1] * batch
@@ -458,10 +464,18 @@ def bench_decode(ours, hf, args: ModelArgs, batch: int, repeats: int, new_tokens
 
 
 @torch.inference_mode()
-def ours_chunked_prefill(model: Transformer, prompt: List[int], chunk: int):
-    """Prefill one prompt in chunks into a window-sized cache; returns (last logits, cache)."""
+def ours_chunked_prefill(model: Transformer, prompt: List[int], chunk: int, all_logits: bool = False):
+    """Prefill one prompt in chunks into a window-sized cache; returns (last logits, cache).
+
+    ``all_logits``: every chunk computes the logits of all its tokens (as for scoring);
+    otherwise only the prompt's last token goes through the output matrix, as ``generate``
+    does with ``prompt_logprobs=False``.
+    """
     cache = model.make_cache(1)
     cache.init_kvseqlens(1)
+    if not all_logits:
+        logits, _ = ours_prefill(model, cache, [prompt], chunk, logprobs=False)
+        return logits[0], cache
     ids = torch.tensor(prompt, dtype=torch.long)
     logits = None
     for start in range(0, len(prompt), chunk):
@@ -471,47 +485,56 @@ def ours_chunked_prefill(model: Transformer, prompt: List[int], chunk: int):
 
 
 @torch.inference_mode()
-def hf_full_prefill(hf, prompt: List[int]):
-    result = hf(torch.tensor([prompt]), use_cache=True)
+def hf_full_prefill(hf, prompt: List[int], all_logits: bool = False):
+    """One forward over the whole prompt; ``logits_to_keep=1`` (as ``hf.generate`` does) unless ``all_logits``."""
+    result = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=0 if all_logits else 1)
     return result.logits[0, -1], result.past_key_values
 
 
-def bench_prefill(ours, hf, args: ModelArgs, length: int, repeats: int, budget: float, log) -> dict:
+def bench_prefill(ours, hf, args: ModelArgs, length: int, repeats: int, budget: float, log) -> List[dict]:
+    """Rows: (ours chunk, logits) for the default chunk and for chunk = window, last logit and all logits."""
     prompt = random_prompts(1, length, args.vocab_size, seed=7)[0]
-    chunk = args.sliding_window or length
+    default_chunk = default_chunk_size(1)
+    window = args.sliding_window or length
+    cases = [(default_chunk, False), (window, False), (default_chunk, True)]
+    ours_chunked_prefill(ours, prompt[:window], window)  # warm-up
+    hf_full_prefill(hf, prompt[:window])
     start = time.perf_counter()
-    ours_chunked_prefill(ours, prompt[:chunk], chunk)  # warm-up, and an estimate of the time per token
-    ours_warm = time.perf_counter() - start
-    start = time.perf_counter()
-    hf_full_prefill(hf, prompt[:chunk])
-    hf_warm = time.perf_counter() - start
-    repeats = affordable_repeats(repeats, max(ours_warm, hf_warm) * length / chunk, budget)
-    ours_times, hf_times = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ours_last, _ = ours_chunked_prefill(ours, prompt, chunk)
-        ours_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        hf_last, _ = hf_full_prefill(hf, prompt)
-        hf_times.append(time.perf_counter() - start)
-    ours_s, hf_s = statistics.median(ours_times), statistics.median(hf_times)
-    result = {
-        "tokens": length,
-        "chunk": chunk,
-        "ours_tok_s": length / ours_s,
-        "hf_tok_s": length / hf_s,
-        "ours_runs_s": ours_times,
-        "hf_runs_s": hf_times,
-        "timed_runs": repeats,
-        "speedup": hf_s / ours_s,
-        "last_logits_max_abs_diff": (ours_last - hf_last).abs().max().item(),
-        "same_argmax": int(ours_last.argmax()) == int(hf_last.argmax()),
-    }
-    log(
-        f"  prefill {length}: ours {result['ours_tok_s']:.0f} tok/s, transformers {result['hf_tok_s']:.0f} tok/s "
-        f"(x{result['speedup']:.2f}); last-logit diff {result['last_logits_max_abs_diff']:.2e}"
-    )
-    return result
+    hf_full_prefill(hf, prompt)  # an estimate of the time per run
+    run_s = time.perf_counter() - start
+    repeats = affordable_repeats(repeats, run_s, budget)
+    rows = []
+    for chunk, all_logits in cases:
+        ours_times, hf_times = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            ours_last, _ = ours_chunked_prefill(ours, prompt, chunk, all_logits)
+            ours_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            hf_last, _ = hf_full_prefill(hf, prompt, all_logits)
+            hf_times.append(time.perf_counter() - start)
+        ours_s, hf_s = statistics.median(ours_times), statistics.median(hf_times)
+        row = {
+            "tokens": length,
+            "chunk": min(chunk, length),
+            "default_chunk": chunk == default_chunk,
+            "logits": "all" if all_logits else "last",
+            "ours_tok_s": length / ours_s,
+            "hf_tok_s": length / hf_s,
+            "ours_runs_s": ours_times,
+            "hf_runs_s": hf_times,
+            "timed_runs": repeats,
+            "speedup": hf_s / ours_s,
+            "last_logits_max_abs_diff": (ours_last - hf_last).abs().max().item(),
+            "same_argmax": int(ours_last.argmax()) == int(hf_last.argmax()),
+        }
+        log(
+            f"  prefill {length} ({row['logits']} logits, ours chunk {row['chunk']}): ours {row['ours_tok_s']:.0f} "
+            f"tok/s, transformers {row['hf_tok_s']:.0f} tok/s (x{row['speedup']:.2f}); "
+            f"last-logit diff {row['last_logits_max_abs_diff']:.2e}"
+        )
+        rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------- memory (subprocess)
@@ -562,9 +585,8 @@ def memory_child(model_name: str, impl: str, context: int, decode_steps: int, n_
     start = time.perf_counter()
     result: Dict[str, object] = {"model": model_name, "impl": impl, "context": context, "peak_reset": reset}
     if impl == "ours":
-        logits, cache = ours_chunked_prefill(model, prompt, args.sliding_window)
+        logits, cache = ours_chunked_prefill(model, prompt, default_chunk_size(1))
         result["cache_bytes_after_prefill"] = cache.nbytes()
-        result["logits_bytes"] = min(context, args.sliding_window) * args.vocab_size * 4
         tokens = logits.argmax(-1)[None]
         for _ in range(decode_steps):
             tokens = model(tokens, [1], cache).argmax(-1)
@@ -575,7 +597,6 @@ def memory_child(model_name: str, impl: str, context: int, decode_steps: int, n_
         after_prefill = hf_cache_bytes(past)
         result["cache_bytes_after_prefill"] = after_prefill["tensor_bytes"]
         result["cache_storage_bytes_after_prefill"] = after_prefill["storage_bytes"]
-        result["logits_bytes"] = context * args.vocab_size * 4
         tokens = logits.argmax(-1)[None]
         for _ in range(decode_steps):
             out = model(tokens[:, None], past_key_values=past, use_cache=True)
@@ -642,11 +663,11 @@ def table(results: dict) -> str:
                 f"{'decode b' + str(d['batch']) + ' tok/s':34s} {d['ours_tok_s']:10.1f} {d['hf_tok_s']:13.1f} "
                 f"{d['speedup']:7.2f}x  ({d['ours_ms_per_step']:.1f} vs {d['hf_ms_per_step']:.1f} ms/step; {eq})"
             )
-        p = r.get("prefill")
-        if p:
+        for p in r.get("prefill") or []:
             lines.append(
-                f"{'prefill ' + str(p['tokens']) + ' tok/s':34s} {p['ours_tok_s']:10.0f} {p['hf_tok_s']:13.0f} "
-                f"{p['speedup']:7.2f}x  (ours chunk {p['chunk']}; last-logit diff {p['last_logits_max_abs_diff']:.1e})"
+                f"{'prefill ' + str(p['tokens']) + ' tok/s, ' + p['logits'] + ' logits':34s} {p['ours_tok_s']:10.0f} "
+                f"{p['hf_tok_s']:13.0f} {p['speedup']:7.2f}x  (ours chunk {p['chunk']}"
+                f"{' (default)' if p['default_chunk'] else ''}; last-logit diff {p['last_logits_max_abs_diff']:.1e})"
             )
         c = r["ceiling"]
         if c["ours_fraction_b1"] is not None:
@@ -659,12 +680,11 @@ def table(results: dict) -> str:
         if mem:
             lines.append(
                 "memory, batch 1: KV = cache tensors' bytes after prefill + 4 decode steps (@prefill: right after the "
-                "prefill; alloc: the storages behind them); peak RSS over the baseline with the weights loaded; "
-                "logits = the prefill's logits tensor"
+                "prefill; alloc: the storages behind them); peak RSS over the baseline with the weights loaded"
             )
             lines.append(
                 f"{'context':>8s} {'impl':>12s} {'KV MiB':>8s} {'KV MiB@prefill':>15s} {'alloc MiB@prefill':>18s} "
-                f"{'peak RSS +MB':>13s} {'logits MB':>10s}"
+                f"{'peak RSS +MB':>13s}"
             )
             for e in mem:
                 if "error" in e:
@@ -673,7 +693,7 @@ def table(results: dict) -> str:
                 lines.append(
                     f"{e['context']:8d} {e['impl']:>12s} {mib(e['cache_bytes']):>8s} {mib(e['cache_bytes_after_prefill']):>15s} "
                     f"{mib(e.get('cache_storage_bytes_after_prefill', e['cache_bytes_after_prefill'])):>18s} "
-                    f"{e['peak_rss_delta_mb']:13.0f} {e['logits_bytes'] / 1e6:10.0f}"
+                    f"{e['peak_rss_delta_mb']:13.0f}"
                 )
     return "\n".join(lines)
 
