@@ -1,0 +1,35 @@
+"""linear() (few-row matmuls as per-thread bmm blocks) equals F.linear, whatever the rows and layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixtral_infer.linear import linear
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The bmm path needs at least 2 threads; CI machines may give torch just one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", list(range(0, 11)))
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_equals_f_linear(rows, transposed):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=g)  # (OUT, IN)
+    x = torch.randn(40, rows, generator=g).T if transposed else torch.randn(rows, 40, generator=g)  # (M, IN)
+    got = linear(x, weight)
+    assert got.shape == (rows, 96)
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_odd_output_size_falls_back_to_f_linear():
+    weight = torch.randn(7, 5)  # 7 rows do not split into 2 blocks
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
