@@ -54,7 +54,8 @@ What is measured, in one process unless said otherwise:
    Each measurement runs in its own subprocess that builds only the model it needs, runs a small
    warm-up forward, resets the peak (``echo 5 > /proc/self/clear_refs``), reads VmRSS as the
    baseline, then prefills the context as generation does (the first row of 2.: ours in chunks of
-   2048 tokens, last logit only on both sides) and decodes 4 tokens; peak = VmHWM minus
+   2048 tokens, last logit only on both sides; ``ours-window``: ours in chunks of the window) and
+   decodes 4 tokens; peak = VmHWM minus
    the baseline (weights and library buffers excluded). Cache bytes:
    ours ``cache.nbytes()`` (the whole rotating buffer); transformers the bytes of the tensors its
    ``DynamicCache`` holds (``nbytes``) and of the storages behind them: transformers 5's
@@ -572,10 +573,11 @@ def memory_child(model_name: str, impl: str, context: int, decode_steps: int, n_
     """One measurement in this (fresh) process; see the module docstring."""
     torch.manual_seed(0)
     args = bench_args(model_name, max_batch_size=1, n_layers=n_layers)
-    model = ours_alone(args) if impl == "ours" else hf_model(args)
+    ours = impl.startswith("ours")
+    model = ours_alone(args) if ours else hf_model(args)
     prompt = random_prompts(1, context, args.vocab_size, seed=11)[0]
     # Warm-up: library buffers and thread pools belong to the baseline, not to the context.
-    if impl == "ours":
+    if ours:
         ours_chunked_prefill(model, prompt[:8], 8)
     else:
         hf_full_prefill(model, prompt[:8])
@@ -584,8 +586,9 @@ def memory_child(model_name: str, impl: str, context: int, decode_steps: int, n_
     baseline_kb = _status_kb("VmRSS")
     start = time.perf_counter()
     result: Dict[str, object] = {"model": model_name, "impl": impl, "context": context, "peak_reset": reset}
-    if impl == "ours":
-        logits, cache = ours_chunked_prefill(model, prompt, default_chunk_size(1))
+    if ours:
+        chunk = args.sliding_window if impl == "ours-window" else default_chunk_size(1)
+        logits, cache = ours_chunked_prefill(model, prompt, chunk)
         result["cache_bytes_after_prefill"] = cache.nbytes()
         tokens = logits.argmax(-1)[None]
         for _ in range(decode_steps):
@@ -778,7 +781,7 @@ def main(argv=None) -> int:
         r["memory"] = [
             run_memory_child(name, impl, c * WINDOW, cli.decode_steps, cli.layers, log)
             for c in cli.contexts
-            for impl in ("ours", "transformers")
+            for impl in ("ours", "ours-window", "transformers")
         ]
         results["models"][name] = r
         if cli.out:  # partial results, in case a later model fails
