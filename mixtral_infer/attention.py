@@ -6,7 +6,8 @@ extension) the same result is computed with ``scaled_dot_product_attention``:
 
 * block-diagonal biases (prefill): one SDPA call per sequence, with that
   sequence's (q_len, kv_len) causal / sliding-window mask, never a dense mask
-  over the whole batch;
+  over the whole batch; a sequence much longer than the window in tiles of
+  queries, each over only the keys it can see (``window_tiles``);
 * the padded-keys bias (decoding): one batched SDPA call, each sequence's single
   query against its own cache buffer, with a per-sequence key length.
 
