@@ -42,14 +42,14 @@ class TextStream:
     def push(self, token: int) -> None:
         self.tokens.append(token)
         text = self.text()
-        if text.endswith(REPLACEMENT_CHARACTER):
-            return
-        self.emit(text[self.shown :])
-        self.shown = len(text)
+        if not text.endswith(REPLACEMENT_CHARACTER):
+            self._show(text)
 
     def finish(self) -> None:
         """Emit whatever was held back (an answer may end in half a character)."""
-        text = self.text()
+        self._show(self.text())
+
+    def _show(self, text: str) -> None:
         if len(text) > self.shown:
             self.emit(text[self.shown :])
             self.shown = len(text)

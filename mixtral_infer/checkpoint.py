@@ -21,7 +21,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -91,7 +91,12 @@ def _pth_tensors(path: Path, select: Optional[Selector] = None) -> NamedTensors:
         raise CheckpointError(f"{path}: cannot read weights: {message}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a dict of tensor name -> tensor")
-    for name, tensor in state.items():
+    yield from _selected(state.items(), select)
+
+
+def _selected(tensors: Iterable[Tuple[str, torch.Tensor]], select: Optional[Selector]) -> NamedTensors:
+    """The part of each tensor that ``select(name)`` keeps; tensors it gives None for are left out."""
+    for name, tensor in tensors:
         selection = select(name) if select is not None else Selection()
         if selection is not None:
             yield name, apply_selection(tensor, selection)
@@ -128,10 +133,7 @@ class Checkpoint:
                 if self.format == "mistral":
                     yield name, tensor
                     continue
-                for published, part in hf_to_published([(name, tensor)], self.args):
-                    selection = select(published) if select is not None else Selection()
-                    if selection is not None:
-                        yield published, apply_selection(part, selection)
+                yield from _selected(hf_to_published([(name, tensor)], self.args), select)
 
 
 def _hf_weight_files(folder: Path) -> List[Path]:

@@ -7,6 +7,7 @@ Each sequence then decodes until its own EOS; the loop ends when all have.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -98,7 +99,8 @@ def prefill(
         ends = [i for i, (p, n) in enumerate(zip(encoded_prompts, seqlens)) if n and start + n == len(p)]
         if not logprobs:
             # Only the prompts that end in this chunk need logits: their last rows.
-            rows = [sum(seqlens[: i + 1]) - 1 for i in ends]
+            ends_at = list(accumulate(seqlens))  # each sequence's end in the flat chunk
+            rows = [ends_at[i] - 1 for i in ends]
             logits = model(input_ids, seqlens, cache, logit_rows=rows)  # (len(ends), V)
             _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
             for row, i in enumerate(ends):

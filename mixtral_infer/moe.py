@@ -11,6 +11,7 @@ and an all-reduce sums the ranks' contributions.
 """
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,7 @@ class MoeLayer(nn.Module):
         mix = weights.flatten()[order, None]  # (T*K, 1)
         counts = torch.bincount(flat_experts, minlength=self.args.num_experts).tolist()
         out = torch.zeros_like(x)
-        starts = [sum(counts[:e]) for e in range(len(counts))]
+        starts = [0, *accumulate(counts)]  # expert e's assignments are order[starts[e] : starts[e + 1]]
         rows, parts = [], []
         for local, e in enumerate(self.local_experts):
             count, start = counts[e], starts[e]
