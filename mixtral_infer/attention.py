@@ -1,8 +1,9 @@
 """Attention over a flat batch, with the mask given as an xformers attention bias.
 
 On CUDA, when xformers' kernels load, ``xformers.ops.memory_efficient_attention``
-does the work. Everywhere else (CPU, or an xformers build without its CUDA
-extension) the same result is computed with ``scaled_dot_product_attention``:
+does the work; when they do not (any torch newer than the one xformers was built for),
+prefill runs on torch's ragged flash attention (``fast/varlen_attention.py``). Everywhere
+else the same result is computed with ``scaled_dot_product_attention``:
 
 * block-diagonal biases (prefill): one SDPA call per sequence, with that
   sequence's (q_len, kv_len) causal / sliding-window mask, never a dense mask
@@ -22,6 +23,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from mixtral_infer.fast.varlen_attention import can_use_torch_varlen, torch_varlen_kernel, varlen_attention
 from mixtral_infer.xformers_bias import (
     AttentionBias,
     BlockDiagonalCausalFromBottomRightMask,
@@ -55,9 +57,15 @@ def xformers_kernels_available() -> bool:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
-    """Attention of q ``(T_q, H, D)`` over k, v ``(T_k, H_kv, D)``; returns ``(T_q, H, D)``."""
+    """Attention of q ``(T_q, H, D)`` over k, v ``(T_k, H_kv, D)``; returns ``(T_q, H, D)``.
+
+    On CUDA: xformers' kernels when they load, else torch's ragged flash attention for the
+    prefill biases (``fast.varlen_attention``); everywhere else the SDPA path below.
+    """
     if q.is_cuda and xformers_kernels_available():
         return _xformers_attention(q, k, v, bias)
+    if can_use_torch_varlen(q, bias):
+        return varlen_attention(q, k, v, bias, torch_varlen_kernel())
     return torch_attention(q, k, v, bias)
 
 

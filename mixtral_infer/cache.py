@@ -28,6 +28,7 @@ Nothing here knows about layers or weights.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, TypeVar
 
@@ -81,23 +82,31 @@ class RotatingCacheInputMetadata:
 
         positions       = [0 1 2 3 4 | 1 2 3 4 5 6 7 | 3 4]
         to_cache_mask   = [F F T T T | F F F F T T T | T T]   (last W of each)
+        to_cache_rows   = [2 3 4 | 9 10 11 | 12 13]
         cached_elements = [3, 3, 2]
         cache_positions = [2 0 1 | 5 3 4 | 6 7]              (b * W + p % W)
     """
 
     positions: torch.Tensor  # (T,) absolute position of each token in its sequence
     to_cache_mask: torch.Tensor  # (T,) bool: the token is among its sequence's last `cache_size` in this chunk
+    to_cache_rows: torch.Tensor  # (sum(cached_elements),) the same as indices: where to_cache_mask is true
     cached_elements: torch.Tensor  # (B,) how many tokens of each sequence this chunk writes
     cache_positions: torch.Tensor  # (sum(cached_elements),) flat slot index b * cache_size + p % cache_size
     prefill: bool  # True: attend over [unrotated cache | chunk]; False: decode over the buffers
     mask: AttentionBias
     seqlens: List[int]  # (B,) tokens of each sequence in this chunk; 0 for a sequence that sits it out
     seen_before: List[int]  # (B,) tokens each sequence had seen before this chunk
+    cache_size: int  # S, slots per sequence
 
     @property
     def first_prefill(self) -> bool:
         """No sequence taking part has anything cached yet: attend within the chunk only."""
         return all(seen == 0 for seen, n in zip(self.seen_before, self.seqlens) if n > 0)
+
+    @functools.cached_property
+    def kv_gather(self) -> "KVGather":
+        """``interleave_kv``'s order as index tensors, made once per chunk for every layer."""
+        return kv_gather(self.seqlens, self.seen_before, self.cache_size, self.positions.device)
 
 
 def _causal_mask(q_seqlens: List[int], window: Optional[int], device: torch.device) -> AttentionBias:
@@ -165,13 +174,59 @@ def build_input_metadata(
     return RotatingCacheInputMetadata(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         to_cache_mask=torch.tensor(to_cache, dtype=torch.bool, device=device),
+        to_cache_rows=torch.tensor([i for i, cached in enumerate(to_cache) if cached], dtype=torch.long, device=device),
         cached_elements=torch.tensor(cached_elements, dtype=torch.long, device=device),
         cache_positions=torch.tensor(cache_positions, dtype=torch.long, device=device),
         prefill=prefill,
         mask=mask,
         seqlens=list(seqlens),
         seen_before=list(seen_before),
+        cache_size=cache_size,
     )
+
+
+@dataclass
+class KVGather:
+    """Where each key of ``[cache_0 | chunk_0 | cache_1 | chunk_1 | ...]`` comes from.
+
+    ``key[cache_dst] = flat_cache[cache_rows]`` and ``key[chunk_dst] = chunk``: three index
+    operations per layer instead of a split, an unrotate and a cat per sequence.
+    """
+
+    cache_rows: torch.Tensor  # (N_c,) rows of the flat (B*S) buffer, each sequence's in position order
+    cache_dst: torch.Tensor  # (N_c,) where they go in the key tensor
+    chunk_dst: torch.Tensor  # (T,) where the chunk's tokens go
+    total: int  # rows of the key tensor: sum(min(seen_b, S) + seqlen_b)
+
+
+def kv_gather(seqlens: List[int], seen_before: List[int], cache_size: int, device: torch.device) -> KVGather:
+    """The index form of ``interleave_list(unrotated caches, chunks)`` over the sequences taking part.
+
+    S = 3, seqlens ``[2, 0, 1]``, seen ``[4, 9, 1]``: sequence 0 holds positions 1..3 in slots
+    ``[1, 2, 0]`` (oldest first), sequence 2 position 0 in slot 0 (flat row 2 * 3 + 0 = 6)::
+
+        key rows    0 1 2 | 3 4   | 5 | 6
+        from        cache rows 1 2 0 | chunk 0 1 | cache row 6 | chunk 2
+        cache_rows = [1, 2, 0, 6], cache_dst = [0, 1, 2, 5], chunk_dst = [3, 4, 6]
+    """
+    cache_rows: List[int] = []
+    cache_dst: List[int] = []
+    chunk_dst: List[int] = []
+    offset = 0
+    for b, (n, seen) in enumerate(zip(seqlens, seen_before)):
+        if n == 0:
+            continue
+        cached = min(seen, cache_size)
+        oldest = seen % cache_size if seen >= cache_size else 0
+        cache_rows.extend(b * cache_size + (oldest + j) % cache_size for j in range(cached))
+        cache_dst.extend(range(offset, offset + cached))
+        chunk_dst.extend(range(offset + cached, offset + cached + n))
+        offset += cached + n
+
+    def as_tensor(values: List[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return KVGather(as_tensor(cache_rows), as_tensor(cache_dst), as_tensor(chunk_dst), offset)
 
 
 class CacheView:
@@ -204,9 +259,9 @@ class CacheView:
         n_kv_heads, head_dim = self.cache_k.shape[-2:]
         flat_k = self.cache_k.view(-1, n_kv_heads, head_dim)  # (B_max*S, H_kv, D)
         flat_v = self.cache_v.view(-1, n_kv_heads, head_dim)
-        mask = self.metadata.to_cache_mask
-        flat_k.index_copy_(0, self.metadata.cache_positions, xk[mask])
-        flat_v.index_copy_(0, self.metadata.cache_positions, xv[mask])
+        rows = self.metadata.to_cache_rows  # an index, not a boolean mask: no device sync
+        flat_k.index_copy_(0, self.metadata.cache_positions, xk.index_select(0, rows))
+        flat_v.index_copy_(0, self.metadata.cache_positions, xv.index_select(0, rows))
 
     def interleave_kv(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values a prefill chunk attends to, before this chunk is written.
@@ -217,6 +272,8 @@ class CacheView:
         """
         if self.metadata.first_prefill:
             return xk, xv
+        if xk.is_cuda:
+            return self.gather_kv(xk), self.gather_kv(xv, values=True)
         seqlens, seen = self.metadata.seqlens, self.metadata.seen_before
         active = [b for b, n in enumerate(seqlens) if n > 0]
         chunk_k = torch.split(xk, [seqlens[b] for b in active])
@@ -226,6 +283,17 @@ class CacheView:
         key = torch.cat(interleave_list(cached_k, chunk_k), dim=0)
         value = torch.cat(interleave_list(cached_v, chunk_v), dim=0)
         return key, value
+
+    def gather_kv(self, chunk: torch.Tensor, values: bool = False) -> torch.Tensor:
+        """``interleave_kv``'s keys (or values) by three index operations (``KVGather``):
+        the same tensor, with no Python loop over the sequences (used on CUDA)."""
+        gather = self.metadata.kv_gather
+        buffer = self.cache_v if values else self.cache_k
+        flat = buffer.view(-1, *buffer.shape[2:])  # (B_max*S, K, Dh)
+        out = chunk.new_empty(gather.total, *chunk.shape[1:])  # (sum(cached + T_b), K, Dh)
+        out[gather.cache_dst] = flat.index_select(0, gather.cache_rows)
+        out[gather.chunk_dst] = chunk
+        return out
 
     @property
     def key(self) -> torch.Tensor:

@@ -8,7 +8,7 @@ Each sequence then decodes until its own EOS; the loop ends when all have.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,9 +16,9 @@ from mixtral_infer.cache import RotatingBufferCache
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.model import Transformer
 from mixtral_infer.parallel import shared_seed
-from mixtral_infer.sampling import sample_next
-
-TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
+from mixtral_infer.fast.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
+from mixtral_infer.fast.decode_step import supports_static_decode
+from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs
 
 # Prompt tokens per forward pass when no chunk_size is given, over the whole batch. Large
 # enough that each expert gets a real matrix product (top-2 of 8 experts: ~512 rows each);
@@ -126,6 +126,24 @@ def prefill(
     return torch.stack(last_logits), prompt_logprobs  # type: ignore[arg-type]
 
 
+DECODE_MODES = ("auto", "eager", "static", "compiled")
+
+
+def decode_mode(decode: str, model: Transformer) -> str:
+    """``eager``, ``static`` or ``compiled`` for the requested ``decode`` setting.
+
+    ``auto`` is ``compiled`` on CUDA (the eager loop there is bound by the host, not the GPU)
+    and ``eager`` on CPU, where the eager loop is the faster of the two (``bench/``).
+    """
+    if decode not in DECODE_MODES:
+        raise GenerationError(f"decode={decode!r} must be one of {', '.join(DECODE_MODES)}")
+    if decode == "auto":
+        return "compiled" if model.device.type == "cuda" and supports_static_decode(model) else "eager"
+    if decode != "eager" and not supports_static_decode(model):
+        raise GenerationError(f"decode={decode!r} needs the whole model in one process; use decode='eager'")
+    return decode
+
+
 @torch.inference_mode()
 def generate(
     encoded_prompts: Sequence[Sequence[int]],
@@ -141,6 +159,7 @@ def generate(
     cache: Optional[RotatingBufferCache] = None,
     on_token: Optional[TokenCallback] = None,
     prompt_logprobs: bool = True,
+    decode: str = "auto",
 ) -> Tuple[List[List[int]], List[List[float]]]:
     """Continue each prompt by up to ``max_tokens`` tokens.
 
@@ -157,13 +176,23 @@ def generate(
     ``cache``: continue sequences already in this cache (a conversation); the
     prompts are then appended to what it holds. Left None, a fresh cache is made.
     ``on_token(i, token)`` is called as each token of prompt i is chosen (streaming).
+
+    ``decode``: how the tokens after the prompt are produced, all with the same results:
+    ``eager`` runs ``Transformer.forward`` per step (the readable reference); ``static``
+    runs the fixed-shape step of ``mixtral_infer.fast.decode_step`` op by op; ``compiled``
+    runs that step through ``torch.compile`` (and, on CUDA, as a CUDA graph); ``auto``:
+    compiled on CUDA, eager on CPU.
     """
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
     check_settings(encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size)
+    mode = decode_mode(decode, model)
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
     if cache is None:
-        cache = model.make_cache(batch, max_seqlen=longest + max_tokens)
+        if mode == "compiled":
+            cache = step_compiler(model).cache_for(batch, longest + max_tokens)
+        else:
+            cache = model.make_cache(batch, max_seqlen=longest + max_tokens)
         cache.init_kvseqlens(batch)
     elif not cache.seqlens:
         cache.init_kvseqlens(batch)
@@ -173,23 +202,48 @@ def generate(
     if model.parallel.world_size > 1:
         seed = shared_seed(seed)  # every rank must draw the same tokens
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    sampling = Sampling.uniform_settings(batch, model.args.vocab_size, temperature, top_p, top_k, model.device)
 
     logits, logprobs = prefill(model, cache, encoded_prompts, chunk_size, prompt_logprobs)  # (B, V)
     generated: List[List[int]] = [[] for _ in range(batch)]
+    if max_tokens == 0:
+        return generated, logprobs
+    settings = DecodeSettings(sampling, generator, eos_id, max_tokens, on_token)
+    if mode == "eager":
+        decode_eager(model, cache, logits, settings, generated, logprobs)
+    else:
+        step = step_compiler(model).step(cache, batch, sampling, eos_id) if mode == "compiled" else None
+        decode_static(model, cache, logits, settings, generated, logprobs, step)
+    return generated, logprobs
+
+
+def decode_eager(
+    model: Transformer,
+    cache: RotatingBufferCache,
+    logits: torch.Tensor,  # (B, V) after each prompt's last token
+    settings: DecodeSettings,
+    generated: List[List[int]],
+    logprobs: List[List[float]],
+) -> None:
+    """The reference decode loop: one ``Transformer.forward`` per step over the rows still running."""
+    batch = len(generated)
     active = list(range(batch))  # sequences still generating; row r of `logits` is sequence active[r]
-    for step in range(max_tokens):
-        tokens = sample_next(logits, temperature, top_p, top_k, generator)  # (B_active,)
-        token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    for step in range(settings.max_tokens):
+        # One uniform per sequence at every step, finished ones included, as the static loop draws.
+        uniform = draw_uniform(batch, settings.sampling, settings.generator, model.device)
+        rows = torch.tensor(active, device=model.device)
+        tokens = sample(logits, settings.sampling.rows(rows), None if uniform is None else uniform[rows])  # (B_active,)
+        token_logprob = token_logprobs(logits, tokens)
         still_active = []
-        for i, token, logprob in zip(active, tokens.tolist(), token_logprobs.tolist()):
-            if eos_id is not None and token == eos_id:
+        for i, token, logprob in zip(active, tokens.tolist(), token_logprob.tolist()):
+            if settings.eos_id is not None and token == settings.eos_id:
                 continue
             generated[i].append(token)
             logprobs[i].append(logprob)
-            if on_token is not None:
-                on_token(i, token)
+            if settings.on_token is not None:
+                settings.on_token(i, token)
             still_active.append(i)
-        if not still_active or step == max_tokens - 1:
+        if not still_active or step == settings.max_tokens - 1:
             break
         active = still_active
         seqlens = [0] * batch
@@ -198,4 +252,3 @@ def generate(
         input_ids = torch.tensor([generated[i][-1] for i in active], dtype=torch.long, device=model.device)
         logits = model(input_ids, seqlens, cache)  # (B_active, V)
         _check_finite(logits, f"at generation step {step + 1}")
-    return generated, logprobs

@@ -12,7 +12,7 @@ Example, 2 threads, weight (OUT=6, IN) and x (1, IN)::
     weight.view(2, 3, IN) @ x.T  ->  (2, 3, 1)  ->  reshape (6, 1)  ->  .T  (1, 6)
 
 Inputs with more rows (prefill) are real matrix products and stay with ``F.linear``,
-as do CUDA tensors.
+as do CUDA tensors and code being compiled by ``torch.compile``.
 """
 
 import torch
@@ -23,11 +23,12 @@ MAX_ROWS = 8  # above this many rows, F.linear is as fast or faster (measured on
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` (a transposed view on the bmm path)."""
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        return F.linear(x, weight)  # a compiled graph picks its own matmul
     blocks = torch.get_num_threads()
     rows, (out_features, in_features) = x.shape[0], weight.shape
     if (
-        x.device.type != "cpu"
-        or x.dim() != 2
+        x.dim() != 2
         or rows > MAX_ROWS
         or blocks < 2
         or out_features % blocks

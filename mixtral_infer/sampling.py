@@ -1,28 +1,105 @@
-"""Choosing the next token from logits: greedy, or temperature with top-k / top-p."""
+"""Choosing the next token from logits: greedy, or temperature with top-k / top-p.
+
+Every setting is a per-row tensor (``Sampling``), so one batch can mix greedy and sampled
+rows (a server does) and the same code runs inside a compiled, static-shaped decode step:
+no ``.item()``, no host sync, no shape that depends on the data.
+
+A sampled token is drawn by inverse transform from one uniform number per row, which the
+caller draws (``draw_uniform``) for the whole batch at every step, finished rows included.
+So a row's draws do not depend on which other rows are still running, and the eager and
+the static decode loops, fed the same uniforms, choose the same tokens.
+
+Worked example, one row, probabilities ``[0.1, 0.5, 0.3, 0.1]``, top_k = 2 (no top-p)::
+
+    sorted, descending      [0.5, 0.3, 0.1, 0.1]   (tokens 1, 2, 0, 3)
+    kept (rank < top_k)     [0.5, 0.3, 0,   0  ]
+    cumulative              [0.5, 0.8, 0.8, 0.8]
+    uniform 0.7 -> 0.7 * 0.8 = 0.56: the first cumulative value above it is at rank 1 -> token 2
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 
-def filter_top_k(probs: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Zero all but the k most probable tokens of each row. probs: (B, V)."""
-    if top_k >= probs.shape[-1]:
-        return probs
-    kth = torch.topk(probs, top_k, dim=-1).values[:, -1:]  # (B, 1)
-    return probs.masked_fill(probs < kth, 0.0)
+@dataclass
+class Sampling:
+    """Per-row settings, each ``(B,)`` on the logits' device.
+
+    ``temperature`` 0 means greedy for that row; ``top_k`` equal to the vocabulary size means no
+    limit; ``top_p`` 1 means no nucleus cut. ``greedy`` and ``filtered`` are static facts about
+    the whole batch (no row samples / some row has a top-k or top-p limit) that let the common
+    cases skip the sort; they are fixed when the settings are made, never read from the tensors.
+    """
+
+    temperature: torch.Tensor  # (B,) float32
+    top_p: torch.Tensor  # (B,) float32
+    top_k: torch.Tensor  # (B,) int64
+    greedy: bool
+    filtered: bool
+
+    @classmethod
+    def uniform_settings(
+        cls,
+        batch: int,
+        vocab_size: int,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: Optional[int] = None,
+        device: torch.device | str = "cpu",
+    ) -> "Sampling":
+        """The same settings for every row."""
+        k = vocab_size if top_k is None else min(int(top_k), vocab_size)
+        return cls(
+            temperature=torch.full((batch,), float(temperature), dtype=torch.float32, device=device),
+            top_p=torch.full((batch,), float(top_p), dtype=torch.float32, device=device),
+            top_k=torch.full((batch,), k, dtype=torch.long, device=device),
+            greedy=temperature == 0,
+            filtered=temperature != 0 and (k < vocab_size or top_p < 1.0),
+        )
+
+    def rows(self, index: torch.Tensor) -> "Sampling":
+        """The settings of some rows (index: (B',) int64)."""
+        return Sampling(self.temperature[index], self.top_p[index], self.top_k[index], self.greedy, self.filtered)
 
 
-def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most probable tokens whose mass reaches top_p. probs: (B, V)."""
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the tokens ranked above
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token always stays
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+def draw_uniform(batch: int, sampling: Sampling, generator: Optional[torch.Generator], device) -> Optional[torch.Tensor]:
+    """One uniform number in [0, 1) per row, or None when no row samples (greedy draws nothing)."""
+    if sampling.greedy:
+        return None
+    return torch.rand(batch, generator=generator, device=device)
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, uniform: Optional[torch.Tensor]) -> torch.Tensor:
+    """Next token of each row ``(B,)`` from float logits ``(B, V)``."""
+    greedy = torch.argmax(logits, dim=-1)  # (B,)
+    if sampling.greedy:
+        return greedy
+    # (logits - max) / T is <= 0 and finite for any T > 0, so a tiny temperature gives one-hot
+    # probabilities (the greedy limit) rather than inf / inf = NaN.
+    temperature = sampling.temperature.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # (B, 1)
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    probs = torch.softmax(shifted / temperature, dim=-1)  # (B, V)
+    if sampling.filtered:
+        probs, order = torch.sort(probs, dim=-1, descending=True)  # (B, V), (B, V)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, V)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
+        # The top token always stays: rank 0 < top_k and mass_before 0 < top_p.
+        keep = (rank < sampling.top_k[:, None]) & (mass_before < sampling.top_p[:, None])
+        probs = probs * keep
+    cumulative = torch.cumsum(probs, dim=-1)  # (B, V)
+    target = uniform[:, None] * cumulative[:, -1:]  # (B, 1) in [0, total)
+    index = torch.searchsorted(cumulative, target, right=True).clamp_max(probs.shape[-1] - 1)  # (B, 1)
+    sampled = (order.gather(1, index) if sampling.filtered else index)[:, 0]
+    return torch.where(sampling.temperature == 0, greedy, sampled)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) of each row under the model (before temperature): ``(B,)``."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def sample_next(
@@ -32,12 +109,6 @@ def sample_next(
     top_k: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """Next token of each row, (B,). Greedy when temperature is 0."""
-    if temperature == 0:
-        return torch.argmax(logits, dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_k is not None:
-        probs = filter_top_k(probs, top_k)
-    probs = filter_top_p(probs, top_p)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    return torch.multinomial(probs, num_samples=1, generator=generator)[:, 0]
+    """Next token of each row, (B,), with the same settings for every row. Greedy when temperature is 0."""
+    settings = Sampling.uniform_settings(logits.shape[0], logits.shape[-1], temperature, top_p, top_k, logits.device)
+    return sample(logits, settings, draw_uniform(logits.shape[0], settings, generator, logits.device))

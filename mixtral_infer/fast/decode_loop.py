@@ -1,0 +1,140 @@
+"""The decode loop around the static step: launch step n+1, then read step n.
+
+The host never waits for the device before it has queued the next step. Each step's
+``emitted`` tokens ``(B,)`` and log-probabilities ``(B,)`` are copied to the host
+asynchronously; the loop reads step n after it has launched step n+1, so the GPU is never
+idle while Python hands tokens to the caller. When every row has finished, one step too
+many has been launched: its rows are all finished, so it writes nothing and changes nothing.
+
+The loop gives the same tokens, log-probabilities and final cache as ``decode_eager``:
+the same uniforms are drawn at every step (one per row), the same rows are fed, and a
+finished row keeps its cache slots and its position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from mixtral_infer.cache import RotatingBufferCache
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast.decode_step import (
+    NOT_FINITE,
+    StepCompiler,
+    StepOutputs,
+    choose_tokens,
+    emitted_tokens,
+    make_decode_step,
+)
+from mixtral_infer.model import Transformer
+from mixtral_infer.sampling import Sampling, draw_uniform
+
+TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
+
+
+@dataclass
+class DecodeSettings:
+    sampling: Sampling
+    generator: Optional[torch.Generator]
+    eos_id: Optional[int]
+    max_tokens: int
+    on_token: Optional[TokenCallback]
+
+
+def step_compiler(model: Transformer) -> StepCompiler:
+    """The model's compiled decode steps, made on first use and kept with the model."""
+    compiler = model.__dict__.get("_step_compiler")
+    if compiler is None:
+        compiler = model.__dict__["_step_compiler"] = StepCompiler(model)
+    return compiler
+
+
+class StepReader:
+    """Copies each step's ``(emitted, logprobs)`` to the host without waiting, reads them later."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]] = []
+
+    def push(self, emitted: torch.Tensor, logprobs: torch.Tensor) -> None:
+        if not self.cuda:
+            self.pending.append((emitted, logprobs, None))
+            return
+        # A non-blocking copy to the CPU lands in pinned memory; the event says when it has.
+        host = (emitted.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True))
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((*host, event))
+
+    def pop(self) -> Tuple[List[int], List[float]]:
+        emitted, logprobs, event = self.pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        return emitted.tolist(), logprobs.tolist()
+
+
+def decode_static(
+    model: Transformer,
+    cache: RotatingBufferCache,
+    logits: torch.Tensor,  # (B, V) after each prompt's last token
+    settings: DecodeSettings,
+    generated: List[List[int]],
+    logprobs: List[List[float]],
+    step: Optional[Callable[..., StepOutputs]] = None,
+) -> None:
+    """Decode with the fixed-shape step: ``step`` (a compiled ``decode_one_token``), or, when
+    None, the same step run op by op."""
+    batch, device = len(generated), model.device
+    sampling = settings.sampling
+    compiled = step is not None
+    if step is None:
+        step = make_decode_step(model, sampling.greedy, sampling.filtered, settings.eos_id)
+    positions = torch.tensor(cache.seqlens, dtype=torch.long, device=device)  # (B,) tokens seen
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    uniform = draw_uniform(batch, sampling, settings.generator, device)
+    tokens, token_logprob, next_alive = choose_tokens(logits, alive, sampling, uniform, settings.eos_id)
+    reader = StepReader(device)
+    reader.push(emitted_tokens(logits, alive, tokens, next_alive), token_logprob)
+    alive = next_alive
+
+    for index in range(1, settings.max_tokens + 1):
+        if index < settings.max_tokens:  # launch step `index` before reading step `index - 1`
+            if compiled and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            uniform = draw_uniform(batch, sampling, settings.generator, device)
+            outputs = step(
+                cache.cache_k, cache.cache_v, tokens, positions, alive, uniform,
+                sampling.temperature, sampling.top_p, sampling.top_k,
+            )  # fmt: skip
+            if compiled and device.type == "cuda":
+                # A CUDA graph's outputs are overwritten by its next replay: keep copies.
+                outputs = tuple(t.clone() for t in outputs)
+            tokens, token_logprob, positions, alive, emitted = outputs
+            reader.push(emitted, token_logprob)
+        if not _record(reader.pop(), index - 1, settings, generated, logprobs):
+            break  # every row had finished; the step launched after it wrote nothing
+    cache.seqlens = positions.tolist()
+
+
+def _record(
+    step_result: Tuple[List[int], List[float]],
+    step: int,
+    settings: DecodeSettings,
+    generated: List[List[int]],
+    logprobs: List[List[float]],
+) -> bool:
+    """Append one step's tokens; False when no row generated one (all have finished)."""
+    any_emitted = False
+    for i, (token, logprob) in enumerate(zip(*step_result)):
+        if token == NOT_FINITE:
+            raise GenerationError(f"the model produced NaN or inf logits at generation step {step}: the weights may be broken")
+        if token < 0:
+            continue
+        any_emitted = True
+        generated[i].append(token)
+        logprobs[i].append(logprob)
+        if settings.on_token is not None:
+            settings.on_token(i, token)
+    return any_emitted

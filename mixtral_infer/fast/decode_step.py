@@ -1,0 +1,270 @@
+"""The static decode step: one new token for every sequence, fixed shapes, no host sync.
+
+The eager path (``Transformer.forward`` with a cache) is the readable reference: it builds
+metadata from Python lists, picks the rows still running, and lets the bias object say
+which keys each query sees. Every one of those steps costs the host a few microseconds or
+a device sync, and on a GPU they cost more than reading the weights. This module is the
+same decoding step written the way gpt-fast writes ``decode_one_token``:
+
+* every input is a device tensor of a fixed shape: the last token of each of the B rows
+  ``(B,)``, the position it takes ``(B,)`` (the tokens the row has seen), and ``alive``
+  ``(B,)``, false for a row that has finished (it keeps its place, so shapes never change);
+* the key/value of row b goes to slot ``position % S`` of its buffer, by arithmetic; a
+  finished row writes back what its slot held, so the cache stays as the eager path leaves it;
+* attention covers the fixed ``(B, S)`` buffer with a mask made on the device, slot
+  ``j`` visible when ``j < min(position + 1, S)``: decoding does not care about slot order,
+  because after the buffer has wrapped every slot holds one of the last S positions;
+* the mixture of experts gathers the chosen experts when fewer than E are chosen in all,
+  and otherwise runs every expert on every token, weighted by a routing matrix that is zero
+  for the experts a token did not choose (``moe_one_token``); either way the step reads
+  each expert it needs once and its shapes do not depend on the routing;
+* the next token is sampled on the device (``sampling.sample``) from a uniform number the
+  caller draws, so the host only reads tokens when it wants them.
+
+Worked example, S = 4 slots, one row at position 6 (it has seen positions 0..5): its key
+goes to slot ``6 % 4 = 2`` and all ``min(6 + 1, 4) = 4`` slots are visible; they hold
+positions ``[4, 5, 6, 3]``, the last 4. A row at position 1 writes slot 1 and sees slots
+0 and 1.
+
+``decode_one_token`` compiles with ``torch.compile(fullgraph=True)``: there is nothing in it
+to break the graph. On CUDA ``compiled_decode_step`` also replays it as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from mixtral_infer.cache import RotatingBufferCache
+from mixtral_infer.linear import linear
+from mixtral_infer.model import Attention, Transformer
+from mixtral_infer.moe import MoeLayer
+from mixtral_infer.rope import apply_rotary, rotary_angles
+from mixtral_infer.sampling import Sampling, sample, token_logprobs
+
+StepOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def supports_static_decode(model: Transformer) -> bool:
+    """The static step runs a whole model in one process (no tensor or pipeline parallelism)."""
+    return model.parallel.world_size == 1
+
+
+def attend_one_token(
+    attention: Attention,
+    x: torch.Tensor,  # (B, D)
+    rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, 1, Dh/2)
+    cache_k: torch.Tensor,  # (B, S, K, Dh) this layer's buffers of the B rows
+    cache_v: torch.Tensor,  # (B, S, K, Dh)
+    slots: torch.Tensor,  # (B,) where each row's new key goes: position % S
+    alive: torch.Tensor,  # (B,) bool: the row is decoding (a finished row writes nothing new)
+    visible: torch.Tensor,  # (B, S) bool: the slots each row's query sees
+) -> torch.Tensor:
+    batch = x.shape[0]
+    xq = linear(x, attention.wq.weight).view(batch, attention.n_heads, attention.head_dim)  # (B, H, Dh)
+    xk = linear(x, attention.wk.weight).view(batch, attention.n_kv_heads, attention.head_dim)  # (B, K, Dh)
+    xv = linear(x, attention.wv.weight).view(batch, attention.n_kv_heads, attention.head_dim)  # (B, K, Dh)
+    xq, xk = apply_rotary(xq, *rotary), apply_rotary(xk, *rotary)
+
+    rows = torch.arange(batch, device=x.device)
+    keep = alive[:, None, None]  # (B, 1, 1)
+    cache_k[rows, slots] = torch.where(keep, xk, cache_k[rows, slots])
+    cache_v[rows, slots] = torch.where(keep, xv, cache_v[rows, slots])
+
+    out = F.scaled_dot_product_attention(
+        xq[:, :, None, :],  # (B, H, 1, Dh)
+        cache_k.transpose(1, 2),  # (B, K, S, Dh)
+        cache_v.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],  # (B, 1, 1, S)
+        enable_gqa=True,
+    )  # (B, H, 1, Dh)
+    return linear(out.reshape(batch, attention.n_heads * attention.head_dim), attention.wo.weight)  # (B, D)
+
+
+def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
+    """The mixture of experts on one token per row, x ``(B, D)``, with shapes fixed by B.
+
+    Decoding is bound by reading weights. With ``B * k < E`` assignments the chosen experts'
+    weights are gathered, one copy per assignment (batch 1, top-2 of 8: two experts read);
+    compiled on CUDA, the gather fuses into the matrix-vector reduction. With ``B * k >= E``
+    nearly every expert is needed anyway (batch 8, top-2 of 8: 7.2 on average), so every
+    expert runs on every row and a routing matrix, zero where a row did not choose the
+    expert, mixes them: each expert's weights are read once, as a grouped matmul would.
+    """
+    experts, weights = moe.route(x)  # (B, k), (B, k)
+    batch, k = experts.shape
+    n_experts = moe.w1.shape[0]
+    if batch * k < n_experts:
+        w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, k, I, D), (B, k, I, D), (B, k, D, I)
+        hidden = F.silu(torch.einsum("bd,bkid->bki", x, w1)) * torch.einsum("bd,bkid->bki", x, w3)  # (B, k, I)
+        out = torch.einsum("bki,bkdi->bkd", hidden, w2)  # (B, k, D)
+        return torch.einsum("bkd,bk->bd", out, weights)
+    mix = torch.zeros(batch, n_experts, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (B, E)
+    hidden = F.silu(torch.einsum("bd,eid->ebi", x, moe.w1)) * torch.einsum("bd,eid->ebi", x, moe.w3)  # (E, B, I)
+    out = torch.einsum("ebi,edi->ebd", hidden, moe.w2)  # (E, B, D)
+    return torch.einsum("ebd,be->bd", out, mix)
+
+
+def decode_logits(
+    model: Transformer,
+    cache_k: torch.Tensor,  # (L, B_max, S, K, Dh) the whole cache; rows 0..B-1 are decoded
+    cache_v: torch.Tensor,  # (L, B_max, S, K, Dh)
+    tokens: torch.Tensor,  # (B,) each row's last token
+    positions: torch.Tensor,  # (B,) the position each token takes = tokens the row has seen
+    alive: torch.Tensor,  # (B,) bool
+) -> torch.Tensor:
+    """Float logits ``(B, V)`` of the next token of every row; writes the alive rows' keys/values."""
+    batch, n_slots = tokens.shape[0], cache_k.shape[2]
+    slots = positions % n_slots  # (B,)
+    slot_index = torch.arange(n_slots, device=tokens.device)
+    visible = slot_index[None, :] < torch.clamp(positions + 1, max=n_slots)[:, None]  # (B, S)
+    rotary = rotary_angles(positions, model.args.head_dim, model.args.rope_theta)
+
+    h = model.tok_embeddings(tokens)  # (B, D)
+    for index, layer in enumerate(model.layers.values()):
+        h = h + attend_one_token(
+            layer.attention, layer.attention_norm(h), rotary,
+            cache_k[index, :batch], cache_v[index, :batch], slots, alive, visible,
+        )  # fmt: skip
+        x = layer.ffn_norm(h)
+        h = h + (moe_one_token(layer.feed_forward, x) if isinstance(layer.feed_forward, MoeLayer) else layer.feed_forward(x))
+    return linear(model.norm(h), model.output.weight).float()  # (B, V)
+
+
+def choose_tokens(
+    logits: torch.Tensor,  # (B, V) float
+    alive: torch.Tensor,  # (B,) bool: the rows that choose a token now
+    sampling: Sampling,
+    uniform: Optional[torch.Tensor],  # (B,) or None when greedy
+    eos_id: Optional[int],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens, logprobs, alive)`` after choosing: a row stays alive unless it chose EOS.
+
+    ``tokens[b]`` is row b's new token and counts as generated when the returned
+    ``alive[b]`` is true (an EOS ends the row and is not part of its text).
+    """
+    tokens = sample(logits, sampling, uniform)  # (B,)
+    logprobs = token_logprobs(logits, tokens)  # (B,)
+    if eos_id is not None:
+        alive = alive & (tokens != eos_id)
+    return tokens, logprobs, alive
+
+
+NOT_EMITTED = -1  # the row had finished, or chose EOS
+NOT_FINITE = -2  # the row's logits held NaN or inf
+
+
+def emitted_tokens(
+    logits: torch.Tensor, alive: torch.Tensor, tokens: torch.Tensor, next_alive: torch.Tensor
+) -> torch.Tensor:
+    """What the host reads of a step, ``(B,)``: the new token of each row that generated one,
+    ``NOT_EMITTED`` for the others, ``NOT_FINITE`` where a running row's logits were broken
+    (checked here, on the device, instead of by a sync in the loop)."""
+    emitted = torch.where(next_alive, tokens, NOT_EMITTED)
+    broken = alive & ~torch.isfinite(logits).all(dim=-1)
+    return torch.where(broken, NOT_FINITE, emitted)
+
+
+def make_decode_step(
+    model: Transformer, greedy: bool, filtered: bool, eos_id: Optional[int]
+) -> Callable[..., StepOutputs]:
+    """``decode_one_token`` bound to a model and to the batch's static sampling facts."""
+
+    def decode_one_token(
+        cache_k: torch.Tensor,  # (L, B_max, S, K, Dh)
+        cache_v: torch.Tensor,
+        tokens: torch.Tensor,  # (B,) the tokens chosen last step
+        positions: torch.Tensor,  # (B,)
+        alive: torch.Tensor,  # (B,) bool: rows whose last token is fed now
+        uniform: Optional[torch.Tensor],  # (B,)
+        temperature: torch.Tensor,  # (B,)
+        top_p: torch.Tensor,  # (B,)
+        top_k: torch.Tensor,  # (B,)
+    ) -> StepOutputs:
+        """Feed each alive row's token, choose its next one. Returns
+        ``(tokens, logprobs, positions, alive, emitted)`` (see ``emitted_tokens``)."""
+        logits = decode_logits(model, cache_k, cache_v, tokens, positions, alive)
+        sampling = Sampling(temperature, top_p, top_k, greedy, filtered)
+        next_tokens, logprobs, next_alive = choose_tokens(logits, alive, sampling, uniform, eos_id)
+        emitted = emitted_tokens(logits, alive, next_tokens, next_alive)
+        return next_tokens, logprobs, positions + alive.long(), next_alive, emitted
+
+    return decode_one_token
+
+
+class StepCompiler:
+    """Compiled decode steps of one model, one per (batch, slots, sampling) shape, and the
+    cache they decode into.
+
+    ``torch.compile(fullgraph=True, dynamic=False)``: one graph per shape, no guard on data.
+    On CUDA the graph is also captured as a CUDA graph (``triton.cudagraphs``) and the
+    matrix-vector products are generated as reductions tuned by coordinate descent (what
+    reads the weights at the bandwidth; gpt-fast does the same). A CUDA graph writes the
+    cache at the addresses it was captured with, so the cache is marked static and kept:
+    the next ``generate`` call of the same shape reuses its buffers (``cache_for``), as a
+    static cache does in transformers.
+    """
+
+    def __init__(self, model: Transformer, announce: Optional[Callable[[str], None]] = None):
+        self.model = model
+        self.announce = announce if announce is not None else lambda message: print(message, file=sys.stderr)
+        self.steps: Dict[tuple, Callable[..., StepOutputs]] = {}
+        self.compiled_shapes: set = set()
+        self.cache: Optional[RotatingBufferCache] = None
+
+    def cache_for(self, batch: int, max_seqlen: int) -> RotatingBufferCache:
+        """A cache of ``batch`` rows for sequences of up to ``max_seqlen`` tokens, reused when it fits.
+
+        The number of slots is rounded up to a power of two (at least 128, at most the window),
+        so a few shapes cover every call: each shape is one compilation, and decoding over a
+        buffer at most twice the sequence reads at most twice the keys it needs.
+        """
+        slots = slot_bucket(max_seqlen, self.model.args.sliding_window)
+        cache = self.cache
+        if cache is None or cache.max_batch_size != batch or cache.cache_size != slots:
+            self.cache = cache = None  # free the old buffers before making the new ones
+            cache = self.model.make_cache(batch, max_seqlen=slots)
+            if cache.cache_k.is_cuda:
+                torch._dynamo.mark_static_address(cache.cache_k)
+                torch._dynamo.mark_static_address(cache.cache_v)
+            self.cache = cache
+        cache.init_kvseqlens(batch)
+        return cache
+
+    def step(self, cache: RotatingBufferCache, batch: int, sampling: Sampling, eos_id: Optional[int]):
+        """The compiled ``decode_one_token`` for this shape (compiled on its first call)."""
+        key = (batch, cache.max_batch_size, cache.cache_size, sampling.greedy, sampling.filtered, eos_id)
+        if key not in self.steps:
+            options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if cache.cache_k.is_cuda else None
+            step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id)
+            self.steps[key] = torch.compile(step, fullgraph=True, dynamic=False, options=options)
+        compiled = self.steps[key]
+        if key in self.compiled_shapes:
+            return compiled
+
+        def first_call(*args):
+            """Say on the terminal that this call compiles, and how long it took."""
+            if key in self.compiled_shapes:
+                return compiled(*args)
+            self.announce(f"compiling the decode step for batch {batch}, {cache.cache_size} cache slots (once per shape)...")
+            start = time.perf_counter()
+            with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
+                outputs = compiled(*args)
+            self.compiled_shapes.add(key)
+            self.announce(f"compiled in {time.perf_counter() - start:.1f}s")
+            return outputs
+
+        return first_call
+
+
+def slot_bucket(max_seqlen: int, window: Optional[int]) -> int:
+    """Cache slots for sequences of up to ``max_seqlen`` tokens: the next power of two (at least
+    128), capped at the sliding window. ``slot_bucket(300, 4096) == 512``, ``slot_bucket(5000, 4096) == 4096``."""
+    slots = 128
+    while slots < max_seqlen:
+        slots *= 2
+    return min(slots, window) if window is not None else slots
