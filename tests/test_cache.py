@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mixtral_infer import RotatingBufferCache, interleave_list, unrotate
-from mixtral_infer.cache import build_input_metadata
+from mixtral_infer.cache import build_input_metadata, kv_gather
 from mixtral_infer.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
     BlockDiagonalCausalLocalAttentionMask,
@@ -63,6 +63,7 @@ def test_metadata_worked_example():
     assert metadata.to_cache_mask.tolist() == [False, False, True, True, True] + [False] * 4 + [True] * 5
     assert metadata.cached_elements.tolist() == [3, 3, 2]
     assert metadata.cache_positions.tolist() == [2, 0, 1, 5, 3, 4, 6, 7]
+    assert metadata.to_cache_rows.tolist() == [2, 3, 4, 9, 10, 11, 12, 13]
     assert metadata.prefill
     assert isinstance(metadata.mask, BlockDiagonalCausalLocalAttentionFromBottomRightMask)
     # Sequence 0 has nothing cached; sequence 1 has 1 token, sequence 2 has 3 (clamped to W=3).
@@ -87,6 +88,30 @@ def test_interleave_kv_puts_each_cache_before_its_chunk():
     keys = metadata.positions.float()[:, None, None]
     key, _ = cache.get_view(0, metadata).interleave_kv(keys, keys)
     assert key[:, 0, 0].long().tolist() == [2, 3, 4, 5, 6, 7] + [0, 1, 2] + [0, 1, 2]
+
+
+def test_kv_gather_worked_example():
+    """S = 3, seqlens [2, 0, 1], seen [4, 9, 1] (the example in kv_gather's docstring)."""
+    gather = kv_gather([2, 0, 1], [4, 9, 1], cache_size=3, device=torch.device("cpu"))
+    assert gather.cache_rows.tolist() == [1, 2, 0, 6]
+    assert gather.cache_dst.tolist() == [0, 1, 2, 5]
+    assert gather.chunk_dst.tolist() == [3, 4, 6]
+    assert gather.total == 7
+
+
+@pytest.mark.parametrize(
+    "first, second", [([6, 2, 0], [2, 1, 3]), ([9, 1, 3], [5, 0, 4]), ([1, 1, 1], [4, 4, 4]), ([3, 12, 4], [1, 7, 2])]
+)
+def test_gathered_kv_equals_the_unrotated_interleave(first, second):
+    """The index path used on CUDA builds exactly the tensor unrotate + interleave_list build."""
+    cache = position_cache(window=4, batch=3)
+    write_chunk(cache, first)
+    metadata = cache.get_input_metadata(second)
+    view = cache.get_view(0, metadata)
+    chunk = 100 + metadata.positions.float()[:, None, None]
+    key, value = view.interleave_kv(chunk, chunk)
+    assert torch.equal(view.gather_kv(chunk), key)
+    assert torch.equal(view.gather_kv(chunk, values=True), value)
 
 
 def test_interleave_list():

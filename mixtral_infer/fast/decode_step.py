@@ -109,6 +109,15 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     return torch.einsum("ebd,be->bd", out, mix)
 
 
+def slots_and_visibility(positions: torch.Tensor, n_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each row's slot ``position % S`` ``(B,)`` and the slots its query sees ``(B, S)``:
+    ``j < min(position + 1, S)``. Positions ``[6, 1]``, S = 4: slots ``[2, 1]``, visible
+    ``[[T, T, T, T], [T, T, F, F]]`` (the module docstring's example)."""
+    slot_index = torch.arange(n_slots, device=positions.device)
+    visible = slot_index[None, :] < torch.clamp(positions + 1, max=n_slots)[:, None]  # (B, S)
+    return positions % n_slots, visible
+
+
 def decode_logits(
     model: Transformer,
     cache_k: torch.Tensor,  # (L, B_max, S, K, Dh) the whole cache; rows 0..B-1 are decoded
@@ -118,10 +127,8 @@ def decode_logits(
     alive: torch.Tensor,  # (B,) bool
 ) -> torch.Tensor:
     """Float logits ``(B, V)`` of the next token of every row; writes the alive rows' keys/values."""
-    batch, n_slots = tokens.shape[0], cache_k.shape[2]
-    slots = positions % n_slots  # (B,)
-    slot_index = torch.arange(n_slots, device=tokens.device)
-    visible = slot_index[None, :] < torch.clamp(positions + 1, max=n_slots)[:, None]  # (B, S)
+    batch = tokens.shape[0]
+    slots, visible = slots_and_visibility(positions, cache_k.shape[2])
     rotary = rotary_angles(positions, model.args.head_dim, model.args.rope_theta)
 
     h = model.tok_embeddings(tokens)  # (B, D)

@@ -1,0 +1,161 @@
+"""The static decode step equals the eager decode loop: tokens, logprobs and the cache it leaves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import WINDOW, random_model, tiny_args
+from mixtral_infer import GenerationError, generate
+from mixtral_infer.fast.decode_loop import step_compiler
+from mixtral_infer.fast.decode_step import (
+    StepCompiler,
+    make_decode_step,
+    moe_one_token,
+    slot_bucket,
+    slots_and_visibility,
+)
+from mixtral_infer.generate import decode_mode
+from mixtral_infer.sampling import Sampling
+from test_model import random_prompts
+
+LOGPROB_TOLERANCE = 1e-5
+SAMPLINGS = {
+    "greedy": dict(),
+    "sampled": dict(temperature=0.9, seed=11),
+    "top-k top-p": dict(temperature=1.2, top_k=10, top_p=0.8, seed=12),
+}
+
+
+@pytest.fixture(scope="module", params=["mistral", "mixtral"])
+def model(request):
+    return random_model(tiny_args(moe=request.param == "mixtral", max_batch_size=8), seed=21)
+
+
+def assert_same(eager, static):
+    (eager_tokens, eager_logprobs), (static_tokens, static_logprobs) = eager, static
+    assert static_tokens == eager_tokens
+    for got, expected in zip(static_logprobs, eager_logprobs):
+        assert got == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+
+
+def eos_that_stops_some(model, prompts, max_tokens):
+    """A token that one sequence emits midway, so sequences finish at different steps."""
+    free, _ = generate(prompts, model, max_tokens=max_tokens, decode="eager")
+    return free[0][len(free[0]) // 2]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("lengths", [[5], [3 * WINDOW + 1, 4, 1], [7, 1, 12, 3, WINDOW, 2, 9, 30]], ids=["b1", "b3", "b8"])
+def test_static_decode_equals_eager(model, lengths, sampling):
+    """Ragged prompts, decoding 3x past the window, sequences stopping at their own EOS."""
+    prompts = random_prompts(lengths, model.args.vocab_size, seed=len(lengths))
+    max_tokens = 3 * WINDOW
+    settings = dict(max_tokens=max_tokens, eos_id=eos_that_stops_some(model, prompts, max_tokens), **SAMPLINGS[sampling])
+    eager = generate(prompts, model, decode="eager", **settings)
+    static = generate(prompts, model, decode="static", **settings)
+    assert_same(eager, static)
+    lengths_generated = {len(tokens) for tokens in eager[0]}
+    if len(lengths) > 1 and sampling == "greedy":
+        assert len(lengths_generated) > 1, "the EOS should stop some sequences before others"
+
+
+def test_static_decode_continues_a_conversation_like_eager(model):
+    """Two turns in one cache: the same answers, and the caches hold the same keys."""
+    prompts = random_prompts([2 * WINDOW, 3], model.args.vocab_size, seed=4)
+    follow_ups = random_prompts([5, WINDOW + 2], model.args.vocab_size, seed=5)
+    caches = {}
+    results = {}
+    for mode in ("eager", "static"):
+        cache = model.make_cache(2)
+        first = generate(prompts, model, max_tokens=WINDOW + 3, cache=cache, decode=mode, temperature=0.7, seed=3)
+        second = generate(follow_ups, model, max_tokens=2 * WINDOW, cache=cache, decode=mode, temperature=0.7, seed=4)
+        caches[mode], results[mode] = cache, (first, second)
+    assert_same(results["eager"][0], results["static"][0])
+    assert_same(results["eager"][1], results["static"][1])
+    assert caches["static"].seqlens == caches["eager"].seqlens
+    torch.testing.assert_close(caches["static"].cache_k, caches["eager"].cache_k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(caches["static"].cache_v, caches["eager"].cache_v, atol=1e-5, rtol=0)
+
+
+def test_static_decode_without_a_window_equals_eager():
+    model = random_model(tiny_args(sliding_window=None, max_batch_size=3), seed=22)
+    prompts = random_prompts([13, 4, 1], model.args.vocab_size, seed=10)
+    settings = dict(max_tokens=20, temperature=0.8, seed=5)
+    assert_same(generate(prompts, model, decode="eager", **settings), generate(prompts, model, decode="static", **settings))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_the_step_compiles_with_fullgraph_and_equals_eager(moe):
+    """torch.compile(fullgraph=True) fails on any graph break (.item(), .tolist(), boolean-mask
+    indexing, a tensor built from a list); the compiled step then decodes as the eager loop does."""
+    model = random_model(tiny_args(moe=moe, max_batch_size=3), seed=23)
+    prompts = random_prompts([2 * WINDOW + 1, 3, 6], model.args.vocab_size, seed=6)
+    messages = []
+    step_compiler(model).announce = messages.append
+    eos_id = eos_that_stops_some(model, prompts, 3 * WINDOW)
+    for name in ("greedy", "top-k top-p"):
+        settings = dict(max_tokens=3 * WINDOW, eos_id=eos_id, **SAMPLINGS[name])
+        assert_same(generate(prompts, model, decode="eager", **settings), generate(prompts, model, decode="compiled", **settings))
+    again = generate(prompts, model, decode="compiled", max_tokens=4, eos_id=eos_id)  # same shape: compiled already
+    assert_same(generate(prompts, model, decode="eager", max_tokens=4, eos_id=eos_id), again)
+    compiling = [m for m in messages if m.startswith("compiling")]
+    assert compiling == [f"compiling the decode step for batch 3, {WINDOW} cache slots (once per shape)..."] * 2
+
+
+def test_worked_example_of_slots_and_visibility():
+    slots, visible = slots_and_visibility(torch.tensor([6, 1]), 4)
+    assert slots.tolist() == [2, 1]
+    assert visible.tolist() == [[True, True, True, True], [True, True, False, False]]
+
+
+def test_a_finished_row_leaves_its_cache_and_position_alone():
+    model = random_model(tiny_args(moe=False, max_batch_size=2), seed=24)
+    cache = model.make_cache(2)
+    cache.init_kvseqlens(2)
+    before_k, before_v = cache.cache_k.clone(), cache.cache_v.clone()
+    settings = Sampling.uniform_settings(2, model.args.vocab_size, 0.0)
+    step = make_decode_step(model, settings.greedy, settings.filtered, eos_id=None)
+    with torch.no_grad():
+        _, _, positions, alive, emitted = step(
+            cache.cache_k, cache.cache_v, torch.tensor([5, 6]), torch.tensor([3, 9]), torch.tensor([True, False]),
+            None, settings.temperature, settings.top_p, settings.top_k,
+        )  # fmt: skip
+    assert positions.tolist() == [4, 9]
+    assert alive.tolist() == [True, False] and emitted[1].item() == -1
+    assert not torch.equal(cache.cache_k[:, 0, 3], before_k[:, 0, 3])  # row 0 wrote slot 3
+    torch.testing.assert_close(cache.cache_k[:, 1], before_k[:, 1], atol=0, rtol=0)  # row 1 wrote nothing
+    torch.testing.assert_close(cache.cache_v[:, 1], before_v[:, 1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 8])
+def test_moe_one_token_equals_the_grouped_layer(batch):
+    """4 experts, top-2: batch 1 gathers its 2 chosen experts (2 < 4); from batch 2 every expert runs."""
+    model = random_model(tiny_args(moe=True), seed=25)
+    layer = model.layers["0"].feed_forward
+    x = torch.randn(batch, model.args.dim, generator=torch.Generator().manual_seed(batch))
+    with torch.no_grad():
+        torch.testing.assert_close(moe_one_token(layer, x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_slot_bucket_worked_example():
+    assert slot_bucket(300, 4096) == 512
+    assert slot_bucket(5000, 4096) == 4096
+    assert slot_bucket(1, None) == 128
+    assert slot_bucket(129, None) == 256
+
+
+def test_compiled_decode_reuses_its_cache_for_the_same_shape():
+    model = random_model(tiny_args(moe=False, sliding_window=None, max_batch_size=2), seed=26)
+    compiler = StepCompiler(model, announce=lambda message: None)
+    first = compiler.cache_for(2, 100)
+    assert first.cache_size == 128 and compiler.cache_for(2, 120) is first
+    assert compiler.cache_for(2, 200).cache_size == 256
+
+
+def test_decode_mode_choices():
+    model = random_model(tiny_args(moe=False), seed=27)
+    assert decode_mode("auto", model) == "eager"  # CPU: the eager loop measures faster
+    assert decode_mode("static", model) == "static"
+    with pytest.raises(GenerationError, match="decode='fast' must be one of auto, eager, static, compiled"):
+        decode_mode("fast", model)
