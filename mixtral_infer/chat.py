@@ -68,9 +68,12 @@ class Conversation:
         top_k: Optional[int] = None,
         chunk_size: Optional[int] = None,
         seed: Optional[int] = None,
+        decode: str = "auto",
     ):
         self.model, self.tokenizer, self.instruct = model, tokenizer, instruct
-        self.settings = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, chunk_size=chunk_size)
+        self.settings = dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, chunk_size=chunk_size, decode=decode
+        )
         self.seed = seed
         self.turns = 0
         self.history: List[int] = []
@@ -80,7 +83,12 @@ class Conversation:
     def reset(self) -> None:
         """Forget the conversation."""
         self.history = []
-        self.cache = self.model.make_cache(1) if self.model.args.sliding_window is not None else None
+        if self.model.args.sliding_window is None:
+            self.cache = None
+        elif self.cache is None:
+            self.cache = self.model.make_cache(1)
+        else:
+            self.cache.reset()  # the same buffers: a compiled decode step keeps writing where it was captured
 
     def _turn_tokens(self, text: str) -> List[int]:
         if not self.instruct:

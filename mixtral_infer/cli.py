@@ -16,7 +16,7 @@ import torch
 from mixtral_infer.chat import Conversation
 from mixtral_infer.checkpoint import TOKENIZER_FILE, default_device
 from mixtral_infer.errors import GenerationError, MixtralInferError
-from mixtral_infer.generate import generate
+from mixtral_infer.generate import DECODE_MODES, generate
 from mixtral_infer.model import Transformer
 from mixtral_infer.parallel import Parallel
 from mixtral_infer.tokenizer import Tokenizer
@@ -37,6 +37,11 @@ def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     if name not in DTYPES:
         raise GenerationError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def check_decode(decode: str) -> None:
+    if decode not in DECODE_MODES:
+        raise GenerationError(f"--decode {decode!r} is not one of {', '.join(DECODE_MODES)}")
 
 
 def parse_device(name: Optional[str]) -> torch.device:
@@ -145,6 +150,7 @@ def demo(
     dtype: Optional[str] = None,
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
+    decode: str = "auto",
 ) -> None:
     """Complete three prompts of different lengths in one batch and print them.
 
@@ -152,7 +158,9 @@ def demo(
     --temperature 0 for greedy.
 
     Under torchrun, --tensor_parallel N or --num_pipeline_ranks N cut the model across the N processes.
+    --decode eager|static|compiled|auto: auto compiles the decode step on CUDA (eager on CPU).
     """
+    check_decode(decode)
     model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype, tensor_parallel, num_pipeline_ranks)
     encoded = [tokenizer.encode(prompt, bos=True) for prompt in DEMO_PROMPTS]
     start = time.perf_counter()
@@ -167,6 +175,7 @@ def demo(
         eos_id=tokenizer.eos_id,
         seed=seed,
         prompt_logprobs=False,
+        decode=decode,
     )
     elapsed = time.perf_counter() - start
     if not is_main_process():
@@ -199,12 +208,15 @@ def interactive(
     dtype: Optional[str] = None,
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
+    decode: str = "auto",
 ) -> None:
     """A prompt loop that streams each answer; /reset starts over, /quit (or end of input) leaves.
 
     With --instruct, turns are wrapped in [INST] ... [/INST] and later turns see earlier ones.
     Under torchrun, rank 0 reads the input and shares each line with the other ranks.
+    --decode eager|static|compiled|auto: auto compiles the decode step on CUDA (eager on CPU).
     """
+    check_decode(decode)
     model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks)
     main_process = is_main_process()
     conversation = Conversation(
@@ -217,6 +229,7 @@ def interactive(
         top_k=top_k,
         chunk_size=chunk_size,
         seed=seed,
+        decode=decode,
     )
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # undecodable bytes become U+FFFD, not a crash

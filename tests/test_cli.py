@@ -87,3 +87,21 @@ def test_parallel_options_without_torchrun_are_a_clear_error():
     assert result.returncode == 1
     assert "launch with torchrun --nproc-per-node 2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_decode_static_prints_what_decode_eager_prints():
+    """The fast decode step behind the command line: the same sampled text, demo and a conversation."""
+    eager = run("demo", "--max_tokens", "40", "--decode", "eager")
+    static = run("demo", "--max_tokens", "40", "--decode", "static")
+    assert eager.returncode == 0 and static.returncode == 0, static.stderr
+    assert static.stdout == eager.stdout
+    turns = "Who art thou?\nSay more.\n"
+    chat = [run("interactive", "--instruct", "--max_tokens", "40", "--seed", "1", "--decode", mode, stdin=turns) for mode in ("eager", "static")]
+    assert chat[1].returncode == 0, chat[1].stderr
+    assert chat[1].stdout == chat[0].stdout
+
+
+def test_an_unknown_decode_mode_is_refused_before_loading():
+    result = run("demo", "--decode", "fast")
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: --decode 'fast' is not one of auto, eager, static, compiled"

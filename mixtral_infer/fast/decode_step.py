@@ -235,15 +235,17 @@ class StepCompiler:
         if cache is None or cache.max_batch_size != batch or cache.cache_size != slots:
             self.cache = cache = None  # free the old buffers before making the new ones
             cache = self.model.make_cache(batch, max_seqlen=slots)
-            if cache.cache_k.is_cuda:
-                torch._dynamo.mark_static_address(cache.cache_k)
-                torch._dynamo.mark_static_address(cache.cache_v)
             self.cache = cache
         cache.init_kvseqlens(batch)
         return cache
 
     def step(self, cache: RotatingBufferCache, batch: int, sampling: Sampling, eos_id: Optional[int]):
         """The compiled ``decode_one_token`` for this shape (compiled on its first call)."""
+        if cache.cache_k.is_cuda:
+            # The graph writes the cache in place at the addresses it was captured with (a cache
+            # at other addresses is captured anew, not compiled anew).
+            torch._dynamo.mark_static_address(cache.cache_k)
+            torch._dynamo.mark_static_address(cache.cache_v)
         key = (batch, cache.max_batch_size, cache.cache_size, sampling.greedy, sampling.filtered, eos_id)
         if key not in self.steps:
             options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if cache.cache_k.is_cuda else None
