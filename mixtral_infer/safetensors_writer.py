@@ -129,7 +129,7 @@ def parse_size(size: int | str) -> int:
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor that shares memory with no other (``save_file`` refuses shared tensors:
     the experts cut from a fused ``gate_up_proj`` are views of one storage)."""
-    tensor = tensor.detach().to("cpu").contiguous()
+    tensor = (tensor.detach() if tensor.requires_grad else tensor).to("cpu").contiguous()  # self when already so
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor
