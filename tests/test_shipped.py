@@ -111,3 +111,31 @@ def test_readme_python_snippet_runs_from_another_directory(tmp_path):
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()[0].split()) >= 5  # the printed completion
     assert float(result.stdout.splitlines()[-1]) < 0  # a sum of log-probabilities
+
+
+def test_installed_wheel_runs_the_shipped_models_by_name_from_another_directory(tmp_path):
+    """The newcomer path from an installed package: the wheel carries the models, and names find them."""
+    wheel = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert wheel.returncode == 0, wheel.stderr
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), *map(str, (tmp_path / "wheel").glob("*.whl"))],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert install.returncode == 0, install.stderr
+    env = {**__import__("os").environ, "PYTHONPATH": str(site)}
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    check = "import mixtral_infer; print(mixtral_infer.__file__); print(mixtral_infer.__version__)"
+    where = subprocess.run([sys.executable, "-c", check], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert where.stdout.splitlines() == [str(site / "mixtral_infer" / "__init__.py"), metadata.version("mixtral_infer")]
+    demo = subprocess.run(
+        [sys.executable, "-m", "mixtral_infer", "demo", "tiny-mistral", "--max_tokens", "8"], cwd=work, env=env,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert demo.returncode == 0, demo.stderr
+    assert f"loaded {site / 'mixtral_infer' / 'models' / 'tiny-mistral'}" in demo.stderr
+    assert demo.stdout.startswith("In the beginning")
