@@ -31,6 +31,7 @@ from mixtral_infer.hf_format import args_from_hf_config, hf_to_published
 from mixtral_infer.model import ModelArgs, Transformer
 from mixtral_infer.parallel import Parallel, Selection
 from mixtral_infer.safetensors_reader import Selector, apply_selection, iter_tensors, read_header
+from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
 
 PARAMS_FILE = "params.json"
@@ -158,8 +159,6 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
 
     ``folder`` may also be a shipped model's name (``tiny-mixtral``, ``tiny-mistral``).
     """
-    from mixtral_infer.shipped import resolve_model_folder
-
     folder = resolve_model_folder(folder)
     if not folder.exists():
         raise CheckpointError(f"{folder}: model folder not found")

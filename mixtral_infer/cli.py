@@ -106,7 +106,7 @@ def load(
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
 ):
-    """(model, tokenizer) from a model folder, the shipped tiny Mixtral when no path is given."""
+    """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given."""
     folder = resolve_model_folder(model_path) if model_path is not None else DEFAULT_MODEL
     parallel, torch_device = join_process_group(tensor_parallel, num_pipeline_ranks, device)
     torch_dtype = parse_dtype(dtype)
@@ -148,6 +148,8 @@ def demo(
     num_pipeline_ranks: int = 1,
 ) -> None:
     """Complete three prompts of different lengths in one batch and print them.
+
+    MODEL_PATH: a model folder or a shipped model's name (see `models`); default tiny-mixtral.
 
     Sampled (temperature 0.7, top-p 0.9) with a fixed seed, so the output is the same every run;
     --temperature 0 for greedy.

@@ -3,8 +3,8 @@
 Tensors stream from the source to the destination: one at a time into a Mistral
 ``consolidated.safetensors``, one shard of at most ``max_shard_size`` at a time into
 Hugging Face shards (``safetensors_writer``). A Hugging Face folder also gets what
-transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a hidden sibling
-folder that is renamed to the destination only once complete, so an interrupted
+transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
+hidden sibling folder that is renamed to the destination only once complete, so an interrupted
 conversion leaves no half-written checkpoint behind.
 """
 

@@ -20,7 +20,12 @@ The pipeline that encodes as sentencepiece does (tested against it on varied tex
 * control and user-defined pieces are added tokens, control ones special, so
   ``[INST]`` in a chat template's text is the single control token of a v3 tokenizer
   (sentencepiece itself never encodes text to a control piece);
-* post-processor: ``<s>`` prepended.
+* post-processor: ``<s>`` prepended;
+* ``chat_template`` (in ``tokenizer_config.json``): the instruct format of
+  ``Tokenizer.encode_instruct``, so ``apply_chat_template`` gives mistral-common's ids.
+  v1: ``<s>[INST] q [/INST] a</s>[INST] q2 [/INST]`` as text; v3:
+  ``<s>[INST]q[/INST]a</s>...`` where the control tokens split the text and each part gets
+  its ``▁`` prefix, giving ``[INST] ▁q [/INST] ▁a``.
 
 One difference remains, for user-defined pieces (Mistral's v1 and v3 tokenizers have
 none: their ``[INST]`` are control pieces). transformers splits added tokens out of the
@@ -47,6 +52,19 @@ from mixtral_infer.errors import CheckpointError
 # sentencepiece_model.proto: SentencePiece.Type
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BPE = 2  # TrainerSpec.ModelType
+
+# Jinja templates for transformers' apply_chat_template: user and assistant turns only.
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ BEGIN + message['content'] + END }}"
+    "{% elif message['role'] == 'assistant' %}{{ GAP + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('only user and assistant messages, got ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+)
+CHAT_TEMPLATES = {
+    "v1": _CHAT_TEMPLATE.replace("BEGIN", "'[INST] '").replace("END", "' [/INST]'").replace("GAP", "' '"),
+    "v3": _CHAT_TEMPLATE.replace("BEGIN", "'[INST]'").replace("END", "'[/INST]'").replace("GAP + ", ""),
+}
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -215,6 +233,12 @@ def tokenizer_json(model: SentencePieceModel, source: str = "tokenizer.model") -
     }
 
 
+def instruct_version(model: SentencePieceModel) -> str:
+    """The instruct format: "v3" when [INST] and [/INST] are control pieces (as ``Tokenizer.version``), else "v1"."""
+    control = {piece for piece, _, kind in model.pieces if kind == CONTROL}
+    return "v3" if {"[INST]", "[/INST]"} <= control else "v1"
+
+
 def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> List[Path]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``folder``."""
     folder = Path(folder)
@@ -223,8 +247,8 @@ def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> List[P
     user_defined = [piece for piece, _, kind in model.pieces if kind == USER_DEFINED]
     if user_defined:
         warnings.warn(
-            f"{tokenizer_path}: user-defined pieces {user_defined[:5]} may encode differently in transformers "
-            "when spaces or the start of the text touch them (see mixtral_infer.hf_tokenizer)", stacklevel=2
+            f"{tokenizer_path}: user-defined pieces {user_defined[:5]}: in transformers, text right after one "
+            "may encode differently (see mixtral_infer.hf_tokenizer)", stacklevel=2
         )
     unk, bos, eos = (model.pieces[i][0] for i in range(3))
     special = {"bos_token": bos, "eos_token": eos, "unk_token": unk}
@@ -235,6 +259,7 @@ def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> List[P
         "clean_up_tokenization_spaces": False,
         "legacy": False,
         "model_max_length": 1000000000000000019884624838656,
+        "chat_template": CHAT_TEMPLATES[instruct_version(model)],
         **special,
         "added_tokens_decoder": {
             str(token["id"]): {key: value for key, value in token.items() if key != "id"} for token in pipeline["added_tokens"]

@@ -17,6 +17,7 @@ from typing import List, Optional
 from sentencepiece import SentencePieceProcessor
 
 from mixtral_infer.errors import CheckpointError
+from mixtral_infer.shipped import resolve_model_folder
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.model.v3")  # looked for in this order
@@ -47,8 +48,6 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
         """The tokenizer of a model folder (a path or a shipped model's name, e.g. ``tiny-mixtral``)."""
-        from mixtral_infer.shipped import resolve_model_folder
-
         folder = resolve_model_folder(folder)
         path = find_tokenizer(folder)
         if path is None:
@@ -63,7 +62,7 @@ class Tokenizer:
 
     @property
     def version(self) -> str:
-        """"v3" when [INST] and [/INST] are control pieces, else "v1"."""
+        """The instruct format: "v3" when [INST] and [/INST] are control pieces, else "v1"."""
         return "v3" if self._instruct_ids is not None else "v1"
 
     @property

@@ -137,7 +137,7 @@ def test_nfkc_tokenizer_with_extra_whitespace_removal_tokenizes_alike(tmp_path, 
 
 
 def test_v3_folder_converts_and_tokenizes_alike(tmp_path, v3_folder):
-    with pytest.warns(UserWarning, match=r"user-defined pieces \['<tool>'\] may encode differently"):
+    with pytest.warns(UserWarning, match=r"user-defined pieces \['<tool>'\]: in transformers, text right after one"):
         convert(v3_folder, tmp_path / "hf", to="hf")
     assert (tmp_path / "hf" / "tokenizer.model.v3").read_bytes() == (tmp_path / "hf" / "tokenizer.model").read_bytes()
     theirs = auto_tokenizer(tmp_path / "hf")
@@ -185,3 +185,26 @@ def test_command_line_reads_a_v3_folder(v3_folder):
     )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def chat_ids(theirs, messages):
+    text = theirs.apply_chat_template(messages, tokenize=False)
+    return theirs.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.filterwarnings("ignore:.*user-defined pieces")
+def test_chat_template_gives_our_instruct_ids_for_v1_and_v3(tmp_path, converted_tiny_mixtral, v3_folder):
+    convert(v3_folder, tmp_path / "v3-hf", to="hf")
+    messages = [
+        {"role": "user", "content": "Who art thou?"},
+        {"role": "assistant", "content": "I am that I am."},
+        {"role": "user", "content": "Say more."},
+    ]
+    for source, converted in (("tiny-mixtral", converted_tiny_mixtral), (v3_folder, tmp_path / "v3-hf")):
+        ours = Tokenizer.from_folder(source)
+        theirs = auto_tokenizer(converted)
+        answer = ours.encode("I am that I am.", bos=False)  # mistral-common encodes the answer alone
+        expected = [1] + ours.encode_instruct("Who art thou?") + answer + [2] + ours.encode_instruct("Say more.")
+        assert chat_ids(theirs, messages) == expected, ours.version
+        assert chat_ids(theirs, messages[:1]) == [1] + ours.encode_instruct("Who art thou?")
+    assert expected[:2] == [1, 3]  # the v3 one starts <s> [INST]
