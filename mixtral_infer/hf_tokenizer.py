@@ -78,6 +78,9 @@ class SentencePieceModel:
     pieces: List[Tuple[str, float, int]]  # (piece, score, type)
     model_type: int = 1  # UNIGRAM unless the trainer spec says otherwise
     byte_fallback: bool = False
+    unk_id: int = 0  # sentencepiece's defaults, which are Mistral's
+    bos_id: int = 1
+    eos_id: int = 2
     precompiled_charsmap: bytes = b""
     add_dummy_prefix: bool = True
     remove_extra_whitespaces: bool = True
@@ -134,12 +137,14 @@ def read_sentencepiece(path: str | Path) -> SentencePieceModel:
                     elif field == 3:
                         kind = inner
                 model.pieces.append((piece, score, kind))
-            elif number == 2:  # TrainerSpec {3: model_type, 35: byte_fallback}
+            elif number == 2:  # TrainerSpec {3: model_type, 35: byte_fallback, 40-42: unk/bos/eos ids}
                 for field, _, inner in _fields(value):
                     if field == 3:
                         model.model_type = inner
                     elif field == 35:
                         model.byte_fallback = bool(inner)
+                    elif field in (40, 41, 42):
+                        setattr(model, {40: "unk_id", 41: "bos_id", 42: "eos_id"}[field], inner)
             elif number == 3:  # NormalizerSpec {2: charsmap, 3: add_dummy_prefix, 4: remove_extra_whitespaces}
                 for field, _, inner in _fields(value):
                     if field == 2:
@@ -174,7 +179,7 @@ def tokenizer_json(model: SentencePieceModel, source: str = "tokenizer.model") -
         raise CheckpointError(f"{source}: only BPE sentencepiece models can be written for transformers (Mistral's are)")
     pieces = model.pieces
     vocab = {piece: i for i, (piece, _, kind) in enumerate(pieces)}
-    unk = next(piece for piece, _, kind in pieces if kind == UNKNOWN)
+    unk = pieces[model.unk_id][0]
     mergeable = {piece: i for i, (piece, _, kind) in enumerate(pieces) if kind == NORMAL}
     added = [
         {"id": i, "content": piece, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
@@ -193,7 +198,7 @@ def tokenizer_json(model: SentencePieceModel, source: str = "tokenizer.model") -
     if model.add_dummy_prefix:
         normalizers.append({"type": "Prepend", "prepend": "\u2581"})
     normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})
-    bos = pieces[1][0]
+    bos = pieces[model.bos_id][0]
     decoders = [
         {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
         {"type": "ByteFallback"},
@@ -215,7 +220,7 @@ def tokenizer_json(model: SentencePieceModel, source: str = "tokenizer.model") -
                 {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                 {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}},
             ],
-            "special_tokens": {bos: {"id": bos, "ids": [1], "tokens": [bos]}},
+            "special_tokens": {bos: {"id": bos, "ids": [model.bos_id], "tokens": [bos]}},
         },
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {
@@ -250,7 +255,7 @@ def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> List[P
             f"{tokenizer_path}: user-defined pieces {user_defined[:5]}: in transformers, text right after one "
             "may encode differently (see mixtral_infer.hf_tokenizer)", stacklevel=2
         )
-    unk, bos, eos = (model.pieces[i][0] for i in range(3))
+    unk, bos, eos = (model.pieces[i][0] for i in (model.unk_id, model.bos_id, model.eos_id))
     special = {"bos_token": bos, "eos_token": eos, "unk_token": unk}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -94,6 +94,7 @@ def test_sentencepiece_fields_read_without_protobuf(tokenizer_path, v3_tokenizer
     shipped = read_sentencepiece(SHIPPED_MODELS / "tiny-mixtral" / "tokenizer.model")
     assert (shipped.model_type, shipped.byte_fallback, shipped.precompiled_charsmap) == (2, True, b"")
     assert (shipped.add_dummy_prefix, shipped.remove_extra_whitespaces) == (True, False)
+    assert (shipped.unk_id, shipped.bos_id, shipped.eos_id) == (0, 1, 2)
     assert [(p, t) for p, _, t in shipped.pieces[:4]] == [("<unk>", 2), ("<s>", 3), ("</s>", 3), ("<0x00>", 6)]
     assert len(shipped.pieces) == Tokenizer(SHIPPED_MODELS / "tiny-mixtral" / "tokenizer.model").n_words
     nfkc = read_sentencepiece(tokenizer_path)  # trained with sentencepiece's defaults
