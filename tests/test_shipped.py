@@ -115,8 +115,15 @@ def test_readme_python_snippet_runs_from_another_directory(tmp_path):
 
 def test_installed_wheel_runs_the_shipped_models_by_name_from_another_directory(tmp_path):
     """The newcomer path from an installed package: the wheel carries the models, and names find them."""
+    import shutil
+
+    source = tmp_path / "source"  # built from a copy, so no build/ folder is left in the repository
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copyfile(REPO / name, source / name)
+    shutil.copytree(REPO / "mixtral_infer", source / "mixtral_infer", ignore=shutil.ignore_patterns("__pycache__"))
     wheel = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel")],
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "wheel")],
         capture_output=True, text=True, timeout=300,
     )
     assert wheel.returncode == 0, wheel.stderr
