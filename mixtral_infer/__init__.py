@@ -1,5 +1,6 @@
 """mixtral_infer: a readable reference implementation of Mistral 7B and Mixtral 8x7B inference."""
 
+from mixtral_infer._version import __version__
 from mixtral_infer.cache import (
     CacheView,
     RotatingBufferCache,
@@ -29,4 +30,5 @@ __all__ = [
     "generate",
     "interleave_list",
     "unrotate",
+    "__version__",
 ]

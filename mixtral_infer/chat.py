@@ -5,7 +5,9 @@ conversation grows, so each turn only feeds the tokens the cache has not seen
 yet (the new user turn, and the last answer token, which generation samples but
 never feeds). Without a window every turn re-reads the whole history.
 
-Instruct format (Mistral's): ``<s>[INST] question [/INST] answer</s>[INST] next [/INST]``.
+Instruct format (Mistral's): ``<s>[INST] question [/INST] answer</s>[INST] next [/INST]``,
+where ``[INST]`` and ``[/INST]`` are text for a v1 tokenizer and single control tokens
+for a v3 one (``Tokenizer.encode_instruct``).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class Conversation:
     def _turn_tokens(self, text: str) -> List[int]:
         if not self.instruct:
             return self.tokenizer.encode(text, bos=True)
-        tokens = self.tokenizer.encode(f"[INST] {text} [/INST]", bos=False)
+        tokens = self.tokenizer.encode_instruct(text)
         return ([self.tokenizer.bos_id] if not self.history else []) + tokens
 
     def reply(self, text: str, emit: Callable[[str], None] = lambda piece: None) -> str:

@@ -31,6 +31,8 @@ from mixtral_infer.hf_format import args_from_hf_config, hf_to_published
 from mixtral_infer.model import ModelArgs, Transformer
 from mixtral_infer.parallel import Parallel, Selection
 from mixtral_infer.safetensors_reader import Selector, apply_selection, iter_tensors, read_header
+from mixtral_infer.shipped import resolve_model_folder
+from mixtral_infer.tokenizer import find_tokenizer
 
 PARAMS_FILE = "params.json"
 SAFETENSORS_FILE = "consolidated.safetensors"
@@ -153,8 +155,11 @@ def _hf_weight_files(folder: Path) -> List[Path]:
 
 
 def open_checkpoint(folder: str | Path) -> Checkpoint:
-    """Detect the folder's format and read its configuration; raise CheckpointError if it is neither."""
-    folder = Path(folder)
+    """Detect the folder's format and read its configuration; raise CheckpointError if it is neither.
+
+    ``folder`` may also be a shipped model's name (``tiny-mixtral``, ``tiny-mistral``).
+    """
+    folder = resolve_model_folder(folder)
     if not folder.exists():
         raise CheckpointError(f"{folder}: model folder not found")
     if not folder.is_dir():
@@ -274,8 +279,8 @@ def load_model(
     checkpoint = open_checkpoint(folder)
     checkpoint.args.max_batch_size = max_batch_size
     parallel.check(checkpoint.args)
-    tokenizer = checkpoint.folder / TOKENIZER_FILE
-    if tokenizer.is_file():
+    tokenizer = find_tokenizer(checkpoint.folder)
+    if tokenizer is not None:
         check_tokenizer_vocab(tokenizer, checkpoint.args)  # before any weight is read
     select = None if parallel == Parallel() else lambda name: parallel.select(name, checkpoint.args)
     tensors = checkpoint.published_tensors(progress, select)

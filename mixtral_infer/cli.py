@@ -19,10 +19,10 @@ from mixtral_infer.errors import GenerationError, MixtralInferError
 from mixtral_infer.generate import DECODE_MODES, generate
 from mixtral_infer.model import Transformer
 from mixtral_infer.parallel import Parallel
-from mixtral_infer.tokenizer import Tokenizer
+from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, resolve_model_folder, shipped_models
+from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
 
-SHIPPED_MODELS = Path(__file__).parent / "models"
-DEFAULT_MODEL = SHIPPED_MODELS / "tiny-mixtral"
+DEFAULT_MODEL = SHIPPED_MODELS / DEFAULT_MODEL_NAME
 DEMO_PROMPTS = [
     "In the beginning",
     "And the LORD spake unto Moses, saying,",
@@ -111,11 +111,12 @@ def load(
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
 ):
-    """(model, tokenizer) from a model folder, the shipped tiny Mixtral when no path is given."""
-    folder = Path(model_path) if model_path is not None else DEFAULT_MODEL
+    """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given."""
+    folder = resolve_model_folder(model_path) if model_path is not None else DEFAULT_MODEL
     parallel, torch_device = join_process_group(tensor_parallel, num_pipeline_ranks, device)
     torch_dtype = parse_dtype(dtype)
-    if folder.is_dir() and not (folder / TOKENIZER_FILE).is_file():
+    tokenizer_path = find_tokenizer(folder)
+    if folder.is_dir() and tokenizer_path is None:
         raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
     start = time.perf_counter()
     model = Transformer.from_folder(
@@ -126,7 +127,7 @@ def load(
         progress=ProgressBar("loading") if is_main_process() else None,
         parallel=parallel,
     )
-    tokenizer = Tokenizer(folder / TOKENIZER_FILE)
+    tokenizer = Tokenizer(tokenizer_path)
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"rank {parallel.rank}: " if parallel.world_size > 1 else "",
@@ -153,6 +154,8 @@ def demo(
     decode: str = "auto",
 ) -> None:
     """Complete three prompts of different lengths in one batch and print them.
+
+    MODEL_PATH: a model folder or a shipped model's name (see `models`); default tiny-mixtral.
 
     Sampled (temperature 0.7, top-p 0.9) with a fixed seed, so the output is the same every run;
     --temperature 0 for greedy.
@@ -281,20 +284,43 @@ def _share_line(line: Optional[str]) -> Optional[str]:
     return shared[0]
 
 
-def convert(src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] = None) -> None:
-    """Write the model folder SRC to the new folder DST in the other layout (--to mistral|hf)."""
+def convert(src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] = None, max_shard_size: str = "5GB") -> None:
+    """Write the model folder SRC to the new folder DST in the other layout (--to mistral|hf).
+
+    A Hugging Face folder is written in shards of at most --max_shard_size (5GB, 500MB, ...),
+    with the tokenizer files transformers reads.
+    """
     from mixtral_infer.convert import convert as convert_folder
 
     start = time.perf_counter()
-    written = convert_folder(src, dst, to=to, dtype=parse_dtype(dtype))
+    written = convert_folder(src, dst, to=to, dtype=parse_dtype(dtype), max_shard_size=str(max_shard_size))
     print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
+
+
+def models() -> None:
+    """List the models shipped with the package; their names work wherever MODEL_PATH is asked for."""
+    from mixtral_infer.checkpoint import read_params
+
+    for name, folder in shipped_models().items():
+        args = read_params(folder)
+        kind = f"{args.moe.num_experts} experts top-{args.moe.num_experts_per_tok}" if args.moe is not None else "dense"
+        default = " (default)" if name == DEFAULT_MODEL_NAME else ""
+        print(f"{name}{default}: dim {args.dim}, {args.n_layers} layers, {kind}, window {args.sliding_window}  {folder}")
+
+
+COMMANDS = {"demo": demo, "interactive": interactive, "convert": convert, "models": models}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     import fire
 
+    from mixtral_infer import __version__
+
+    if (sys.argv[1:] if argv is None else argv) in (["--version"], ["-V"]):
+        print(f"mixtral-infer {__version__}")
+        return 0
     try:
-        fire.Fire({"demo": demo, "interactive": interactive, "convert": convert}, command=argv, name="mixtral-infer")
+        fire.Fire(COMMANDS, command=argv, name="mixtral-infer")
     except MixtralInferError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -1,8 +1,10 @@
 """Converting a model folder between the Mistral layout and Hugging Face's.
 
-Tensors stream from the source to the destination one at a time (never the
-whole model in memory twice). Everything is written into a hidden sibling
-folder that is renamed to the destination only once complete, so an interrupted
+Tensors stream from the source to the destination: one at a time into a Mistral
+``consolidated.safetensors``, one shard of at most ``max_shard_size`` at a time into
+Hugging Face shards (``safetensors_writer``). A Hugging Face folder also gets what
+transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
+hidden sibling folder that is renamed to the destination only once complete, so an interrupted
 conversion leaves no half-written checkpoint behind.
 """
 
@@ -18,7 +20,6 @@ import torch
 
 from mixtral_infer.checkpoint import (
     HF_CONFIG_FILE,
-    HF_WEIGHTS_FILE,
     PARAMS_FILE,
     SAFETENSORS_FILE,
     TOKENIZER_FILE,
@@ -26,15 +27,27 @@ from mixtral_infer.checkpoint import (
 )
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.hf_format import hf_config_from_args, published_to_hf
+from mixtral_infer.hf_tokenizer import write_hf_tokenizer
 from mixtral_infer.safetensors_reader import read_header
-from mixtral_infer.safetensors_writer import write_safetensors
+from mixtral_infer.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, parse_size, write_hf_shards, write_safetensors
+from mixtral_infer.tokenizer import find_tokenizer
 
 FORMATS = ("mistral", "hf")
 
 
-def convert(src: str | Path, dst: str | Path, to: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:
-    """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one)."""
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: Optional[str] = None,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one).
+
+    ``max_shard_size`` (bytes, or "5GB", "500MB"): the largest Hugging Face shard.
+    """
     checkpoint = open_checkpoint(src)
+    parse_size(max_shard_size)  # a bad size is an error before anything is written
     target = to or ("hf" if checkpoint.format == "mistral" else "mistral")
     if target not in FORMATS:
         raise CheckpointError(f"--to {target!r}: expected one of {', '.join(FORMATS)}")
@@ -56,13 +69,17 @@ def convert(src: str | Path, dst: str | Path, to: Optional[str] = None, dtype: O
             write_safetensors(partial / SAFETENSORS_FILE, tensors)
             (partial / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
         else:
-            write_safetensors(partial / HF_WEIGHTS_FILE, published_to_hf(tensors, checkpoint.args), metadata={"format": "pt"})
-            written_dtype = dtype or _first_dtype(partial / HF_WEIGHTS_FILE)
+            shards = write_hf_shards(partial, published_to_hf(tensors, checkpoint.args), max_shard_size, metadata={"format": "pt"})
+            written_dtype = dtype or _first_dtype(shards[0])
             config = hf_config_from_args(checkpoint.args, written_dtype)
             (partial / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        tokenizer = checkpoint.folder / TOKENIZER_FILE
-        if tokenizer.is_file():
-            shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
+        tokenizer = find_tokenizer(checkpoint.folder)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, partial / tokenizer.name)
+            if target == "hf":
+                if tokenizer.name != TOKENIZER_FILE:  # transformers' LlamaTokenizer reads tokenizer.model
+                    shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
+                write_hf_tokenizer(tokenizer, partial)
         os.replace(partial, dst)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

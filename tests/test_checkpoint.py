@@ -86,11 +86,11 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 
     save_consolidated(random_model(tiny_args()), tmp_path / "mistral")
 
-    def fail_midway(path, tensors, metadata=None):
+    def fail_midway(folder, tensors, max_shard_size, metadata=None):
         next(iter(tensors))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert_module, "write_safetensors", fail_midway)
+    monkeypatch.setattr(convert_module, "write_hf_shards", fail_midway)
     with pytest.raises(KeyboardInterrupt):
         convert(tmp_path / "mistral", tmp_path / "hf", to="hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mistral"]

@@ -1,0 +1,150 @@
+"""Peak memory, disk and time of ``convert --to hf``: the hand-written single-file writer vs shards.
+
+Builds a random float32 Mistral-layout checkpoint (default about 1.7 GB), then converts it
+to a Hugging Face folder in a fresh subprocess per writer:
+
+* ``hand``: what ``convert --to hf`` did before: ``write_safetensors`` streams tensors to
+  a side file, then copies them behind the header into ``model.safetensors`` (every byte
+  written twice, twice the checkpoint on disk at the end);
+* ``shards``: ``write_hf_shards`` through the ``safetensors`` library, at the default
+  ``max_shard_size`` (5 GB: the whole model is one shard) and at smaller limits.
+
+A thread samples the process's anonymous and file-backed resident memory (``RssAnon``,
+``RssFile`` in /proc/self/status) and the bytes under the destination every 5 ms.
+
+    .venv/bin/python bench/convert_memory.py --out bench/convert_memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    from pathlib import Path
+
+    import torch
+
+    from mixtral_infer.checkpoint import open_checkpoint
+    from mixtral_infer.convert import convert
+    from mixtral_infer.hf_format import published_to_hf
+    from mixtral_infer.safetensors_writer import write_safetensors
+
+    src, dst, writer, shard = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+    def status():
+        fields = {}
+        for line in open("/proc/self/status"):
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+        return fields
+
+    def disk_bytes():
+        total = 0
+        for root, _, files in os.walk(dst.parent):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(root, name)).st_size
+                except FileNotFoundError:
+                    pass
+        return total
+
+    torch.ones(1) @ torch.ones(1)
+    base = status()
+    peak = {"RssAnon": 0, "RssFile": 0, "disk": 0}
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            now = status()
+            peak["RssAnon"] = max(peak["RssAnon"], now["RssAnon"])
+            peak["RssFile"] = max(peak["RssFile"], now["RssFile"])
+            peak["disk"] = max(peak["disk"], disk_bytes())
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    if writer == "hand":
+        checkpoint = open_checkpoint(src)
+        dst.mkdir()
+        write_safetensors(dst / "model.safetensors", published_to_hf(checkpoint.published_tensors(), checkpoint.args),
+                          metadata={"format": "pt"})
+    else:
+        convert(src, dst, to="hf", max_shard_size=shard)
+    seconds = time.perf_counter() - start
+    done.set()
+    thread.join()
+    end = status()
+    print(json.dumps({
+        "seconds": seconds,
+        "peak_anon_over_start": peak["RssAnon"] - base["RssAnon"],
+        "peak_file_backed": peak["RssFile"],
+        "peak_hwm_over_start": end["VmHWM"] - base["VmHWM"] if end["VmHWM"] > base["VmHWM"] else 0,
+        "peak_disk": peak["disk"],
+        "files": sorted(p.name for p in dst.iterdir()),
+    }))
+    """
+)
+
+
+def build_checkpoint(folder: Path, dim: int, n_layers: int, hidden: int, experts: int) -> int:
+    import torch
+
+    from mixtral_infer import ModelArgs, MoeArgs, Transformer
+    from mixtral_infer.checkpoint import save_consolidated
+
+    args = ModelArgs(
+        dim=dim, n_layers=n_layers, head_dim=64, hidden_dim=hidden, n_heads=dim // 64, n_kv_heads=4, norm_eps=1e-5,
+        vocab_size=32000, sliding_window=256, moe=MoeArgs(num_experts=experts, num_experts_per_tok=2),
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = Transformer(args)
+        for param in model.parameters():
+            param.normal_(0, 0.02)
+    save_consolidated(model, folder)
+    return (folder / "consolidated.safetensors").stat().st_size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--workdir", type=Path, default=None)
+    options = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="convert-memory-", dir=options.workdir))
+    checkpoint_bytes = build_checkpoint(workdir / "src", dim=1024, n_layers=options.layers, hidden=3584, experts=8)
+    print(f"checkpoint: {checkpoint_bytes / 1e9:.2f} GB float32 in {workdir / 'src'}", file=sys.stderr)
+    results = {"checkpoint_bytes": checkpoint_bytes, "runs": []}
+    for writer, shard in [("hand", ""), ("shards", "5GB"), ("shards", "500MB"), ("shards", "200MB")]:
+        out = workdir / f"out-{writer}-{shard}"
+        out.mkdir()
+        command = [sys.executable, "-c", CHILD, str(workdir / "src"), str(out / "hf"), writer, shard or "-"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        run = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
+        run.update(writer=writer, max_shard_size=shard or None)
+        results["runs"].append(run)
+        print(
+            f"{writer:6} {shard or '':>6}: {run['seconds']:6.1f} s, peak anonymous {run['peak_anon_over_start'] / 1e6:7.0f} MB, "
+            f"file-backed {run['peak_file_backed'] / 1e6:5.0f} MB, disk {run['peak_disk'] / 1e9:.2f} GB, "
+            f"{len(run['files'])} files",
+            file=sys.stderr,
+        )
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    subprocess.run(["rm", "-rf", str(workdir)], check=True)
+    if options.out is not None:
+        options.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The small models shipped inside the package, usable by name wherever a model folder is accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict
+
+SHIPPED_MODELS = Path(__file__).parent / "models"
+DEFAULT_MODEL_NAME = "tiny-mixtral"
+
+
+def shipped_models() -> Dict[str, Path]:
+    """Name -> folder of each shipped model (``tiny-mixtral``, ``tiny-mistral``)."""
+    return {path.name: path for path in sorted(SHIPPED_MODELS.iterdir()) if (path / "params.json").is_file()}
+
+
+def resolve_model_folder(folder: str | Path) -> Path:
+    """``folder`` itself when it exists, else the shipped model of that name, else ``folder`` unchanged.
+
+    A folder on disk wins over a shipped model of the same name, so
+    ``./tiny-mixtral`` (a conversion, say) is never shadowed.
+    """
+    path = Path(folder)
+    if path.exists():
+        return path
+    return shipped_models().get(str(folder), path)
