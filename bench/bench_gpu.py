@@ -1,0 +1,416 @@
+"""GPU benchmark: ours (eager and fast) against transformers (eager and StaticCache + torch.compile).
+
+One command on any CUDA machine, nothing downloaded::
+
+    python bench/bench_gpu.py --out bench/results_gpu.json
+    python bench/bench_gpu.py --layers 4 --models mistral-7b   # scaled down
+
+The Mistral-7B and Mixtral-8x7B shapes are built by transformers with random bfloat16 weights
+on the GPU (``MistralForCausalLM`` / ``MixtralForCausalLM``, sdpa attention), and the SAME
+weights are loaded into ours (``hf_to_published`` + ``build_model``). Mixtral 8x7B (93 GB) does
+not fit twice on one GPU: when both copies do not fit, its layers are cut to the largest
+count that does (``layers`` in each row says how many ran; ``--layers`` sets it by hand).
+
+Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fast`` and of
+``transformers compiled`` includes their compilation, reported as ``compile_s``):
+
+* decode at batch 1, 8, 32: prompts of 128 random tokens, 128 greedy new tokens, only the
+  decode loop timed (tokens after the first, over the time from the first token to the last):
+
+  - ``ours eager``: ``generate(..., decode="eager")``;
+  - ``ours fast``: ``generate(..., decode="compiled")``, the static step compiled and replayed
+    as a CUDA graph;
+  - ``transformers eager``: the loop ``model(tokens, past_key_values=...)`` + argmax;
+  - ``transformers compiled``: ``model.generate(cache_implementation="static")``, which
+    compiles the forward (``torch.compile``, CUDA graphs) for decoding; decode time is the
+    time of 128 new tokens minus the time of 1;
+  - ``floor``: every weight matrix a decode step reads, read once by ``F.linear`` on one row
+    per sequence, all of them captured in one CUDA graph and replayed (Mixtral: attention,
+    router, and ``min(E, B * k)`` experts per layer).
+
+* prefill of one prompt of 2048 and 8192 tokens, last logit only (what generation needs):
+  ours ``generate.prefill(..., logprobs=False)`` at the default chunk, transformers
+  ``model(prompt, logits_to_keep=1)``; with the peak GPU memory over what was allocated before.
+
+Greedy tokens of ours and transformers are compared (first difference reported; random
+bfloat16 models can part ways on near ties after a while, which is not an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mixtral_infer import ModelArgs, MoeArgs, Transformer, generate  # noqa: E402
+from mixtral_infer.checkpoint import build_model  # noqa: E402
+from mixtral_infer.generate import default_chunk_size, prefill  # noqa: E402
+from mixtral_infer.hf_format import hf_to_published  # noqa: E402
+from mixtral_infer.moe import MoeLayer  # noqa: E402
+
+SHAPES = {
+    "mistral-7b": dict(
+        dim=4096, n_layers=32, head_dim=128, hidden_dim=14336, n_heads=32, n_kv_heads=8, norm_eps=1e-5,
+        vocab_size=32000, sliding_window=4096, rope_theta=10000.0,
+    ),
+    "mixtral-8x7b": dict(
+        dim=4096, n_layers=32, head_dim=128, hidden_dim=14336, n_heads=32, n_kv_heads=8, norm_eps=1e-5,
+        vocab_size=32000, sliding_window=None, rope_theta=1e6, moe=MoeArgs(num_experts=8, num_experts_per_tok=2),
+    ),
+    # A few MB, for a smoke run anywhere (``--models tiny --device cpu``).
+    "tiny": dict(
+        dim=128, n_layers=2, head_dim=32, hidden_dim=256, n_heads=4, n_kv_heads=2, norm_eps=1e-5,
+        vocab_size=1000, sliding_window=64, rope_theta=10000.0, moe=MoeArgs(num_experts=4, num_experts_per_tok=2),
+    ),
+}  # fmt: skip
+PROMPT, NEW_TOKENS, REPEATS = 128, 128, 3
+
+
+def model_args(name: str, layers: Optional[int], batch: int) -> ModelArgs:
+    shape = dict(SHAPES[name])
+    if layers is not None:
+        shape["n_layers"] = layers
+    return ModelArgs(max_batch_size=batch, **shape)
+
+
+def parameter_bytes(args: ModelArgs) -> int:
+    """bfloat16 bytes of the whole model."""
+    attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    ffn = 3 * args.dim * args.hidden_dim * (args.moe.num_experts if args.moe else 1)
+    router = args.dim * args.moe.num_experts if args.moe else 0
+    return 2 * (args.n_layers * (attention + ffn + router + 2 * args.dim) + 2 * args.vocab_size * args.dim + args.dim)
+
+
+def layers_that_fit(name: str, device: torch.device, requested: Optional[int]) -> Optional[int]:
+    """``requested``, or the most layers with which two copies (ours, transformers') fit in 85% of the GPU."""
+    if requested is not None or device.type != "cuda":
+        return requested
+    free, _ = torch.cuda.mem_get_info(device)
+    full = model_args(name, None, 1)
+    if 2 * parameter_bytes(full) < 0.85 * free:
+        return None
+    per_layer = parameter_bytes(model_args(name, 2, 1)) - parameter_bytes(model_args(name, 1, 1))
+    fixed = parameter_bytes(model_args(name, 1, 1)) - per_layer
+    return max(1, int((0.85 * free / 2 - fixed) // per_layer))
+
+
+def hf_model(args: ModelArgs, device: torch.device, dtype: torch.dtype):
+    import transformers
+
+    common = dict(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+        sliding_window=args.sliding_window, max_position_embeddings=32768, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, initializer_range=args.dim**-0.5,
+    )  # fmt: skip
+    if args.moe is None:
+        config, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    else:
+        config = transformers.MixtralConfig(
+            num_local_experts=args.moe.num_experts, num_experts_per_tok=args.moe.num_experts_per_tok, **common
+        )
+        cls = transformers.MixtralForCausalLM
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with warnings.catch_warnings(), torch.device(device):
+            warnings.simplefilter("ignore")
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.uniform_(0.8, 1.2)
+            elif "embed_tokens" in name:
+                param.normal_(0.0, 1.0)
+    return model.eval()
+
+
+def ours_from_hf(hf, args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
+    return build_model(args, hf_to_published(hf.state_dict().items(), args), "transformers", device=device, dtype=dtype)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> List[List[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=generator).tolist()
+
+
+def median_runs(run: Callable[[], float], repeats: int) -> tuple[float, float]:
+    """(seconds of the warm-up run, median seconds of ``repeats`` runs)."""
+    warm = run()
+    return warm, statistics.median(run() for _ in range(repeats))
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def ours_decode(model: Transformer, prompts: List[List[int]], mode: str, tokens_out: list) -> float:
+    """Seconds from the first new token to the last (``NEW_TOKENS - 1`` steps)."""
+    device = model.device
+    first: List[float] = []
+
+    def on_token(i: int, token: int) -> None:
+        if not first:
+            first.append(time.perf_counter())
+
+    generated, _ = generate(
+        prompts, model, max_tokens=NEW_TOKENS, decode=mode, on_token=on_token, prompt_logprobs=False
+    )
+    sync(device)
+    seconds = time.perf_counter() - first[0]
+    tokens_out[:] = generated
+    return seconds
+
+
+@torch.inference_mode()
+def hf_eager_decode(hf, prompts: List[List[int]], tokens_out: list) -> float:
+    device = hf.device
+    result = hf(torch.tensor(prompts, device=device), use_cache=True, logits_to_keep=1)
+    past, tokens = result.past_key_values, result.logits[:, -1].argmax(-1)
+    out = [tokens]
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(NEW_TOKENS - 1):
+        result = hf(tokens[:, None], past_key_values=past, use_cache=True)
+        past, tokens = result.past_key_values, result.logits[:, -1].argmax(-1)
+        out.append(tokens)
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens_out[:] = torch.stack(out, 1).tolist()
+    return seconds
+
+
+@torch.inference_mode()
+def hf_compiled_generate(hf, prompts: List[List[int]], new_tokens: int) -> float:
+    device = hf.device
+    input_ids = torch.tensor(prompts, device=device)
+    sync(device)
+    start = time.perf_counter()
+    hf.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        do_sample=False, cache_implementation="static", pad_token_id=0,
+    )  # fmt: skip
+    sync(device)
+    return time.perf_counter() - start
+
+
+def step_matrices(model: Transformer, batch: int) -> List[torch.Tensor]:
+    """Every weight matrix a decode step of ``batch`` rows reads (MoE: ``min(E, B * k)`` experts)."""
+    matrices: List[torch.Tensor] = []
+    for layer in model.layers.values():
+        attention = layer.attention
+        matrices += [attention.wq.weight, attention.wk.weight, attention.wv.weight, attention.wo.weight]
+        ffn = layer.feed_forward
+        if isinstance(ffn, MoeLayer):
+            matrices.append(ffn.gate.weight)
+            for e in range(min(ffn.w1.shape[0], batch * ffn.args.num_experts_per_tok)):
+                matrices += [ffn.w1[e], ffn.w3[e], ffn.w2[e]]
+        else:
+            matrices += [ffn.w1.weight, ffn.w3.weight, ffn.w2.weight]
+    return matrices + [model.output.weight]
+
+
+@torch.inference_mode()
+def floor_step_seconds(model: Transformer, batch: int, repeats: int = 20) -> float:
+    """One replay of a CUDA graph that reads each matrix of a step once (``F.linear``, B rows)."""
+    device = model.device
+    matrices = step_matrices(model, batch)
+    inputs = {m.shape[1]: torch.randn(batch, m.shape[1], device=device, dtype=m.dtype) for m in matrices}
+
+    def read_all() -> None:
+        for m in matrices:
+            F.linear(inputs[m.shape[1]], m)
+
+    if device.type != "cuda":
+        start = time.perf_counter()
+        read_all()
+        return time.perf_counter() - start
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        read_all()  # warm-up: cuBLAS picks its kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        read_all()
+    graph.replay()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        graph.replay()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def first_difference(a: List[List[int]], b: List[List[int]]) -> Optional[int]:
+    for row_a, row_b in zip(a, b):
+        for index, (x, y) in enumerate(zip(row_a, row_b)):
+            if x != y:
+                return index
+    return None
+
+
+def bench_decode(ours: Transformer, hf, batch: int, repeats: int, hf_compile: bool, log) -> Dict:
+    vocab = ours.args.vocab_size
+    prompts = random_prompts(batch, PROMPT, vocab, seed=batch)
+    steps = NEW_TOKENS - 1
+    row: Dict = {"batch": batch, "prompt": PROMPT, "new_tokens": NEW_TOKENS}
+    ours_tokens: list = []
+    for mode, label in (("eager", "ours_eager"), ("compiled", "ours_fast")):
+        warm, seconds = median_runs(lambda: ours_decode(ours, prompts, mode, ours_tokens), repeats)
+        row[label] = batch * steps / seconds
+        if mode == "compiled":
+            row["ours_fast_compile_s"] = warm
+        log(f"  b{batch} {label}: {row[label]:.1f} tok/s")
+    hf_tokens: list = []
+    _, seconds = median_runs(lambda: hf_eager_decode(hf, prompts, hf_tokens), repeats)
+    row["transformers_eager"] = batch * steps / seconds
+    row["first_difference"] = first_difference(ours_tokens, hf_tokens)
+    log(f"  b{batch} transformers_eager: {row['transformers_eager']:.1f} tok/s (first difference {row['first_difference']})")
+    if hf_compile:
+        try:
+            warm, full = median_runs(lambda: hf_compiled_generate(hf, prompts, NEW_TOKENS), repeats)
+            one = statistics.median(hf_compiled_generate(hf, prompts, 1) for _ in range(repeats))
+            row["transformers_compiled"] = batch * steps / max(full - one, 1e-9)
+            row["transformers_compiled_compile_s"] = warm
+            log(f"  b{batch} transformers_compiled: {row['transformers_compiled']:.1f} tok/s")
+        except Exception as error:  # report it, keep the other rows
+            row["transformers_compiled_error"] = f"{type(error).__name__}: {error}"[:300]
+            log(f"  b{batch} transformers_compiled failed: {row['transformers_compiled_error']}")
+    row["floor"] = batch / floor_step_seconds(ours, batch)
+    log(f"  b{batch} floor: {row['floor']:.1f} tok/s")
+    return row
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+def peak_over(device: torch.device, run: Callable[[], None]) -> tuple[float, int]:
+    """(seconds, peak bytes allocated over what was allocated before) of one run."""
+    sync(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    run()
+    sync(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
+    return seconds, peak
+
+
+@torch.inference_mode()
+def bench_prefill(ours: Transformer, hf, length: int, repeats: int, log) -> Dict:
+    device = ours.device
+    prompt = random_prompts(1, length, ours.args.vocab_size, seed=length)
+
+    def run_ours() -> None:
+        cache = ours.make_cache(1, max_seqlen=length + 1)
+        cache.init_kvseqlens(1)
+        prefill(ours, cache, prompt, default_chunk_size(1), logprobs=False)
+
+    def run_hf() -> None:
+        hf(torch.tensor(prompt, device=device), use_cache=True, logits_to_keep=1)
+
+    row: Dict = {"tokens": length}
+    for label, run in (("ours", run_ours), ("transformers", run_hf)):
+        run()  # warm-up
+        measured = [peak_over(device, run) for _ in range(repeats)]
+        row[f"{label}_tok_s"] = length / statistics.median(s for s, _ in measured)
+        row[f"{label}_peak_gb"] = max(p for _, p in measured) / 1e9
+        log(f"  prefill {length} {label}: {row[f'{label}_tok_s']:.0f} tok/s, peak +{row[f'{label}_peak_gb']:.2f} GB")
+    return row
+
+
+# --------------------------------------------------------------------------- main
+
+
+def machine(device: torch.device) -> Dict:
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 1e9
+    return info
+
+
+def table(results: Dict) -> str:
+    lines = ["| model (layers) | batch | ours eager | ours fast | transformers eager | transformers compiled | floor |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, model in results["models"].items():
+        for row in model["decode"]:
+            cells = [f"{row.get(k, float('nan')):.1f}" for k in
+                     ("ours_eager", "ours_fast", "transformers_eager", "transformers_compiled", "floor")]  # fmt: skip
+            lines.append(f"| {name} ({model['layers']}) | {row['batch']} | " + " | ".join(cells) + " |")
+    lines += ["", "| model (layers) | prefill tokens | ours tok/s | transformers tok/s | ours peak GB | transformers peak GB |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, model in results["models"].items():
+        for row in model["prefill"]:
+            lines.append(
+                f"| {name} ({model['layers']}) | {row['tokens']} | {row['ours_tok_s']:.0f} | {row['transformers_tok_s']:.0f} "
+                f"| {row['ours_peak_gb']:.2f} | {row['transformers_peak_gb']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    parser.add_argument("--models", nargs="+", default=["mistral-7b", "mixtral-8x7b"], choices=SHAPES)
+    parser.add_argument("--layers", type=int, default=None, help="layers of every model (default: the real count, "
+                        "or for Mixtral the most that fit twice on the GPU)")  # fmt: skip
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192], help="prefill lengths")
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-hf-compile", action="store_true", help="skip transformers + StaticCache + torch.compile")
+    options = parser.parse_args(argv)
+    device = torch.device(options.device)
+    dtype = torch.bfloat16
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    results: Dict = {"machine": machine(device), "dtype": str(dtype), "models": {}}
+    for name in options.models:
+        layers = layers_that_fit(name, device, options.layers)
+        args = model_args(name, layers, max(options.batches))
+        log(f"{name}: {args.n_layers} layers, {parameter_bytes(args) / 1e9:.1f} GB of weights")
+        hf = hf_model(args, device, dtype)
+        ours = ours_from_hf(hf, args, device, dtype)
+        entry: Dict = {"layers": args.n_layers, "weights_gb": parameter_bytes(args) / 1e9, "decode": [], "prefill": []}
+        for batch in options.batches:
+            entry["decode"].append(bench_decode(ours, hf, batch, options.repeats, not options.no_hf_compile, log))
+        for length in options.prefill:
+            entry["prefill"].append(bench_prefill(ours, hf, length, options.repeats, log))
+        results["models"][name] = entry
+        del ours, hf
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(table(results))
+    if options.out is not None:
+        options.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
