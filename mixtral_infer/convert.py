@@ -2,17 +2,20 @@
 
 Tensors stream from the source to the destination one at a time (never the
 whole model in memory twice). Everything is written into a hidden sibling
-folder that is renamed to the destination only once complete, so an interrupted
-conversion leaves no half-written checkpoint behind.
+folder ``.DST.partial-PID`` that is renamed to the destination only once complete,
+so an interrupted conversion leaves no half-written checkpoint behind; the next
+conversion to the same destination removes what a killed one left. The destination
+must not exist: nothing is ever overwritten.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,20 +35,32 @@ from mixtral_infer.safetensors_writer import write_safetensors
 FORMATS = ("mistral", "hf")
 
 
-def convert(src: str | Path, dst: str | Path, to: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Path:
-    """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one)."""
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: Optional[str] = None,
+    dtype: Optional[torch.dtype] = None,
+    notify: Callable[[str], None] = lambda message: None,
+) -> Path:
+    """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one).
+
+    ``dst`` must not exist: a conversion never overwrites. The files are written into
+    ``.DST.partial-PID`` beside it and renamed to ``dst`` once complete. A partial
+    folder of a conversion that was killed is removed, and ``notify`` says so.
+    """
     checkpoint = open_checkpoint(src)
     target = to or ("hf" if checkpoint.format == "mistral" else "mistral")
     if target not in FORMATS:
         raise CheckpointError(f"--to {target!r}: expected one of {', '.join(FORMATS)}")
     dst = Path(dst)
-    if dst.exists():
-        raise CheckpointError(f"{dst}: already exists; choose a new destination folder")
-    if not dst.parent.is_dir():
-        raise CheckpointError(f"{dst.parent}: folder not found")
+    check_destination(dst)
+    remove_stale_partials(dst, notify)
 
     partial = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
-    partial.mkdir()
+    try:
+        partial.mkdir()
+    except OSError as error:
+        raise CheckpointError(f"{dst.parent}: cannot write here ({error.strerror})") from None
     try:
         tensors = checkpoint.published_tensors()
         if dtype is not None:
@@ -63,11 +78,52 @@ def convert(src: str | Path, dst: str | Path, to: Optional[str] = None, dtype: O
         tokenizer = checkpoint.folder / TOKENIZER_FILE
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
-        os.replace(partial, dst)
+        os.rename(partial, dst)
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        where = error.filename or dst
+        raise CheckpointError(f"{where}: cannot write ({error.strerror}); nothing was written to {dst}") from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return dst
+
+
+def check_destination(dst: Path) -> None:
+    """``dst`` must be a new name (not even a dangling symlink) in a writable folder."""
+    if dst.is_symlink() or dst.exists():
+        kind = "a symlink" if dst.is_symlink() else "a folder" if dst.is_dir() else "a file"
+        raise CheckpointError(f"{dst}: already exists ({kind}); choose a new destination folder")
+    if not dst.parent.is_dir():
+        raise CheckpointError(f"{dst.parent}: folder not found")
+    if not os.access(dst.parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{dst.parent}: cannot write here (permission denied)")
+
+
+def remove_stale_partials(dst: Path, notify: Callable[[str], None]) -> None:
+    """Remove ``.DST.partial-PID`` folders whose process is gone; refuse while one is still running."""
+    for partial in sorted(dst.parent.glob(f".{glob.escape(dst.name)}.partial-*")):
+        pid_text = partial.name.rsplit("-", 1)[1]
+        if not pid_text.isdigit() or partial.is_symlink() or not partial.is_dir():
+            continue  # not one of ours
+        pid = int(pid_text)
+        if pid != os.getpid() and _process_alive(pid):
+            raise CheckpointError(
+                f"{partial}: another conversion to {dst} (process {pid}) is running; wait for it, "
+                "or remove this folder if no conversion is running"
+            )
+        shutil.rmtree(partial)
+        notify(f"removed {partial}, left by an interrupted conversion (process {pid} is gone)")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, belongs to someone else
+    return True
 
 
 def _first_dtype(path: Path) -> torch.dtype:

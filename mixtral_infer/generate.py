@@ -164,7 +164,7 @@ def generate(
     if cache is not None and cache.seqlens and len(cache.seqlens) != batch:
         raise GenerationError(f"the cache holds {len(cache.seqlens)} sequences but {batch} prompts were given")
     if cache is None:
-        check_new_cache(model, batch, longest + max_tokens, max_tokens)
+        check_new_cache(model.args, batch, longest + max_tokens, max_tokens, model.dtype, model.device, model.parallel)
         cache = model.make_cache(batch, max_seqlen=longest + max_tokens)
         cache.init_kvseqlens(batch)
     else:

@@ -16,7 +16,8 @@ from mixtral_infer.errors import GenerationError
 
 if TYPE_CHECKING:
     from mixtral_infer.cache import RotatingBufferCache
-    from mixtral_infer.model import Transformer
+    from mixtral_infer.model import ModelArgs, Transformer
+    from mixtral_infer.parallel import Parallel
 
 # A temperature this small samples the most probable token whatever the logits (for
 # float32 logits below 1e8 in size, softmax(logits / T) is one-hot), while dividing by
@@ -124,20 +125,26 @@ def cache_slots_needed(model: "Transformer", n_tokens: int) -> int:
     return n_tokens if window is None else min(window, n_tokens)
 
 
-def check_new_cache(model: "Transformer", batch: int, n_tokens: int, max_tokens: int) -> None:
+def kv_cache_bytes(args: "ModelArgs", batch: int, n_tokens: int, dtype: torch.dtype, parallel: "Parallel") -> int:
+    """Bytes of the keys and values a cache for ``batch`` sequences of ``n_tokens`` tokens holds on this rank."""
+    window = args.sliding_window
+    slots = max(n_tokens if window is None else min(window, n_tokens), 1)
+    n_layers = len(parallel.layer_range(args.n_layers))
+    n_kv_heads = len(parallel.share(args.n_kv_heads))
+    return 2 * n_layers * batch * slots * n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def check_new_cache(
+    args: "ModelArgs", batch: int, n_tokens: int, max_tokens: int, dtype: torch.dtype, device: torch.device,
+    parallel: "Parallel",
+) -> None:
     """Refuse, with the size, a cache for ``n_tokens`` tokens per sequence that cannot fit in memory."""
-    slots = cache_slots_needed(model, n_tokens)
-    n_kv_heads = len(model.parallel.share(model.args.n_kv_heads))
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
-    n_bytes = 2 * len(model.layer_ids) * batch * max(slots, 1) * n_kv_heads * model.args.head_dim * itemsize
-    check_cache_fits(
-        n_bytes,
-        f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of up to {n_tokens} tokens (model without a "
-        "sliding window: every token keeps its slot)" if model.args.sliding_window is None else
-        f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of {slots} slots",
-        model.device,
-        "lower max_tokens or the batch",
-    )
+    if args.sliding_window is None:
+        what = f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of up to {n_tokens} tokens (no sliding window)"
+    else:
+        what = f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of {args.sliding_window} slots"
+    n_bytes = kv_cache_bytes(args, batch, n_tokens, dtype, parallel)
+    check_cache_fits(n_bytes, what, device, "lower max_tokens or the batch")
 
 
 def check_cache_capacity(
