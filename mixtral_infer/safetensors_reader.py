@@ -140,7 +140,7 @@ def _entry(name: str, info: object, data_size: int) -> TensorEntry:
     if not 0 <= begin <= end:
         raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] must have 0 <= begin <= end")
     dtype = DTYPES[dtype_name]
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * dtype.itemsize
     if end - begin != expected:
         raise CheckpointError(f"{where} has {end - begin} bytes, its shape {tuple(shape)} in {dtype_name} needs {expected}")
     if end > data_size:

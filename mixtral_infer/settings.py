@@ -131,7 +131,7 @@ def kv_cache_bytes(args: "ModelArgs", batch: int, n_tokens: int, dtype: torch.dt
     slots = max(n_tokens if window is None else min(window, n_tokens), 1)
     n_layers = len(parallel.layer_range(args.n_layers))
     n_kv_heads = len(parallel.share(args.n_kv_heads))
-    return 2 * n_layers * batch * slots * n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * n_layers * batch * slots * n_kv_heads * args.head_dim * dtype.itemsize
 
 
 def check_new_cache(
