@@ -33,8 +33,8 @@ def as_int(value: object) -> Optional[int]:
     >>> as_int(numpy.int64(5)), as_int(torch.tensor(7)), as_int(2.0), as_int(True)
     (5, 7, None, None)
     """
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool)):
+        return None  # a one-element tensor would also pass operator.index
     try:
         return operator.index(value)
     except TypeError:
