@@ -71,7 +71,7 @@ def _no_duplicate_keys(pairs: List[Tuple[str, object]]) -> dict:
     result = {}
     for key, value in pairs:
         if key in result:
-            raise CheckpointError(f"name {key!r} appears twice")
+            raise CheckpointError(f"key {key!r} appears twice")
         result[key] = value
     return result
 

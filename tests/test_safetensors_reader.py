@@ -61,7 +61,7 @@ def test_a_valid_file_gives_its_tensors(tmp_path):
     [
         (with_entry("b", data_offsets=[16, 24]), r"tensors a and b share bytes \[16, 24\)"),
         (with_entry("c", data_offsets=[0, 8]), r"tensors c and a share bytes \[0, 8\)"),
-        (VALID + [("a", VALID[0][1])], "name 'a' appears twice"),
+        (VALID + [("a", VALID[0][1])], "key 'a' appears twice"),
         (with_entry("a", shape=[2.0, 3]), r"shape \[2.0, 3\] must be a list of at most 16 integers >= 0"),
         (with_entry("a", shape=["2", 3]), r"shape \['2', 3\] must be a list"),
         (with_entry("a", shape=[-2, -3]), r"shape \[-2, -3\] must be a list"),
