@@ -19,11 +19,11 @@ import torch
 from mixtral_infer.chat import Conversation
 from mixtral_infer.checkpoint import TOKENIZER_FILE, default_device, default_dtype, open_checkpoint
 from mixtral_infer.errors import GenerationError, MixtralInferError
-from mixtral_infer.settings import as_int, check_new_cache
-from mixtral_infer.settings import check_options as check_generation_options
 from mixtral_infer.generate import generate
 from mixtral_infer.model import Transformer
 from mixtral_infer.parallel import Parallel
+from mixtral_infer.settings import as_int, check_new_cache
+from mixtral_infer.settings import check_options as check_generation_options
 from mixtral_infer.tokenizer import Tokenizer
 
 SHIPPED_MODELS = Path(__file__).parent / "models"
