@@ -153,3 +153,12 @@ def test_max_tokens_beyond_memory_without_a_window_is_refused_before_allocating(
     ), message
     assert message.endswith("lower max_tokens or the batch")
     assert int(peak_mb) < 50
+
+
+@pytest.mark.parametrize("module", ["settings", "safetensors_reader", "weight_shapes", "hf_format"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(f"mixtral_infer.{module}"))
+    assert result.attempted > 0 and result.failed == 0
