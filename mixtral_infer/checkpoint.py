@@ -298,6 +298,13 @@ def load_model(
 
     With ``parallel``, only this rank's share of the weights is read and kept.
     """
+    if device is not None:
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device={device!r} is not a torch device (try 'cpu' or 'cuda')") from None
+        if kind == "meta":
+            raise ConfigError("device='meta' holds no data, so no weights can be loaded onto it: use 'cpu' or 'cuda'")
     checkpoint = open_checkpoint(folder)
     checkpoint.args.max_batch_size = max_batch_size
     parallel.check(checkpoint.args)

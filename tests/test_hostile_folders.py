@@ -211,3 +211,12 @@ def test_pth_tensor_of_wrong_shape_is_refused_before_the_model_gets_it(tmp_path)
     torch.save({**tensors, "layers.1.attention.wq.weight": torch.zeros(32, 128)}, tmp_path / "consolidated.00.pth")
     with pytest.raises(CheckpointError, match=r"consolidated.00.pth: tensor layers.1.attention.wq.weight has shape \(32, 128\)"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [("meta", "device='meta' holds no data"), ("tpu9", "device='tpu9' is not a torch device"), (5.5, "device=5.5 is not a torch device")],
+)
+def test_a_device_that_cannot_hold_weights_is_named_not_blamed_on_the_checkpoint(hf_folder, device, message):
+    with pytest.raises(ConfigError, match=message):
+        Transformer.from_folder(hf_folder, device=device)
