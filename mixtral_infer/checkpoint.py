@@ -18,6 +18,7 @@ a MoE layer's experts are stacked: published
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +28,13 @@ import torch
 from torch import nn
 
 from mixtral_infer.errors import CheckpointError, ConfigError
-from mixtral_infer.hf_format import args_from_hf_config, hf_to_published
+from mixtral_infer.hf_format import args_from_hf_config, check_hf_shape, hf_to_published
 from mixtral_infer.model import ModelArgs, Transformer
 from mixtral_infer.parallel import Parallel, Selection
-from mixtral_infer.safetensors_reader import Selector, apply_selection, iter_tensors, read_header
+from mixtral_infer.safetensors_reader import ShapeCheck, Selector, apply_selection, iter_tensors, read_header
 from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
+from mixtral_infer.weight_shapes import check_published_shape
 
 PARAMS_FILE = "params.json"
 SAFETENSORS_FILE = "consolidated.safetensors"
@@ -83,7 +85,7 @@ def read_params(folder: str | Path) -> ModelArgs:
 # ---------------------------------------------------------------- reading tensors
 
 
-def _pth_tensors(path: Path, select: Optional[Selector] = None) -> NamedTensors:
+def _pth_tensors(path: Path, select: Optional[Selector] = None, check: Optional[ShapeCheck] = None) -> NamedTensors:
     try:
         state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:
@@ -93,6 +95,12 @@ def _pth_tensors(path: Path, select: Optional[Selector] = None) -> NamedTensors:
         raise CheckpointError(f"{path}: cannot read weights: {message}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a dict of tensor name -> tensor")
+    bad = [key for key in state if not isinstance(key, str)]
+    if bad:
+        raise CheckpointError(f"{path}: tensor name {bad[0]!r} is a {type(bad[0]).__name__}, expected a string")
+    if check is not None:
+        for name, tensor in state.items():  # memory-mapped: nothing is read yet
+            check(name, tuple(tensor.shape))
     yield from _selected(state.items(), select)
 
 
@@ -125,9 +133,12 @@ class Checkpoint:
         """
         total = sum(_tensor_count(p) for p in self.weight_files) if progress is not None else 0
         done = 0
+        check_shape = check_published_shape if self.format == "mistral" else check_hf_shape
         for path in self.weight_files:
             file_select = select if self.format == "mistral" else None
-            raw = iter_tensors(path, file_select) if path.suffix == ".safetensors" else _pth_tensors(path, file_select)
+            check = lambda name, shape, path=path: check_shape(name, shape, self.args, str(path))  # noqa: E731
+            read = iter_tensors if path.suffix == ".safetensors" else _pth_tensors
+            raw = read(path, file_select, check)
             for name, tensor in raw:
                 done += 1
                 if progress is not None:
@@ -144,14 +155,28 @@ def _hf_weight_files(folder: Path) -> List[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map")
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
-        for path in files:
+        files = [_shard_path(folder, index, tensor, name) for tensor, name in weight_map.items()]
+        for path in dict.fromkeys(files):
             if not path.is_file():
                 raise CheckpointError(f"{path}: file not found (listed in {HF_INDEX_FILE})")
-        return files
+        return list(dict.fromkeys(files))
     if (folder / HF_WEIGHTS_FILE).is_file():
         return [folder / HF_WEIGHTS_FILE]
     raise CheckpointError(f"{folder}: no weights found (expected {HF_WEIGHTS_FILE} or {HF_INDEX_FILE})")
+
+
+def _shard_path(folder: Path, index: Path, tensor: str, name: object) -> Path:
+    """The shard file an index entry names: a relative path that stays inside the model folder.
+
+    Only the name is judged: a shard that is a symlink (as in the Hugging Face hub's
+    cache, where it points into ``../../blobs``) is followed like any file of the folder.
+    """
+    if not isinstance(name, str) or not name.endswith(".safetensors"):
+        raise CheckpointError(f"{index}: weight_map[{tensor!r}]={name!r} must name a .safetensors file")
+    normal = os.path.normpath(name)
+    if os.path.isabs(normal) or normal == ".." or normal.startswith(".." + os.sep) or "\0" in name:
+        raise CheckpointError(f"{index}: weight_map[{tensor!r}]={name!r} points outside the model folder")
+    return folder / normal
 
 
 def open_checkpoint(folder: str | Path) -> Checkpoint:
@@ -174,6 +199,8 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
         config_path = folder / HF_CONFIG_FILE
         config = _read_json(config_path)
         architectures = config.get("architectures") or []
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise ConfigError(f"{config_path}: architectures={architectures!r} must be a list of names, e.g. {list(HF_ARCHITECTURES[:1])}")
         if not set(architectures) & set(HF_ARCHITECTURES):
             raise CheckpointError(f"{config_path}: architectures={architectures}, expected one of {list(HF_ARCHITECTURES)}")
         return Checkpoint(folder, "hf", args_from_hf_config(config, str(config_path)), _hf_weight_files(folder))
@@ -276,6 +303,13 @@ def load_model(
 
     With ``parallel``, only this rank's share of the weights is read and kept.
     """
+    if device is not None:
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device={device!r} is not a torch device (try 'cpu' or 'cuda')") from None
+        if kind == "meta":
+            raise ConfigError("device='meta' holds no data, so no weights can be loaded onto it: use 'cpu' or 'cuda'")
     checkpoint = open_checkpoint(folder)
     checkpoint.args.max_batch_size = max_batch_size
     parallel.check(checkpoint.args)

@@ -6,6 +6,9 @@ package are printed as one line (exit code 1), never as a traceback.
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,11 +17,13 @@ from typing import List, Optional
 import torch
 
 from mixtral_infer.chat import Conversation
-from mixtral_infer.checkpoint import TOKENIZER_FILE, default_device
+from mixtral_infer.checkpoint import TOKENIZER_FILE, default_device, default_dtype, open_checkpoint
 from mixtral_infer.errors import GenerationError, MixtralInferError
 from mixtral_infer.generate import DECODE_MODES, generate
 from mixtral_infer.model import Transformer
 from mixtral_infer.parallel import Parallel
+from mixtral_infer.settings import as_int, check_new_cache
+from mixtral_infer.settings import check_options as check_generation_options
 from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, resolve_model_folder, shipped_models
 from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
 
@@ -34,7 +39,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
     if name is None:
         return None
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise GenerationError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
@@ -45,15 +50,48 @@ def check_decode(decode: str) -> None:
 
 
 def parse_device(name: Optional[str]) -> torch.device:
+    """The device a model can run on: cpu, cuda[:N] where CUDA is available, mps where MPS is."""
     if name is None:
         return default_device()
     try:
-        device = torch.device(name)
+        device = torch.device(name) if isinstance(name, str) else None
     except RuntimeError:
-        raise GenerationError(f"--device {name!r} is not a torch device (try cpu or cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GenerationError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+        device = None
+    if device is None:
+        raise GenerationError(f"--device {name!r} is not a torch device (try cpu or cuda)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GenerationError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise GenerationError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise GenerationError(f"--device {name}: MPS is not available on this machine (use --device cpu)")
+    elif device.type != "cpu":
+        raise GenerationError(f"--device {name}: a model runs on cpu, cuda or mps, not {device.type}")
     return device
+
+
+def check_options(
+    max_tokens: object,
+    temperature: object,
+    top_p: object,
+    top_k: object,
+    chunk_size: object,
+    seed: object,
+    device: object,
+    dtype: object,
+    tensor_parallel: object,
+    num_pipeline_ranks: object,
+) -> None:
+    """Every option of demo / interactive, checked before the model is loaded (fire passes strings as they came)."""
+    check_generation_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)
+    for name, value in (("tensor_parallel", tensor_parallel), ("num_pipeline_ranks", num_pipeline_ranks)):
+        if as_int(value) is None or as_int(value) < 1:
+            raise GenerationError(f"--{name} {value!r} must be an integer >= 1")
+    if device is not None:
+        parse_device(device)
+    parse_dtype(dtype)
 
 
 class ProgressBar:
@@ -110,14 +148,22 @@ def load(
     dtype: Optional[str],
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
+    max_tokens: int = 0,
 ):
-    """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given."""
-    folder = resolve_model_folder(model_path) if model_path is not None else DEFAULT_MODEL
-    parallel, torch_device = join_process_group(tensor_parallel, num_pipeline_ranks, device)
+    """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given.
+
+    Before any weight is read: the tokenizer must be there, and a model without a
+    sliding window must have room for a cache of ``max_tokens`` new tokens.
+    """
+    folder = resolve_model_folder(str(model_path)) if model_path is not None else DEFAULT_MODEL
+    parallel, torch_device = join_process_group(int(tensor_parallel), int(num_pipeline_ranks), device)
     torch_dtype = parse_dtype(dtype)
     tokenizer_path = find_tokenizer(folder)
     if folder.is_dir() and tokenizer_path is None:
         raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
+    args = open_checkpoint(folder).args  # the configuration only
+    cache_dtype = torch_dtype or default_dtype(torch_device)
+    check_new_cache(args, max_batch_size, int(max_tokens) + 1, int(max_tokens), cache_dtype, torch_device, parallel)
     start = time.perf_counter()
     model = Transformer.from_folder(
         folder,
@@ -164,7 +210,8 @@ def demo(
     --decode eager|static|compiled|auto: auto compiles the decode step on CUDA (eager on CPU).
     """
     check_decode(decode)
-    model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype, tensor_parallel, num_pipeline_ranks)
+    check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
+    model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens)
     encoded = [tokenizer.encode(prompt, bos=True) for prompt in DEMO_PROMPTS]
     start = time.perf_counter()
     generated, _ = generate(
@@ -220,7 +267,10 @@ def interactive(
     --decode eager|static|compiled|auto: auto compiles the decode step on CUDA (eager on CPU).
     """
     check_decode(decode)
-    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks)
+    if not isinstance(instruct, bool):
+        raise GenerationError(f"--instruct takes no value (got {instruct!r}): write --instruct or --noinstruct")
+    check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
+    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens)
     main_process = is_main_process()
     conversation = Conversation(
         model,
@@ -293,7 +343,10 @@ def convert(src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] =
     from mixtral_infer.convert import convert as convert_folder
 
     start = time.perf_counter()
-    written = convert_folder(src, dst, to=to, dtype=parse_dtype(dtype), max_shard_size=str(max_shard_size))
+    written = convert_folder(
+        str(src), str(dst), to=to, dtype=parse_dtype(dtype), max_shard_size=str(max_shard_size),
+        notify=lambda message: print(message, file=sys.stderr),
+    )
     print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
 
 
@@ -311,6 +364,46 @@ def models() -> None:
 COMMANDS = {"demo": demo, "interactive": interactive, "convert": convert, "models": models}
 
 
+def check_arguments(argv: List[str]) -> None:
+    """Refuse unknown options and surplus arguments before fire runs anything.
+
+    fire calls the command with the arguments it recognises and only complains about
+    the others after the call returns: ``demo --max_token 5`` would run the whole
+    default demo first. The rules are fire's: ``--name value``, ``--name=value``,
+    ``--flag`` / ``--noflag`` for booleans, ``-`` and ``_`` alike; ``--`` ends the options.
+    """
+    if not argv or argv[0] not in COMMANDS or any(a in ("-h", "--help") for a in argv):
+        return  # fire's own usage message
+    command, args = argv[0], list(argv[1:])
+    if "--" in args:
+        args = args[: args.index("--")]
+    names = list(inspect.signature(COMMANDS[command]).parameters)
+    given, positional, skip = set(), [], False
+    for index, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if not arg.startswith("-") or re.fullmatch(r"-[\d.].*", arg):
+            positional.append(arg)
+            continue
+        key = arg.lstrip("-").split("=", 1)[0].replace("-", "_")
+        is_flag = "=" not in arg and (index + 1 == len(args) or args[index + 1].startswith("--"))
+        name = key[2:] if is_flag and key.startswith("no") and key[2:] in names and key not in names else key
+        shortcuts = [n for n in names if len(key) == 1 and n.startswith(key)]
+        name = shortcuts[0] if len(shortcuts) == 1 else name
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean --{close[0]}? " if close else ""
+            raise MixtralInferError(
+                f"{command}: unknown option {arg.split('=', 1)[0]}; {hint}options: {', '.join('--' + n for n in names)}"
+            )
+        given.add(name)
+        skip = "=" not in arg and not is_flag
+    free = [n for n in names if n not in given]
+    if len(positional) > len(free):
+        raise MixtralInferError(f"{command}: unexpected argument {positional[len(free)]!r} (takes {', '.join(free) or 'none'})")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     import fire
 
@@ -320,6 +413,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"mixtral-infer {__version__}")
         return 0
     try:
+        check_arguments(list(sys.argv[1:] if argv is None else argv))
         fire.Fire(COMMANDS, command=argv, name="mixtral-infer")
     except MixtralInferError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -4,17 +4,20 @@ Tensors stream from the source to the destination: one at a time into a Mistral
 ``consolidated.safetensors``, one shard of at most ``max_shard_size`` at a time into
 Hugging Face shards (``safetensors_writer``). A Hugging Face folder also gets what
 transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
-hidden sibling folder that is renamed to the destination only once complete, so an interrupted
-conversion leaves no half-written checkpoint behind.
+hidden sibling folder ``.DST.partial-PID`` that is renamed to the destination only once
+complete, so an interrupted conversion leaves no half-written checkpoint behind; the next
+conversion to the same destination removes what a killed one left. The destination must
+not exist: nothing is ever overwritten.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -41,8 +44,13 @@ def convert(
     to: Optional[str] = None,
     dtype: Optional[torch.dtype] = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    notify: Callable[[str], None] = lambda message: None,
 ) -> Path:
     """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one).
+
+    ``dst`` must not exist: a conversion never overwrites. The files are written into
+    ``.DST.partial-PID`` beside it and renamed to ``dst`` once complete. A partial
+    folder of a conversion that was killed is removed, and ``notify`` says so.
 
     ``max_shard_size`` (bytes, or "5GB", "500MB"): the largest Hugging Face shard.
     """
@@ -52,13 +60,14 @@ def convert(
     if target not in FORMATS:
         raise CheckpointError(f"--to {target!r}: expected one of {', '.join(FORMATS)}")
     dst = Path(dst)
-    if dst.exists():
-        raise CheckpointError(f"{dst}: already exists; choose a new destination folder")
-    if not dst.parent.is_dir():
-        raise CheckpointError(f"{dst.parent}: folder not found")
+    check_destination(dst)
+    remove_stale_partials(dst, notify)
 
     partial = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
-    partial.mkdir()
+    try:
+        partial.mkdir()
+    except OSError as error:
+        raise CheckpointError(f"{dst.parent}: cannot write here ({error.strerror})") from None
     try:
         tensors = checkpoint.published_tensors()
         if dtype is not None:
@@ -80,11 +89,52 @@ def convert(
                 if tokenizer.name != TOKENIZER_FILE:  # transformers' LlamaTokenizer reads tokenizer.model
                     shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
                 write_hf_tokenizer(tokenizer, partial)
-        os.replace(partial, dst)
+        os.rename(partial, dst)
+    except OSError as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        where = error.filename or dst
+        raise CheckpointError(f"{where}: cannot write ({error.strerror}); nothing was written to {dst}") from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return dst
+
+
+def check_destination(dst: Path) -> None:
+    """``dst`` must be a new name (not even a dangling symlink) in a writable folder."""
+    if dst.is_symlink() or dst.exists():
+        kind = "a symlink" if dst.is_symlink() else "a folder" if dst.is_dir() else "a file"
+        raise CheckpointError(f"{dst}: already exists ({kind}); choose a new destination folder")
+    if not dst.parent.is_dir():
+        raise CheckpointError(f"{dst.parent}: folder not found")
+    if not os.access(dst.parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{dst.parent}: cannot write here (permission denied)")
+
+
+def remove_stale_partials(dst: Path, notify: Callable[[str], None]) -> None:
+    """Remove ``.DST.partial-PID`` folders whose process is gone; refuse while one is still running."""
+    for partial in sorted(dst.parent.glob(f".{glob.escape(dst.name)}.partial-*")):
+        pid_text = partial.name.rsplit("-", 1)[1]
+        if not pid_text.isdigit() or partial.is_symlink() or not partial.is_dir():
+            continue  # not one of ours
+        pid = int(pid_text)
+        if pid != os.getpid() and _process_alive(pid):
+            raise CheckpointError(
+                f"{partial}: another conversion to {dst} (process {pid}) is running; wait for it, "
+                "or remove this folder if no conversion is running"
+            )
+        shutil.rmtree(partial)
+        notify(f"removed {partial}, left by an interrupted conversion (process {pid} is gone)")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, belongs to someone else
+    return True
 
 
 def _first_dtype(path: Path) -> torch.dtype:

@@ -19,6 +19,7 @@ from mixtral_infer.parallel import shared_seed
 from mixtral_infer.fast.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.fast.decode_step import supports_static_decode
 from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs
+from mixtral_infer.settings import check_cache_capacity, check_new_cache, check_options, effective_temperature, token_ids
 
 # Prompt tokens per forward pass when no chunk_size is given, over the whole batch. Large
 # enough that each expert gets a real matrix product (top-2 of 8 experts: ~512 rows each);
@@ -41,18 +42,13 @@ def check_settings(
     top_k: Optional[int],
     chunk_size: Optional[int],
     max_batch_size: int,
-) -> None:
-    """Raise GenerationError, before any work, on settings out of range."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise GenerationError(f"max_tokens={max_tokens!r} must be an integer >= 0")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise GenerationError(f"temperature={temperature!r} must be >= 0 (0 means greedy)")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise GenerationError(f"top_p={top_p!r} must be in (0, 1]")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise GenerationError(f"top_k={top_k!r} must be an integer >= 1 (or None for no limit)")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise GenerationError(f"chunk_size={chunk_size!r} must be an integer >= 1")
+    seed: Optional[int] = None,
+) -> List[List[int]]:
+    """Raise GenerationError, before any work, on settings out of range; the prompts as lists of ints.
+
+    Token ids may be any integers (numpy's, 0-d torch tensors); they come back as Python ints.
+    """
+    check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)
     if len(encoded_prompts) == 0:
         raise GenerationError("no prompts given: pass a list with at least one encoded prompt")
     if len(encoded_prompts) > max_batch_size:
@@ -60,13 +56,12 @@ def check_settings(
             f"{len(encoded_prompts)} prompts exceed max_batch_size={max_batch_size}: pass fewer prompts or load "
             "the model with a larger max_batch_size"
         )
-    vocab_size = model.args.vocab_size
+    prompts = []
     for index, prompt in enumerate(encoded_prompts):
         if len(prompt) == 0:
             raise GenerationError(f"prompt {index} is empty: encode it with bos=True or give at least one token")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise GenerationError(f"prompt {index} has token id {bad[0]!r} outside the vocabulary [0, {vocab_size})")
+        prompts.append(token_ids(prompt, index, model.args.vocab_size))
+    return prompts
 
 
 def _check_finite(logits: torch.Tensor, where: str) -> None:
@@ -184,20 +179,27 @@ def generate(
     compiled on CUDA, eager on CPU.
     """
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
-    check_settings(encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size)
+    encoded_prompts = check_settings(
+        encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed
+    )
+    max_tokens, temperature = int(max_tokens), effective_temperature(temperature)
+    top_k, chunk_size, seed = (None if v is None else int(v) for v in (top_k, chunk_size, seed))
     mode = decode_mode(decode, model)
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
+    if cache is not None and cache.seqlens and len(cache.seqlens) != batch:
+        raise GenerationError(f"the cache holds {len(cache.seqlens)} sequences but {batch} prompts were given")
     if cache is None:
+        check_new_cache(model.args, batch, longest + max_tokens, max_tokens, model.dtype, model.device, model.parallel)
         if mode == "compiled":
             cache = step_compiler(model).cache_for(batch, longest + max_tokens)
         else:
             cache = model.make_cache(batch, max_seqlen=longest + max_tokens)
         cache.init_kvseqlens(batch)
-    elif not cache.seqlens:
-        cache.init_kvseqlens(batch)
-    elif len(cache.seqlens) != batch:
-        raise GenerationError(f"the cache holds {len(cache.seqlens)} sequences but {batch} prompts were given")
+    else:
+        check_cache_capacity(cache, model, encoded_prompts, max_tokens)
+        if not cache.seqlens:
+            cache.init_kvseqlens(batch)
     chunk_size = chunk_size or default_chunk_size(batch)
     if model.parallel.world_size > 1:
         seed = shared_seed(seed)  # every rank must draw the same tokens

@@ -17,13 +17,14 @@ Experts come in two layouts: transformers 4.x files hold
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, Iterator, Tuple
+from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from mixtral_infer.errors import ConfigError
+from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model import ModelArgs
 from mixtral_infer.moe import MoeArgs
+from mixtral_infer.weight_shapes import Shape, published_shape
 
 
 def hf_rows_to_published(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -40,84 +41,138 @@ def published_rows_to_hf(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
+_MISSING = object()
+
+
+def _field(config: dict, name: str, kinds: tuple, source: str, default: object = _MISSING) -> object:
+    """``config[name]`` if it is one of ``kinds`` (bools are not numbers); ConfigError naming the field otherwise."""
+    if name not in config or config[name] is None:
+        if default is _MISSING:
+            raise ConfigError(f"{source}: missing field {name!r}")
+        return default
+    value = config[name]
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        expected = " or ".join(kind.__name__ for kind in kinds)
+        raise ConfigError(f"{source}: {name}={value!r} must be {'an' if expected[0] in 'aeiou' else 'a'} {expected}")
+    return value
+
+
 def args_from_hf_config(config: dict, source: str = "config.json") -> ModelArgs:
-    """ModelArgs from a transformers MistralConfig / MixtralConfig dict."""
-    try:
-        n_heads = config["num_attention_heads"]
-        dim = config["hidden_size"]
-        rope = config.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", config.get("rope_theta"))
-        moe = None
-        if "num_local_experts" in config:
-            moe = MoeArgs(num_experts=config["num_local_experts"], num_experts_per_tok=config["num_experts_per_tok"])
-        return ModelArgs(
+    """ModelArgs from a transformers MistralConfig / MixtralConfig dict; ConfigError naming a bad field."""
+    number = (int, float)
+    n_heads = _field(config, "num_attention_heads", (int,), source)
+    dim = _field(config, "hidden_size", (int,), source)
+    if n_heads < 1:
+        raise ConfigError(f"{source}: num_attention_heads={n_heads} must be a positive integer")
+    rope = _field(config, "rope_parameters", (dict,), source, default={})
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    moe = None
+    if config.get("num_local_experts") is not None:
+        moe = MoeArgs(
+            num_experts=_field(config, "num_local_experts", (int,), source),
+            num_experts_per_tok=_field(config, "num_experts_per_tok", (int,), source),
+        )
+    return ModelArgs.checked(
+        dict(
             dim=dim,
-            n_layers=config["num_hidden_layers"],
-            head_dim=config.get("head_dim") or dim // n_heads,
-            hidden_dim=config["intermediate_size"],
+            n_layers=_field(config, "num_hidden_layers", (int,), source),
+            head_dim=_field(config, "head_dim", (int,), source, default=dim // n_heads),
+            hidden_dim=_field(config, "intermediate_size", (int,), source),
             n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads,
-            norm_eps=config.get("rms_norm_eps", 1e-5),
-            vocab_size=config["vocab_size"],
+            n_kv_heads=_field(config, "num_key_value_heads", (int,), source, default=n_heads),
+            norm_eps=_field(config, "rms_norm_eps", number, source, default=1e-5),
+            vocab_size=_field(config, "vocab_size", (int,), source),
             rope_theta=theta,
             sliding_window=config.get("sliding_window"),
             moe=moe,
-        )
-    except KeyError as error:
-        raise ConfigError(f"{source}: missing field {error.args[0]!r}") from None
+        ),
+        source,
+    )
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _ATTENTION = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
 _DENSE = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_TOP_LEVEL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+_LAYER_NAMES = [  # transformers' name within layer i -> the published one (a table read top to bottom)
+    (re.compile(r"^input_layernorm\.weight$"), "attention_norm.weight"),
+    (re.compile(r"^post_attention_layernorm\.weight$"), "ffn_norm.weight"),
+    (re.compile(r"^self_attn\.([qkvo])_proj\.weight$"), r"attention.w\1.weight"),
+    (re.compile(r"^mlp\.gate_proj\.weight$"), "feed_forward.w1.weight"),
+    (re.compile(r"^mlp\.down_proj\.weight$"), "feed_forward.w2.weight"),
+    (re.compile(r"^mlp\.up_proj\.weight$"), "feed_forward.w3.weight"),
+    (re.compile(r"^(?:mlp|block_sparse_moe)\.gate\.weight$"), "feed_forward.gate.weight"),
+    (re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$"), r"feed_forward.experts.\1.\2.weight"),
+]
+_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5: (E, 2I, D) and (E, D, I)
+
+
+def hf_name_to_published(name: str) -> Optional[str]:
+    """The published name of transformers' tensor ``name`` (None for the fused experts and unknown names).
+
+    >>> hf_name_to_published("model.layers.3.self_attn.k_proj.weight")
+    'layers.3.attention.wk.weight'
+    """
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    for pattern, replacement in _LAYER_NAMES:
+        if pattern.match(match[2]):
+            return f"layers.{match[1]}.{pattern.sub(replacement, match[2])}"
+    return None
+
+
+def hf_shape(name: str, args: ModelArgs) -> Optional[Shape]:
+    """The shape of transformers' tensor ``name`` in a model of ``args``; None when it has no such tensor."""
+    match = _LAYER.match(name)
+    if match is not None and match[2] in _FUSED:
+        if args.moe is None or int(match[1]) >= args.n_layers:
+            return None
+        e, d, i = args.moe.num_experts, args.dim, args.hidden_dim
+        return (e, 2 * i, d) if match[2] == _FUSED[0] else (e, d, i)
+    published = hf_name_to_published(name)
+    return published_shape(published, args) if published is not None else None
+
+
+def check_hf_shape(name: str, shape: Shape, args: ModelArgs, source: str) -> None:
+    """Raise CheckpointError unless the model has a transformers tensor ``name`` of this shape."""
+    expected = hf_shape(name, args)
+    if expected is None:
+        raise CheckpointError(f"{source}: unexpected tensor {name}")
+    if tuple(shape) != expected:
+        raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape)}, the model config implies {expected}")
 
 
 def hf_to_published(tensors: Iterable[Tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield published (name, tensor) pairs for transformers' (name, tensor) pairs, one at a time."""
+    """Yield published (name, tensor) pairs for transformers' (name, tensor) pairs, one at a time.
+
+    Each tensor's shape is checked against ``args`` first (``check_hf_shape``): the row
+    permutation and the split of fused experts need the shapes they were written for.
+    """
     for name, tensor in tensors:
-        if name == "model.embed_tokens.weight":
-            yield "tok_embeddings.weight", tensor
-        elif name == "model.norm.weight":
-            yield "norm.weight", tensor
-        elif name == "lm_head.weight":
-            yield "output.weight", tensor
-        elif (match := _LAYER.match(name)) is not None:
-            yield from _hf_layer_to_published(int(match[1]), match[2], tensor, args)
-        else:
-            yield name, tensor  # left for the caller's check to report as unexpected
-
-
-def _hf_layer_to_published(
-    layer: int, rest: str, tensor: torch.Tensor, args: ModelArgs
-) -> Iterator[Tuple[str, torch.Tensor]]:
-    prefix = f"layers.{layer}"
-    parts = rest.split(".")
-    if rest == "input_layernorm.weight":
-        yield f"{prefix}.attention_norm.weight", tensor
-    elif rest == "post_attention_layernorm.weight":
-        yield f"{prefix}.ffn_norm.weight", tensor
-    elif parts[0] == "self_attn" and parts[1] in _ATTENTION:
-        if parts[1] == "q_proj":
+        if not isinstance(name, str):
+            raise CheckpointError(f"tensor name {name!r} is not a string")
+        check_hf_shape(name, tuple(tensor.shape), args, "transformers checkpoint")
+        match = _LAYER.match(name)
+        if match is not None and match[2] in _FUSED:
+            prefix = f"layers.{match[1]}.feed_forward.experts"
+            if match[2] == _FUSED[0]:
+                hidden = tensor.shape[1] // 2
+                for j in range(tensor.shape[0]):
+                    yield f"{prefix}.{j}.w1.weight", tensor[j, :hidden]
+                    yield f"{prefix}.{j}.w3.weight", tensor[j, hidden:]
+            else:
+                for j in range(tensor.shape[0]):
+                    yield f"{prefix}.{j}.w2.weight", tensor[j]
+            continue
+        published = hf_name_to_published(name)
+        if published.endswith("attention.wq.weight"):
             tensor = hf_rows_to_published(tensor, args.n_heads)
-        elif parts[1] == "k_proj":
+        elif published.endswith("attention.wk.weight"):
             tensor = hf_rows_to_published(tensor, args.n_kv_heads)
-        yield f"{prefix}.attention.{_ATTENTION[parts[1]]}.weight", tensor
-    elif parts[0] == "mlp" and parts[1] in _DENSE:
-        yield f"{prefix}.feed_forward.{_DENSE[parts[1]]}.weight", tensor
-    elif rest in ("mlp.gate.weight", "block_sparse_moe.gate.weight"):
-        yield f"{prefix}.feed_forward.gate.weight", tensor
-    elif rest == "mlp.experts.gate_up_proj":
-        hidden = tensor.shape[1] // 2
-        for j in range(tensor.shape[0]):
-            yield f"{prefix}.feed_forward.experts.{j}.w1.weight", tensor[j, :hidden]
-            yield f"{prefix}.feed_forward.experts.{j}.w3.weight", tensor[j, hidden:]
-    elif rest == "mlp.experts.down_proj":
-        for j in range(tensor.shape[0]):
-            yield f"{prefix}.feed_forward.experts.{j}.w2.weight", tensor[j]
-    elif parts[0] == "block_sparse_moe" and parts[1] == "experts":
-        yield f"{prefix}.feed_forward.experts.{parts[2]}.{parts[3]}.weight", tensor
-    else:
-        yield f"model.layers.{layer}.{rest}", tensor
+        yield published, tensor
 
 
 _PUBLISHED_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")

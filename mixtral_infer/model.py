@@ -10,6 +10,7 @@ V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from mixtral_infer.linear import linear
 from mixtral_infer.moe import MoeArgs, MoeLayer
 from mixtral_infer.parallel import Parallel
 from mixtral_infer.rope import apply_rotary, rotary_angles
+
+MAX_LAYERS = 4096  # the largest published decoders have ~130 layers
 
 
 @dataclass
@@ -58,10 +61,13 @@ class ModelArgs(Serializable):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{source}: {name}={value!r} must be a positive integer")
-        if not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
-            raise ConfigError(f"{source}: norm_eps={self.norm_eps!r} must be a positive number")
-        if not isinstance(self.rope_theta, (int, float)) or not self.rope_theta > 0:
-            raise ConfigError(f"{source}: rope_theta={self.rope_theta!r} must be a positive number")
+        if self.n_layers > MAX_LAYERS:
+            # Building the model makes Python objects per layer: 1e12 layers would hang, not fail.
+            raise ConfigError(f"{source}: n_layers={self.n_layers} is more than {MAX_LAYERS}, no model has that many layers")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{source}: {name}={value!r} must be a positive number")
         if self.n_heads % self.n_kv_heads != 0:
             raise ConfigError(
                 f"{source}: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
@@ -95,8 +101,15 @@ class ModelArgs(Serializable):
             if not isinstance(moe, dict) or set(moe) - {"num_experts", "num_experts_per_tok"} or len(moe) != 2:
                 raise ConfigError(f"{source}: moe must be {{'num_experts': int, 'num_experts_per_tok': int}}, got {moe!r}")
             fields["moe"] = MoeArgs(**moe)
+        return cls.checked(fields, source)
+
+    @classmethod
+    def checked(cls, fields: dict, source: str) -> "ModelArgs":
+        """``ModelArgs(**fields)``, with ``source`` (the file) named in any ConfigError."""
         try:
             return cls(**fields)
+        except ConfigError as error:
+            raise ConfigError(str(error).replace("ModelArgs:", f"{source}:", 1)) from None
         except TypeError as error:
             raise ConfigError(f"{source}: {error}") from None
 

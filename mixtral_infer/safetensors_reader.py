@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,10 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-MAX_HEADER_BYTES = 100 << 20
+MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors format itself sets
+MAX_NESTING = 32  # JSON depth; a real header is 3 deep (name -> entry -> shape list)
+MAX_DIMS = 16  # a tensor of more dimensions is not a model weight
+HEADER_KEYS = {"dtype", "shape", "data_offsets"}
 
 
 @dataclass
@@ -48,8 +52,109 @@ class TensorEntry:
     end: int
 
 
+ShapeCheck = Callable[[str, Tuple[int, ...]], None]  # raises CheckpointError when a tensor does not fit the model
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _nesting_depth(text: str) -> int:
+    """How deeply the JSON text nests arrays and objects (strings skipped), without parsing it."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(_STRING.sub("", text)):
+        depth += 1 if match[0] in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _no_duplicate_keys(pairs: List[Tuple[str, object]]) -> dict:
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise CheckpointError(f"key {key!r} appears twice")
+        result[key] = value
+    return result
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_header(raw: bytes, data_size: int) -> List[TensorEntry]:
+    """Validate a safetensors JSON header before any tensor byte is read; entries in file order.
+
+    ``data_size`` is the number of bytes after the header. Every entry must have a
+    known dtype, a shape of at most ``MAX_DIMS`` non-negative ints, and
+    ``data_offsets`` ``[begin, end]`` with ``0 <= begin <= end <= data_size`` and
+    ``end - begin = prod(shape) * dtype size``; sorted by ``begin``, no two entries
+    overlap. Names appear once. Raises CheckpointError (without the path) otherwise.
+
+    >>> entries = parse_header(b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', 8)
+    >>> [(e.name, e.shape, e.begin, e.end) for e in entries]
+    [('a', (2,), 0, 8)]
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError("corrupt safetensors header (not UTF-8 JSON)") from None
+    if _nesting_depth(text) > MAX_NESTING:
+        raise CheckpointError(f"corrupt safetensors header (JSON nested deeper than {MAX_NESTING} levels)")
+    try:
+        header = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except CheckpointError as error:
+        raise CheckpointError(f"corrupt safetensors header: {error}") from None
+    except (json.JSONDecodeError, RecursionError, ValueError):
+        raise CheckpointError("corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"corrupt safetensors header (a JSON {type(header).__name__}, expected an object)")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError("corrupt safetensors header: __metadata__ must map names to strings")
+    entries = [_entry(name, info, data_size) for name, info in header.items()]
+    previous: Optional[TensorEntry] = None
+    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if previous is not None and entry.begin < previous.end:
+            raise CheckpointError(
+                f"corrupt safetensors header: tensors {previous.name} and {entry.name} share bytes "
+                f"[{entry.begin}, {min(entry.end, previous.end)})"
+            )
+        previous = entry
+    return entries
+
+
+def _entry(name: str, info: object, data_size: int) -> TensorEntry:
+    where = f"corrupt safetensors header: tensor {name!r}"
+    if not name:
+        raise CheckpointError("corrupt safetensors header: a tensor has an empty name")
+    if not isinstance(info, dict) or set(info) != HEADER_KEYS:
+        keys = sorted(info) if isinstance(info, dict) else type(info).__name__
+        raise CheckpointError(f"{where}: expected the keys {sorted(HEADER_KEYS)}, got {keys}")
+    dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise CheckpointError(f"{where}: dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {_short(shape)} must be a list of at most {MAX_DIMS} integers >= 0")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets {_short(offsets)} must be [begin, end], two integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] must have 0 <= begin <= end")
+    dtype = DTYPES[dtype_name]
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise CheckpointError(f"{where} has {end - begin} bytes, its shape {tuple(shape)} in {dtype_name} needs {expected}")
+    if end > data_size:
+        raise CheckpointError(f"truncated: tensor {name} ends past the end of the file ({end} > {data_size} data bytes)")
+    return TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def read_header(path: str | Path) -> List[TensorEntry]:
-    """The tensors a file holds, checked against the file's size; raises CheckpointError."""
+    """The tensors a file holds, checked against the file's size (``parse_header``); raises CheckpointError."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -60,31 +165,15 @@ def read_header(path: str | Path) -> List[TensorEntry]:
             (header_size,) = struct.unpack("<Q", prefix)
             if header_size > min(MAX_HEADER_BYTES, size - 8):
                 raise CheckpointError(f"{path}: not a safetensors file, or truncated (header of {header_size} bytes)")
-            header = json.loads(handle.read(header_size))
+            raw = handle.read(header_size)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read ({error.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header")
+    try:
+        entries = parse_header(raw, size - 8 - header_size)
+    except CheckpointError as error:
+        raise CheckpointError(f"{path}: {error}") from None
     data_start = 8 + header_size
-    entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name}") from None
-        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if end - begin != expected or begin < 0:
-            raise CheckpointError(f"{path}: tensor {name} has {end - begin} bytes, its shape {shape} needs {expected}")
-        if data_start + end > size:
-            raise CheckpointError(f"{path}: truncated: tensor {name} ends past the end of the file")
-        entries.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end))
-    return entries
+    return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.begin, data_start + e.end) for e in entries]
 
 
 Selector = Callable[[str], Optional[Selection]]
@@ -101,14 +190,22 @@ def apply_selection(tensor: torch.Tensor, selection: Selection) -> torch.Tensor:
     return tensor.clone()
 
 
-def iter_tensors(path: str | Path, select: Optional[Selector] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_tensors(
+    path: str | Path, select: Optional[Selector] = None, check: Optional[ShapeCheck] = None
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, tensor) for the file's tensors, in file order, each read on demand.
 
-    ``select(name)`` may skip a tensor (None: its bytes are never read) or keep a
-    part of it: a row range is read as one byte range, columns are cut after reading.
+    ``check(name, shape)`` runs for every tensor before any byte of the file's data
+    is read: a tensor the model has no place for, or of another shape, stops the
+    load before memory is spent on it. ``select(name)`` may skip a tensor (None: its
+    bytes are never read) or keep a part of it: a row range is read as one byte
+    range, columns are cut after reading.
     """
     path = Path(path)
     entries = sorted(read_header(path), key=lambda e: e.begin)
+    if check is not None:
+        for entry in entries:
+            check(entry.name, entry.shape)
     with open(path, "rb") as handle:
         for entry in entries:
             selection = select(entry.name) if select is not None else Selection()

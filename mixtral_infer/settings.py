@@ -1,0 +1,179 @@
+"""Checks of what a caller asks for, made before any work: generation options, a cache's capacity, memory.
+
+Each raises GenerationError with one line naming the value and what was expected.
+``generate`` and the command line run them first, so a bad setting costs nothing:
+the command line checks its options before it even loads the model.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, List, Optional, Sequence
+
+import torch
+
+from mixtral_infer.errors import GenerationError
+
+if TYPE_CHECKING:
+    from mixtral_infer.cache import RotatingBufferCache
+    from mixtral_infer.model import ModelArgs, Transformer
+    from mixtral_infer.parallel import Parallel
+
+# A temperature this small samples the most probable token whatever the logits (for
+# float32 logits below 1e8 in size, softmax(logits / T) is one-hot), while dividing by
+# it can overflow to inf and make NaN probabilities. So it is run as greedy, the limit.
+GREEDY_BELOW = 1e-30
+SEED_LIMIT = 2**63  # seeds go through int64 tensors (shared across ranks)
+
+
+def as_int(value: object) -> Optional[int]:
+    """``value`` as a Python int if it is an integer of any kind (numpy, a 0-d torch integer), else None.
+
+    >>> import numpy, torch
+    >>> as_int(numpy.int64(5)), as_int(torch.tensor(7)), as_int(2.0), as_int(True)
+    (5, 7, None, None)
+    """
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool)):
+        return None  # a one-element tensor would also pass operator.index
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_options(
+    max_tokens: object,
+    temperature: object,
+    top_p: object,
+    top_k: object,
+    chunk_size: object,
+    seed: object = None,
+) -> None:
+    """Raise GenerationError on an option out of range or of the wrong type (strings from a command line too)."""
+    tokens = as_int(max_tokens)
+    if tokens is None or tokens < 0:
+        raise GenerationError(f"max_tokens={max_tokens!r} must be an integer >= 0")
+    if not _is_number(temperature) or not temperature >= 0:
+        raise GenerationError(f"temperature={temperature!r} must be >= 0 (0 means greedy)")
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise GenerationError(f"top_p={top_p!r} must be in (0, 1]")
+    if top_k is not None and (as_int(top_k) is None or as_int(top_k) < 1):
+        raise GenerationError(f"top_k={top_k!r} must be an integer >= 1 (or None for no limit)")
+    if chunk_size is not None and (as_int(chunk_size) is None or as_int(chunk_size) < 1):
+        raise GenerationError(f"chunk_size={chunk_size!r} must be an integer >= 1")
+    if seed is not None and (as_int(seed) is None or not 0 <= as_int(seed) < SEED_LIMIT):
+        raise GenerationError(f"seed={seed!r} must be an integer in [0, 2**63) (or None for a random one)")
+
+
+def effective_temperature(temperature: float) -> float:
+    """0 (greedy) for temperatures below ``GREEDY_BELOW``, which sample the top token anyway."""
+    return 0.0 if temperature < GREEDY_BELOW else float(temperature)
+
+
+def token_ids(prompt: Sequence[object], index: int, vocab_size: int) -> List[int]:
+    """A prompt's token ids as Python ints; GenerationError naming the first one that is not an id."""
+    ids = [as_int(token) for token in prompt]
+    for token, value in zip(prompt, ids):
+        if value is None:
+            raise GenerationError(
+                f"prompt {index} has token id {token!r} of type {type(token).__name__}: token ids must be integers"
+            )
+        if not 0 <= value < vocab_size:
+            raise GenerationError(f"prompt {index} has token id {value!r} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def free_memory(device: torch.device) -> Optional[int]:
+    """Bytes that can still be allocated on ``device`` (None when unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gigabytes(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.1f} GB"
+
+
+def check_cache_fits(n_bytes: int, what: str, device: torch.device, advice: str) -> None:
+    """Raise GenerationError, before allocating, when ``n_bytes`` exceed the memory free on ``device``."""
+    free = free_memory(device)
+    if free is not None and n_bytes > free:
+        raise GenerationError(f"{what} needs {gigabytes(n_bytes)}, more than the {gigabytes(free)} free on {device}: {advice}")
+
+
+def cache_slots_needed(model: "Transformer", n_tokens: int) -> int:
+    """Slots per sequence a cache needs for ``n_tokens`` tokens: all of them, or the window when smaller."""
+    window = model.args.sliding_window
+    return n_tokens if window is None else min(window, n_tokens)
+
+
+def kv_cache_bytes(args: "ModelArgs", batch: int, n_tokens: int, dtype: torch.dtype, parallel: "Parallel") -> int:
+    """Bytes of the keys and values a cache for ``batch`` sequences of ``n_tokens`` tokens holds on this rank."""
+    window = args.sliding_window
+    slots = max(n_tokens if window is None else min(window, n_tokens), 1)
+    n_layers = len(parallel.layer_range(args.n_layers))
+    n_kv_heads = len(parallel.share(args.n_kv_heads))
+    return 2 * n_layers * batch * slots * n_kv_heads * args.head_dim * dtype.itemsize
+
+
+def check_new_cache(
+    args: "ModelArgs", batch: int, n_tokens: int, max_tokens: int, dtype: torch.dtype, device: torch.device,
+    parallel: "Parallel",
+) -> None:
+    """Refuse, with the size, a cache for ``n_tokens`` tokens per sequence that cannot fit in memory."""
+    if args.sliding_window is None:
+        what = f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of up to {n_tokens} tokens (no sliding window)"
+    else:
+        what = f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of {args.sliding_window} slots"
+    n_bytes = kv_cache_bytes(args, batch, n_tokens, dtype, parallel)
+    check_cache_fits(n_bytes, what, device, "lower max_tokens or the batch")
+
+
+def check_cache_capacity(
+    cache: "RotatingBufferCache", model: "Transformer", prompts: Sequence[Sequence[int]], max_tokens: int
+) -> None:
+    """A cache handed to ``generate`` must fit the model and hold every sequence to its end.
+
+    A cache of S slots stores position p in slot p % S: with fewer slots than a sequence
+    needs (a model without a window, or S below the window) it would silently turn into
+    a sliding window of S tokens.
+    """
+    expected = (len(model.layer_ids), len(model.parallel.share(model.args.n_kv_heads)), model.args.head_dim)
+    got = (cache.n_layers, cache.cache_k.shape[3], cache.cache_k.shape[4])
+    if got != expected or cache.cache_k.dtype != model.dtype or cache.device != model.device:
+        raise GenerationError(
+            f"the cache (layers, KV heads, head dim = {got}, {cache.cache_k.dtype}, {cache.device}) does not fit the "
+            f"model ({expected}, {model.dtype}, {model.device}): make it with model.make_cache"
+        )
+    if cache.sliding_window != model.args.sliding_window:
+        raise GenerationError(
+            f"the cache was made for sliding_window={cache.sliding_window}, the model has "
+            f"sliding_window={model.args.sliding_window}: make it with model.make_cache"
+        )
+    seen = cache.seqlens or [0] * len(prompts)
+    for index, (before, prompt) in enumerate(zip(seen, prompts)):
+        n_tokens = before + len(prompt) + max_tokens
+        if cache.cache_size < cache_slots_needed(model, n_tokens):
+            raise GenerationError(
+                f"the cache holds {cache.cache_size} slots per sequence, but sequence {index} needs "
+                f"{cache_slots_needed(model, n_tokens)} ({before} already seen + {len(prompt)} prompt tokens + "
+                f"max_tokens={max_tokens}): make it with model.make_cache(batch, max_seqlen={n_tokens}) or larger"
+            )

@@ -1,0 +1,124 @@
+"""Every command-line option is checked before the model loads: one `error: ...` line, exit 1, no traceback.
+
+Each case runs the real command line in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, stdin=""):
+    return subprocess.run(
+        [sys.executable, str(REPO / "main.py"), *map(str, args)], input=stdin, capture_output=True, text=True, timeout=300
+    )
+
+
+def assert_one_line_error(result, message):
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "loaded" not in result.stderr  # refused before the model was loaded
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["demo", "--max_token", "5"], "demo: unknown option --max_token; did you mean --max_tokens? options: --model_path"),
+        (["interactive", "--instrct"], "interactive: unknown option --instrct; did you mean --instruct?"),
+        (["demo", "--top_p", "1.5"], "top_p=1.5 must be in (0, 1]"),
+        (["demo", "--max_tokens", "abc"], "max_tokens='abc' must be an integer >= 0"),
+        (["demo", "--seed", "abc"], "seed='abc' must be an integer in [0, 2**63)"),
+        (["demo", "--seed", str(2**64 + 1)], f"seed={2**64 + 1} must be an integer in [0, 2**63)"),
+        (["demo", "--device", "meta"], "--device meta: a model runs on cpu, cuda or mps, not meta"),
+        (["demo", "--device", "mps"], "--device mps: MPS is not available on this machine" if not torch.backends.mps.is_available() else None),
+        (["demo", "--tensor_parallel", "abc"], "--tensor_parallel 'abc' must be an integer >= 1"),
+        (["convert", "a", "b", "c", "d", "e", "f"], "convert: unexpected argument 'f'"),
+    ],
+)
+def test_bad_options_are_refused_before_loading(args, message):
+    if message is None:
+        pytest.skip("this machine has MPS")
+    assert_one_line_error(run_cli(*args), message)
+
+
+def test_interactive_with_a_bad_setting_and_empty_input_fails():
+    assert_one_line_error(run_cli("interactive", "--temperature", "-1", stdin=""), "temperature=-1 must be >= 0")
+
+
+PEAK = (
+    "import resource, sys; from mixtral_infer.cli import main; code = main(sys.argv[1:]); "
+    "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr); sys.exit(code)"
+)
+
+
+def test_max_tokens_too_large_for_a_model_without_a_window_is_refused_before_loading(model_folder):
+    params = json.loads((model_folder / "params.json").read_text())
+    del params["sliding_window"]
+    (model_folder / "params.json").write_text(json.dumps(params))
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK, "demo", str(model_folder), "--max_tokens", str(10**12)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    error, peak = result.stderr.strip().splitlines()
+    # 2 x 2 layers x 3 prompts x (10**12 + 1) slots x 2 KV heads x 16 x 4 bytes
+    assert error.startswith(
+        "error: max_tokens=1000000000000: the KV cache for 3 sequence(s) of up to 1000000000001 tokens "
+        "(no sliding window) needs 1536000.0 GB, more than the "
+    ), error
+    assert int(peak.split()[1]) < 1000  # MB, the interpreter and torch included: nothing of the cache was allocated
+
+
+# ------------------------------------------------------------------ convert
+
+
+def test_convert_refuses_a_dangling_symlink(tmp_path):
+    (tmp_path / "dst").symlink_to(tmp_path / "nowhere")
+    assert_one_line_error(
+        run_cli("convert", REPO / "mixtral_infer/models/tiny-mistral", tmp_path / "dst"),
+        f"{tmp_path / 'dst'}: already exists (a symlink); choose a new destination folder",
+    )
+
+
+def test_convert_into_a_folder_it_cannot_write(tmp_path):
+    if os.geteuid() == 0:  # root writes anywhere; /proc refuses everyone
+        parent, message = Path("/proc"), "/proc: cannot write here"
+    else:
+        parent, message = tmp_path / "read-only", f"{tmp_path / 'read-only'}: cannot write here (permission denied)"
+        parent.mkdir(mode=0o555)
+    result = run_cli("convert", REPO / "mixtral_infer/models/tiny-mistral", parent / "dst")
+    assert_one_line_error(result, message)
+
+
+def test_convert_removes_the_partial_folder_of_a_killed_run_and_says_so(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".dst.partial-{int(dead.stdout)}"
+    stale.mkdir()
+    (stale / "consolidated.safetensors").write_bytes(b"half")
+    result = run_cli("convert", REPO / "mixtral_infer/models/tiny-mistral", tmp_path / "dst")
+    assert result.returncode == 0, result.stderr
+    assert f"removed {stale}, left by an interrupted conversion (process {int(dead.stdout)} is gone)" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+    assert (tmp_path / "dst" / "config.json").is_file()
+
+
+def test_convert_refuses_while_another_conversion_is_writing(tmp_path):
+    live = tmp_path / f".dst.partial-{os.getpid()}"  # this test's process is alive
+    live.mkdir()
+    assert_one_line_error(
+        run_cli("convert", REPO / "mixtral_infer/models/tiny-mistral", tmp_path / "dst"),
+        f"another conversion to {tmp_path / 'dst'} (process {os.getpid()}) is running",
+    )
+    assert live.is_dir()

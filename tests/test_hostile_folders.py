@@ -1,0 +1,222 @@
+"""Model folders built to break the loader: bad index entries, wrong types in config.json, tensors that
+do not fit the layout translation, odd .pth keys, absurd sizes. Each gets one error line naming the culprit."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from conftest import random_model, tiny_args
+from mixtral_infer import CheckpointError, ConfigError, Transformer
+from mixtral_infer.checkpoint import internal_to_published, save_consolidated
+from mixtral_infer.hf_format import hf_config_from_args, hf_to_published, published_to_hf
+from mixtral_infer.safetensors_reader import iter_tensors
+from mixtral_infer.safetensors_writer import write_safetensors
+from mixtral_infer.weight_shapes import published_shape
+
+
+def load(folder):
+    return Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+
+
+def one_line(error) -> str:
+    text = str(error.value)
+    assert "\n" not in text
+    return text
+
+
+@pytest.fixture()
+def hf_folder(tmp_path):
+    """A Hugging Face folder (per-expert layout) split in two shards with an index."""
+    args = tiny_args(moe=True)
+    tensors = dict(published_to_hf(internal_to_published(random_model(args, seed=2).state_dict(), args), args))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for shard, members in shards.items():
+        write_safetensors(folder / shard, [(n, tensors[n]) for n in members])
+    weight_map = {n: shard for shard, members in shards.items() for n in members}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(hf_config_from_args(args, torch.float32)))
+    return folder
+
+
+def edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_the_hf_fixture_loads(hf_folder):
+    assert load(hf_folder).args.moe.num_experts == 4
+
+
+# ------------------------------------------------------------------ the index
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/../../outside.safetensors"])
+def test_index_cannot_point_outside_the_folder(hf_folder, shard):
+    outside = hf_folder.parent / "outside.safetensors"
+    (hf_folder / "model-00001-of-00002.safetensors").rename(outside)
+    index = hf_folder / "model.safetensors.index.json"
+    weight_map = {n: (shard if s.startswith("model-00001") else s) for n, s in json.loads(index.read_text())["weight_map"].items()}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="points outside the model folder") as error:
+        load(hf_folder)
+    assert repr(shard) in one_line(error)
+
+
+@pytest.mark.parametrize("value, message", [(5, "5 must name a .safetensors file"), (None, "None must name"), ("w.bin", "'w.bin' must name")])
+def test_index_entries_must_be_safetensors_file_names(hf_folder, value, message):
+    index = hf_folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map["model.norm.weight"] = value
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=message):
+        load(hf_folder)
+
+
+def test_a_symlinked_shard_inside_the_folder_is_followed(hf_folder, tmp_path):
+    """As in the hub's cache: the shard's name is in the folder, its bytes elsewhere."""
+    blob = tmp_path / "blobs" / "abc123"
+    blob.parent.mkdir()
+    shard = hf_folder / "model-00002-of-00002.safetensors"
+    shard.rename(blob)
+    shard.symlink_to(os.path.relpath(blob, hf_folder))
+    assert load(hf_folder).args.dim == 64
+
+
+# ------------------------------------------------------------------ config.json
+
+
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        (dict(architectures=5), ConfigError, "architectures=5 must be a list of names"),
+        (dict(architectures=[5]), ConfigError, r"architectures=\[5\] must be a list of names"),
+        (dict(num_attention_heads=0), ConfigError, "num_attention_heads=0 must be a positive integer"),
+        (dict(num_attention_heads="4"), ConfigError, "num_attention_heads='4' must be an int"),
+        (dict(hidden_size=64.0), ConfigError, "hidden_size=64.0 must be an int"),
+        (dict(num_hidden_layers=True), ConfigError, "num_hidden_layers=True must be an int"),
+        (dict(rope_parameters="x"), ConfigError, "rope_parameters='x' must be a dict"),
+        (dict(rope_theta="big"), ConfigError, "rope_theta='big' must be a positive number"),
+        (dict(rms_norm_eps=[1]), ConfigError, r"rms_norm_eps=\[1\] must be an int or float"),
+        (dict(num_local_experts="4"), ConfigError, "num_local_experts='4' must be an int"),
+        (dict(sliding_window="8"), ConfigError, "sliding_window='8' must be a positive integer or null"),
+        (dict(num_hidden_layers=10**12), ConfigError, "n_layers=1000000000000 is more than 4096"),
+    ],
+)
+def test_wrong_types_in_config_json_name_the_field(hf_folder, changes, error, message):
+    edit_json(hf_folder / "config.json", **changes)
+    with pytest.raises(error, match=message) as raised:
+        load(hf_folder)
+    assert one_line(raised).startswith(str(hf_folder / "config.json"))
+
+
+def test_huge_n_layers_in_params_json_fails_fast(tmp_path):
+    args = tiny_args(moe=False)
+    save_consolidated(random_model(args), tmp_path)
+    edit_json(tmp_path / "params.json", n_layers=10**12)
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"params.json: n_layers=1000000000000 is more than 4096"):
+        load(tmp_path)
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("field, value", [("norm_eps", float("inf")), ("rope_theta", float("nan"))])
+def test_non_finite_numbers_in_params_json(tmp_path, field, value):
+    save_consolidated(random_model(tiny_args(moe=False)), tmp_path)
+    edit_json(tmp_path / "params.json", **{field: value})
+    with pytest.raises(ConfigError, match=f"{field}=(inf|nan) must be a positive number"):
+        load(tmp_path)
+
+
+# ------------------------------------------------------------------ layout translation
+
+
+def rewrite_hf(folder, transform):
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        tensors = dict(iter_tensors(shard))
+        write_safetensors(shard, transform(tensors).items())
+
+
+@pytest.mark.parametrize(
+    "name, tensor, message",
+    [
+        # Right byte count, wrong shape: (64, 64) would be (32, 128).
+        ("model.layers.0.self_attn.q_proj.weight", torch.zeros(32, 128),
+         r"tensor model.layers.0.self_attn.q_proj.weight has shape \(32, 128\), the model config implies \(64, 64\)"),
+        ("model.layers.0.self_attn.k_proj.weight", torch.zeros(32 * 64),
+         r"k_proj.weight has shape \(2048,\), the model config implies \(32, 64\)"),
+        # Named like a module, not a tensor.
+        ("model.layers.0.self_attn", torch.zeros(3), r"unexpected tensor model.layers.0.self_attn$"),
+        ("model.layers.0.block_sparse_moe.experts.0", torch.zeros(3), r"unexpected tensor model.layers.0.block_sparse_moe.experts.0$"),
+        ("model.layers.9.input_layernorm.weight", torch.zeros(64), "unexpected tensor model.layers.9.input_layernorm.weight"),
+        ("model.layers.0.block_sparse_moe.experts.7.w1.weight", torch.zeros(96, 64), "unexpected tensor model.layers.0.block_sparse_moe.experts.7"),
+    ],
+)
+def test_hf_tensors_that_do_not_fit_the_layout_are_refused_from_the_header(hf_folder, name, tensor, message):
+    rewrite_hf(hf_folder, lambda t: {**t, name: tensor} if name in t else t)
+    first = next(hf_folder.glob("model-00001*"))
+    if name not in dict(iter_tensors(first)) and name not in dict(iter_tensors(next(hf_folder.glob("model-00002*")))):
+        write_safetensors(first, [*iter_tensors(first), (name, tensor)])
+    with pytest.raises(CheckpointError, match=message) as error:
+        load(hf_folder)
+    assert one_line(error).startswith(str(hf_folder))
+
+
+@pytest.mark.parametrize(
+    "name, shape, message",
+    [
+        ("model.layers.0.mlp.experts.gate_up_proj", (4 * 192 * 64,), r"gate_up_proj has shape \(49152,\), the model config implies \(4, 192, 64\)"),
+        ("model.layers.0.mlp.experts.down_proj", (4, 96, 64), r"down_proj has shape \(4, 96, 64\), the model config implies \(4, 64, 96\)"),
+        ("model.layers.0.self_attn.q_proj.weight", (32, 128), r"q_proj.weight has shape \(32, 128\)"),
+        ("model.layers.0.self_attn", (3,), "unexpected tensor model.layers.0.self_attn"),
+    ],
+)
+def test_hf_to_published_checks_shapes_before_translating(name, shape, message):
+    """The translation itself (also used on in-memory state dicts) refuses what it cannot translate."""
+    with pytest.raises(CheckpointError, match=message):
+        list(hf_to_published([(name, torch.zeros(shape))], tiny_args(moe=True)))
+
+
+def test_fused_expert_layout_of_the_right_shape_translates():
+    args = tiny_args(moe=True)
+    gate_up = torch.arange(4 * 192 * 64, dtype=torch.float32).reshape(4, 192, 64)
+    out = dict(hf_to_published([("model.layers.1.mlp.experts.gate_up_proj", gate_up)], args))
+    assert torch.equal(out["layers.1.feed_forward.experts.3.w3.weight"], gate_up[3, 96:])
+    assert published_shape("layers.1.feed_forward.experts.3.w3.weight", args) == (96, 64)
+
+
+def test_pth_with_non_string_keys(tmp_path):
+    args = tiny_args(moe=False)
+    save_consolidated(random_model(args), tmp_path)
+    tensors = dict(iter_tensors(tmp_path / "consolidated.safetensors"))
+    (tmp_path / "consolidated.safetensors").unlink()
+    torch.save({**tensors, 7: torch.zeros(2)}, tmp_path / "consolidated.00.pth")
+    with pytest.raises(CheckpointError, match="tensor name 7 is a int, expected a string"):
+        load(tmp_path)
+
+
+def test_pth_tensor_of_wrong_shape_is_refused_before_the_model_gets_it(tmp_path):
+    args = tiny_args(moe=False)
+    save_consolidated(random_model(args), tmp_path)
+    tensors = dict(iter_tensors(tmp_path / "consolidated.safetensors"))
+    (tmp_path / "consolidated.safetensors").unlink()
+    torch.save({**tensors, "layers.1.attention.wq.weight": torch.zeros(32, 128)}, tmp_path / "consolidated.00.pth")
+    with pytest.raises(CheckpointError, match=r"consolidated.00.pth: tensor layers.1.attention.wq.weight has shape \(32, 128\)"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [("meta", "device='meta' holds no data"), ("tpu9", "device='tpu9' is not a torch device"), (5.5, "device=5.5 is not a torch device")],
+)
+def test_a_device_that_cannot_hold_weights_is_named_not_blamed_on_the_checkpoint(hf_folder, device, message):
+    with pytest.raises(ConfigError, match=message):
+        Transformer.from_folder(hf_folder, device=device)

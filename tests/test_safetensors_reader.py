@@ -1,0 +1,287 @@
+"""A safetensors header is hostile input: every way it can lie gets one CheckpointError line, before any byte is read."""
+
+from __future__ import annotations
+
+import json
+import resource
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mixtral_infer import CheckpointError
+from mixtral_infer.safetensors_reader import DTYPES, MAX_NESTING, iter_tensors, parse_header, read_header
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Three tensors, back to back: a F32 (2, 3) at [0, 24), b BF16 (4,) at [24, 32), c I64 (1,) at [32, 40).
+VALID = [
+    ("a", {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}),
+    ("b", {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]}),
+    ("c", {"dtype": "I64", "shape": [1], "data_offsets": [32, 40]}),
+]
+DATA = bytes(range(40))
+
+
+def header_text(pairs) -> str:
+    """JSON text of an object from (key, value) pairs, repeated keys kept (json.dumps of a dict cannot)."""
+    return "{" + ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in pairs) + "}"
+
+
+def file_bytes(pairs=VALID, data=DATA, header: str | None = None) -> bytes:
+    raw = (header if header is not None else header_text(pairs)).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def with_entry(name, **changes):
+    return [(n, {**info, **changes}) if n == name else (n, info) for n, info in VALID]
+
+
+def load(tmp_path, content: bytes):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(content)
+    return dict(iter_tensors(path))
+
+
+def test_a_valid_file_gives_its_tensors(tmp_path):
+    tensors = load(tmp_path, file_bytes())
+    assert tensors["a"].shape == (2, 3) and tensors["a"].dtype == torch.float32
+    assert bytes(tensors["a"].view(-1).view(torch.uint8).tolist()) == DATA[:24]
+    assert tensors["c"].tolist() == [int.from_bytes(DATA[32:40], "little")]
+
+
+@pytest.mark.parametrize(
+    "pairs, message",
+    [
+        (with_entry("b", data_offsets=[16, 24]), r"tensors a and b share bytes \[16, 24\)"),
+        (with_entry("c", data_offsets=[0, 8]), r"tensors c and a share bytes \[0, 8\)"),
+        (VALID + [("a", VALID[0][1])], "key 'a' appears twice"),
+        (with_entry("a", shape=[2.0, 3]), r"shape \[2.0, 3\] must be a list of at most 16 integers >= 0"),
+        (with_entry("a", shape=["2", 3]), r"shape \['2', 3\] must be a list"),
+        (with_entry("a", shape=[-2, -3]), r"shape \[-2, -3\] must be a list"),
+        (with_entry("a", shape=[True, 3]), "must be a list"),
+        (with_entry("a", shape=6), "shape 6 must be a list"),
+        (with_entry("a", dtype="F8"), "dtype 'F8' is not one of"),
+        (with_entry("a", data_offsets=[0, 24.0]), r"data_offsets \[0, 24.0\] must be \[begin, end\]"),
+        (with_entry("a", data_offsets=[24, 0]), r"data_offsets \[24, 0\] must have 0 <= begin <= end"),
+        (with_entry("a", data_offsets=[-8, 16]), "must have 0 <= begin <= end"),
+        (with_entry("a", shape=[2, 4]), r"tensor 'a' has 24 bytes, its shape \(2, 4\) in F32 needs 32"),
+        (with_entry("c", shape=[2**40], data_offsets=[32, 32 + 8 * 2**40]), "truncated: tensor c ends past the end"),
+        ([("", VALID[0][1])], "a tensor has an empty name"),
+        ([("a", {**VALID[0][1], "extra": 1})], "expected the keys"),
+        ([("a", [1, 2])], "expected the keys"),
+        (VALID + [("__metadata__", {"format": 5})], "__metadata__ must map names to strings"),
+    ],
+)
+def test_hostile_headers_get_one_line(tmp_path, pairs, message):
+    with pytest.raises(CheckpointError, match=message) as error:
+        load(tmp_path, file_bytes(pairs))
+    assert str(error.value).startswith(str(tmp_path / "x.safetensors"))
+    assert "\n" not in str(error.value)
+
+
+def test_deep_nesting_is_refused_before_parsing(tmp_path):
+    metadata = "[" * 100_000 + "]" * 100_000
+    header = header_text(VALID)[:-1] + f', "__metadata__": {metadata}}}'
+    with pytest.raises(CheckpointError, match=f"nested deeper than {MAX_NESTING} levels"):
+        load(tmp_path, file_bytes(header=header))
+
+
+def test_brackets_inside_strings_are_not_nesting():
+    header = header_text(VALID[:1] + [("__metadata__", {"note": "[[[[" * 50 + '\\"{{'})]).encode()
+    assert [e.name for e in parse_header(header, 24)] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\x05\x00", r"truncated \(no safetensors header\)"),
+        (struct.pack("<Q", 10**12) + b"{}", "not a safetensors file, or truncated"),
+        (struct.pack("<Q", 4) + b"\xff\xfe{}", "not UTF-8 JSON"),
+        (struct.pack("<Q", 2) + b"[]", "a JSON list, expected an object"),
+        (struct.pack("<Q", 3) + b"{x}", r"corrupt safetensors header \(not JSON\)"),
+    ],
+)
+def test_broken_framing(tmp_path, content, message):
+    with pytest.raises(CheckpointError, match=message):
+        load(tmp_path, content)
+
+
+def test_the_whole_header_is_checked_before_a_byte_of_data_is_read(tmp_path, monkeypatch):
+    """A bad last entry stops the load before the first tensor is read."""
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(file_bytes(with_entry("c", dtype="F8")))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("a tensor was allocated"))
+    with pytest.raises(CheckpointError, match="dtype 'F8'"):
+        next(iter_tensors(path))
+
+
+def test_shape_check_runs_for_every_tensor_before_reading(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(file_bytes())
+    seen = []
+
+    def check(name, shape):
+        seen.append((name, shape))
+        if name == "c":
+            raise CheckpointError(f"tensor {name} has shape {shape}")
+
+    with pytest.raises(CheckpointError, match=r"tensor c has shape \(1,\)"):
+        next(iter_tensors(path, check=check))
+    assert seen == [("a", (2, 3)), ("b", (4,)), ("c", (1,))]
+
+
+# ------------------------------------------------------------------ memory
+
+
+PEAK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, resource, struct, sys
+    import torch
+    from mixtral_infer import Transformer, ModelArgs
+    from mixtral_infer.checkpoint import save_consolidated
+    folder = sys.argv[1]
+    args = ModelArgs(dim=64, n_layers=1, head_dim=16, hidden_dim=96, n_heads=4, n_kv_heads=2, norm_eps=1e-5,
+                     vocab_size=128)
+    save_consolidated(Transformer(args), folder)
+    # Replace the file by one whose tok_embeddings.weight is declared {rows} x 64 float32, in a sparse file.
+    path = os.path.join(folder, "consolidated.safetensors")
+    n_bytes = {rows} * 64 * 4
+    header = json.dumps({{"tok_embeddings.weight": {{"dtype": "F32", "shape": [{rows}, 64],
+                                                     "data_offsets": [0, n_bytes]}}}}).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+    os.truncate(path, 8 + len(header) + n_bytes // {short})
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+        print("loaded")
+    except Exception as error:
+        print(type(error).__name__ + ": " + str(error))
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "rows, short, message",
+    [
+        # 2.3 GB declared for a tensor the model wants as (128, 64): refused from the header.
+        (9_000_000, 1, r"tensor tok_embeddings.weight has shape \(9000000, 64\), the model config implies \(128, 64\)"),
+        # 1 TB declared, in a (sparse) file that long: refused from the header, nothing allocated.
+        (4_000_000_000, 1, r"tensor tok_embeddings.weight has shape \(4000000000, 64\), the model config implies"),
+        # 1 TB declared, file far shorter: refused as truncated.
+        (4_000_000_000, 1000, "truncated: tensor tok_embeddings.weight ends past the end of the file"),
+    ],
+    ids=["wrong-shape-2.3GB", "wrong-shape-1TB", "truncated-1TB"],
+)
+def test_huge_declared_tensors_are_refused_with_little_memory(tmp_path, rows, short, message):
+    script = PEAK_SCRIPT.format(rows=rows, short=short)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "m")], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    error, peak_mb = result.stdout.strip().splitlines()
+    assert error.startswith("CheckpointError: ") and "\n" not in error
+    assert __import__("re").search(message, error), error
+    assert int(peak_mb) < 50, f"peak RSS grew by {peak_mb} MB"
+
+
+# ------------------------------------------------------------------ fuzzing
+
+
+def _mutations():
+    names = st.sampled_from(["a", "b", "c"])
+    ints = st.one_of(st.integers(-50, 80), st.integers(-(2**70), 2**70))
+    odd = st.one_of(ints, st.floats(allow_nan=False), st.text(max_size=3), st.none(), st.booleans(), st.lists(ints, max_size=3))
+    return st.one_of(
+        st.tuples(st.just("offset"), names, st.integers(0, 1), odd),
+        st.tuples(st.just("shape"), names, st.integers(0, 3), odd),
+        st.tuples(st.just("rank"), names, st.lists(st.integers(0, 8), max_size=4), st.none()),
+        st.tuples(st.just("dtype"), names, st.sampled_from([*DTYPES, "F8", "", "f32"]), st.none()),
+        st.tuples(st.just("rename"), names, st.sampled_from(["a", "b", "c", "d", "", "__metadata__"]), st.none()),
+        st.tuples(st.just("drop"), names, st.none(), st.none()),
+        st.tuples(st.just("nesting"), st.none(), st.integers(0, 200), st.none()),
+        st.tuples(st.just("length"), st.none(), st.integers(-20, 20), st.none()),
+        st.tuples(st.just("data"), st.none(), st.integers(-41, 16), st.none()),
+        st.tuples(st.just("byte"), st.none(), st.integers(0, 400), st.integers(0, 255)),
+    )
+
+
+def mutate(mutations) -> bytes:
+    pairs = [(name, json.loads(json.dumps(info))) for name, info in VALID]
+    data, length_delta, flips, metadata = DATA, 0, [], None
+    for kind, name, a, b in mutations:
+        info = next((i for n, i in pairs if n == name), None)
+        if kind == "offset" and info is not None:
+            info["data_offsets"][a] = b
+        elif kind == "shape" and info is not None and a < len(info["shape"]):
+            info["shape"][a] = b
+        elif kind == "rank" and info is not None:
+            info["shape"] = a
+        elif kind == "dtype" and info is not None:
+            info["dtype"] = a
+        elif kind == "rename":
+            pairs = [(a if n == name else n, i) for n, i in pairs]
+        elif kind == "drop":
+            pairs = [(n, i) for n, i in pairs if n != name]
+        elif kind == "nesting":
+            metadata = "[" * a + "]" * a
+        elif kind == "length":
+            length_delta = a
+        elif kind == "data":
+            data = DATA[:a] if a < 0 else DATA + bytes(a)
+        elif kind == "byte":
+            flips.append((a, b))
+    header = header_text(pairs)
+    if metadata is not None:
+        header = header[:-1] + (", " if pairs else "") + f'"__metadata__": {{"x": {metadata or "null"}}}}}'
+    raw = bytearray(struct.pack("<Q", max(len(header.encode()) + length_delta, 0)) + header.encode() + data)
+    for position, value in flips:
+        if position < len(raw):
+            raw[position] = value
+    return bytes(raw)
+
+
+def check_loaded(content: bytes, tensors) -> None:
+    """A file that loads: each tensor is exactly the bytes its header entry names, and no two share bytes."""
+    (size,) = struct.unpack("<Q", content[:8])
+    header = json.loads(content[8 : 8 + size])
+    data = content[8 + size :]
+    assert set(tensors) == set(header) - {"__metadata__"}
+    ranges = []
+    for name, tensor in tensors.items():
+        begin, end = header[name]["data_offsets"]
+        assert tuple(tensor.shape) == tuple(header[name]["shape"]) and tensor.dtype == DTYPES[header[name]["dtype"]]
+        assert tensor.nbytes == end - begin
+        assert bytes(tensor.reshape(-1).view(torch.uint8).tolist()) == data[begin:end]
+        ranges.append((begin, end))
+    ranges.sort()
+    assert all(previous[1] <= current[0] for previous, current in zip(ranges, ranges[1:]))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_mutations(), min_size=1, max_size=4))
+def test_fuzzed_headers_load_right_or_fail_with_one_checkpoint_error(tmp_path, mutations):
+    content = mutate(mutations)
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        tensors = load(tmp_path, content)
+    except CheckpointError as error:
+        assert "\n" not in str(error) and str(error).startswith(str(tmp_path))
+    else:
+        check_loaded(content, tensors)
+        assert sum(t.nbytes for t in tensors.values()) <= len(content)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 100 * 1024  # KB: < 100 MB
+
+
+def test_read_header_names_the_file(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(file_bytes())
+    assert [(e.name, e.begin) for e in read_header(path)] == [("a", 8 + len(header_text(VALID))), ("b", 8 + len(header_text(VALID)) + 24), ("c", 8 + len(header_text(VALID)) + 32)]
