@@ -233,8 +233,11 @@ def decode_eager(
     for step in range(settings.max_tokens):
         # One uniform per sequence at every step, finished ones included, as the static loop draws.
         uniform = draw_uniform(batch, settings.sampling, settings.generator, model.device)
-        rows = torch.tensor(active, device=model.device)
-        tokens = sample(logits, settings.sampling.rows(rows), None if uniform is None else uniform[rows])  # (B_active,)
+        if uniform is None:  # greedy: no per-row settings to pick
+            tokens = sample(logits, settings.sampling, None)  # (B_active,)
+        else:
+            rows = torch.tensor(active, device=model.device)
+            tokens = sample(logits, settings.sampling.rows(rows), uniform[rows])  # (B_active,)
         token_logprob = token_logprobs(logits, tokens)
         still_active = []
         for i, token, logprob in zip(active, tokens.tolist(), token_logprob.tolist()):
