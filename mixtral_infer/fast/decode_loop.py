@@ -108,10 +108,11 @@ def decode_static(
                 cache.cache_k, cache.cache_v, tokens, positions, alive, uniform,
                 sampling.temperature, sampling.top_p, sampling.top_k,
             )  # fmt: skip
-            if compiled and device.type == "cuda":
-                # A CUDA graph's outputs are overwritten by its next replay: keep copies.
-                outputs = tuple(t.clone() for t in outputs)
             tokens, token_logprob, positions, alive, emitted = outputs
+            if compiled and device.type == "cuda":
+                # A CUDA graph's outputs are overwritten by its next replay: keep copies of the state
+                # fed back in (what the host reads is copied out before that replay, in stream order).
+                tokens, positions, alive = tokens.clone(), positions.clone(), alive.clone()
             reader.push(emitted, token_logprob)
         if not _record(reader.pop(), index - 1, settings, generated, logprobs):
             break  # every row had finished; the step launched after it wrote nothing
