@@ -24,7 +24,7 @@ import torch
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model import ModelArgs
 from mixtral_infer.moe import MoeArgs
-from mixtral_infer.weight_shapes import Shape, published_shape
+from mixtral_infer.weight_shapes import Shape, check_shape, published_shape
 
 
 def hf_rows_to_published(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -138,11 +138,7 @@ def hf_shape(name: str, args: ModelArgs) -> Optional[Shape]:
 
 def check_hf_shape(name: str, shape: Shape, args: ModelArgs, source: str) -> None:
     """Raise CheckpointError unless the model has a transformers tensor ``name`` of this shape."""
-    expected = hf_shape(name, args)
-    if expected is None:
-        raise CheckpointError(f"{source}: unexpected tensor {name}")
-    if tuple(shape) != expected:
-        raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape)}, the model config implies {expected}")
+    check_shape(name, shape, hf_shape(name, args), source)
 
 
 def hf_to_published(tensors: Iterable[Tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -69,10 +69,14 @@ def published_shape(name: str, args: ModelArgs) -> Optional[Shape]:
     return shapes.get(rest)
 
 
-def check_published_shape(name: str, shape: Shape, args: ModelArgs, source: str) -> None:
-    """Raise CheckpointError unless the model has a tensor ``name`` of this shape."""
-    expected = published_shape(name, args)
+def check_shape(name: str, shape: Shape, expected: Optional[Shape], source: str) -> None:
+    """Raise CheckpointError unless ``expected`` (None: the model has no such tensor) is ``shape``."""
     if expected is None:
         raise CheckpointError(f"{source}: unexpected tensor {name}")
     if tuple(shape) != expected:
         raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape)}, the model config implies {expected}")
+
+
+def check_published_shape(name: str, shape: Shape, args: ModelArgs, source: str) -> None:
+    """Raise CheckpointError unless the model has a tensor ``name`` of this shape."""
+    check_shape(name, shape, published_shape(name, args), source)
