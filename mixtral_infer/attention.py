@@ -26,12 +26,9 @@ import torch.nn.functional as F
 from mixtral_infer.fast.varlen_attention import can_use_torch_varlen, torch_varlen_kernel, varlen_attention
 from mixtral_infer.xformers_bias import (
     AttentionBias,
-    BlockDiagonalCausalFromBottomRightMask,
-    BlockDiagonalCausalLocalAttentionFromBottomRightMask,
-    BlockDiagonalCausalLocalAttentionMask,
-    BlockDiagonalCausalMask,
     BlockDiagonalCausalWithOffsetPaddedKeysMask,
     BlockDiagonalMask,
+    block_semantics,
 )
 
 
@@ -99,21 +96,6 @@ def local_causal_mask(
     return allowed
 
 
-def _block_semantics(bias: BlockDiagonalMask) -> tuple[bool, bool, Optional[int]]:
-    """(causal, from_bottom_right, window) of a block-diagonal bias."""
-    if isinstance(bias, BlockDiagonalCausalLocalAttentionFromBottomRightMask):
-        return True, True, bias._window_size
-    if isinstance(bias, BlockDiagonalCausalFromBottomRightMask):
-        return True, True, None
-    if isinstance(bias, BlockDiagonalCausalLocalAttentionMask):
-        return True, False, bias._window_size
-    if isinstance(bias, BlockDiagonalCausalMask):
-        return True, False, None
-    if type(bias) is BlockDiagonalMask:
-        return False, False, None
-    raise NotImplementedError(f"no CPU attention for bias type {type(bias).__name__}")
-
-
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """SDPA on (T, H, D) layouts; returns (T_q, H, D)."""
     out = F.scaled_dot_product_attention(
@@ -125,7 +107,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
 def _block_diagonal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalMask
 ) -> torch.Tensor:
-    causal, bottom_right, window = _block_semantics(bias)
+    causal, bottom_right, window = block_semantics(bias)
     return _per_block_attention(q, k, v, bias, causal, bottom_right, window)
 
 

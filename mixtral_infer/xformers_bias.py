@@ -8,6 +8,7 @@ On a CUDA machine it is left alone, since there it means the kernels are missing
 """
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -33,3 +34,19 @@ BlockDiagonalCausalFromBottomRightMask = attn_bias.BlockDiagonalCausalFromBottom
 BlockDiagonalCausalLocalAttentionMask = attn_bias.BlockDiagonalCausalLocalAttentionMask
 BlockDiagonalCausalLocalAttentionFromBottomRightMask = attn_bias.BlockDiagonalCausalLocalAttentionFromBottomRightMask
 BlockDiagonalCausalWithOffsetPaddedKeysMask = attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask
+
+
+def block_semantics(bias: BlockDiagonalMask) -> tuple[bool, bool, Optional[int]]:
+    """(causal, from_bottom_right, window) of a block-diagonal bias: what every attention
+    path (SDPA per block, torch's varlen flash attention) needs to know of it."""
+    if isinstance(bias, BlockDiagonalCausalLocalAttentionFromBottomRightMask):
+        return True, True, bias._window_size
+    if isinstance(bias, BlockDiagonalCausalFromBottomRightMask):
+        return True, True, None
+    if isinstance(bias, BlockDiagonalCausalLocalAttentionMask):
+        return True, False, bias._window_size
+    if isinstance(bias, BlockDiagonalCausalMask):
+        return True, False, None
+    if type(bias) is BlockDiagonalMask:
+        return False, False, None
+    raise NotImplementedError(f"no attention for bias type {type(bias).__name__}")

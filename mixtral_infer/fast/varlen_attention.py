@@ -38,14 +38,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.xformers_bias import (
-    BlockDiagonalCausalFromBottomRightMask,
-    BlockDiagonalCausalLocalAttentionFromBottomRightMask,
-    BlockDiagonalCausalLocalAttentionMask,
-    BlockDiagonalCausalMask,
-    BlockDiagonalCausalWithOffsetPaddedKeysMask,
-    BlockDiagonalMask,
-)
+from mixtral_infer.xformers_bias import BlockDiagonalCausalWithOffsetPaddedKeysMask, BlockDiagonalMask, block_semantics
 
 
 @dataclass
@@ -59,15 +52,10 @@ class VarlenArguments:
 
 def window_size_of(bias: BlockDiagonalMask) -> Tuple[int, int]:
     """Flash attention's ``(left, right)`` window for a block-diagonal bias (table above)."""
-    if isinstance(bias, BlockDiagonalCausalWithOffsetPaddedKeysMask) or not isinstance(bias, BlockDiagonalMask):
-        raise NotImplementedError(f"no varlen translation for bias type {type(bias).__name__}")
-    if isinstance(bias, (BlockDiagonalCausalLocalAttentionMask, BlockDiagonalCausalLocalAttentionFromBottomRightMask)):
-        return (bias._window_size - 1, 0)
-    if isinstance(bias, (BlockDiagonalCausalMask, BlockDiagonalCausalFromBottomRightMask)):
-        return (-1, 0)
-    if type(bias) is BlockDiagonalMask:
+    causal, _, window = block_semantics(bias)  # bottom-right alignment is flash's own
+    if not causal:
         return (-1, -1)
-    raise NotImplementedError(f"no varlen translation for bias type {type(bias).__name__}")
+    return (window - 1, 0) if window is not None else (-1, 0)
 
 
 def varlen_arguments(bias: BlockDiagonalMask, device: torch.device) -> VarlenArguments:
