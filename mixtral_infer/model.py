@@ -144,6 +144,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * args.head_dim, args.dim, bias=False)
 
+    def project(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``(T, H, Dh)``, keys and values ``(T, K, Dh)`` of x ``(T, D)``, q and k rotated."""
+        n_tokens = x.shape[0]
+        xq = linear(x, self.wq.weight).reshape(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
+        xk = linear(x, self.wk.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
+        xv = linear(x, self.wv.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
+        return apply_rotary(xq, *rotary), apply_rotary(xk, *rotary), xv
+
     def forward(
         self,
         x: torch.Tensor,  # (T, D)
@@ -152,10 +162,7 @@ class Attention(nn.Module):
         mask,
     ) -> torch.Tensor:
         n_tokens = x.shape[0]
-        xq = linear(x, self.wq.weight).reshape(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
-        xk = linear(x, self.wk.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
-        xv = linear(x, self.wv.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
-        xq, xk = apply_rotary(xq, *rotary), apply_rotary(xk, *rotary)
+        xq, xk, xv = self.project(x, rotary)
 
         if cache is None:
             key, value = xk, xv

@@ -43,7 +43,7 @@ from mixtral_infer.cache import RotatingBufferCache
 from mixtral_infer.linear import linear
 from mixtral_infer.model import Attention, Transformer
 from mixtral_infer.moe import MoeLayer
-from mixtral_infer.rope import apply_rotary, rotary_angles
+from mixtral_infer.rope import rotary_angles
 from mixtral_infer.sampling import Sampling, sample, token_logprobs
 
 StepOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -65,10 +65,7 @@ def attend_one_token(
     visible: torch.Tensor,  # (B, S) bool: the slots each row's query sees
 ) -> torch.Tensor:
     batch = x.shape[0]
-    xq = linear(x, attention.wq.weight).view(batch, attention.n_heads, attention.head_dim)  # (B, H, Dh)
-    xk = linear(x, attention.wk.weight).view(batch, attention.n_kv_heads, attention.head_dim)  # (B, K, Dh)
-    xv = linear(x, attention.wv.weight).view(batch, attention.n_kv_heads, attention.head_dim)  # (B, K, Dh)
-    xq, xk = apply_rotary(xq, *rotary), apply_rotary(xk, *rotary)
+    xq, xk, xv = attention.project(x, rotary)  # (B, H, Dh), (B, K, Dh), (B, K, Dh)
 
     rows = torch.arange(batch, device=x.device)
     keep = alive[:, None, None]  # (B, 1, 1)
