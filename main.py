@@ -2,7 +2,7 @@
 
 import sys
 
-from mixtral_infer.cli import main
+from mixtral_infer.cli.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

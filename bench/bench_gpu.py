@@ -53,10 +53,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer, generate  # noqa: E402
-from mixtral_infer.checkpoint import build_model  # noqa: E402
-from mixtral_infer.generate import default_chunk_size, prefill  # noqa: E402
-from mixtral_infer.hf_format import hf_to_published  # noqa: E402
-from mixtral_infer.moe import MoeLayer  # noqa: E402
+from mixtral_infer.checkpoint.hf_format import hf_to_published  # noqa: E402
+from mixtral_infer.checkpoint.loading import build_model  # noqa: E402
+from mixtral_infer.generation.generate import default_chunk_size, prefill  # noqa: E402
+from mixtral_infer.model.moe import MoeLayer  # noqa: E402
 
 SHAPES = {
     "mistral-7b": dict(

@@ -95,10 +95,10 @@ from typing import Dict, List, Optional
 import torch
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
-from mixtral_infer.checkpoint import build_model
-from mixtral_infer.generate import default_chunk_size
-from mixtral_infer.generate import prefill as ours_prefill
-from mixtral_infer.hf_format import hf_to_published
+from mixtral_infer.checkpoint.hf_format import hf_to_published
+from mixtral_infer.checkpoint.loading import build_model
+from mixtral_infer.generation.generate import default_chunk_size
+from mixtral_infer.generation.generate import prefill as ours_prefill
 
 WINDOW = 256
 PROMPT_LEN = 64
@@ -426,8 +426,8 @@ def hf_decode(hf, prompts: List[List[int]], new_tokens: int) -> tuple[float, Lis
 @torch.inference_mode()
 def ours_generate_overhead(model: Transformer, batch: int, repeats: int = 200) -> float:
     """Per-step ms of generate()'s bookkeeping that the timed loop leaves out (log-softmax, checks, tolist)."""
-    from mixtral_infer.generate import _check_finite
-    from mixtral_infer.sampling import sample_next
+    from mixtral_infer.generation.generate import _check_finite
+    from mixtral_infer.generation.sampling import sample_next
 
     logits = torch.randn(batch, model.args.vocab_size)
     start = time.perf_counter()

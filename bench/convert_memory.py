@@ -33,10 +33,10 @@ CHILD = textwrap.dedent(
 
     import torch
 
-    from mixtral_infer.checkpoint import open_checkpoint
-    from mixtral_infer.convert import convert
-    from mixtral_infer.hf_format import published_to_hf
-    from mixtral_infer.safetensors_writer import write_safetensors
+    from mixtral_infer.checkpoint.loading import open_checkpoint
+    from mixtral_infer.checkpoint.convert import convert
+    from mixtral_infer.checkpoint.hf_format import published_to_hf
+    from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
 
     src, dst, writer, shard = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 
@@ -101,7 +101,7 @@ def build_checkpoint(folder: Path, dim: int, n_layers: int, hidden: int, experts
     import torch
 
     from mixtral_infer import ModelArgs, MoeArgs, Transformer
-    from mixtral_infer.checkpoint import save_consolidated
+    from mixtral_infer.checkpoint.loading import save_consolidated
 
     args = ModelArgs(
         dim=dim, n_layers=n_layers, head_dim=64, hidden_dim=hidden, n_heads=dim // 64, n_kv_heads=4, norm_eps=1e-5,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_transformers import MODELS, PROMPT_LEN, bench_args, ours_alone, random_prompts  # noqa: E402
 
 from mixtral_infer import ModelArgs  # noqa: E402
-from mixtral_infer.generate import prefill  # noqa: E402
+from mixtral_infer.generation.generate import prefill  # noqa: E402
 
 
 def tiny_copy(args: ModelArgs) -> ModelArgs:

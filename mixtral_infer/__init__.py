@@ -1,17 +1,18 @@
 """mixtral_infer: a readable reference implementation of Mistral 7B and Mixtral 8x7B inference."""
 
 from mixtral_infer._version import __version__
-from mixtral_infer.cache import (
+from mixtral_infer.checkpoint import load_model
+from mixtral_infer.errors import CheckpointError, ConfigError, GenerationError, MixtralInferError
+from mixtral_infer.generation.generate import generate
+from mixtral_infer.model.cache import (
     CacheView,
     RotatingBufferCache,
     RotatingCacheInputMetadata,
     interleave_list,
     unrotate,
 )
-from mixtral_infer.errors import CheckpointError, ConfigError, GenerationError, MixtralInferError
-from mixtral_infer.generate import generate
-from mixtral_infer.model import ModelArgs, Transformer
-from mixtral_infer.moe import MoeArgs, MoeLayer
+from mixtral_infer.model.moe import MoeArgs, MoeLayer
+from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.tokenizer import Tokenizer
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "generate",
+    "load_model",
     "interleave_list",
     "unrotate",
     "__version__",

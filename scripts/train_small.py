@@ -1,4 +1,4 @@
-"""Train the two small models shipped in `mixtral_infer/models/` on the King James Bible.
+"""Train the two small models shipped in `mixtral_infer/shipped/` on the King James Bible.
 
 The trained folders (`tiny-mixtral`, `tiny-mistral`) are committed, so this script is only
 needed to re-train them. It needs the public-domain KJV text from Debian:
@@ -44,13 +44,13 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from mixtral_infer import ModelArgs, MoeArgs, Tokenizer, Transformer, generate  # noqa: E402
-from mixtral_infer.checkpoint import TOKENIZER_FILE, save_consolidated  # noqa: E402
+from mixtral_infer import ModelArgs, MoeArgs, Tokenizer, Transformer, generate, load_model  # noqa: E402
+from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, save_consolidated  # noqa: E402
 
 DEFAULT_CORPUS = Path("/usr/lib/bible.data")  # installed by Debian's `bible-kjv-text`
 CORPUS_NAME = "King James Bible (1611), Debian package bible-kjv-text"
 WHOLE_BIBLE = "Gen1:1-Rev22:21"
-DEFAULT_OUT_DIR = REPO_ROOT / "mixtral_infer" / "models"
+DEFAULT_OUT_DIR = REPO_ROOT / "mixtral_infer" / "shipped"
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 # "Ge1:1 In the beginning..." or "1Jn4:8 He that loveth not..." -> the reference to strip.
@@ -386,7 +386,7 @@ def save_model(model: Transformer, folder: Path, tokenizer_path: Path, dtype: to
 
 def sample_text(folder: Path, prompt: str, max_tokens: int, temperature: float) -> str:
     """Continue `prompt` with the saved model, through the package's public API."""
-    model = Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+    model = load_model(folder, device="cpu", dtype=torch.float32)
     tokenizer = Tokenizer(folder / TOKENIZER_FILE)
     prompt_ids = tokenizer.encode(prompt, bos=True)
     generated, _ = generate([prompt_ids], model, max_tokens=max_tokens, temperature=temperature, seed=0)
@@ -461,7 +461,7 @@ def train_and_save(name: str, cli: argparse.Namespace, corpus: Corpus) -> dict:
 
     folder = cli.out_dir / name
     save_model(model, folder, corpus.tokenizer_path, getattr(torch, cli.save_dtype))
-    shipped = Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+    shipped = load_model(folder, device="cpu", dtype=torch.float32)
     shipped_router = RouterStats(shipped, args.moe.num_experts_per_tok) if args.moe else None
     ppl = model_perplexity(shipped, corpus.heldout, cli.seq_len)
     print(

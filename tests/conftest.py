@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
-from mixtral_infer.checkpoint import build_model
-from mixtral_infer.hf_format import hf_config_from_args, hf_to_published
+from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published
+from mixtral_infer.checkpoint.loading import build_model
 
 WINDOW = 8
 
@@ -106,7 +106,7 @@ def model_folder(tmp_path, tokenizer_path):
     import dataclasses
     import shutil
 
-    from mixtral_infer.checkpoint import save_consolidated
+    from mixtral_infer.checkpoint.loading import save_consolidated
 
     args = dataclasses.replace(tiny_args(moe=True), vocab_size=400)
     folder = tmp_path / "model"

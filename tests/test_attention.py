@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from mixtral_infer.attention import torch_attention, window_tiles
-from mixtral_infer.cache import build_input_metadata
-from mixtral_infer.xformers_bias import (
+from mixtral_infer.model.attention import torch_attention, window_tiles
+from mixtral_infer.model.cache import build_input_metadata
+from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
     BlockDiagonalCausalLocalAttentionMask,
     BlockDiagonalCausalWithOffsetPaddedKeysMask,
@@ -101,7 +101,7 @@ def test_importing_the_package_prints_nothing_on_a_cpu_only_machine():
     if torch.cuda.is_available():
         pytest.skip("the warning is kept on machines with CUDA")
     result = subprocess.run(
-        [sys.executable, "-c", "import mixtral_infer, mixtral_infer.attention; print('ok')"],
+        [sys.executable, "-c", "import mixtral_infer, mixtral_infer.model.attention; print('ok')"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.stdout == "ok\n"

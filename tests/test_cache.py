@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mixtral_infer import RotatingBufferCache, interleave_list, unrotate
-from mixtral_infer.cache import build_input_metadata, kv_gather
-from mixtral_infer.xformers_bias import (
+from mixtral_infer.model.cache import build_input_metadata, kv_gather
+from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
     BlockDiagonalCausalLocalAttentionMask,
     BlockDiagonalCausalWithOffsetPaddedKeysMask,

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixtral_infer import RotatingBufferCache, unrotate
-from mixtral_infer.attention import torch_attention
+from mixtral_infer.model.attention import torch_attention
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 4
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import random_model, tiny_args
+
 from mixtral_infer import Tokenizer, generate
-from mixtral_infer.chat import Conversation, TextStream
+from mixtral_infer.generation.chat import Conversation, TextStream
 
 
 @pytest.fixture(params=[8, None], ids=["window", "no-window"])

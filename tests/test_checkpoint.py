@@ -10,13 +10,13 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import hf_model, random_model, tiny_args
-from mixtral_infer import Transformer
-from mixtral_infer.checkpoint import internal_to_published, save_consolidated
-from mixtral_infer.convert import convert
-from mixtral_infer.hf_format import hf_config_from_args, published_to_hf
-from mixtral_infer.safetensors_writer import write_safetensors
+
+from mixtral_infer import Transformer, load_model
+from mixtral_infer.checkpoint.convert import convert
+from mixtral_infer.checkpoint.hf_format import hf_config_from_args, published_to_hf
+from mixtral_infer.checkpoint.loading import internal_to_published, save_consolidated
+from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
 
 TOLERANCE = 1e-4
 
@@ -33,7 +33,7 @@ def test_sharded_hf_folder_saved_by_transformers_loads_and_matches(tmp_path, moe
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
-    ours = Transformer.from_folder(tmp_path, device="cpu", dtype=torch.float32)
+    ours = load_model(tmp_path, device="cpu", dtype=torch.float32)
     assert max_difference(ours, hf) <= TOLERANCE
 
 
@@ -47,7 +47,7 @@ def test_hf_folder_with_per_expert_layout_of_transformers_4(tmp_path):
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names
     write_safetensors(tmp_path / "model.safetensors", names.items(), metadata={"format": "pt"})
     (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(args, torch.float32)))
-    ours = Transformer.from_folder(tmp_path, device="cpu", dtype=torch.float32)
+    ours = load_model(tmp_path, device="cpu", dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert max_difference(ours, hf) <= TOLERANCE
     assert max_difference(ours, hf) == max_difference(model, hf)
@@ -73,16 +73,16 @@ def test_convert_to_bfloat16_and_load_in_any_dtype(tmp_path):
     model = random_model(args, seed=4)
     save_consolidated(model, tmp_path / "mistral")
     convert(tmp_path / "mistral", tmp_path / "bf16", to="mistral", dtype=torch.bfloat16)
-    loaded = Transformer.from_folder(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16)
+    loaded = load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16)
     assert loaded.dtype == torch.bfloat16
     for (name, expected), got in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(expected.to(torch.bfloat16), got), name
-    upcast = Transformer.from_folder(tmp_path / "bf16", device="cpu", dtype=torch.float32)
+    upcast = load_model(tmp_path / "bf16", device="cpu", dtype=torch.float32)
     assert upcast.dtype == torch.float32
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
-    import mixtral_infer.convert as convert_module
+    import mixtral_infer.checkpoint.convert as convert_module
 
     save_consolidated(random_model(tiny_args()), tmp_path / "mistral")
 
@@ -99,7 +99,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 PEAK_SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    from mixtral_infer import Transformer
+    from mixtral_infer import load_model
 
     def rss_kib(field):
         for line in open("/proc/self/status"):
@@ -108,7 +108,7 @@ PEAK_SCRIPT = textwrap.dedent(
 
     torch.ones(1) @ torch.ones(1)  # let torch allocate what it allocates once
     before = rss_kib("VmRSS")
-    model = Transformer.from_folder(sys.argv[1], device="cpu", dtype=torch.float32)
+    model = load_model(sys.argv[1], device="cpu", dtype=torch.float32)
     print((rss_kib("VmHWM") - before) * 1024)
     """
 )

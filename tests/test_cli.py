@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mixtral_infer import Tokenizer, Transformer, generate
-from mixtral_infer.cli import DEFAULT_MODEL, DEMO_PROMPTS, SHIPPED_MODELS
+from mixtral_infer import Tokenizer, generate, load_model
+from mixtral_infer.cli.commands import DEFAULT_MODEL, DEMO_PROMPTS, SHIPPED_MODELS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def test_shipped_models_are_complete():
         folder = SHIPPED_MODELS / name
         for file in ("params.json", "consolidated.safetensors", "tokenizer.model"):
             assert (folder / file).is_file(), folder / file
-    mixtral = Transformer.from_folder(DEFAULT_MODEL, device="cpu")
+    mixtral = load_model(DEFAULT_MODEL, device="cpu")
     assert mixtral.args.moe is not None and mixtral.args.moe.num_experts_per_tok == 2
     assert mixtral.args.sliding_window is not None
 
@@ -34,7 +34,7 @@ def test_shipped_models_are_complete():
 def test_demo_prints_each_prompt_with_its_completion(settings):
     result = run("demo", "--max_tokens", "40", *settings)
     assert result.returncode == 0, result.stderr
-    model = Transformer.from_folder(DEFAULT_MODEL, max_batch_size=3, device="cpu")
+    model = load_model(DEFAULT_MODEL, max_batch_size=3, device="cpu")
     tokenizer = Tokenizer(DEFAULT_MODEL / "tokenizer.model")
     sampling = dict(temperature=0.7, top_p=0.9, seed=0) if not settings else {}
     generated, _ = generate(

@@ -58,7 +58,7 @@ def test_interactive_with_a_bad_setting_and_empty_input_fails():
 
 
 PEAK = (
-    "import resource, sys; from mixtral_infer.cli import main; code = main(sys.argv[1:]); "
+    "import resource, sys; from mixtral_infer.cli.commands import main; code = main(sys.argv[1:]); "
     "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr); sys.exit(code)"
 )
 
@@ -87,7 +87,7 @@ def test_max_tokens_too_large_for_a_model_without_a_window_is_refused_before_loa
 def test_convert_refuses_a_dangling_symlink(tmp_path):
     (tmp_path / "dst").symlink_to(tmp_path / "nowhere")
     assert_one_line_error(
-        run_cli("convert", REPO / "mixtral_infer/models/tiny-mistral", tmp_path / "dst"),
+        run_cli("convert", REPO / "mixtral_infer/shipped/tiny-mistral", tmp_path / "dst"),
         f"{tmp_path / 'dst'}: already exists (a symlink); choose a new destination folder",
     )
 
@@ -98,7 +98,7 @@ def test_convert_into_a_folder_it_cannot_write(tmp_path):
     else:
         parent, message = tmp_path / "read-only", f"{tmp_path / 'read-only'}: cannot write here (permission denied)"
         parent.mkdir(mode=0o555)
-    result = run_cli("convert", REPO / "mixtral_infer/models/tiny-mistral", parent / "dst")
+    result = run_cli("convert", REPO / "mixtral_infer/shipped/tiny-mistral", parent / "dst")
     assert_one_line_error(result, message)
 
 
@@ -107,7 +107,7 @@ def test_convert_removes_the_partial_folder_of_a_killed_run_and_says_so(tmp_path
     stale = tmp_path / f".dst.partial-{int(dead.stdout)}"
     stale.mkdir()
     (stale / "consolidated.safetensors").write_bytes(b"half")
-    result = run_cli("convert", REPO / "mixtral_infer/models/tiny-mistral", tmp_path / "dst")
+    result = run_cli("convert", REPO / "mixtral_infer/shipped/tiny-mistral", tmp_path / "dst")
     assert result.returncode == 0, result.stderr
     assert f"removed {stale}, left by an interrupted conversion (process {int(dead.stdout)} is gone)" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
@@ -118,7 +118,7 @@ def test_convert_refuses_while_another_conversion_is_writing(tmp_path):
     live = tmp_path / f".dst.partial-{os.getpid()}"  # this test's process is alive
     live.mkdir()
     assert_one_line_error(
-        run_cli("convert", REPO / "mixtral_infer/models/tiny-mistral", tmp_path / "dst"),
+        run_cli("convert", REPO / "mixtral_infer/shipped/tiny-mistral", tmp_path / "dst"),
         f"another conversion to {tmp_path / 'dst'} (process {os.getpid()}) is running",
     )
     assert live.is_dir()

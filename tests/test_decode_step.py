@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import WINDOW, random_model, tiny_args
+from test_model import random_prompts
+
 from mixtral_infer import GenerationError, generate
 from mixtral_infer.fast.decode_loop import step_compiler
 from mixtral_infer.fast.decode_step import (
@@ -15,9 +16,8 @@ from mixtral_infer.fast.decode_step import (
     slot_bucket,
     slots_and_visibility,
 )
-from mixtral_infer.generate import decode_mode
-from mixtral_infer.sampling import Sampling
-from test_model import random_prompts
+from mixtral_infer.generation.generate import decode_mode
+from mixtral_infer.generation.sampling import Sampling
 
 LOGPROB_TOLERANCE = 1e-5
 SAMPLINGS = {

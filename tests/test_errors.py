@@ -10,25 +10,24 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import WINDOW, random_model, tiny_args
+
 from mixtral_infer import (
     CheckpointError,
     ConfigError,
     GenerationError,
-    ModelArgs,
     Tokenizer,
-    Transformer,
     generate,
+    load_model,
 )
-from mixtral_infer.safetensors_writer import write_safetensors
-from mixtral_infer.safetensors_reader import iter_tensors
+from mixtral_infer.checkpoint.safetensors_reader import iter_tensors
+from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def load(folder):
-    return Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+    return load_model(folder, device="cpu", dtype=torch.float32)
 
 
 def edit_params(folder, **changes):
@@ -161,7 +160,7 @@ def test_tensor_of_wrong_shape(model_folder):
 
 def test_tokenizer_vocabulary_must_match_before_weights_are_read(model_folder, monkeypatch):
     edit_params(model_folder, vocab_size=500)
-    import mixtral_infer.checkpoint as checkpoint
+    import mixtral_infer.checkpoint.loading as checkpoint
 
     monkeypatch.setattr(checkpoint, "iter_tensors", lambda path: pytest.fail("weights read before the check"))
     with pytest.raises(CheckpointError, match="tokenizer.model: vocabulary of 400 tokens, but the model config says vocab_size=500"):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import WINDOW, random_model, tiny_args
-from mixtral_infer import generate
 from test_model import random_prompts
+
+from mixtral_infer import generate
 
 PROMPT_LENGTHS = [3 * WINDOW + 5, 6, 1, WINDOW]
 

@@ -10,13 +10,13 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import random_model, tiny_args
-from mixtral_infer import Tokenizer, Transformer, generate
-from mixtral_infer.chat import Conversation
-from mixtral_infer.checkpoint import save_consolidated
-from mixtral_infer.convert import convert
-from mixtral_infer.hf_tokenizer import bpe_merges, read_sentencepiece
+
+from mixtral_infer import Tokenizer, generate, load_model
+from mixtral_infer.checkpoint.convert import convert
+from mixtral_infer.checkpoint.hf_tokenizer import bpe_merges, read_sentencepiece
+from mixtral_infer.checkpoint.loading import save_consolidated
+from mixtral_infer.generation.chat import Conversation
 from mixtral_infer.shipped import SHIPPED_MODELS
 
 TEXTS = [
@@ -120,7 +120,7 @@ def test_greedy_generation_in_transformers_equals_ours(converted_tiny_mixtral):
 
     tokenizer = auto_tokenizer(converted_tiny_mixtral)
     hf = transformers.AutoModelForCausalLM.from_pretrained(converted_tiny_mixtral, dtype=torch.float32).eval()
-    ours = Transformer.from_folder("tiny-mixtral", device="cpu", dtype=torch.float32)
+    ours = load_model("tiny-mixtral", device="cpu", dtype=torch.float32)
     prompt = "And the LORD spake unto Moses, saying,"
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -160,7 +160,7 @@ def test_v3_tokenizer_formats_instruct_turns_with_control_tokens(v3_folder):
     assert tokenizer.version == "v3"
     question = tokenizer.encode("Who art thou?", bos=False)
     assert tokenizer.encode_instruct("Who art thou?") == [3] + question + [4]
-    model = Transformer.from_folder(v3_folder, device="cpu")
+    model = load_model(v3_folder, device="cpu")
     conversation = Conversation(model, tokenizer, instruct=True, max_tokens=3)
     conversation.reply("Who art thou?")
     assert conversation.history[: len(question) + 3] == [1, 3] + question + [4]

@@ -9,18 +9,18 @@ import time
 
 import pytest
 import torch
-
 from conftest import random_model, tiny_args
-from mixtral_infer import CheckpointError, ConfigError, Transformer
-from mixtral_infer.checkpoint import internal_to_published, save_consolidated
-from mixtral_infer.hf_format import hf_config_from_args, hf_to_published, published_to_hf
-from mixtral_infer.safetensors_reader import iter_tensors
-from mixtral_infer.safetensors_writer import write_safetensors
-from mixtral_infer.weight_shapes import published_shape
+
+from mixtral_infer import CheckpointError, ConfigError, load_model
+from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published, published_to_hf
+from mixtral_infer.checkpoint.loading import internal_to_published, save_consolidated
+from mixtral_infer.checkpoint.safetensors_reader import iter_tensors
+from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
+from mixtral_infer.checkpoint.weight_shapes import published_shape
 
 
 def load(folder):
-    return Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+    return load_model(folder, device="cpu", dtype=torch.float32)
 
 
 def one_line(error) -> str:
@@ -219,4 +219,4 @@ def test_pth_tensor_of_wrong_shape_is_refused_before_the_model_gets_it(tmp_path)
 )
 def test_a_device_that_cannot_hold_weights_is_named_not_blamed_on_the_checkpoint(hf_folder, device, message):
     with pytest.raises(ConfigError, match=message):
-        Transformer.from_folder(hf_folder, device=device)
+        load_model(hf_folder, device=device)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.linear import linear
+from mixtral_infer.model.linear import linear
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import WINDOW
 
 TOLERANCE = 1e-4

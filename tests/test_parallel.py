@@ -8,13 +8,13 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import WINDOW, random_model, tiny_args
-from mixtral_infer import ConfigError, Transformer
-from mixtral_infer.checkpoint import save_consolidated
-from mixtral_infer.generate import prefill
-from mixtral_infer.parallel import Parallel
 from test_model import cached_logits, random_prompts
+
+from mixtral_infer import ConfigError, load_model
+from mixtral_infer.checkpoint.loading import save_consolidated
+from mixtral_infer.generation.generate import prefill
+from mixtral_infer.model.parallel import Parallel
 
 LENGTHS = [3 * WINDOW + 27, WINDOW + 24, 5]  # each decodes 24 steps, the first two well past the window
 PREFIXES = [3 * WINDOW + 3, WINDOW, 5]
@@ -36,7 +36,7 @@ def worker(rank, world_size, port, folder, parallel_kind, out_path):
             parallel = Parallel(tensor_parallel=world_size, rank=rank)
         else:
             parallel = Parallel(num_pipeline_ranks=world_size, rank=rank)
-        model = Transformer.from_folder(folder, max_batch_size=3, device="cpu", dtype=torch.float32, parallel=parallel)
+        model = load_model(folder, max_batch_size=3, device="cpu", dtype=torch.float32, parallel=parallel)
         sequences = random_prompts(LENGTHS, model.args.vocab_size, seed=3)
         logits = cached_logits(model, sequences, PREFIXES, chunk_size=5)
         last_logits = last_logits_only(model, sequences)
@@ -100,11 +100,11 @@ def test_two_processes_match_one(saved_model, parallel_kind, tmp_path):
 )
 def test_a_rank_count_that_does_not_divide_is_refused_before_loading(tmp_path, monkeypatch, parallel, message):
     save_consolidated(random_model(tiny_args()), tmp_path)
-    import mixtral_infer.checkpoint as checkpoint
+    import mixtral_infer.checkpoint.loading as checkpoint
 
     monkeypatch.setattr(checkpoint, "iter_tensors", lambda *a: pytest.fail("weights read before the check"))
     with pytest.raises(ConfigError, match=message):
-        Transformer.from_folder(tmp_path, device="cpu", parallel=parallel)
+        load_model(tmp_path, device="cpu", parallel=parallel)
 
 
 def test_kv_heads_and_experts_must_divide_too():

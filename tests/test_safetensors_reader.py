@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mixtral_infer import CheckpointError
-from mixtral_infer.safetensors_reader import DTYPES, MAX_NESTING, iter_tensors, parse_header, read_header
+from mixtral_infer.checkpoint.safetensors_reader import DTYPES, MAX_NESTING, iter_tensors, parse_header, read_header
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,8 +144,8 @@ PEAK_SCRIPT = textwrap.dedent(
     """
     import json, os, resource, struct, sys
     import torch
-    from mixtral_infer import Transformer, ModelArgs
-    from mixtral_infer.checkpoint import save_consolidated
+    from mixtral_infer import ModelArgs, Transformer, load_model
+    from mixtral_infer.checkpoint.loading import save_consolidated
     folder = sys.argv[1]
     args = ModelArgs(dim=64, n_layers=1, head_dim=16, hidden_dim=96, n_heads=4, n_kv_heads=2, norm_eps=1e-5,
                      vocab_size=128)
@@ -160,7 +160,7 @@ PEAK_SCRIPT = textwrap.dedent(
     os.truncate(path, 8 + len(header) + n_bytes // {short})
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
-        Transformer.from_folder(folder, device="cpu", dtype=torch.float32)
+        load_model(folder, device="cpu", dtype=torch.float32)
         print("loaded")
     except Exception as error:
         print(type(error).__name__ + ": " + str(error))

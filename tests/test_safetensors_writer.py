@@ -8,14 +8,14 @@ import weakref
 
 import pytest
 import torch
-
 from conftest import random_model, tiny_args
-from mixtral_infer import Transformer
-from mixtral_infer.checkpoint import save_consolidated
-from mixtral_infer.convert import convert
-from mixtral_infer.errors import ConfigError
-from mixtral_infer.safetensors_writer import parse_size, write_hf_shards
 from test_checkpoint import TOLERANCE, max_difference
+
+from mixtral_infer import load_model
+from mixtral_infer.checkpoint.convert import convert
+from mixtral_infer.checkpoint.loading import save_consolidated
+from mixtral_infer.checkpoint.safetensors_writer import parse_size, write_hf_shards
+from mixtral_infer.errors import ConfigError
 
 
 def test_parse_size_docstring_example():
@@ -111,13 +111,13 @@ def test_converted_shards_load_in_transformers_and_here(tmp_path, moe):
     assert not list((tmp_path / "hf").glob(".*"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert max_difference(model, hf) <= TOLERANCE
-    ours = Transformer.from_folder(tmp_path / "hf", device="cpu", dtype=torch.float32)
+    ours = load_model(tmp_path / "hf", device="cpu", dtype=torch.float32)
     for (name, expected), got in zip(model.state_dict().items(), ours.state_dict().values()):
         assert torch.equal(expected, got), name
 
 
 def test_command_line_refuses_a_bad_shard_size_before_writing(tmp_path, model_folder, capsys):
-    from mixtral_infer.cli import main
+    from mixtral_infer.cli.commands import main
 
     assert main(["convert", str(model_folder), str(tmp_path / "hf"), "--to", "hf", "--max_shard_size", "five"]) == 1
     assert capsys.readouterr().err.strip() == "error: max_shard_size='five': expected a positive size such as 5GB, 500MB or a number of bytes"

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
-
 from conftest import WINDOW, random_model, tiny_args
+
 from mixtral_infer import GenerationError, generate
-from mixtral_infer.settings import GREEDY_BELOW, as_int, kv_cache_bytes
+from mixtral_infer.generation.settings import GREEDY_BELOW, as_int, kv_cache_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def test_a_cache_of_another_model_is_refused(model, no_window):
 
 def test_kv_cache_bytes():
     args = tiny_args(sliding_window=None)
-    from mixtral_infer.parallel import Parallel
+    from mixtral_infer.model.parallel import Parallel
 
     # 2 (K and V) x 2 layers x 3 sequences x 100 slots x 2 KV heads x 16 x 4 bytes
     assert kv_cache_bytes(args, 3, 100, torch.float32, Parallel()) == 2 * 2 * 3 * 100 * 2 * 16 * 4
@@ -155,7 +155,9 @@ def test_max_tokens_beyond_memory_without_a_window_is_refused_before_allocating(
     assert int(peak_mb) < 50
 
 
-@pytest.mark.parametrize("module", ["settings", "safetensors_reader", "weight_shapes", "hf_format"])
+@pytest.mark.parametrize(
+    "module", ["generation.settings", "checkpoint.safetensors_reader", "checkpoint.weight_shapes", "checkpoint.hf_format"]
+)
 def test_docstring_examples(module):
     import doctest
     import importlib

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import mixtral_infer
-from mixtral_infer import Tokenizer, Transformer, generate
-from mixtral_infer.checkpoint import save_consolidated
+from mixtral_infer import Tokenizer, generate, load_model
+from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.shipped import SHIPPED_MODELS, resolve_model_folder, shipped_models
 
@@ -72,8 +72,8 @@ def test_models_command_lists_the_shipped_models(tmp_path):
 
 
 def test_from_folder_takes_a_shipped_name_and_a_folder_on_disk_wins(tmp_path, monkeypatch):
-    by_name = Transformer.from_folder("tiny-mistral", device="cpu")
-    by_path = Transformer.from_folder(SHIPPED_MODELS / "tiny-mistral", device="cpu")
+    by_name = load_model("tiny-mistral", device="cpu")
+    by_path = load_model(SHIPPED_MODELS / "tiny-mistral", device="cpu")
     assert by_name.args == by_path.args and by_name.args.moe is None
     for (name, a), b in zip(by_name.state_dict().items(), by_path.state_dict().values()):
         assert torch.equal(a, b), name
@@ -87,15 +87,15 @@ def test_from_folder_takes_a_shipped_name_and_a_folder_on_disk_wins(tmp_path, mo
     local = dataclasses.replace(by_name.args, n_layers=1)
     save_consolidated(random_model(local), tmp_path / "tiny-mistral")
     assert resolve_model_folder("tiny-mistral") == Path("tiny-mistral")
-    assert Transformer.from_folder("tiny-mistral", device="cpu").args.n_layers == 1
+    assert load_model("tiny-mistral", device="cpu").args.n_layers == 1
     with pytest.raises(CheckpointError, match="tiny-nothing: model folder not found"):
-        Transformer.from_folder("tiny-nothing")
+        load_model("tiny-nothing")
 
 
 def test_demo_by_name_from_another_directory(tmp_path):
     result = run_module("demo", "tiny-mistral", "--max_tokens", "12", "--temperature", "0", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    model = Transformer.from_folder("tiny-mistral", max_batch_size=1, device="cpu")
+    model = load_model("tiny-mistral", max_batch_size=1, device="cpu")
     tokenizer = Tokenizer.from_folder("tiny-mistral")
     generated, _ = generate([tokenizer.encode("In the beginning")], model, max_tokens=12, eos_id=tokenizer.eos_id)
     assert result.stdout.splitlines()[0] == "In the beginning" + (" " if tokenizer.id_to_piece(generated[0][0]).startswith("\u2581") else "") + tokenizer.decode(generated[0])
@@ -105,7 +105,7 @@ def test_demo_by_name_from_another_directory(tmp_path):
 def test_readme_python_snippet_runs_from_another_directory(tmp_path):
     readme = (REPO / "README.md").read_text()
     snippet = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    assert "Transformer.from_folder" in snippet
+    assert "load_model(folder" in snippet
     snippet += "\nprint(repr(tokenizer.decode(generated[0])))\nprint(float(scores.sum()))\n"
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -144,5 +144,5 @@ def test_installed_wheel_runs_the_shipped_models_by_name_from_another_directory(
         capture_output=True, text=True, timeout=120,
     )
     assert demo.returncode == 0, demo.stderr
-    assert f"loaded {site / 'mixtral_infer' / 'models' / 'tiny-mistral'}" in demo.stderr
+    assert f"loaded {site / 'mixtral_infer' / 'shipped' / 'tiny-mistral'}" in demo.stderr
     assert demo.stdout.startswith("In the beginning")

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention import random_qkv
 
-from mixtral_infer.attention import torch_attention
-from mixtral_infer.cache import build_input_metadata
 from mixtral_infer.fast.varlen_attention import (
     can_use_torch_varlen,
     reference_varlen_attention,
@@ -16,14 +15,14 @@ from mixtral_infer.fast.varlen_attention import (
     varlen_attention,
     window_size_of,
 )
-from mixtral_infer.xformers_bias import (
+from mixtral_infer.model.attention import torch_attention
+from mixtral_infer.model.cache import build_input_metadata
+from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalFromBottomRightMask,
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
-    BlockDiagonalCausalLocalAttentionMask,
     BlockDiagonalCausalMask,
     BlockDiagonalMask,
 )
-from test_attention import random_qkv
 
 CPU = torch.device("cpu")
 

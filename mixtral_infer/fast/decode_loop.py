@@ -18,7 +18,6 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from mixtral_infer.cache import RotatingBufferCache
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.fast.decode_step import (
     NOT_FINITE,
@@ -28,8 +27,9 @@ from mixtral_infer.fast.decode_step import (
     emitted_tokens,
     make_decode_step,
 )
-from mixtral_infer.model import Transformer
-from mixtral_infer.sampling import Sampling, draw_uniform
+from mixtral_infer.generation.sampling import Sampling, draw_uniform
+from mixtral_infer.model.cache import RotatingBufferCache
+from mixtral_infer.model.transformer import Transformer
 
 TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
 

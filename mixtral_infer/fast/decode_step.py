@@ -39,12 +39,12 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.cache import RotatingBufferCache
-from mixtral_infer.linear import linear
-from mixtral_infer.model import Attention, Transformer
-from mixtral_infer.moe import MoeLayer
-from mixtral_infer.rope import rotary_angles
-from mixtral_infer.sampling import Sampling, sample, token_logprobs
+from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
+from mixtral_infer.model.cache import RotatingBufferCache
+from mixtral_infer.model.linear import linear
+from mixtral_infer.model.moe import MoeLayer
+from mixtral_infer.model.rope import rotary_angles
+from mixtral_infer.model.transformer import Attention, Transformer
 
 StepOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 

@@ -38,7 +38,11 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.xformers_bias import BlockDiagonalCausalWithOffsetPaddedKeysMask, BlockDiagonalMask, block_semantics
+from mixtral_infer.model.xformers_bias import (
+    BlockDiagonalCausalWithOffsetPaddedKeysMask,
+    BlockDiagonalMask,
+    block_semantics,
+)
 
 
 @dataclass

@@ -12,14 +12,20 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from mixtral_infer.cache import RotatingBufferCache
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.model import Transformer
-from mixtral_infer.parallel import shared_seed
 from mixtral_infer.fast.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.fast.decode_step import supports_static_decode
-from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs
-from mixtral_infer.settings import check_cache_capacity, check_new_cache, check_options, effective_temperature, token_ids
+from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample, token_logprobs
+from mixtral_infer.generation.settings import (
+    check_cache_capacity,
+    check_new_cache,
+    check_options,
+    effective_temperature,
+    token_ids,
+)
+from mixtral_infer.model.cache import RotatingBufferCache
+from mixtral_infer.model.parallel import shared_seed
+from mixtral_infer.model.transformer import Transformer
 
 # Prompt tokens per forward pass when no chunk_size is given, over the whole batch. Large
 # enough that each expert gets a real matrix product (top-2 of 8 experts: ~512 rows each);

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from simple_parsing.helpers import Serializable
 from torch import nn
 
-from mixtral_infer.linear import linear
-from mixtral_infer.parallel import Parallel
+from mixtral_infer.model.linear import linear
+from mixtral_infer.model.parallel import Parallel
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from mixtral_infer.errors import CheckpointError
-from mixtral_infer.parallel import Selection
+from mixtral_infer.model.parallel import Selection
 
 DTYPES = {
     "F64": torch.float64,

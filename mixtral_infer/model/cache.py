@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, TypeVar
 
 import torch
-from mixtral_infer.xformers_bias import (
+
+from mixtral_infer.model.xformers_bias import (
     AttentionBias,
     BlockDiagonalCausalMask,
     BlockDiagonalCausalWithOffsetPaddedKeysMask,

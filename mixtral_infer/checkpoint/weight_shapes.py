@@ -24,7 +24,7 @@ import re
 from typing import Optional, Tuple
 
 from mixtral_infer.errors import CheckpointError
-from mixtral_infer.model import ModelArgs
+from mixtral_infer.model.transformer import ModelArgs
 
 Shape = Tuple[int, ...]
 
@@ -35,7 +35,7 @@ _EXPERT = re.compile(r"^feed_forward\.experts\.(\d+)\.(w[123])\.weight$")
 def published_shape(name: str, args: ModelArgs) -> Optional[Shape]:
     """The shape of published tensor ``name`` in a model of ``args``; None when it has no such tensor.
 
-    >>> from mixtral_infer.moe import MoeArgs
+    >>> from mixtral_infer.model.moe import MoeArgs
     >>> args = ModelArgs(dim=64, n_layers=2, head_dim=16, hidden_dim=96, n_heads=4, n_kv_heads=2,
     ...                  norm_eps=1e-5, vocab_size=128, moe=MoeArgs(4, 2))
     >>> published_shape("layers.1.attention.wk.weight", args), published_shape("layers.2.ffn_norm.weight", args)

@@ -27,14 +27,14 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from mixtral_infer.checkpoint.hf_format import args_from_hf_config, check_hf_shape, hf_to_published
+from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
+from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
-from mixtral_infer.hf_format import args_from_hf_config, check_hf_shape, hf_to_published
-from mixtral_infer.model import ModelArgs, Transformer
-from mixtral_infer.parallel import Parallel, Selection
-from mixtral_infer.safetensors_reader import ShapeCheck, Selector, apply_selection, iter_tensors, read_header
+from mixtral_infer.model.parallel import Parallel, Selection
+from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
-from mixtral_infer.weight_shapes import check_published_shape
 
 PARAMS_FILE = "params.json"
 SAFETENSORS_FILE = "consolidated.safetensors"
@@ -337,7 +337,7 @@ def internal_to_published(state: Dict[str, torch.Tensor], args: ModelArgs) -> Na
 
 def save_consolidated(model: Transformer, folder: str | Path) -> None:
     """Write params.json and consolidated.safetensors with the published names."""
-    from mixtral_infer.safetensors_writer import write_safetensors
+    from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

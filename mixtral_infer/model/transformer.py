@@ -13,7 +13,6 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
@@ -21,13 +20,13 @@ import torch.nn.functional as F
 from simple_parsing.helpers import Serializable
 from torch import nn
 
-from mixtral_infer.attention import attention
-from mixtral_infer.cache import CacheView, RotatingBufferCache, causal_attention_bias
 from mixtral_infer.errors import ConfigError
-from mixtral_infer.linear import linear
-from mixtral_infer.moe import MoeArgs, MoeLayer
-from mixtral_infer.parallel import Parallel
-from mixtral_infer.rope import apply_rotary, rotary_angles
+from mixtral_infer.model.attention import attention
+from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_attention_bias
+from mixtral_infer.model.linear import linear
+from mixtral_infer.model.moe import MoeArgs, MoeLayer
+from mixtral_infer.model.parallel import Parallel
+from mixtral_infer.model.rope import apply_rotary, rotary_angles
 
 MAX_LAYERS = 4096  # the largest published decoders have ~130 layers
 
@@ -328,24 +327,3 @@ class Transformer(nn.Module):
             logits = torch.empty(n_rows, self.args.vocab_size, dtype=torch.float32, device=self.device)
         dist.broadcast(logits, src=self.parallel.num_pipeline_ranks - 1)
         return logits
-
-    @classmethod
-    def from_folder(
-        cls,
-        folder: str | Path,
-        max_batch_size: int = 1,
-        device: Optional[torch.device | str] = None,
-        dtype: Optional[torch.dtype] = None,
-        progress=None,
-        parallel: Parallel = Parallel(),
-    ) -> "Transformer":
-        """Load a model folder (params.json + consolidated weights); see ``checkpoint.load_model``.
-
-        ``device=None``: CUDA when available, else CPU; ``dtype=None``: bfloat16 on CUDA, float32 on CPU.
-        ``parallel``: this process's share when the model is cut across a torch.distributed group.
-        """
-        from mixtral_infer.checkpoint import load_model
-
-        return load_model(
-            folder, max_batch_size=max_batch_size, device=device, dtype=dtype, progress=progress, parallel=parallel
-        )

@@ -15,9 +15,9 @@ import torch
 from mixtral_infer.errors import GenerationError
 
 if TYPE_CHECKING:
-    from mixtral_infer.cache import RotatingBufferCache
-    from mixtral_infer.model import ModelArgs, Transformer
-    from mixtral_infer.parallel import Parallel
+    from mixtral_infer.model.cache import RotatingBufferCache
+    from mixtral_infer.model.parallel import Parallel
+    from mixtral_infer.model.transformer import ModelArgs, Transformer
 
 # A temperature this small samples the most probable token whatever the logits (for
 # float32 logits below 1e8 in size, softmax(logits / T) is one-hot), while dividing by

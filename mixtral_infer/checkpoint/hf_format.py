@@ -17,14 +17,14 @@ Experts come in two layouts: transformers 4.x files hold
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, Iterator, Optional, Tuple
+from typing import Iterable, Iterator, Optional, Tuple
 
 import torch
 
+from mixtral_infer.checkpoint.weight_shapes import Shape, check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
-from mixtral_infer.model import ModelArgs
-from mixtral_infer.moe import MoeArgs
-from mixtral_infer.weight_shapes import Shape, check_shape, published_shape
+from mixtral_infer.model.moe import MoeArgs
+from mixtral_infer.model.transformer import ModelArgs
 
 
 def hf_rows_to_published(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-from mixtral_infer.cache import RotatingBufferCache
-from mixtral_infer.generate import generate
-from mixtral_infer.model import Transformer
+from mixtral_infer.generation.generate import generate
+from mixtral_infer.model.cache import RotatingBufferCache
+from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.tokenizer import Tokenizer
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict
 
-SHIPPED_MODELS = Path(__file__).parent / "models"
+SHIPPED_MODELS = Path(__file__).parent
 DEFAULT_MODEL_NAME = "tiny-mixtral"
 
 

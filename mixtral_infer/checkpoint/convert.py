@@ -21,18 +21,23 @@ from typing import Callable, Optional
 
 import torch
 
-from mixtral_infer.checkpoint import (
+from mixtral_infer.checkpoint.hf_format import hf_config_from_args, published_to_hf
+from mixtral_infer.checkpoint.hf_tokenizer import write_hf_tokenizer
+from mixtral_infer.checkpoint.loading import (
     HF_CONFIG_FILE,
     PARAMS_FILE,
     SAFETENSORS_FILE,
     TOKENIZER_FILE,
     open_checkpoint,
 )
+from mixtral_infer.checkpoint.safetensors_reader import read_header
+from mixtral_infer.checkpoint.safetensors_writer import (
+    DEFAULT_MAX_SHARD_SIZE,
+    parse_size,
+    write_hf_shards,
+    write_safetensors,
+)
 from mixtral_infer.errors import CheckpointError
-from mixtral_infer.hf_format import hf_config_from_args, published_to_hf
-from mixtral_infer.hf_tokenizer import write_hf_tokenizer
-from mixtral_infer.safetensors_reader import read_header
-from mixtral_infer.safetensors_writer import DEFAULT_MAX_SHARD_SIZE, parse_size, write_hf_shards, write_safetensors
 from mixtral_infer.tokenizer import find_tokenizer
 
 FORMATS = ("mistral", "hf")

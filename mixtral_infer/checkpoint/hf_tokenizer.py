@@ -253,7 +253,7 @@ def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> List[P
     if user_defined:
         warnings.warn(
             f"{tokenizer_path}: user-defined pieces {user_defined[:5]}: in transformers, text right after one "
-            "may encode differently (see mixtral_infer.hf_tokenizer)", stacklevel=2
+            "may encode differently (see mixtral_infer.checkpoint.hf_tokenizer)", stacklevel=2
         )
     unk, bos, eos = (model.pieces[i][0] for i in (model.unk_id, model.bos_id, model.eos_id))
     special = {"bos_token": bos, "eos_token": eos, "unk_token": unk}

@@ -23,8 +23,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
 from mixtral_infer.fast.varlen_attention import can_use_torch_varlen, torch_varlen_kernel, varlen_attention
-from mixtral_infer.xformers_bias import (
+from mixtral_infer.model.xformers_bias import (
     AttentionBias,
     BlockDiagonalCausalWithOffsetPaddedKeysMask,
     BlockDiagonalMask,

@@ -11,19 +11,17 @@ import inspect
 import re
 import sys
 import time
-from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-from mixtral_infer.chat import Conversation
-from mixtral_infer.checkpoint import TOKENIZER_FILE, default_device, default_dtype, open_checkpoint
+from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_device, default_dtype, load_model, open_checkpoint
 from mixtral_infer.errors import GenerationError, MixtralInferError
-from mixtral_infer.generate import DECODE_MODES, generate
-from mixtral_infer.model import Transformer
-from mixtral_infer.parallel import Parallel
-from mixtral_infer.settings import as_int, check_new_cache
-from mixtral_infer.settings import check_options as check_generation_options
+from mixtral_infer.generation.chat import Conversation
+from mixtral_infer.generation.generate import DECODE_MODES, generate
+from mixtral_infer.generation.settings import as_int, check_new_cache
+from mixtral_infer.generation.settings import check_options as check_generation_options
+from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, resolve_model_folder, shipped_models
 from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
 
@@ -165,7 +163,7 @@ def load(
     cache_dtype = torch_dtype or default_dtype(torch_device)
     check_new_cache(args, max_batch_size, int(max_tokens) + 1, int(max_tokens), cache_dtype, torch_device, parallel)
     start = time.perf_counter()
-    model = Transformer.from_folder(
+    model = load_model(
         folder,
         max_batch_size=max_batch_size,
         device=torch_device,
@@ -340,7 +338,7 @@ def convert(src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] =
     A Hugging Face folder is written in shards of at most --max_shard_size (5GB, 500MB, ...),
     with the tokenizer files transformers reads.
     """
-    from mixtral_infer.convert import convert as convert_folder
+    from mixtral_infer.checkpoint.convert import convert as convert_folder
 
     start = time.perf_counter()
     written = convert_folder(
@@ -352,7 +350,7 @@ def convert(src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] =
 
 def models() -> None:
     """List the models shipped with the package; their names work wherever MODEL_PATH is asked for."""
-    from mixtral_infer.checkpoint import read_params
+    from mixtral_infer.checkpoint.loading import read_params
 
     for name, folder in shipped_models().items():
         args = read_params(folder)
