@@ -14,7 +14,7 @@ from test_checkpoint import TOLERANCE, max_difference
 from mixtral_infer import load_model
 from mixtral_infer.checkpoint.convert import convert
 from mixtral_infer.checkpoint.loading import save_consolidated
-from mixtral_infer.checkpoint.safetensors_writer import parse_size, write_hf_shards
+from mixtral_infer.checkpoint.safetensors_writer import parse_size, plan_shards, write_hf_shards
 from mixtral_infer.errors import ConfigError
 
 
@@ -66,9 +66,56 @@ def test_only_one_shard_is_held_in_memory(tmp_path):
             yield name, tensor
             del tensor
 
-    write_hf_shards(tmp_path, stream(), max_shard_size=800)  # 2 tensors per shard
-    assert max(held) <= 2, held  # the shard being filled (and the one just closed, until it is released)
+    write_hf_shards(tmp_path, stream(), max_shard_size=800, sizes=[400] * 10)  # 2 tensors per shard
+    assert max(held) <= 1, held  # the shard being filled: a complete one is written before the next tensor is asked for
     assert len(list(tmp_path.glob("model-*-of-00005.safetensors"))) == 5
+
+
+def test_each_shard_has_its_final_name_as_soon_as_it_is_written(tmp_path):
+    """With the sizes known up front, shard 1 is written and in place before the first tensor of shard 2 is asked for."""
+    present = []
+
+    def stream():
+        for i in range(6):
+            present.append(sorted(p.name for p in tmp_path.iterdir()))
+            yield f"t{i}", torch.full((100,), float(i))
+
+    write_hf_shards(tmp_path, stream(), max_shard_size=800, sizes=[400] * 6)
+    shard = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert present == [[], [], shard[:1], shard[:1], shard[:2], shard[:2]]  # (t0 t1 | t2 t3 | t4 t5)
+
+
+def test_plan_shards_docstring_example():
+    assert plan_shards([400, 400, 600, 1200, 100], limit=1000) == [1, 1, 2, 3, 4]
+    assert plan_shards([0, 1000, 1], limit=1000) == [1, 1, 2]  # an empty tensor fills nothing
+    assert plan_shards([], limit=1000) == []
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [([400, 400, 100], r"tensor t2 \(400 bytes\) does not match the planned sizes \(100 bytes\)"), ([400, 400], "only 2 tensors"), ([400] * 4, "3 tensors written, 4 planned")],
+)
+def test_a_stream_that_does_not_match_its_sizes_is_refused_and_leaves_nothing(tmp_path, sizes, message):
+    with pytest.raises(ValueError, match=message):
+        write_hf_shards(tmp_path, iter(tensors_of([400] * 3)), max_shard_size=400, sizes=sizes)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_plans_the_shards_from_the_headers(tmp_path):
+    """hf_sizes reads no tensor, and gives the bytes of what convert writes, in order (float32 and bfloat16)."""
+    from mixtral_infer.checkpoint.convert import hf_sizes
+    from mixtral_infer.checkpoint.hf_format import published_to_hf
+    from mixtral_infer.checkpoint.loading import internal_to_published, open_checkpoint
+
+    model = random_model(tiny_args(moe=True), seed=3)
+    save_consolidated(model, tmp_path / "mistral")
+    convert(tmp_path / "mistral", tmp_path / "hf", to="hf", max_shard_size="40KB")
+    for source in ("mistral", "hf"):
+        checkpoint = open_checkpoint(tmp_path / source)
+        written = [(n, t) for n, t in published_to_hf(checkpoint.published_tensors(), checkpoint.args)]
+        assert hf_sizes(checkpoint) == [t.nbytes for _, t in written]
+        assert hf_sizes(checkpoint, torch.bfloat16) == [t.nbytes // 2 for _, t in written]
+    assert len(written) == len(list(internal_to_published(model.state_dict(), model.args)))
 
 
 def test_a_failing_shard_leaves_no_partial_files(tmp_path, monkeypatch):

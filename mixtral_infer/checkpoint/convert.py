@@ -17,17 +17,19 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from mixtral_infer.checkpoint.hf_format import hf_config_from_args, published_to_hf
+from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published, published_to_hf
 from mixtral_infer.checkpoint.hf_tokenizer import write_hf_tokenizer
 from mixtral_infer.checkpoint.loading import (
     HF_CONFIG_FILE,
     PARAMS_FILE,
     SAFETENSORS_FILE,
     TOKENIZER_FILE,
+    Checkpoint,
+    _pth_tensors,
     open_checkpoint,
 )
 from mixtral_infer.checkpoint.safetensors_reader import read_header
@@ -83,7 +85,9 @@ def convert(
             write_safetensors(partial / SAFETENSORS_FILE, tensors)
             (partial / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
         else:
-            shards = write_hf_shards(partial, published_to_hf(tensors, checkpoint.args), max_shard_size, metadata={"format": "pt"})
+            hf_tensors = published_to_hf(tensors, checkpoint.args)
+            sizes = hf_sizes(checkpoint, dtype)
+            shards = write_hf_shards(partial, hf_tensors, max_shard_size, metadata={"format": "pt"}, sizes=sizes)
             written_dtype = dtype or _first_dtype(shards[0])
             config = hf_config_from_args(checkpoint.args, written_dtype)
             (partial / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -144,3 +148,25 @@ def _process_alive(pid: int) -> bool:
 
 def _first_dtype(path: Path) -> torch.dtype:
     return read_header(path)[0].dtype
+
+
+def hf_sizes(checkpoint: Checkpoint, dtype: Optional[torch.dtype] = None) -> List[int]:
+    """The bytes of each tensor ``convert`` writes to a Hugging Face folder, in the order it writes them.
+
+    Worked out from the source's headers alone (tensors on the meta device go through
+    the same translation as the real ones), so the shards can be planned before any
+    tensor is read.
+    """
+
+    def shapes() -> Iterator[Tuple[str, torch.Tensor]]:
+        for path in checkpoint.weight_files:
+            if path.suffix == ".safetensors":
+                entries = sorted(read_header(path), key=lambda e: e.begin)  # the order iter_tensors reads them in
+                pairs = ((e.name, e.shape, e.dtype) for e in entries)
+            else:  # memory-mapped: nothing is read
+                pairs = ((name, tuple(t.shape), t.dtype) for name, t in _pth_tensors(path))
+            for name, shape, stored in pairs:
+                yield name, torch.empty(shape, dtype=dtype or stored, device="meta")
+
+    published = hf_to_published(shapes(), checkpoint.args) if checkpoint.format == "hf" else shapes()
+    return [tensor.nbytes for _, tensor in published_to_hf(published, checkpoint.args)]

@@ -28,7 +28,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -138,57 +138,87 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def plan_shards(sizes: Sequence[int], limit: int) -> List[int]:
+    """The shard number (from 1) of each tensor: a shard closes when the next tensor would take it past
+    ``limit`` bytes; a tensor larger than the limit gets a shard of its own.
+
+    >>> plan_shards([400, 400, 600, 1200, 100], limit=1000)
+    [1, 1, 2, 3, 4]
+    """
+    plan: List[int] = []
+    number, filled, members = 1, 0, 0  # the shard being filled: its bytes and tensors so far
+    for size in sizes:
+        if members and filled + size > limit:
+            number, filled, members = number + 1, 0, 0
+        plan.append(number)
+        filled, members = filled + size, members + 1
+    return plan
+
+
 def write_hf_shards(
     folder: str | Path,
     tensors: Iterable[Tuple[str, torch.Tensor]],
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     metadata: Optional[Dict[str, str]] = None,
+    sizes: Optional[Sequence[int]] = None,
 ) -> List[Path]:
     """Write ``(name, tensor)`` pairs into ``folder`` as transformers' ``save_pretrained`` does.
 
-    A shard is closed when the next tensor would take it past ``max_shard_size`` (a
-    larger tensor gets a shard of its own). Returns the weight files written.
+    ``sizes``: the byte size of each tensor to come, in order, known before any is
+    read (``convert`` takes them from the source's headers). The shards are planned
+    from them (``plan_shards``), so each shard's final name ``model-0000i-of-0000N``
+    is known when it is complete: it is written to a hidden ``.partial`` name and
+    renamed at once, before the next tensor is asked for. Only the shard being filled
+    is in memory. Without ``sizes`` the
+    tensors are gathered first, as transformers does from a state dict (use it for
+    tensors already in memory). Returns the weight files written.
     """
     from safetensors.torch import save_file
 
     folder = Path(folder)
     limit = parse_size(max_shard_size)
-    partials: List[Path] = []
+    if sizes is None:
+        tensors = [(name, _own_storage(tensor)) for name, tensor in tensors]
+        sizes = [tensor.nbytes for _, tensor in tensors]
+    plan = plan_shards(sizes, limit)
+    count = plan[-1] if plan else 1
+    names = [HF_WEIGHTS_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
     weight_map: Dict[str, int] = {}  # name -> shard number
     shard: Dict[str, torch.Tensor] = {}
-    shard_bytes = total = 0
+    partial = folder / ".shard.safetensors.partial"
+    written: List[Path] = []
 
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        path = folder / f".model-{len(partials) + 1:05d}.safetensors.partial"
-        partials.append(path)
-        save_file(shard, str(path), metadata=metadata)
-        shard, shard_bytes = {}, 0
+    def write(number: int) -> None:
+        nonlocal shard
+        save_file(shard, str(partial), metadata=metadata)
+        os.replace(partial, folder / names[number - 1])
+        written.append(folder / names[number - 1])
+        shard = {}
 
     try:
-        for name, tensor in tensors:
-            if name in weight_map or name in shard:
+        position = -1
+        for position, (name, tensor) in enumerate(tensors):
+            if position >= len(plan) or tensor.nbytes != sizes[position]:
+                expected = f"{sizes[position]} bytes" if position < len(plan) else f"only {len(plan)} tensors"
+                raise ValueError(f"tensor {name} ({tensor.nbytes} bytes) does not match the planned sizes ({expected})")
+            if name in weight_map:
                 raise ValueError(f"tensor {name} written twice")
-            tensor = _own_storage(tensor)
-            size = tensor.numel() * tensor.element_size()
-            if shard and shard_bytes + size > limit:
-                flush()
-            shard[name] = tensor
-            weight_map[name] = len(partials) + 1  # the shard being filled
-            shard_bytes += size
-            total += size
-        if shard or not partials:
-            flush()
-        count = len(partials)
-        names = [HF_WEIGHTS_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-        for partial, name in zip(partials, names):
-            os.replace(partial, folder / name)
+            shard[name] = _own_storage(tensor)
+            weight_map[name] = plan[position]
+            if position + 1 == len(plan) or plan[position + 1] != plan[position]:  # the shard is complete
+                write(plan[position])
+        if position + 1 != len(plan):
+            raise ValueError(f"{position + 1} tensors written, {len(plan)} planned")
+        if not plan:
+            write(1)  # no tensors: an empty model.safetensors, as transformers writes
+    except BaseException:
+        for path in written:  # a folder with some of the shards would look like a model
+            path.unlink()
+        raise
     finally:
-        for partial in partials:
-            if partial.exists():
-                partial.unlink()
+        if partial.exists():
+            partial.unlink()
     if count > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {name: names[i - 1] for name, i in sorted(weight_map.items())}}
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": {name: names[i - 1] for name, i in sorted(weight_map.items())}}
         (folder / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return [folder / name for name in names]
-
