@@ -86,7 +86,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 
     save_consolidated(random_model(tiny_args()), tmp_path / "mistral")
 
-    def fail_midway(folder, tensors, max_shard_size, metadata=None, sizes=None):
+    def fail_midway(folder, tensors, max_shard_size, metadata=None, plan=None):
         next(iter(tensors))
         raise KeyboardInterrupt
 

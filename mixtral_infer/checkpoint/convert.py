@@ -2,7 +2,8 @@
 
 Tensors stream from the source to the destination: one at a time into a Mistral
 ``consolidated.safetensors``, one shard of at most ``max_shard_size`` at a time into
-Hugging Face shards (``safetensors_writer``). A Hugging Face folder also gets what
+Hugging Face shards (``safetensors_writer``), every byte written once. The files are laid
+out before any tensor is read, from the source's headers (``planned_tensors``). A Hugging Face folder also gets what
 transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
 hidden sibling folder ``.DST.partial-PID`` that is renamed to the destination only once
 complete, so an interrupted conversion leaves no half-written checkpoint behind; the next
@@ -81,13 +82,13 @@ def convert(
             tensors = ((name, tensor.to(dtype)) for name, tensor in tensors)
         params = checkpoint.args.to_params()
         params.pop("max_batch_size", None)
+        plan = planned_tensors(checkpoint, target, dtype)
         if target == "mistral":
-            write_safetensors(partial / SAFETENSORS_FILE, tensors)
+            write_safetensors(partial / SAFETENSORS_FILE, tensors, plan=plan)
             (partial / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
         else:
             hf_tensors = published_to_hf(tensors, checkpoint.args)
-            sizes = hf_sizes(checkpoint, dtype)
-            shards = write_hf_shards(partial, hf_tensors, max_shard_size, metadata={"format": "pt"}, sizes=sizes)
+            shards = write_hf_shards(partial, hf_tensors, max_shard_size, metadata={"format": "pt"}, plan=plan)
             written_dtype = dtype or _first_dtype(shards[0])
             config = hf_config_from_args(checkpoint.args, written_dtype)
             (partial / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -150,12 +151,11 @@ def _first_dtype(path: Path) -> torch.dtype:
     return read_header(path)[0].dtype
 
 
-def hf_sizes(checkpoint: Checkpoint, dtype: Optional[torch.dtype] = None) -> List[int]:
-    """The bytes of each tensor ``convert`` writes to a Hugging Face folder, in the order it writes them.
+def planned_tensors(checkpoint: Checkpoint, target: str, dtype: Optional[torch.dtype] = None) -> List[Tuple[str, torch.Tensor]]:
+    """What ``convert`` writes in format ``target``, in order, as tensors on the meta device: the writers' plan.
 
-    Worked out from the source's headers alone (tensors on the meta device go through
-    the same translation as the real ones), so the shards can be planned before any
-    tensor is read.
+    Worked out from the source's headers alone (the meta tensors go through the same
+    translation as the real ones), so the files can be laid out before any tensor is read.
     """
 
     def shapes() -> Iterator[Tuple[str, torch.Tensor]]:
@@ -169,4 +169,4 @@ def hf_sizes(checkpoint: Checkpoint, dtype: Optional[torch.dtype] = None) -> Lis
                 yield name, torch.empty(shape, dtype=dtype or stored, device="meta")
 
     published = hf_to_published(shapes(), checkpoint.args) if checkpoint.format == "hf" else shapes()
-    return [tensor.nbytes for _, tensor in published_to_hf(published, checkpoint.args)]
+    return list(published_to_hf(published, checkpoint.args) if target == "hf" else published)
