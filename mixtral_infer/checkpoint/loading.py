@@ -27,7 +27,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from mixtral_infer.checkpoint.hf_format import args_from_hf_config, check_hf_shape, hf_to_published
+from mixtral_infer.checkpoint.hf_format import args_from_hf_config, check_hf_shape, hf_name_to_published, hf_to_published
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
@@ -135,7 +135,7 @@ class Checkpoint:
         done = 0
         check_shape = check_published_shape if self.format == "mistral" else check_hf_shape
         for path in self.weight_files:
-            file_select = select if self.format == "mistral" else None
+            file_select = select if self.format == "mistral" else _hf_file_select(select)
             check = lambda name, shape, path=path: check_shape(name, shape, self.args, str(path))  # noqa: E731
             read = iter_tensors if path.suffix == ".safetensors" else _pth_tensors
             raw = read(path, file_select, check)
@@ -147,6 +147,15 @@ class Checkpoint:
                     yield name, tensor
                     continue
                 yield from _selected(hf_to_published([(name, tensor)], self.args), select)
+
+
+def _hf_file_select(select: Optional[Selector]) -> Optional[Selector]:
+    """For a transformers file: skip the tensors whose published counterpart ``select`` leaves out (another
+    pipeline stage's layers, another rank's experts); read the others whole, to be cut after translation
+    (their q/k rows are permuted per head, their experts may be fused)."""
+    if select is None:
+        return None
+    return lambda name: None if (published := hf_name_to_published(name)) is not None and select(published) is None else Selection()
 
 
 def _hf_weight_files(folder: Path) -> List[Path]:
