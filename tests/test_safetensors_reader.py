@@ -155,6 +155,20 @@ def test_a_library_error_is_one_line_naming_the_file(tmp_path, monkeypatch):
     assert str(error.value) == f"{path}: cannot read (Error while deserializing header: invalid shape, data type, or offset for tensor)"
 
 
+def test_a_file_replaced_after_its_check_is_refused_before_reading(tmp_path):
+    """The shape check approved the old file; the new one's tensor is bigger: refused from its header."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "x.safetensors"
+    save_file({"w": torch.zeros(2, 3)}, path)
+
+    def replace(name, shape):
+        save_file({"w": torch.zeros(2000, 3)}, path)
+
+    with pytest.raises(CheckpointError, match=r"tensor w changed while loading \(now \(2000, 3\)\)"):
+        next(iter_tensors(path, check=replace))
+
+
 @pytest.mark.parametrize(
     "selection, expected",
     [

@@ -3,8 +3,8 @@
 Tensors stream from the source to the destination: one at a time into a Mistral
 ``consolidated.safetensors``, one shard of at most ``max_shard_size`` at a time into
 Hugging Face shards (``safetensors_writer``), every byte written once. The files are laid
-out before any tensor is read, from the source's headers (``planned_tensors``). A Hugging Face folder also gets what
-transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
+out before any tensor is read, from the source's headers (``planned_tensors``). A Hugging
+Face folder also gets what transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
 hidden sibling folder ``.DST.partial-PID`` that is renamed to the destination only once
 complete, so an interrupted conversion leaves no half-written checkpoint behind; the next
 conversion to the same destination removes what a killed one left. The destination must

@@ -10,8 +10,8 @@ tensor``) name neither.
 Then ``safetensors.safe_open`` memory-maps the file, and each tensor, or the rows or
 columns of it a rank keeps (``get_slice``), is copied out of the map into memory of its
 own: the model does not depend on the file once loaded, and a rank's share touches
-only its pages. The pages read stay mapped, as page cache the kernel can reclaim,
-until the file is closed (``bench/load_memory.py`` measures both kinds of memory).
+only its pages. The file is opened once per tensor, so those pages are unmapped right
+after the copy (``_read`` says why; ``bench/load_memory.py`` measures both kinds of memory).
 
 The layout: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-
 from safetensors import SafetensorError, safe_open
 
 from mixtral_infer.errors import CheckpointError
@@ -243,11 +242,14 @@ def _read(path: Path, entry: TensorEntry, selection: Selection) -> torch.Tensor:
     """
     try:
         with safe_open(path, framework="pt") as handle:
+            part = handle.get_slice(entry.name)
+            if tuple(part.get_shape()) != entry.shape:  # the file was replaced after its header was checked
+                raise CheckpointError(f"{path}: tensor {entry.name} changed while loading (now {tuple(part.get_shape())})")
             if not entry.shape or (selection.rows is None and selection.columns is None):
                 view = handle.get_tensor(entry.name)
             else:
                 rows = selection.rows if selection.rows is not None else slice(None)
-                view = handle.get_slice(entry.name)[(rows,) if selection.columns is None else (rows, selection.columns)]
+                view = part[(rows,) if selection.columns is None else (rows, selection.columns)]
             return view.clone(memory_format=torch.contiguous_format)  # (rows, columns) of the file's tensor
     except (SafetensorError, OSError) as error:  # the file changed since its header was checked
         raise CheckpointError(f"{path}: cannot read ({_first_line(error)})") from None
