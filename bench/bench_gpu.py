@@ -327,7 +327,7 @@ def bench_prefill(ours: Transformer, hf, length: int, repeats: int, log) -> Dict
 
     def run_ours() -> None:
         cache = ours.make_cache(1, max_seqlen=length + 1)
-        cache.init_kvseqlens(1)
+        cache.start_sequences(1)
         prefill(ours, cache, prompt, default_chunk_size(1), logprobs=False)
 
     def run_hf() -> None:

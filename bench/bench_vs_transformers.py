@@ -392,7 +392,7 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> List[List[
 def ours_decode(model: Transformer, prompts: List[List[int]], new_tokens: int) -> tuple[float, List[List[int]]]:
     batch = len(prompts)
     cache = model.make_cache(batch, max_seqlen=len(prompts[0]) + new_tokens)
-    cache.init_kvseqlens(batch)
+    cache.start_sequences(batch)
     logits, _ = ours_prefill(model, cache, prompts, default_chunk_size(len(prompts)), logprobs=False)
     tokens = logits.argmax(-1)
     out = [tokens]
@@ -509,7 +509,7 @@ def ours_chunked_prefill(model: Transformer, prompt: List[int], chunk: int, all_
     does with ``prompt_logprobs=False``.
     """
     cache = model.make_cache(1)
-    cache.init_kvseqlens(1)
+    cache.start_sequences(1)
     if not all_logits:
         logits, _ = ours_prefill(model, cache, [prompt], chunk, logprobs=False)
         return logits[0], cache

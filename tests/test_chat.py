@@ -37,7 +37,7 @@ def test_later_turns_see_earlier_ones(chat_parts):
     assert "".join(pieces) == answer == tokenizer.decode(expected)
     if model.args.sliding_window is not None:
         assert conversation.cache.cache_size == model.args.sliding_window  # constant memory
-        assert conversation.cache.seqlens[0] > 3 * model.args.sliding_window
+        assert conversation.cache.tokens_seen[0] > 3 * model.args.sliding_window
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(chat_parts):

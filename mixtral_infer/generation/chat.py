@@ -90,7 +90,7 @@ class Conversation:
         elif self.cache is None:
             self.cache = self.model.make_cache(1)
         else:
-            self.cache.reset()  # the same buffers: a compiled decode step keeps writing where it was captured
+            self.cache.start_sequences(1)  # the same buffers: a compiled decode step keeps writing where it was captured
 
     def _turn_tokens(self, text: str) -> List[int]:
         if not self.instruct:
@@ -104,7 +104,7 @@ class Conversation:
             self.reset()  # plain completion: every line is a new prompt
         turn = self._turn_tokens(text)
         if self.cache is not None:
-            seen = self.cache.seqlens[0] if self.cache.seqlens else 0
+            seen = self.cache.tokens_seen[0] if self.cache.tokens_seen else 0
             cache = self.cache
         else:
             seen, cache = 0, None

@@ -193,19 +193,19 @@ def generate(
     mode = decode_mode(decode, model)
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
-    if cache is not None and cache.seqlens and len(cache.seqlens) != batch:
-        raise GenerationError(f"the cache holds {len(cache.seqlens)} sequences but {batch} prompts were given")
+    if cache is not None and cache.tokens_seen and len(cache.tokens_seen) != batch:
+        raise GenerationError(f"the cache holds {len(cache.tokens_seen)} sequences but {batch} prompts were given")
     if cache is None:
         check_new_cache(model.args, batch, longest + max_tokens, max_tokens, model.dtype, model.device, model.parallel)
         if mode == "compiled":
             cache = step_compiler(model).cache_for(batch, longest + max_tokens)
         else:
             cache = model.make_cache(batch, max_seqlen=longest + max_tokens)
-        cache.init_kvseqlens(batch)
+        cache.start_sequences(batch)
     else:
         check_cache_capacity(cache, model, encoded_prompts, max_tokens)
-        if not cache.seqlens:
-            cache.init_kvseqlens(batch)
+        if not cache.tokens_seen:
+            cache.start_sequences(batch)
     chunk_size = chunk_size or default_chunk_size(batch)
     if model.parallel.world_size > 1:
         seed = shared_seed(seed)  # every rank must draw the same tokens

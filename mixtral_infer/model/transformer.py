@@ -2,9 +2,10 @@
 SwiGLU (dense) or mixture-of-experts feed-forward.
 
 The batch is one flat tensor of ``sum(seqlens)`` tokens with the list of
-sequence lengths, so ragged batches need no padding. Shape legend:
-T tokens in the flat batch, D model dim, H query heads, K KV heads, Dh head dim,
-V vocabulary.
+sequence lengths, so ragged batches need no padding. Shape legend, one meaning
+per letter across the package: T tokens in the flat batch, B sequences, D model dim,
+H query heads, H_kv KV heads, Dh head dim, S cache slots per sequence, L layers,
+I feed-forward hidden dim, E experts, A experts chosen per token (top-k), V vocabulary.
 """
 
 from __future__ import annotations
@@ -146,11 +147,11 @@ class Attention(nn.Module):
     def project(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``(T, H, Dh)``, keys and values ``(T, K, Dh)`` of x ``(T, D)``, q and k rotated."""
+        """Queries ``(T, H, Dh)``, keys and values ``(T, H_kv, Dh)`` of x ``(T, D)``, q and k rotated."""
         n_tokens = x.shape[0]
         xq = linear(x, self.wq.weight).reshape(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
-        xk = linear(x, self.wk.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
-        xv = linear(x, self.wv.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
+        xk = linear(x, self.wk.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
+        xv = linear(x, self.wv.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
         return apply_rotary(xq, *rotary), apply_rotary(xk, *rotary), xv
 
     def forward(
@@ -165,13 +166,13 @@ class Attention(nn.Module):
 
         if cache is None:
             key, value = xk, xv
-        elif cache.prefill:
-            key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), K, Dh)
+        elif cache.decoding:
             cache.update(xk, xv)
+            key, value = cache.key, cache.value  # (B*S, H_kv, Dh)
             mask = cache.mask
         else:
+            key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), H_kv, Dh)
             cache.update(xk, xv)
-            key, value = cache.key, cache.value  # (B*S, K, Dh)
             mask = cache.mask
         out = attention(xq, key, value, mask)  # (T, H, Dh)
         out = linear(out.reshape(n_tokens, self.n_heads * self.head_dim), self.wo.weight)  # (T, D)
@@ -295,7 +296,7 @@ class Transformer(nn.Module):
             view = cache.get_view(local_index, metadata) if cache is not None else None
             h = layer(h, rotary, view, mask)
         if cache is not None:
-            cache.update_seqlens(seqlens)
+            cache.advance(seqlens)
         return self._stage_output(h, logit_rows)  # (T, V) or (len(logit_rows), V)
 
     def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
