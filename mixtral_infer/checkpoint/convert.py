@@ -78,7 +78,6 @@ def convert(
         if dtype is not None:
             tensors = ((name, tensor.to(dtype)) for name, tensor in tensors)
         params = checkpoint.args.to_params()
-        params.pop("max_batch_size", None)
         if target == "mistral":
             write_safetensors(partial / SAFETENSORS_FILE, tensors)
             (partial / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")

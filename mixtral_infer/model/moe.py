@@ -15,7 +15,6 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from simple_parsing.helpers import Serializable
 from torch import nn
 
 from mixtral_infer.model.linear import linear
@@ -23,7 +22,7 @@ from mixtral_infer.model.parallel import Parallel
 
 
 @dataclass
-class MoeArgs(Serializable):
+class MoeArgs:
     num_experts: int
     num_experts_per_tok: int
 

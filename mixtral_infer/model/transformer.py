@@ -18,7 +18,6 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from simple_parsing.helpers import Serializable
 from torch import nn
 
 from mixtral_infer.errors import ConfigError
@@ -33,7 +32,9 @@ MAX_LAYERS = 4096  # the largest published decoders have ~130 layers
 
 
 @dataclass
-class ModelArgs(Serializable):
+class ModelArgs:
+    """A model's shape, as in ``params.json`` (``from_params`` / ``to_params``), plus the batch it serves."""
+
     dim: int
     n_layers: int
     head_dim: int
@@ -42,7 +43,7 @@ class ModelArgs(Serializable):
     n_kv_heads: int
     norm_eps: float
     vocab_size: int
-    max_batch_size: int = 1
+    max_batch_size: int = 1  # not the model's: the batch a loaded model serves (never written to params.json)
     # When absent: 10000.0 with a sliding window, 1e6 without (as the published models do).
     rope_theta: Optional[float] = None
     sliding_window: Optional[int] = None
@@ -51,8 +52,6 @@ class ModelArgs(Serializable):
     def __post_init__(self) -> None:
         if self.rope_theta is None:
             self.rope_theta = 10000.0 if self.sliding_window is not None else 1e6
-        if isinstance(self.moe, dict):
-            self.moe = MoeArgs(**self.moe)
         self.validate()
 
     def validate(self, source: str = "ModelArgs") -> None:
@@ -114,9 +113,9 @@ class ModelArgs(Serializable):
             raise ConfigError(f"{source}: {error}") from None
 
     def to_params(self) -> dict:
-        """The params.json dict (no null entries)."""
+        """The params.json dict (no null entries, no max_batch_size)."""
         params = dataclasses.asdict(self)
-        return {key: value for key, value in params.items() if value is not None}
+        return {key: value for key, value in params.items() if value is not None and key != "max_batch_size"}
 
 
 class RMSNorm(nn.Module):
