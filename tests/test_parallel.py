@@ -52,7 +52,7 @@ def last_logits_only(model, sequences):
     cache = model.make_cache(len(sequences), max_seqlen=max(LENGTHS))
     cache.start_sequences(len(sequences))
     with torch.no_grad():
-        logits, _ = prefill(model, cache, sequences, chunk_size=5, logprobs=False)
+        logits = prefill(model, cache, sequences, chunk_size=5)
     return logits  # (B, V)
 
 
