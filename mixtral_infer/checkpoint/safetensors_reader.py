@@ -18,7 +18,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -223,7 +223,3 @@ def iter_tensors(
                 if handle.readinto(memoryview(buffer)) != buffer.nbytes:
                     raise CheckpointError(f"{path}: truncated while reading tensor {entry.name}")
             yield entry.name, apply_selection(tensor, Selection(columns=selection.columns))
-
-
-def tensor_shapes(path: str | Path) -> Dict[str, Tuple[int, ...]]:
-    return {entry.name: entry.shape for entry in read_header(path)}
