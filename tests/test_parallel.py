@@ -50,9 +50,9 @@ def worker(rank, world_size, port, folder, parallel_kind, out_path):
 def last_logits_only(model, sequences):
     """Each sequence's last logits from a chunked prefill that skips every other row (``logit_rows``)."""
     cache = model.make_cache(len(sequences), max_seqlen=max(LENGTHS))
-    cache.init_kvseqlens(len(sequences))
+    cache.start_sequences(len(sequences))
     with torch.no_grad():
-        logits, _ = prefill(model, cache, sequences, chunk_size=5, logprobs=False)
+        logits = prefill(model, cache, sequences, chunk_size=5)
     return logits  # (B, V)
 
 

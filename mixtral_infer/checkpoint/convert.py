@@ -81,7 +81,6 @@ def convert(
         if dtype is not None:
             tensors = ((name, tensor.to(dtype)) for name, tensor in tensors)
         params = checkpoint.args.to_params()
-        params.pop("max_batch_size", None)
         plan = planned_tensors(checkpoint, target, dtype)
         if target == "mistral":
             write_safetensors(partial / SAFETENSORS_FILE, tensors, plan=plan)

@@ -27,7 +27,12 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from mixtral_infer.checkpoint.hf_format import args_from_hf_config, check_hf_shape, hf_name_to_published, hf_to_published
+from mixtral_infer.checkpoint.hf_format import (
+    args_from_hf_config,
+    check_hf_shape,
+    hf_name_to_published,
+    hf_to_published,
+)
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
@@ -85,7 +90,8 @@ def read_params(folder: str | Path) -> ModelArgs:
 # ---------------------------------------------------------------- reading tensors
 
 
-def _pth_tensors(path: Path, select: Optional[Selector] = None, check: Optional[ShapeCheck] = None) -> NamedTensors:
+def _open_pth(path: Path) -> Dict[str, torch.Tensor]:
+    """The state dict of a ``.pth`` file, memory-mapped: no tensor data is read yet."""
     try:
         state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:
@@ -98,6 +104,11 @@ def _pth_tensors(path: Path, select: Optional[Selector] = None, check: Optional[
     bad = [key for key in state if not isinstance(key, str)]
     if bad:
         raise CheckpointError(f"{path}: tensor name {bad[0]!r} is a {type(bad[0]).__name__}, expected a string")
+    return state
+
+
+def _pth_tensors(path: Path, select: Optional[Selector] = None, check: Optional[ShapeCheck] = None) -> NamedTensors:
+    state = _open_pth(path)
     if check is not None:
         for name, tensor in state.items():  # memory-mapped: nothing is read yet
             check(name, tuple(tensor.shape))
@@ -113,7 +124,7 @@ def _selected(tensors: Iterable[Tuple[str, torch.Tensor]], select: Optional[Sele
 
 
 def _tensor_count(path: Path) -> int:
-    return len(read_header(path)) if path.suffix == ".safetensors" else 0
+    return len(read_header(path)) if path.suffix == ".safetensors" else len(_open_pth(path))
 
 
 @dataclass
@@ -142,7 +153,7 @@ class Checkpoint:
             for name, tensor in raw:
                 done += 1
                 if progress is not None:
-                    progress(done, max(total, done))
+                    progress(done, total)
                 if self.format == "mistral":
                     yield name, tensor
                     continue
@@ -320,7 +331,7 @@ def load_model(
         if kind == "meta":
             raise ConfigError("device='meta' holds no data, so no weights can be loaded onto it: use 'cpu' or 'cuda'")
     checkpoint = open_checkpoint(folder)
-    checkpoint.args.max_batch_size = max_batch_size
+    checkpoint.args = ModelArgs.checked({**vars(checkpoint.args), "max_batch_size": max_batch_size}, "load_model")
     parallel.check(checkpoint.args)
     tokenizer = find_tokenizer(checkpoint.folder)
     if tokenizer is not None:
@@ -350,7 +361,5 @@ def save_consolidated(model: Transformer, folder: str | Path) -> None:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    params = model.args.to_params()
-    params.pop("max_batch_size", None)
-    (folder / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
+    (folder / PARAMS_FILE).write_text(json.dumps(model.args.to_params(), indent=2) + "\n", encoding="utf-8")
     write_safetensors(folder / SAFETENSORS_FILE, internal_to_published(model.state_dict(), model.args))

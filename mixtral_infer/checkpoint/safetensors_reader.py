@@ -26,7 +26,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -259,6 +259,3 @@ def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
 
-
-def tensor_shapes(path: str | Path) -> Dict[str, Tuple[int, ...]]:
-    return {entry.name: entry.shape for entry in read_header(path)}
