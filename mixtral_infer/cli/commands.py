@@ -359,7 +359,45 @@ def models() -> None:
         print(f"{name}{default}: dim {args.dim}, {args.n_layers} layers, {kind}, window {args.sliding_window}  {folder}")
 
 
-COMMANDS = {"demo": demo, "interactive": interactive, "convert": convert, "models": models}
+def serve(
+    model_path: Optional[str] = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_rows: Optional[int] = None,
+    memory_fraction: Optional[float] = None,
+    max_queue: int = 256,
+    prefill_tokens: int = 512,
+    max_model_len: Optional[int] = None,
+    device: Optional[str] = None,
+    dtype: Optional[str] = None,
+    decode: str = "auto",
+    served_model_name: Optional[str] = None,
+    shutdown_timeout: float = 30.0,
+) -> None:
+    """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
+
+    POST /v1/completions and /v1/chat/completions (stream: true for server-sent events),
+    GET /v1/models, /health, /metrics (Prometheus). --max-rows N: N sequences at once; else
+    rows from --memory-fraction (default 0.9) of the device's memory, at most 64 (or --max-rows).
+    --max-queue: requests that wait for a row before 429. --prefill-tokens: prompt tokens per
+    step. --max-model-len: tokens per sequence, for a model without a sliding window.
+    SIGTERM lets running requests finish for up to --shutdown-timeout seconds.
+    """
+    from mixtral_infer.serve.server import check_serve_options, run_server
+
+    check_decode(decode)
+    check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout)
+    check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
+    model, tokenizer = load(model_path, 1, device, dtype)
+    name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
+    run_server(
+        model, tokenizer, model_name=str(name), host=str(host), port=int(port), max_rows=max_rows,
+        memory_fraction=memory_fraction, max_queue=int(max_queue), prefill_tokens=int(prefill_tokens),
+        max_model_len=max_model_len, decode=decode, shutdown_timeout=float(shutdown_timeout),
+    )  # fmt: skip
+
+
+COMMANDS = {"demo": demo, "interactive": interactive, "convert": convert, "models": models, "serve": serve}
 
 
 def check_arguments(argv: List[str]) -> None:

@@ -48,9 +48,6 @@ from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.serve.text import Detokenizer, StopStrings
 from mixtral_infer.tokenizer import Tokenizer
 
-MAX_TOP_LOGPROBS = 5  # as OpenAI's completions API
-
-
 class QueueFull(GenerationError):
     """Every row is busy and the queue holds ``max_queue`` requests: try again later."""
 
