@@ -214,13 +214,19 @@ class Engine:
         with self.lock:
             self.draining = True
 
+    def cancel_all(self) -> None:
+        """Cancel every running and queued request (each gets ``Finished("cancelled")``)."""
+        with self.lock:
+            for request in list(self.queue) + self.running:
+                request.cancelled = True
+            self.lock.notify()
+
     def shutdown(self, cancel: bool = True, timeout: float = 30.0) -> None:
         """Stop the thread: cancel what is left (``cancel``), or first let it finish."""
+        if cancel:
+            self.cancel_all()
         with self.lock:
             self.draining = True
-            if cancel:
-                for request in list(self.queue) + self.running:
-                    request.cancelled = True
             self.stopped = True
             self.lock.notify()
         if self.thread is not None:

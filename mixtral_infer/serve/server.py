@@ -2,7 +2,8 @@
 
 Shutdown (SIGTERM or Ctrl-C): the server stops accepting connections and the engine takes
 no new requests (503 on connections still open); requests already running or queued go on
-for up to ``shutdown_timeout`` seconds, then those left are cancelled and the process exits 0.
+for up to ``shutdown_timeout`` seconds, then those left are cancelled (their streams end with
+``finish_reason: "abort"``) and the process exits 0.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import signal
 import socket
 import sys
+import threading
 from typing import Callable, Optional
 
 from mixtral_infer.errors import GenerationError, MixtralInferError
@@ -53,17 +55,22 @@ def check_serve_options(
 class _Server(uvicorn.Server):
     """uvicorn's server, which also tells the engine to take no new requests when asked to stop."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, log: Callable[[str], None]):
+    def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_timeout: float, log: Callable[[str], None]):
         super().__init__(config)
-        self.engine, self.log = engine, log
+        self.engine, self.shutdown_timeout, self.log = engine, shutdown_timeout, log
 
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:
             stats = self.engine.stats()
             self.log(
                 f"stopping: {stats['running']} running and {stats['queued']} queued requests get up to "
-                f"{self.config.timeout_graceful_shutdown:.0f}s to finish"
+                f"{self.shutdown_timeout:g}s to finish"
             )
+            # Cancel what is left just before uvicorn would cut the connections: each stream then
+            # ends properly (finish_reason "abort", then [DONE]) and uvicorn exits at once.
+            timer = threading.Timer(self.shutdown_timeout, self.engine.cancel_all)
+            timer.daemon = True
+            timer.start()
         self.engine.drain()
         super().handle_exit(sig, frame)
 
@@ -111,8 +118,9 @@ def run_server(
         )
 
     app = make_app(engine, tokenizer, model_name, metrics, on_ready=ready)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
-    server = _Server(config, engine, log)
+    # uvicorn's own limit is a backstop: the engine cancels what is left at shutdown_timeout.
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 10, lifespan="on")
+    server = _Server(config, engine, shutdown_timeout, log)
     # uvicorn raises the signal that stopped it again once it has shut down; with this handler
     # in place that ends the process normally (exit 0) instead of by the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
