@@ -3,8 +3,8 @@ events, plus ``/v1/models``, ``/health`` and ``/metrics``.
 
 Each request is submitted to the engine before any byte of the response is sent, so a full
 queue is a 429 (``Retry-After``) and a refused prompt a 400. The engine's thread hands the
-request's events to the event loop (``call_soon_threadsafe``); a streamed response yields
-one event per chunk. When the client goes away, the response stops and the ``finally``
+request's events to the event loop (``EventPump``: one wake-up per batch of events); a
+streamed response writes the events that have arrived since its last write in one chunk. When the client goes away, the response stops and the ``finally``
 cancels the request: the engine frees its row at the start of its next step.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional
@@ -67,16 +68,14 @@ def make_app(engine: Engine, tokenizer: Tokenizer, model_name: str, metrics: Ser
         parsed = parse_chat(read_body(await request.body()), tokenizer, model_name, default_max_tokens)
         return await respond(request, parsed, ChatFormat(model_name, tokenizer))
 
+    pumps: Dict[int, EventPump] = {}
+
     async def respond(request: Request, parsed: ParsedRequest, fmt: "CompletionFormat"):
         loop = asyncio.get_running_loop()
+        pump = pumps.setdefault(id(loop), EventPump(loop))
         events: asyncio.Queue[Event] = asyncio.Queue()
-
-        def sink(event: Event) -> None:  # called in the engine's thread
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens any more
-                loop.call_soon_threadsafe(events.put_nowait, event)
-
         try:
-            handle = engine.submit(parsed.prompt, parsed.settings, sink)
+            handle = engine.submit(parsed.prompt, parsed.settings, pump.sink(events))
         except (QueueFull, ShuttingDown) as error:
             metrics.rejected.inc()
             status, kind = (429, "rate_limit_error") if isinstance(error, QueueFull) else (503, "service_unavailable")
@@ -92,20 +91,31 @@ def make_app(engine: Engine, tokenizer: Tokenizer, model_name: str, metrics: Ser
                 try:
                     yield sse(fmt.first_chunk())
                     while True:
-                        event = await events.get()
-                        if isinstance(event, Finished):
-                            if event.reason == "error":
-                                yield sse(error_body(event.error or "generation failed", "server_error"))
-                            else:
-                                yield sse(fmt.chunk(event.text, None, FINISH_REASONS[event.reason]))
-                                if parsed.include_usage:
-                                    yield sse(fmt.usage_chunk(event))
-                            yield "data: [DONE]\n\n"
+                        batch = [await events.get()]  # what has arrived since the last write, in one write
+                        while not events.empty():
+                            batch.append(events.get_nowait())
+                        out = []
+                        for event in batch:
+                            if isinstance(event, Finished):
+                                out.append(final_chunks(event))
+                                break
+                            if event.text or event.logprob is not None:
+                                logprobs = fmt.logprobs([event]) if event.logprob is not None else None
+                                out.append(sse(fmt.chunk(event.text, logprobs, None)))
+                        yield "".join(out)
+                        if isinstance(batch[-1], Finished):
                             return
-                        if event.text or event.logprob is not None:
-                            yield sse(fmt.chunk(event.text, fmt.logprobs([event]) if event.logprob is not None else None, None))
                 finally:
                     engine.cancel(handle)  # a no-op when it has finished
+
+            def final_chunks(event: Finished) -> str:
+                if event.reason == "error":
+                    last = sse(error_body(event.error or "generation failed", "server_error"))
+                else:
+                    last = sse(fmt.chunk(event.text, None, FINISH_REASONS[event.reason]))
+                    if parsed.include_usage:
+                        last += sse(fmt.usage_chunk(event))
+                return last + "data: [DONE]\n\n"
 
             return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -143,6 +153,38 @@ def make_app(engine: Engine, tokenizer: Tokenizer, model_name: str, metrics: Ser
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class EventPump:
+    """Hands the engine's events to the event loop in batches.
+
+    Waking the loop costs a system call; waking it once per token would cost one per row per
+    step. Events are collected under a lock, and one wake-up is scheduled per batch.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: List[tuple] = []
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def sink(self, queue: "asyncio.Queue[Event]"):
+        def put(event: Event) -> None:  # called in the engine's thread
+            with self.lock:
+                self.pending.append((queue, event))
+                if self.scheduled:
+                    return
+                self.scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens any more
+                self.loop.call_soon_threadsafe(self._flush)
+
+        return put
+
+    def _flush(self) -> None:
+        with self.lock:
+            pending, self.pending, self.scheduled = self.pending, [], False
+        for queue, event in pending:
+            queue.put_nowait(event)
 
 
 def sse(payload: Dict[str, Any]) -> str:

@@ -119,6 +119,12 @@ class Engine:
     ``eager`` (``Transformer.forward``), ``static`` (``decode_logits`` of the static decode
     step, op by op), ``compiled`` (that step through ``torch.compile``; a CUDA graph on CUDA),
     ``auto`` (compiled on CUDA, eager on CPU). All give the same tokens.
+
+    ``split_mixed``: run a step that both decodes and reads prompts as two forward passes,
+    the decoding rows first. On CPU (the default there) the prefill attention runs one SDPA
+    per sequence, the decode attention one for all rows: measured on tiny-mixtral, 32 rows,
+    96 ragged requests, 1405 tok/s split against 1261 in one pass. On CUDA (one pass by
+    default) the ragged kernels take the mixed batch in one launch and the weights are read once.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class Engine:
         prefill_tokens: int = 512,
         max_model_len: Optional[int] = None,
         decode: str = "auto",
+        split_mixed: Optional[bool] = None,
         metrics=None,
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
@@ -156,6 +163,7 @@ class Engine:
         self.stopped = False
         self.thread: Optional[threading.Thread] = None
         self._decode_step = None
+        self.split_mixed = split_mixed if split_mixed is not None else model.device.type != "cuda"
         self._vocab = model.args.vocab_size
 
     # ---- called from any thread ----------------------------------------------------------
@@ -268,20 +276,37 @@ class Engine:
             self._gauges()
             return False
 
-        decode_only = self.mode != "eager" and all(r.next_token is not None for r in self.running)
+        decoding = {r.row for r in self.running if r.next_token is not None}
         seqlens, chunks, sampled = self._plan()
-        if decode_only:
-            logits = self._decode_only(sampled)  # (N, V)
+        if decoding and len(decoding) < len(self.running) and self.split_mixed:
+            # Two passes: the decoding rows (one batched attention), then the prompts' chunks.
+            decode_part = [n if row in decoding else 0 for row, n in enumerate(seqlens)]
+            prefill_part = [0 if row in decoding else n for row, n in enumerate(seqlens)]
+            decode_sampled = [r for r in sampled if r.row in decoding]
+            prefill_sampled = [r for r in sampled if r.row not in decoding]
+            logits = torch.cat([
+                self._forward(decode_part, chunks, decode_sampled, decode_only=True),
+                self._forward(prefill_part, chunks, prefill_sampled, decode_only=False),
+            ])  # fmt: skip
+            sampled = decode_sampled + prefill_sampled
         else:
-            input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=self.model.device)
-            ends = list(itertools.accumulate(seqlens))
-            logit_rows = [ends[r.row] - 1 for r in sampled]
-            logits = self.model(input_ids, seqlens, self.cache, logit_rows=logit_rows)  # (N, V)
+            logits = self._forward(seqlens, chunks, sampled, decode_only=len(decoding) == len(self.running))
         self.steps += 1
         if sampled:
             self._choose(sampled, logits)
         self._gauges()
         return True
+
+    def _forward(
+        self, seqlens: List[int], chunks: List[List[int]], sampled: List[Request], decode_only: bool
+    ) -> torch.Tensor:
+        """Logits ``(len(sampled), V)`` after feeding each row its first ``seqlens[row]`` tokens of ``chunks``."""
+        if decode_only and self.mode != "eager":
+            return self._decode_only(sampled)
+        tokens = [t for row, chunk in enumerate(chunks) if seqlens[row] for t in chunk]
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)  # (T,)
+        ends = list(itertools.accumulate(seqlens))  # each row's end in the flat batch
+        return self.model(input_ids, seqlens, self.cache, logit_rows=[ends[r.row] - 1 for r in sampled])  # (N, V)
 
     def _admit(self, request: Request, row: int) -> None:
         request.row = row
