@@ -225,11 +225,13 @@ def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int)
     return records
 
 
-def run_engine_in_process(model, tokenizer, requests: List[Dict], clients: int, prefill_tokens: int) -> List[Dict]:
+def run_engine_in_process(
+    model, tokenizer, requests: List[Dict], clients: int, prefill_tokens: int, admit_every: int = 1
+) -> List[Dict]:
     """Continuous batching without HTTP: the engine's thread, requests submitted at their arrivals."""
     from mixtral_infer.serve.engine import Engine, Finished, RequestSettings
 
-    engine = Engine(model, tokenizer, rows=clients, prefill_tokens=prefill_tokens, max_queue=len(requests))
+    engine = Engine(model, tokenizer, rows=clients, prefill_tokens=prefill_tokens, max_queue=len(requests), admit_every=admit_every)
     engine.start()
     slots = threading.Semaphore(clients)
     records: List[Dict] = []
@@ -275,6 +277,7 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="continuous,engine,static,sequential")
+    parser.add_argument("--admit-every", type=int, default=8, help="engine-grouped: steps between prompt groups")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -315,13 +318,16 @@ def main() -> None:
         finally:
             process.terminate()
             process.wait(60)
-    if {"engine", "static", "sequential"} & set(modes):
+    if {"engine", "engine-grouped", "static", "sequential"} & set(modes):
         model = load_model(args.model, dtype=torch.float32, device="cpu", max_batch_size=args.clients)
         tokenizer = Tokenizer.from_folder(args.model)
         generate([tokenizer.encode("warm up")], model, max_tokens=4)
         if "engine" in modes:
             records = run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens)
             results["modes"].append(summarize("engine", records, 0.0))
+        if "engine-grouped" in modes:
+            records = run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every)
+            results["modes"].append(summarize("engine-grouped", records, 0.0))
         if "static" in modes:
             results["modes"].append(summarize("static", run_generate_batches(model, tokenizer, requests, args.clients), 0.0))
         if "sequential" in modes:

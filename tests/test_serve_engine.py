@@ -193,6 +193,22 @@ def test_cancel_frees_the_row_at_the_next_step(tiny):
     assert not engine.step()  # nothing left to run
 
 
+def test_prompts_join_in_groups_with_admit_every(tiny):
+    """admit_every=3, 2 rows: a request that arrives while the other row runs waits until 3
+    steps have passed since the last admission (an idle engine admits at once)."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=2, decode="eager", admit_every=3)
+    settings = RequestSettings(max_tokens=20, temperature=0)
+    engine.submit([1, 5, 6], settings, lambda event: None)
+    engine.step()  # step 0: idle, admitted at once
+    engine.submit([1, 7], settings, lambda event: None)
+    running = []
+    for _ in range(3):
+        engine.step()
+        running.append(engine.stats()["running"])
+    assert running == [1, 1, 2]  # steps 1 and 2 decode alone; step 3 admits the waiting prompt
+
+
 def test_queue_bound(tiny):
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, rows=1, max_queue=1, decode="eager")

@@ -373,6 +373,7 @@ def serve(
     decode: str = "auto",
     served_model_name: Optional[str] = None,
     shutdown_timeout: float = 30.0,
+    admit_every: int = 1,
 ) -> None:
     """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
 
@@ -381,19 +382,20 @@ def serve(
     rows from --memory-fraction (default 0.9) of the device's memory, at most 64 (or --max-rows).
     --max-queue: requests that wait for a row before 429. --prefill-tokens: prompt tokens per
     step. --max-model-len: tokens per sequence, for a model without a sliding window.
+    --admit-every K: waiting prompts join the running batch every K steps (1: every step).
     SIGTERM lets running requests finish for up to --shutdown-timeout seconds.
     """
     from mixtral_infer.serve.server import check_serve_options, run_server
 
     check_decode(decode)
-    check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout)
+    check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every)
     check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
     model, tokenizer = load(model_path, 1, device, dtype)
     name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
     run_server(
         model, tokenizer, model_name=str(name), host=str(host), port=int(port), max_rows=max_rows,
         memory_fraction=memory_fraction, max_queue=int(max_queue), prefill_tokens=int(prefill_tokens),
-        max_model_len=max_model_len, decode=decode, shutdown_timeout=float(shutdown_timeout),
+        max_model_len=max_model_len, decode=decode, admit_every=int(admit_every), shutdown_timeout=float(shutdown_timeout),
     )  # fmt: skip
 
 

@@ -138,6 +138,7 @@ class Engine:
         max_model_len: Optional[int] = None,
         decode: str = "auto",
         split_mixed: Optional[bool] = None,
+        admit_every: int = 1,
         metrics=None,
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
@@ -163,6 +164,7 @@ class Engine:
         self.stopped = False
         self.thread: Optional[threading.Thread] = None
         self._decode_step = None
+        self.admit_every, self.last_admission = admit_every, 0
         self.split_mixed = split_mixed if split_mixed is not None else model.device.type != "cuda"
         self._vocab = model.args.vocab_size
 
@@ -270,8 +272,9 @@ class Engine:
         for request in cancelled:
             self._finish(request, "cancelled")
         with self.lock:
-            while self.queue and None in self.slots:
-                self._admit(self.queue.popleft(), self.slots.index(None))
+            if self._admit_now():
+                while self.queue and None in self.slots:
+                    self._admit(self.queue.popleft(), self.slots.index(None))
         if not self.running:
             self._gauges()
             return False
@@ -308,7 +311,23 @@ class Engine:
         ends = list(itertools.accumulate(seqlens))  # each row's end in the flat batch
         return self.model(input_ids, seqlens, self.cache, logit_rows=[ends[r.row] - 1 for r in sampled])  # (N, V)
 
+    def _admit_now(self) -> bool:
+        """Whether waiting requests take free rows at this step.
+
+        ``admit_every`` = 1: at every step (the lowest time to first token). k > 1: as TGI's
+        ``max_waiting_tokens``, prompts join a running batch in groups, when the batch has
+        decoded k steps since the last group or when free rows outnumber the running ones, so
+        fewer steps pay for a prompt's pass. An idle engine admits at once.
+        """
+        if not self.queue or None not in self.slots:
+            return False
+        if not self.running or self.admit_every <= 1:
+            return True
+        free = self.slots.count(None)
+        return self.steps - self.last_admission >= self.admit_every or free > len(self.running)
+
     def _admit(self, request: Request, row: int) -> None:
+        self.last_admission = self.steps
         request.row = row
         self.slots[row] = request
         self.running.append(request)

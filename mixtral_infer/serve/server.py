@@ -33,7 +33,7 @@ from mixtral_infer.serve.sizing import plan_rows
 
 def check_serve_options(
     port: object, max_rows: object, memory_fraction: object, max_queue: object, prefill_tokens: object,
-    max_model_len: object, shutdown_timeout: object,
+    max_model_len: object, shutdown_timeout: object, admit_every: object = 1,
 ) -> None:
     """Every option of ``serve``, checked before the model is loaded."""
     if as_int(port) is None or not 0 <= as_int(port) < 65536:
@@ -41,7 +41,7 @@ def check_serve_options(
     for name, value, least in (("max_rows", max_rows, 1), ("max_model_len", max_model_len, 1)):
         if value is not None and (as_int(value) is None or as_int(value) < least):
             raise GenerationError(f"--{name.replace('_', '-')} {value!r} must be an integer >= {least}")
-    for name, value, least in (("max_queue", max_queue, 0), ("prefill_tokens", prefill_tokens, 1)):
+    for name, value, least in (("max_queue", max_queue, 0), ("prefill_tokens", prefill_tokens, 1), ("admit_every", admit_every, 1)):
         if as_int(value) is None or as_int(value) < least:
             raise GenerationError(f"--{name.replace('_', '-')} {value!r} must be an integer >= {least}")
     if memory_fraction is not None and (
@@ -88,6 +88,7 @@ def run_server(
     prefill_tokens: int = 512,
     max_model_len: Optional[int] = None,
     decode: str = "auto",
+    admit_every: int = 1,
     shutdown_timeout: float = 30.0,
     log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
 ) -> None:
@@ -99,7 +100,7 @@ def run_server(
     metrics = ServeMetrics(plan.rows)
     engine = Engine(
         model, tokenizer, plan.rows, max_queue=max_queue, prefill_tokens=prefill_tokens, max_model_len=max_model_len,
-        decode=decode, metrics=metrics,
+        decode=decode, admit_every=admit_every, metrics=metrics,
     )  # fmt: skip
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
