@@ -465,8 +465,60 @@ def models() -> None:
         print(f"{name}{default}: dim {args.dim}, {args.n_layers} layers, {kind}, window {args.sliding_window}  {folder}")
 
 
-COMMANDS = {"demo": demo, "interactive": interactive, "convert": convert, "models": models}
-for _command in (demo, interactive):
+def serve(
+    model_path: str = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_rows: int = None,
+    memory_fraction: float = None,
+    max_queue: int = 256,
+    prefill_tokens: int = 512,
+    max_model_len: int = None,
+    device: str = None,
+    dtype: str = None,
+    decode: str = "auto",
+    served_model_name: str = None,
+    shutdown_timeout: float = 30.0,
+    admit_every: int = 1,
+) -> None:
+    """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
+
+    POST /v1/completions and /v1/chat/completions (stream: true for server-sent events),
+    GET /v1/models, /health, /metrics (Prometheus). SIGTERM stops taking requests and lets
+    running ones finish.
+
+    Args:
+        model_path: MODEL_PATH, also given as the first argument: {MODEL_PATH}.
+        host: the address to listen on; 0.0.0.0 listens on every interface.
+        port: the TCP port to listen on.
+        max_rows: sequences decoded at once (cache rows); default: from --memory-fraction, at most 64.
+        memory_fraction: share of the device's memory (RAM on cpu) for weights, one prefill step and the cache rows; default 0.9.
+        max_queue: requests that may wait for a row; one more gets 429 with Retry-After.
+        prefill_tokens: prompt tokens read per engine step, shared by the waiting prompts.
+        max_model_len: tokens per sequence (prompt + answer) for a model without a sliding window.
+        device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
+        dtype: float32, bfloat16 or float16; default bfloat16 on cuda, float32 elsewhere.
+        decode: auto, eager, static or compiled, as for demo: how steps where every row decodes run.
+        served_model_name: the model name clients send and /v1/models lists; default: the folder's name.
+        shutdown_timeout: seconds running requests may take to finish after SIGTERM before they are cancelled.
+        admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token).
+    """
+    check_decode(decode)
+    from mixtral_infer.serve.server import check_serve_options, run_server
+
+    check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every)
+    check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
+    model, tokenizer = load(model_path, 1, device, dtype)
+    name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
+    run_server(
+        model, tokenizer, model_name=str(name), host=str(host), port=int(port), max_rows=max_rows,
+        memory_fraction=memory_fraction, max_queue=int(max_queue), prefill_tokens=int(prefill_tokens),
+        max_model_len=max_model_len, decode=decode, admit_every=int(admit_every), shutdown_timeout=float(shutdown_timeout),
+    )  # fmt: skip
+
+
+COMMANDS = {"demo": demo, "interactive": interactive, "convert": convert, "models": models, "serve": serve}
+for _command in (demo, interactive, serve):
     _command.__doc__ = _command.__doc__.replace("{MODEL_PATH}", MODEL_PATH_HELP)
 
 USAGE = f"""usage: mixtral-infer COMMAND [ARGS] [--OPTIONS]   (also: python main.py ..., python -m mixtral_infer ...)
@@ -476,6 +528,7 @@ commands:
   interactive [MODEL_PATH] [--instruct]    a prompt loop that streams each answer
   convert SRC DST [--to mistral|hf]        write a model folder in the other layout
   models                                   list the shipped models
+  serve [MODEL_PATH] [--port 8000]         an OpenAI-compatible HTTP server (the serve extra)
 
 MODEL_PATH: {MODEL_PATH_HELP}.
 

@@ -1,0 +1,357 @@
+"""Load generator: continuous batching (the HTTP server) against static batches through
+generate() and against one request at a time, on the same Poisson arrivals.
+
+N requests with ragged prompts and ragged max_tokens arrive as a Poisson process; at most
+``--clients`` are in flight at once (a request that arrives when all clients are busy waits
+for one, and its wait counts in its latency). Every request generates exactly its max_tokens
+(EOS ignored), so all modes do the same work.
+
+- **continuous**: ``main.py serve`` in a subprocess (``--max-rows`` = clients), streamed over
+  HTTP on 127.0.0.1 by one thread per client.
+- **engine**: the same engine in this process, without HTTP: the scheduling alone, measured
+  as the two modes below are.
+- **static**: in this process, batches through ``generate()``: when the running batch ends, all
+  requests that have arrived (up to ``--clients``) form the next; a batch runs until its longest
+  request is done (as a server without continuous batching does).
+- **sequential**: in this process, one ``generate()`` per request, in arrival order.
+
+All modes run with ``--threads`` torch threads (default 1: on a shared machine, a second
+thread that waits for a busy core slows small matrix products down by up to 20x).
+
+TTFT: arrival to first token; latency: arrival to last token; throughput: generated tokens over
+the time from the first arrival to the last token. The static and sequential modes stream through
+``on_token``, so their TTFT and latency are measured the same way, without HTTP's cost.
+
+    .venv/bin/python bench/bench_serve.py --out bench/results_serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mixtral_infer import Tokenizer, generate, load_model  # noqa: E402
+
+TEXT = (
+    "And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto them, When any man of you "
+    "bring an offering unto the LORD, ye shall bring your offering of the cattle, even of the herd, and of the flock. "
+    "If his offering be a burnt sacrifice of the herd, let him offer a male without blemish: he shall offer it of his "
+    "own voluntary will at the door of the tabernacle of the congregation before the LORD."
+).split()
+
+
+def make_requests(n: int, rate: float, seed: int) -> List[Dict]:
+    rng = random.Random(seed)
+    arrival, requests = 0.0, []
+    for index in range(n):
+        arrival += rng.expovariate(rate)
+        words = rng.randint(3, 45)
+        start = rng.randint(0, len(TEXT) - words)
+        requests.append({
+            "index": index, "arrival": arrival, "prompt": " ".join(TEXT[start : start + words]),
+            "max_tokens": rng.randint(16, 64),
+        })  # fmt: skip
+    return requests
+
+
+def percentile(values: List[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(name: str, records: List[Dict], start: float) -> Dict:
+    end = max(r["done"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    ttft = [r["first"] - r["arrival"] for r in records]
+    latency = [r["done"] - r["arrival"] for r in records]
+    result = {
+        "mode": name, "requests": len(records), "tokens": tokens, "seconds": end - start,
+        "throughput_tok_s": tokens / (end - start),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
+    }  # fmt: skip
+    print(
+        f"{name:>11}: {result['throughput_tok_s']:7.1f} tok/s  TTFT p50 {result['ttft_p50_s'] * 1e3:7.0f} ms "
+        f"p99 {result['ttft_p99_s'] * 1e3:7.0f} ms  latency p50 {result['latency_p50_s']:6.2f} s p99 {result['latency_p99_s']:6.2f} s",
+        flush=True,
+    )
+    return result
+
+
+# ---- continuous batching: the server -----------------------------------------------------
+
+
+def start_server(model: str, rows: int, prefill_tokens: int):
+    command = [sys.executable, "main.py", "serve", model, "--port", "0", "--dtype", "float32", "--max-rows", str(rows),
+               "--prefill-tokens", str(prefill_tokens)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same threads as this process
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if line.startswith("serving "):
+            break
+    threading.Thread(target=lambda: [lines.append(x) for x in process.stderr], daemon=True).start()
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)", "".join(lines)).group(1))
+    return process, port, lines
+
+
+def stream_one(port: int, request: Dict, clock_start: float) -> Dict:
+    """Send one streamed completion; times are seconds since ``clock_start``."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"prompt": request["prompt"], "max_tokens": request["max_tokens"], "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    first, tokens, seen = None, 0, 0
+    for line in response:  # kept cheap: the clients share the 2 cores with the server
+        if not line.startswith(b"data: "):
+            continue
+        seen += 1
+        if seen == 2:  # the first chunk is the empty opening one; the next carries the first text
+            first = time.perf_counter() - clock_start
+        if b'"usage"' in line:
+            tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    done = time.perf_counter() - clock_start
+    connection.close()
+    return {**request, "first": first if first is not None else done, "done": done, "tokens": tokens}
+
+
+async def stream_async(port: int, request: Dict, clock_start: float) -> Dict:
+    """``stream_one`` on asyncio streams: one thread for all clients, so the load generator
+    itself stays light beside the server on 2 cores. The SSE lines are read as they come (the
+    chunked encoding's size lines are skipped with the rest)."""
+    body = json.dumps({"prompt": request["prompt"], "max_tokens": request["max_tokens"], "temperature": 0,
+                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sent = time.perf_counter() - clock_start
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    first, tokens, seen = None, 0, 0
+    async for line in reader:
+        if not line.startswith(b"data: "):
+            continue
+        seen += 1
+        if seen == 2:  # the first chunk is the empty opening one; the next carries the first text
+            first = time.perf_counter() - clock_start
+        if b'"usage"' in line:
+            tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        if line.startswith(b"data: [DONE]"):
+            break
+    done = time.perf_counter() - clock_start
+    writer.close()
+    return {**request, "sent": sent, "first": first if first is not None else done, "done": done, "tokens": tokens}
+
+
+def run_clients(requests: List[Dict], clients: int, port: int) -> List[Dict]:
+    """Replay the arrivals with at most ``clients`` requests in flight."""
+
+    async def replay():
+        slots = asyncio.Semaphore(clients)
+        start = time.perf_counter()
+
+        async def one(request):
+            await asyncio.sleep(max(0.0, request["arrival"] - (time.perf_counter() - start)))
+            async with slots:
+                return await stream_async(port, request, start)
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return asyncio.run(replay())
+
+
+def idle_ttft(port: int, requests: List[Dict], n: int = 8) -> float:
+    """Median time to first token of single requests on an idle server."""
+    times = []
+    for request in requests[:n]:
+        start = time.perf_counter()
+        record = stream_one(port, {**request, "arrival": 0.0}, start)
+        times.append(record["first"])
+    return statistics.median(times)
+
+
+# ---- static batches and one at a time, in process ------------------------------------------
+
+
+def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int) -> List[Dict]:
+    """Batches of the requests that have arrived when the previous batch ends (up to max_batch)."""
+    pending, records = list(requests), []
+    start = time.perf_counter()
+    while pending:
+        now = time.perf_counter() - start
+        if pending[0]["arrival"] > now:
+            time.sleep(pending[0]["arrival"] - now)
+            now = pending[0]["arrival"]
+        batch = [r for r in pending if r["arrival"] <= now][:max_batch]
+        pending = pending[len(batch) :]
+        firsts: Dict[int, float] = {}
+        lasts: Dict[int, float] = {}
+        counts = [0] * len(batch)
+
+        def on_token(i, token, batch=batch, firsts=firsts, lasts=lasts, counts=counts):
+            counts[i] += 1
+            t = time.perf_counter() - start
+            firsts.setdefault(i, t)
+            if counts[i] == batch[i]["max_tokens"]:
+                lasts[i] = t
+
+        generate(
+            [tokenizer.encode(r["prompt"]) for r in batch], model, max_tokens=max(r["max_tokens"] for r in batch),
+            temperature=0.0, on_token=on_token, prompt_logprobs=False,
+        )  # fmt: skip
+        for i, request in enumerate(batch):
+            records.append({**request, "first": firsts[i], "done": lasts[i], "tokens": request["max_tokens"]})
+    return records
+
+
+def run_engine_in_process(
+    model, tokenizer, requests: List[Dict], clients: int, prefill_tokens: int, admit_every: int = 1
+) -> List[Dict]:
+    """Continuous batching without HTTP: the engine's thread, requests submitted at their arrivals."""
+    from mixtral_infer.serve.engine import Engine, Finished, RequestSettings
+
+    engine = Engine(model, tokenizer, rows=clients, prefill_tokens=prefill_tokens, max_queue=len(requests), admit_every=admit_every)
+    engine.start()
+    slots = threading.Semaphore(clients)
+    records: List[Dict] = []
+    everything_done = threading.Event()
+    start = time.perf_counter()
+
+    def sink_for(request):
+        record = {**request, "first": None, "tokens": 0}
+
+        def sink(event):
+            now = time.perf_counter() - start
+            if isinstance(event, Finished):
+                record["done"] = now
+                records.append(record)
+                slots.release()
+                if len(records) == len(requests):
+                    everything_done.set()
+                return
+            record["tokens"] += 1
+            if record["first"] is None:
+                record["first"] = now
+
+        return sink
+
+    for request in requests:
+        delay = request["arrival"] - (time.perf_counter() - start)
+        if delay > 0:
+            time.sleep(delay)
+        slots.acquire()
+        settings = RequestSettings(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
+        engine.submit(tokenizer.encode(request["prompt"]), settings, sink_for(request))
+    everything_done.wait()
+    engine.shutdown()
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-mixtral")
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=40.0, help="Poisson arrival rate, requests per second")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="continuous,engine,static,sequential")
+    parser.add_argument("--admit-every", type=int, default=8, help="engine-grouped: steps between prompt groups")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    requests = make_requests(args.requests, args.rate, args.seed)
+    load_before = os.getloadavg()
+    results = {
+        "model": args.model, "requests": args.requests, "clients": args.clients, "rate_per_s": args.rate,
+        "max_tokens": "16..64 (uniform)", "prompt_words": "3..45 (uniform)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "load_average_before": load_before, "modes": [],
+    }  # fmt: skip
+    modes = args.modes.split(",")
+    if "continuous" in modes:
+        process, port, lines = start_server(args.model, args.clients, args.prefill_tokens)
+        try:
+            stream_one(port, requests[0], time.perf_counter())  # warm-up
+            results["idle_ttft_s"] = idle_ttft(port, requests)
+            print(f"idle server TTFT (median of 8): {results['idle_ttft_s'] * 1e3:.0f} ms", flush=True)
+            records = run_clients(requests, args.clients, port)
+            results["modes"].append(summarize("continuous", records, 0.0))
+            late = [r["sent"] - r["arrival"] for r in records]
+            from_sent = [r["first"] - r["sent"] for r in records]
+            results["continuous_send_delay_p50_s"] = percentile(late, 50)
+            results["continuous_ttft_from_send_p50_s"] = percentile(from_sent, 50)
+            print(f"  sent after arrival p50 {percentile(late, 50) * 1e3:.0f} ms; TTFT from sending p50 {percentile(from_sent, 50) * 1e3:.0f} ms")
+            connection = http.client.HTTPConnection("127.0.0.1", port)
+            connection.request("GET", "/metrics")
+            metrics = connection.getresponse().read().decode()
+            server_side = {}
+            for name in ("time_to_first_token_seconds", "queue_wait_seconds", "request_latency_seconds"):
+                total = float(re.search(rf"mixtral_infer_{name}_sum (\S+)", metrics).group(1))
+                count = float(re.search(rf"mixtral_infer_{name}_count (\S+)", metrics).group(1))
+                server_side[name + "_mean"] = total / count
+            results["server_side"] = server_side
+            print("server side (mean, all requests incl. warm-up):", {k: round(v, 4) for k, v in server_side.items()})
+        finally:
+            process.terminate()
+            process.wait(60)
+    if {"engine", "engine-grouped", "static", "sequential"} & set(modes):
+        model = load_model(args.model, dtype=torch.float32, device="cpu", max_batch_size=args.clients)
+        tokenizer = Tokenizer.from_folder(args.model)
+        generate([tokenizer.encode("warm up")], model, max_tokens=4)
+        if "engine" in modes:
+            records = run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens)
+            results["modes"].append(summarize("engine", records, 0.0))
+        if "engine-grouped" in modes:
+            records = run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every)
+            results["modes"].append(summarize("engine-grouped", records, 0.0))
+        if "static" in modes:
+            results["modes"].append(summarize("static", run_generate_batches(model, tokenizer, requests, args.clients), 0.0))
+        if "sequential" in modes:
+            results["modes"].append(summarize("sequential", run_generate_batches(model, tokenizer, requests, 1), 0.0))
+    results["load_average_after"] = os.getloadavg()
+    by_mode = {m["mode"]: m for m in results["modes"]}
+    if {"engine", "static", "sequential"} <= set(by_mode):
+        e = by_mode["engine"]["throughput_tok_s"]
+        results["engine_vs_sequential"] = e / by_mode["sequential"]["throughput_tok_s"]
+        results["engine_vs_static"] = e / by_mode["static"]["throughput_tok_s"]
+        print(f"in process: engine / sequential {results['engine_vs_sequential']:.2f}x, engine / static {results['engine_vs_static']:.2f}x")
+    if {"continuous", "static", "sequential"} <= set(by_mode):
+        c = by_mode["continuous"]["throughput_tok_s"]
+        results["continuous_vs_sequential"] = c / by_mode["sequential"]["throughput_tok_s"]
+        results["continuous_vs_static"] = c / by_mode["static"]["throughput_tok_s"]
+        results["ttft_p50_vs_idle"] = by_mode["continuous"]["ttft_p50_s"] / results["idle_ttft_s"]
+        print(
+            f"continuous / sequential {results['continuous_vs_sequential']:.2f}x, continuous / static "
+            f"{results['continuous_vs_static']:.2f}x, TTFT p50 / idle {results['ttft_p50_vs_idle']:.2f}x"
+        )
+    print(f"load average before {load_before}, after {results['load_average_after']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Prometheus metrics of the server, in a registry of its own (no global state).
+
+Names follow Prometheus' conventions (``_total`` counters, ``_seconds`` histograms), under
+the ``mixtral_infer_`` prefix; ``/metrics`` serves them in the text format.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Deque, Tuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+RATE_WINDOW = 10.0  # seconds over which the tokens/s gauge is averaged
+
+
+class ServeMetrics:
+    def __init__(self, rows: int):
+        self.registry = CollectorRegistry()
+        prefix = "mixtral_infer_"
+        r = self.registry
+        self.rows = Gauge(prefix + "cache_rows", "Rows of the KV cache: sequences that can run at once", registry=r)
+        self.rows.set(rows)
+        self.queue_length = Gauge(prefix + "queue_length", "Requests waiting for a free row", registry=r)
+        self.running = Gauge(prefix + "running_sequences", "Sequences holding a cache row", registry=r)
+        self.tokens_per_second = Gauge(
+            prefix + "generation_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:.0f} s",
+            registry=r,
+        )
+        self.generated = Counter(prefix + "generation_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter(prefix + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.requests = Counter(prefix + "requests", "Finished requests by reason", ["finish_reason"], registry=r)
+        self.rejected = Counter(prefix + "requests_rejected", "Requests refused (queue full or shutting down)", registry=r)
+        self.time_to_first_token = Histogram(
+            prefix + "time_to_first_token_seconds", "From arrival to the first generated token", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            prefix + "request_latency_seconds", "From arrival to the last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            prefix + "queue_wait_seconds", "From arrival to taking a cache row", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self._recent: Deque[Tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def generated_tokens(self, n: int) -> None:
+        self.generated.inc(n)
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, n))
+            self._update_rate(now)
+
+    def _update_rate(self, now: float) -> None:
+        while self._recent and self._recent[0][0] < now - RATE_WINDOW:
+            self._recent.popleft()
+        self.tokens_per_second.set(sum(n for _, n in self._recent) / RATE_WINDOW)
+
+    def finished(self, reason: str, latency: float, prompt_tokens: int, completion_tokens: int) -> None:
+        self.requests.labels(finish_reason=reason).inc()
+        self.latency.observe(latency)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def exposition(self) -> bytes:
+        with self._lock:
+            self._update_rate(time.monotonic())
+        return generate_latest(self.registry)

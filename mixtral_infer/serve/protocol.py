@@ -1,0 +1,217 @@
+"""OpenAI request bodies: read, check, and turn into a prompt and ``RequestSettings``.
+
+Every check raises ``BadRequest`` naming the field (``param``) and what is expected, which
+the server sends as a 400 with OpenAI's error body. Fields of OpenAI's API that change
+nothing here are accepted (``user``, penalties of 0); those this server cannot honour
+(``n`` > 1, ``echo``, non-zero penalties, ``best_of``) are refused, not ignored.
+Extensions, as vLLM has them: ``top_k`` and ``ignore_eos``.
+
+Chat messages become the model's instruct format (``Tokenizer.encode_instruct``)::
+
+    [system, user u1, assistant a1, user u2]
+    -> <s> [INST] system\\n\\nu1 [/INST] a1 </s> [INST] u2 [/INST]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from mixtral_infer.generation.settings import SEED_LIMIT, effective_temperature
+from mixtral_infer.serve.engine import RequestSettings
+from mixtral_infer.tokenizer import Tokenizer
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_COMPLETION_LOGPROBS = 5  # completions: logprobs in [0, 5]
+MAX_CHAT_TOP_LOGPROBS = 20  # chat: top_logprobs in [0, 20]
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400, code: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None):
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class ParsedRequest:
+    prompt: List[int]
+    settings: RequestSettings
+    stream: bool
+    include_usage: bool
+
+
+def read_body(raw: bytes) -> Dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise BadRequest(f"the request body is not valid JSON ({error})") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _get(body: Dict[str, Any], name: str, default: Any) -> Any:
+    value = body.get(name, default)
+    return default if value is None else value
+
+
+def _check_model(body: Dict[str, Any], served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise BadRequest(f"the model {model!r} does not exist: this server serves {served!r}", "model", 404, "model_not_found")
+
+
+def _check_unsupported(body: Dict[str, Any]) -> None:
+    if _get(body, "n", 1) != 1:
+        raise BadRequest(f"n={body['n']!r}: this server returns one choice per request (n=1)", "n")
+    if _get(body, "best_of", 1) != 1:
+        raise BadRequest(f"best_of={body['best_of']!r} is not supported (use 1)", "best_of")
+    if _get(body, "echo", False) is not False:
+        raise BadRequest("echo is not supported", "echo")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get(body, name, 0) != 0:
+            raise BadRequest(f"{name}={body[name]!r} is not supported (use 0)", name)
+    if body.get("logit_bias"):
+        raise BadRequest("logit_bias is not supported", "logit_bias")
+
+
+def _settings(body: Dict[str, Any], max_tokens: Optional[int], logprobs: Optional[int], leading_space: bool) -> RequestSettings:
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise BadRequest(f"max_tokens={max_tokens!r} must be an integer >= 1", "max_tokens")
+    temperature = _get(body, "temperature", 1.0)
+    if not _is_number(temperature) or not 0 <= temperature <= 2:
+        raise BadRequest(f"temperature={temperature!r} must be a number in [0, 2] (0 is greedy)", "temperature")
+    top_p = _get(body, "top_p", 1.0)
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise BadRequest(f"top_p={top_p!r} must be a number in (0, 1]", "top_p")
+    top_k = body.get("top_k")
+    if top_k is not None and top_k != -1 and (not _is_int(top_k) or top_k < 1):
+        raise BadRequest(f"top_k={top_k!r} must be an integer >= 1 (or -1 / null for no limit)", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
+        raise BadRequest(f"seed={seed!r} must be an integer in [0, 2**63)", "seed")
+    stop = _get(body, "stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"stop={body.get('stop')!r} must be a non-empty string or a list of up to 4 of them", "stop")
+    ignore_eos = _get(body, "ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest(f"ignore_eos={ignore_eos!r} must be true or false", "ignore_eos")
+    return RequestSettings(
+        max_tokens=max_tokens or 0,
+        temperature=effective_temperature(float(temperature)),
+        top_p=float(top_p),
+        top_k=None if top_k in (None, -1) else top_k,
+        seed=seed,
+        stop=stop,
+        logprobs=logprobs,
+        ignore_eos=ignore_eos,
+        leading_space=leading_space,
+    )
+
+
+def _stream_options(body: Dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get(body, "stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream={stream!r} must be true or false", "stream")
+    options = _get(body, "stream_options", {})
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    return stream, bool(options.get("include_usage", False)) and stream
+
+
+def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) -> ParsedRequest:
+    """``/v1/completions``: the prompt is a string, or token ids, or a list holding one of them."""
+    _check_model(body, served)
+    _check_unsupported(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, bos=True)
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids = list(prompt)
+        if not all(0 <= t < tokenizer.n_words for t in ids):
+            raise BadRequest(f"prompt holds token ids outside the vocabulary [0, {tokenizer.n_words})", "prompt")
+    else:
+        raise BadRequest("prompt must be a string or a non-empty list of token ids (one prompt per request)", "prompt")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
+        raise BadRequest(f"logprobs={logprobs!r} must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
+    max_tokens = _get(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
+    stream, include_usage = _stream_options(body)
+    return ParsedRequest(ids, _settings(body, max_tokens, logprobs, leading_space=True), stream, include_usage)
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Any) -> List[int]:
+    """Token ids of a conversation in the instruct format (see the module docstring)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    turns = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+            raise BadRequest(f"messages[{index}] must be an object with role system, user or assistant", "messages")
+        turns.append((message["role"], _content(message.get("content"), index)))
+    system = [text for role, text in turns if role == "system"]
+    if any(role == "system" for role, _ in turns[len(system) :]):
+        raise BadRequest("system messages must come first", "messages")
+    turns = turns[len(system) :]
+    roles = [role for role, _ in turns]
+    if roles[::2] != ["user"] * len(roles[::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]) or roles[-1:] != ["user"]:
+        raise BadRequest("after any system messages, messages must alternate user, assistant, ... and end with user", "messages")
+    ids = [tokenizer.bos_id]
+    for index, (role, text) in enumerate(turns):
+        if role == "user":
+            if index == 0 and system:
+                text = "\n\n".join(system + [text])
+            ids += tokenizer.encode_instruct(text)
+        else:
+            ids += tokenizer.encode(text, bos=False) + [tokenizer.eos_id]
+    return ids
+
+
+def _content(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def parse_chat(
+    body: Dict[str, Any], tokenizer: Tokenizer, served: str, default_max_tokens: Callable[[int], int]
+) -> ParsedRequest:
+    """``/v1/chat/completions``; without max_tokens, an answer runs to EOS or to
+    ``default_max_tokens(prompt length)`` tokens."""
+    _check_model(body, served)
+    _check_unsupported(body)
+    ids = chat_prompt(tokenizer, body.get("messages"))
+    logprobs = _get(body, "logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise BadRequest(f"logprobs={logprobs!r} must be true or false", "logprobs")
+    top = _get(body, "top_logprobs", 0)
+    if not _is_int(top) or not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+        raise BadRequest(f"top_logprobs={top!r} must be an integer in [0, {MAX_CHAT_TOP_LOGPROBS}]", "top_logprobs")
+    if top and not logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    stream, include_usage = _stream_options(body)
+    settings = _settings(body, max_tokens, top if logprobs else None, leading_space=False)
+    if max_tokens is None:
+        settings.max_tokens = max(1, default_max_tokens(len(ids)))
+    return ParsedRequest(ids, settings, stream, include_usage)

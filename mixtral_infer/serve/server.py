@@ -1,0 +1,132 @@
+"""``python main.py serve``: size the rows, build the engine and the app, run uvicorn.
+
+Shutdown (SIGTERM or Ctrl-C): the server stops accepting connections and the engine takes
+no new requests (503 on connections still open); requests already running or queued go on
+for up to ``shutdown_timeout`` seconds, then those left are cancelled (their streams end with
+``finish_reason: "abort"``) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+from typing import Callable, Optional
+
+from mixtral_infer.errors import GenerationError, MixtralInferError
+from mixtral_infer.generation.settings import as_int
+from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.tokenizer import Tokenizer
+
+try:
+    import uvicorn
+
+    from mixtral_infer.serve.api import make_app
+except ImportError as error:  # pragma: no cover - the serve extra is part of the test set-up
+    raise MixtralInferError(f"serve needs the serve extra ({error.name} is missing): pip install -e '.[serve]'") from None
+
+from mixtral_infer.serve.engine import Engine
+from mixtral_infer.serve.metrics import ServeMetrics
+from mixtral_infer.serve.sizing import plan_rows
+
+
+def check_serve_options(
+    port: object, max_rows: object, memory_fraction: object, max_queue: object, prefill_tokens: object,
+    max_model_len: object, shutdown_timeout: object, admit_every: object = 1,
+) -> None:
+    """Every option of ``serve``, checked before the model is loaded."""
+    if as_int(port) is None or not 0 <= as_int(port) < 65536:
+        raise GenerationError(f"--port {port!r} must be an integer in [0, 65535] (0: any free port)")
+    for name, value, least in (("max_rows", max_rows, 1), ("max_model_len", max_model_len, 1)):
+        if value is not None and (as_int(value) is None or as_int(value) < least):
+            raise GenerationError(f"--{name.replace('_', '-')} {value!r} must be an integer >= {least}")
+    for name, value, least in (("max_queue", max_queue, 0), ("prefill_tokens", prefill_tokens, 1), ("admit_every", admit_every, 1)):
+        if as_int(value) is None or as_int(value) < least:
+            raise GenerationError(f"--{name.replace('_', '-')} {value!r} must be an integer >= {least}")
+    if memory_fraction is not None and (
+        isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or not 0 < memory_fraction <= 1
+    ):
+        raise GenerationError(f"--memory-fraction {memory_fraction!r} must be a number in (0, 1]")
+    if isinstance(shutdown_timeout, bool) or not isinstance(shutdown_timeout, (int, float)) or shutdown_timeout < 0:
+        raise GenerationError(f"--shutdown-timeout {shutdown_timeout!r} must be a number of seconds >= 0")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which also tells the engine to take no new requests when asked to stop."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_timeout: float, log: Callable[[str], None]):
+        super().__init__(config)
+        self.engine, self.shutdown_timeout, self.log = engine, shutdown_timeout, log
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            stats = self.engine.stats()
+            self.log(
+                f"stopping: {stats['running']} running and {stats['queued']} queued requests get up to "
+                f"{self.shutdown_timeout:g}s to finish"
+            )
+            # Cancel what is left just before uvicorn would cut the connections: each stream then
+            # ends properly (finish_reason "abort", then [DONE]) and uvicorn exits at once.
+            timer = threading.Timer(self.shutdown_timeout, self.engine.cancel_all)
+            timer.daemon = True
+            timer.start()
+        self.engine.drain()
+        super().handle_exit(sig, frame)
+
+
+def run_server(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    *,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_rows: Optional[int] = None,
+    memory_fraction: Optional[float] = None,
+    max_queue: int = 256,
+    prefill_tokens: int = 512,
+    max_model_len: Optional[int] = None,
+    decode: str = "auto",
+    admit_every: int = 1,
+    shutdown_timeout: float = 30.0,
+    log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
+) -> None:
+    """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on."""
+    plan = plan_rows(
+        model, prefill_tokens=prefill_tokens, max_rows=max_rows, memory_fraction=memory_fraction, max_model_len=max_model_len
+    )
+    log(f"sizing: {plan.describe()}")
+    metrics = ServeMetrics(plan.rows)
+    engine = Engine(
+        model, tokenizer, plan.rows, max_queue=max_queue, prefill_tokens=prefill_tokens, max_model_len=max_model_len,
+        decode=decode, admit_every=admit_every, metrics=metrics,
+    )  # fmt: skip
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        raise MixtralInferError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+    address = f"http://{host}:{sock.getsockname()[1]}"
+
+    def ready() -> None:
+        log(
+            f"serving {model_name} on {address} (decode {engine.mode}, {plan.rows} rows, queue {max_queue}, "
+            f"{prefill_tokens} prefill tokens per step)"
+        )
+
+    app = make_app(engine, tokenizer, model_name, metrics, on_ready=ready)
+    # uvicorn's own limit is a backstop: the engine cancels what is left at shutdown_timeout.
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 10, lifespan="on")
+    server = _Server(config, engine, shutdown_timeout, log)
+    # uvicorn raises the signal that stopped it again once it has shut down; with this handler
+    # in place that ends the process normally (exit 0) instead of by the signal.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    log("stopped")

@@ -1,0 +1,149 @@
+"""How many cache rows (sequences at once) a server gets: given, or from a memory budget.
+
+As vLLM's ``gpu_memory_utilization``: a fraction of the device's memory (of the RAM on a
+CPU) is the budget; the weights and the measured peak of one prefill step of
+``prefill_tokens`` tokens come off it, and what is left is cut into rows. With a sliding
+window each row costs exactly W slots however long its sequence runs, so the number of
+rows is final before the first request; without one, a row holds ``max_model_len`` slots.
+
+Worked example (Mistral 7B shape in bfloat16: 32 layers, 8 KV heads of 128, window 4096):
+a row is ``2 * 32 * 4096 * 8 * 128 * 2`` bytes = 512 MiB; with an 80 GB GPU at fraction 0.9
+(72 GB), 14.5 GB of weights and a 1 GB step peak, ``(72 - 14.5 - 1) GB / 512 MiB`` = 105 rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.generation.settings import check_cache_fits, free_memory, gigabytes, kv_cache_bytes
+from mixtral_infer.model.transformer import Transformer
+
+DEFAULT_MEMORY_FRACTION = 0.9
+DEFAULT_ROW_CAP = 64  # rows made from a budget are at most this many unless --max-rows says otherwise
+
+
+@dataclasses.dataclass
+class RowPlan:
+    rows: int
+    slots: int  # per row: the window, or max_model_len
+    row_bytes: int
+    weight_bytes: int
+    step_peak_bytes: Optional[int]  # measured; None when rows were given
+    budget_bytes: Optional[int]
+    reason: str
+
+    def describe(self) -> str:
+        parts = [
+            f"{self.rows} cache rows of {self.slots} slots ({size(self.rows * self.row_bytes)}, {size(self.row_bytes)} per row)",
+            f"weights {size(self.weight_bytes)}",
+        ]
+        if self.step_peak_bytes is not None:
+            parts.append(f"prefill step peak {size(self.step_peak_bytes)}")
+        if self.budget_bytes is not None:
+            parts.append(f"budget {size(self.budget_bytes)}")
+        return ", ".join(parts) + f": {self.reason}"
+
+
+def size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.2f} MiB"
+
+
+def total_memory(device: torch.device) -> Optional[int]:
+    """Bytes of memory of the device (RAM for the CPU), None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _proc_status_kb(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@torch.inference_mode()
+def measure_step_peak(model: Transformer, n_tokens: int, slots: int) -> Optional[int]:
+    """Peak memory a forward pass of ``n_tokens`` prompt tokens adds, measured by running one.
+
+    CUDA: the allocator's peak. CPU (Linux): the resident set's high-water mark, reset
+    through ``/proc/self/clear_refs`` first; None where that cannot be read.
+    """
+    device = model.device
+    cache = model.make_cache(1, max_seqlen=slots)
+    tokens = torch.ones(n_tokens, dtype=torch.long, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        model(tokens, [n_tokens], cache, logit_rows=[n_tokens - 1])
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    before = _proc_status_kb("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM to the current resident set
+    except OSError:
+        return None
+    model(tokens, [n_tokens], cache, logit_rows=[n_tokens - 1])
+    peak = _proc_status_kb("VmHWM")
+    return None if peak is None or before is None else max(peak - before, 0)
+
+
+def plan_rows(
+    model: Transformer,
+    *,
+    prefill_tokens: int,
+    max_rows: Optional[int] = None,
+    memory_fraction: Optional[float] = None,
+    max_model_len: Optional[int] = None,
+) -> RowPlan:
+    """The rows: ``max_rows`` when given alone; else from ``memory_fraction`` (default 0.9) of
+    the device's memory, at most ``max_rows`` (default ``DEFAULT_ROW_CAP``)."""
+    window = model.args.sliding_window
+    slots = window if window is not None else max_model_len
+    if slots is None:
+        raise GenerationError("a model without a sliding window needs --max-model-len (tokens per sequence) to size its rows")
+    row_bytes = kv_cache_bytes(model.args, 1, slots, model.dtype, model.parallel)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    device = model.device
+    if max_rows is not None and memory_fraction is None:
+        check_cache_fits(max_rows * row_bytes, f"--max-rows {max_rows}: the KV cache", device, "lower --max-rows")
+        return RowPlan(max_rows, slots, row_bytes, weights, None, None, "--max-rows")
+    fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+    total = total_memory(device)
+    if total is None:
+        raise GenerationError(f"the memory of {device} is unknown: give --max-rows")
+    budget = int(fraction * total)
+    peak = measure_step_peak(model, prefill_tokens, slots)
+    left = budget - weights - (peak or 0)
+    free = free_memory(device)
+    if free is not None:
+        left = min(left, free - (peak or 0))  # on a shared machine, what is free now bounds the cache too
+    fit = left // row_bytes
+    if fit < 1:
+        raise GenerationError(
+            f"--memory-fraction {fraction}: {gigabytes(budget)} of {gigabytes(total)} leaves no room for one row of "
+            f"{row_bytes / 2**20:.1f} MiB after {gigabytes(weights)} of weights and the prefill step: raise it or lower "
+            "--prefill-tokens"
+        )
+    cap = max_rows if max_rows is not None else DEFAULT_ROW_CAP
+    reason = f"{fit} fit in --memory-fraction {fraction} of {size(total)}"
+    if fit > cap:
+        reason += f", capped at {cap}" + (" (--max-rows)" if max_rows is not None else " (give --max-rows for more)")
+    return RowPlan(int(min(fit, cap)), slots, row_bytes, weights, peak, budget, reason)

@@ -1,0 +1,339 @@
+"""The HTTP server on real sockets (127.0.0.1): the official openai client against `main.py serve`
+run as a subprocess, greedy text equal to generate(); 32 concurrent streams; disconnect; a full
+queue; bad requests; a prompt too long for a model without a window; SIGTERM.
+"""
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from conftest import random_model, tiny_args
+
+from mixtral_infer import Tokenizer, generate, load_model
+from mixtral_infer.generation.chat import Conversation
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = (
+    "And the LORD spake unto Moses , saying , Speak unto the children of Israel , and say unto them , When any man "
+    "of you bring an offering unto the LORD , ye shall bring your offering of the cattle , even of the herd , and of "
+    "the flock ."
+).split()
+
+
+class Server:
+    """``main.py serve`` in a subprocess; its stderr is collected in ``lines``."""
+
+    def __init__(self, *args: str, model: str = "tiny-mixtral"):
+        command = [sys.executable, "main.py", "serve", model, "--port", "0", "--dtype", "float32", *args]
+        # One thread: the tests' own reference runs beside it on a 2-core machine.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(120):
+            self.process.kill()
+            raise RuntimeError("the server did not start:\n" + "".join(self.lines))
+        self.port = int(re.search(r"http://127\.0\.0\.1:(\d+)", "".join(self.lines)).group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read(self):
+        for line in self.process.stderr:
+            self.lines.append(line)
+            if line.startswith("serving "):
+                self.ready.set()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def request(self, method: str, path: str, body=None, raw: bytes = None):
+        """(status, headers, parsed JSON or text) of one plain HTTP request."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        connection.request(method, path, data, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        text = response.read().decode()
+        connection.close()
+        is_json = response.getheader("content-type", "").startswith("application/json")
+        return response.status, dict(response.getheaders()), json.loads(text) if is_json else text
+
+    def open_stream(self, path: str, body: dict):
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        connection.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        return connection, connection.getresponse()
+
+    def health(self) -> dict:
+        return self.request("GET", "/health")[2]
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def sse_events(response):
+    """The JSON payloads of a server-sent event stream, then "[DONE]"."""
+    for line in response:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            yield "[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: ") :])
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The reference runs tiny models: one thread is faster, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server():
+    # 4 rows for 32 clients, prompts read 24 tokens per step: ragged prefill across steps and rows reused.
+    server = Server("--max-rows", "4", "--prefill-tokens", "24", "--max-queue", "64")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = load_model("tiny-mixtral", dtype=torch.float32, device="cpu")
+    return model, Tokenizer.from_folder("tiny-mixtral")
+
+
+def solo_text(reference, prompt: str, max_tokens: int):
+    model, tokenizer = reference
+    generated, logprobs = generate(
+        [tokenizer.encode(prompt)], model, max_tokens=max_tokens, eos_id=tokenizer.eos_id, prompt_logprobs=False
+    )
+    tokens = generated[0]
+    space = " " if tokens and tokenizer.id_to_piece(tokens[0]).startswith("\u2581") else ""
+    return space + tokenizer.decode(tokens), len(tokens), logprobs[0]
+
+
+def test_completions_through_the_openai_client_equal_generate(server, reference):
+    client = server.client()
+    for prompt in ["In the beginning", " ".join(WORDS[:40])]:  # the second is longer than the window (32)
+        expected, n_tokens, logprobs = solo_text(reference, prompt, 10)
+        whole = client.completions.create(model="tiny-mixtral", prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
+        assert whole.choices[0].text == expected
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.usage.completion_tokens == n_tokens == 10
+        assert whole.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-4)
+        assert all(len(top) == 2 for top in whole.choices[0].logprobs.top_logprobs)
+        chunks = list(client.completions.create(model="tiny-mixtral", prompt=prompt, max_tokens=10, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list().data] == ["tiny-mixtral"]
+
+
+def test_chat_through_the_openai_client_equals_the_conversation(server, reference):
+    model, tokenizer = reference
+    client = server.client()
+    question = "Who shall dwell in thy holy hill?"
+    expected = Conversation(model, tokenizer, instruct=True, max_tokens=8, temperature=0.0).reply(question)
+    messages = [{"role": "user", "content": question}]
+    whole = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=8, temperature=0)
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    # A conversation: the earlier turns are in the prompt (in the instruct format).
+    history = messages + [{"role": "assistant", "content": expected}, {"role": "user", "content": "And who shall stand?"}]
+    again = client.chat.completions.create(model="tiny-mixtral", messages=history, max_tokens=4, temperature=0)
+    conversation = Conversation(model, tokenizer, instruct=True, max_tokens=8, temperature=0.0)
+    conversation.reply(question)
+    conversation.settings["max_tokens"] = 4
+    assert again.choices[0].message.content == conversation.reply("And who shall stand?")
+
+
+def test_32_concurrent_streams_each_get_their_solo_tokens(server, reference):
+    """Ragged prompts (2..47 tokens, some past the window), staggered arrivals, 4 rows."""
+    client = server.client()
+    before = server.health()
+    jobs = [(" ".join(WORDS[: 1 + (i * 7) % 40]), 3 + i % 6) for i in range(32)]
+    results = [None] * len(jobs)
+
+    def run(index):
+        time.sleep(0.01 * index)
+        prompt, max_tokens = jobs[index]
+        stream = client.completions.create(
+            model="tiny-mixtral", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        results[index] = (text, chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for (prompt, max_tokens), result in zip(jobs, results):
+        expected, n_tokens, _ = solo_text(reference, prompt, max_tokens)
+        assert result == (expected, n_tokens, "length"), prompt
+    after = server.health()
+    assert after["admitted"] - before["admitted"] == 32 > after["rows"]  # every row was reused
+    assert (after["rows_free"], after["running"], after["queued"]) == (4, 0, 0)  # nothing leaked
+    metrics = server.request("GET", "/metrics")[2]
+    assert "mixtral_infer_running_sequences 0.0" in metrics and "mixtral_infer_queue_length 0.0" in metrics
+    assert re.search(r"mixtral_infer_time_to_first_token_seconds_count (\d+)", metrics)
+
+
+def test_a_client_that_disconnects_frees_its_row(server):
+    connection, response = server.open_stream("/v1/completions", {"prompt": "In the beginning", "max_tokens": 5000, "ignore_eos": True})
+    events = sse_events(response)
+    for _ in range(3):
+        next(events)
+    assert server.health()["running"] == 1
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    assert wait_for(lambda: server.health()["rows_free"] == 4)
+    metrics = server.request("GET", "/metrics")[2]
+    assert 'mixtral_infer_requests_total{finish_reason="cancelled"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature", "temperature=-1 must be a number in [0, 2]"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "top_p=0 must be a number in (0, 1]"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be an integer >= 1"),
+        ({"prompt": "x", "n": 2}, "n", "one choice per request"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
+        ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
+        ({"prompt": "x", "seed": -3}, "seed", "seed=-3 must be an integer in [0, 2**63)"),
+        ({"prompt": "x", "logprobs": 9}, "logprobs", "logprobs=9 must be an integer in [0, 5]"),
+    ],
+)
+def test_bad_completion_requests_are_400s(server, body, param, message):
+    status, _, error = server.request("POST", "/v1/completions", {"model": "tiny-mixtral", **body})
+    assert status == 400
+    assert error["error"]["param"] == param and error["error"]["type"] == "invalid_request_error"
+    assert message in error["error"]["message"]
+
+
+def test_bad_requests_through_the_openai_client(server):
+    client = server.client()
+    status, _, error = server.request("POST", "/v1/completions", raw=b'{"prompt": "x"')
+    assert status == 400 and "not valid JSON" in error["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="must alternate user, assistant"):
+        client.chat.completions.create(model="tiny-mixtral", messages=[{"role": "assistant", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny-mixtral'"):
+        client.completions.create(model="gpt-4", prompt="x")
+    assert server.health()["rows_free"] == 4
+
+
+def test_full_queue_is_a_429_with_retry_after():
+    server = Server("--max-rows", "1", "--max-queue", "1", model="tiny-mistral")
+    try:
+        long = {"prompt": "In the beginning", "max_tokens": 5000, "ignore_eos": True}
+        first, first_response = server.open_stream("/v1/completions", long)
+        next(sse_events(first_response))
+        assert wait_for(lambda: server.health()["running"] == 1)
+        second, second_response = server.open_stream("/v1/completions", {"prompt": "Blessed are", "max_tokens": 3})
+        assert wait_for(lambda: server.health()["queued"] == 1)
+        status, headers, error = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 429 and headers["retry-after"] == "1"
+        assert error["error"]["type"] == "rate_limit_error" and "1 requests are waiting" in error["error"]["message"]
+        with pytest.raises(openai.RateLimitError):
+            server.client().completions.create(model="tiny-mistral", prompt="x", max_tokens=2)
+        first.close()  # the first client leaves: the waiting request takes its row and completes
+        events = list(sse_events(second_response))
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert wait_for(lambda: server.health()["rows_free"] == 1)
+    finally:
+        server.stop()
+
+
+def test_sigterm_finishes_running_requests_then_cancels_at_the_timeout():
+    server = Server("--max-rows", "2", "--shutdown-timeout", "5", model="tiny-mistral")
+    try:
+        short, short_response = server.open_stream("/v1/completions", {"prompt": "In the beginning", "max_tokens": 8, "ignore_eos": True})
+        endless, endless_response = server.open_stream("/v1/completions", {"prompt": "Blessed are", "max_tokens": 10**6, "ignore_eos": True})
+        short_events, endless_events = sse_events(short_response), sse_events(endless_response)
+        next(short_events), next(endless_events)
+        server.process.send_signal(signal.SIGTERM)
+        finished = list(short_events)
+        assert finished[-1] == "[DONE]" and finished[-2]["choices"][0]["finish_reason"] == "length"
+        try:  # a new request is refused: by the closed listener, or by the draining engine
+            status, headers, _ = server.request("POST", "/v1/completions", {"prompt": "x"})
+            assert status == 503 and headers["retry-after"] == "1"
+        except (ConnectionError, http.client.HTTPException, OSError):
+            pass
+        cut = list(endless_events)  # cancelled at the timeout, and the stream ends properly
+        assert cut[-1] == "[DONE]" and cut[-2]["choices"][0]["finish_reason"] == "abort"
+        assert server.process.wait(30) == 0
+        log = "".join(server.lines)
+        assert re.search(r"stopping: \d running and \d queued requests get up to 5s to finish", log)
+        assert log.rstrip().endswith("stopped") and "Traceback" not in log and "ERROR" not in log
+    finally:
+        server.stop()
+
+
+def test_prompt_too_long_for_a_model_without_a_window(tmp_path, tokenizer_path):
+    """In-process uvicorn on a real socket, over a random model without a sliding window."""
+    import uvicorn
+
+    from mixtral_infer.serve.api import make_app
+    from mixtral_infer.serve.engine import Engine
+    from mixtral_infer.serve.metrics import ServeMetrics
+
+    args = tiny_args(sliding_window=None)
+    args.vocab_size = 400
+    tokenizer = Tokenizer(tokenizer_path)
+    engine = Engine(random_model(args), tokenizer, rows=2, max_model_len=24, decode="eager")
+    app = make_app(engine, tokenizer, "no-window", ServeMetrics(2))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: uvicorn_server.started)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="exceeds this model's limit of 24 tokens per sequence"):
+            client.completions.create(model="no-window", prompt=list(range(3, 23)), max_tokens=8)
+        # A chat without max_tokens runs to the limit: 24 tokens minus its prompt.
+        answer = client.chat.completions.create(
+            model="no-window", messages=[{"role": "user", "content": "module"}], temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 24
+        assert answer.choices[0].finish_reason == "length"
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(10)
+
+
+def test_serve_options_are_checked_before_loading(capsys, monkeypatch):
+    from mixtral_infer.cli import commands
+
+    monkeypatch.setattr(commands, "load", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    assert commands.main(["serve", "--memory-fraction", "2"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --memory-fraction 2 must be a number in (0, 1]"
+    assert commands.main(["serve", "--max-rows", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --max-rows 0 must be an integer >= 1"
+    assert commands.main(["serve", "--max_row", "4"]) == 1
+    assert "did you mean --max_rows?" in capsys.readouterr().err

@@ -1,0 +1,287 @@
+"""The continuous-batching engine, stepped by hand: tokens equal generate(), rows reused and freed."""
+
+import pytest
+import torch
+from conftest import random_model, tiny_args
+
+from mixtral_infer import Tokenizer, generate, load_model
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.generation.settings import kv_cache_bytes
+from mixtral_infer.serve import sizing
+from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
+from mixtral_infer.serve.engine import Engine, Finished, QueueFull, RequestSettings, TokenEvent, sample_rows
+
+PROMPTS = [
+    "In the beginning",
+    "And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto them",
+    "Blessed are",
+    "And it came to pass",
+    "Jesus wept.",
+    "The LORD is my shepherd; I shall not want. He maketh me to lie down in green pastures",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread is faster, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = load_model("tiny-mixtral", dtype=torch.float32, device="cpu")
+    return model, Tokenizer.from_folder("tiny-mixtral")
+
+
+class Recorder:
+    """Collects each request's events, as the HTTP layer would."""
+
+    def __init__(self):
+        self.events = {}
+
+    def sink(self, key):
+        return lambda event: self.events.setdefault(key, []).append(event)
+
+    def tokens(self, key):
+        return [e.token for e in self.events[key] if isinstance(e, TokenEvent)]
+
+    def text(self, key):
+        return "".join(e.text for e in self.events[key])
+
+    def finished(self, key):
+        assert isinstance(self.events[key][-1], Finished)
+        return self.events[key][-1]
+
+
+def run(engine):
+    while engine.step():
+        pass
+
+
+def solo(model, tokenizer, prompt, settings):
+    generated, logprobs = generate(
+        [prompt], model, max_tokens=settings.max_tokens, temperature=settings.temperature, top_p=settings.top_p,
+        top_k=settings.top_k, seed=settings.seed, eos_id=tokenizer.eos_id, prompt_logprobs=False,
+    )  # fmt: skip
+    return generated[0], logprobs[0]
+
+
+def test_docstring_example_schedule(tiny):
+    """R = 2, prefill budget 4, prompts of 3 and 6 tokens: seqlens [3, 1], [1, 4], [1, 1], [1, 1]."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=2, prefill_tokens=4, decode="eager", split_mixed=False)
+    planned = []
+    plan = engine._plan
+
+    def recording_plan():
+        result = plan()
+        planned.append(result[0])
+        return result
+
+    engine._plan = recording_plan
+    recorder = Recorder()
+    a, b = [5, 6, 7], [8, 9, 10, 11, 12, 13]
+    engine.submit(a, RequestSettings(max_tokens=5, temperature=0), recorder.sink("a"))
+    engine.submit(b, RequestSettings(max_tokens=5, temperature=0), recorder.sink("b"))
+    for _ in range(4):
+        engine.step()
+    assert planned == [[3, 1], [1, 4], [1, 1], [1, 1]]
+    assert len(recorder.tokens("a")) == 4 and len(recorder.tokens("b")) == 2
+
+
+def mixed_requests(tokenizer):
+    requests = []
+    for i in range(8):
+        temperature, top_k = [(0.0, None), (0.9, 20), (0.3, None)][i % 3]
+        settings = RequestSettings(max_tokens=4 + i % 4, temperature=temperature, top_k=top_k, seed=100 + i, logprobs=0)
+        requests.append((tokenizer.encode(PROMPTS[i % len(PROMPTS)]), settings))
+    return requests
+
+
+@pytest.fixture(scope="module")
+def mixed_solo(tiny):
+    """What generate() gives each of ``mixed_requests`` alone."""
+    model, tokenizer = tiny
+    return [solo(model, tokenizer, prompt, settings) for prompt, settings in mixed_requests(tokenizer)]
+
+
+@pytest.mark.parametrize("decode, split_mixed", [("eager", False), ("eager", True), ("static", True)])
+def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode, split_mixed):
+    """8 requests on 3 rows, a small prefill budget (prompts read over several steps), in one
+    forward pass per step or split in two (``split_mixed``), greedy,
+    seeded top-k and seeded plain-temperature sampling in one batch: each gets exactly what
+    generate() gives its prompt alone, with the same log-probabilities.
+
+    Batched and solo logits differ by float noise (~1e-5 here), so a sampled token matches
+    only where its uniform number is not within that noise of a boundary of the cumulative
+    probabilities; a low temperature (or top-k) keeps the near-zero tail, where neighbouring
+    boundaries are that close, out of reach of the draws.
+    """
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode, split_mixed=split_mixed)
+    recorder = Recorder()
+    for i, (prompt, settings) in enumerate(mixed_requests(tokenizer)):
+        engine.submit(prompt, settings, recorder.sink(i))
+        if i % 3 == 2:
+            engine.step()  # staggered arrivals: later requests join a running batch
+    run(engine)
+    for i, (tokens, logprobs) in enumerate(mixed_solo):
+        assert recorder.tokens(i) == tokens, i
+        got = [e.logprob for e in recorder.events[i] if isinstance(e, TokenEvent)]
+        assert got == pytest.approx(logprobs, abs=1e-4)
+        assert recorder.finished(i).reason == "length"
+        assert recorder.text(i) == " " * tokenizer.id_to_piece(tokens[0]).startswith("\u2581") + tokenizer.decode(tokens)
+    assert engine.stats() == {"rows": 3, "rows_free": 3, "running": 0, "queued": 0, "admitted": 8, "steps": engine.steps}
+
+
+def test_seeded_request_does_not_depend_on_its_batch_mates(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer.encode(PROMPTS[0])
+    settings = RequestSettings(max_tokens=12, temperature=1.0, top_k=10, seed=7)
+    alone, crowded = Recorder(), Recorder()
+    engine = Engine(model, tokenizer, rows=4, decode="eager")
+    engine.submit(prompt, settings, alone.sink(0))
+    run(engine)
+    for i in range(3):  # mates that sample with top-p / top-k, and draw from generators of their own
+        mate = RequestSettings(max_tokens=20, temperature=0.8, top_p=0.9, top_k=5 + i)
+        engine.submit(tokenizer.encode(PROMPTS[i + 1]), mate, crowded.sink(f"mate{i}"))
+    engine.step()
+    engine.submit(prompt, settings, crowded.sink(0))
+    run(engine)
+    assert crowded.tokens(0) == alone.tokens(0)
+
+
+def test_sample_rows_draws_each_row_from_its_own_generator():
+    """Mixed greedy / plain / top-k / top-p rows in one call: each row's token is what sampling
+    that row alone, with its own seeded generator, gives (generate()'s batch of one)."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 3
+    settings = [
+        RequestSettings(max_tokens=1, temperature=0.0),
+        RequestSettings(max_tokens=1, temperature=1.0, seed=1),
+        RequestSettings(max_tokens=1, temperature=0.7, top_k=5, seed=2),
+        RequestSettings(max_tokens=1, temperature=1.2, top_p=0.8, seed=3),
+        RequestSettings(max_tokens=1, temperature=2.0, seed=4),
+    ]
+    for _ in range(20):
+        generators = [None] + [torch.Generator().manual_seed(s.seed) for s in settings[1:]]
+        batched = sample_rows(logits, settings, generators).tolist()
+        for row, s in enumerate(settings):
+            alone = Sampling.uniform_settings(1, 50, s.temperature, s.top_p, s.top_k)
+            uniform = draw_uniform(1, alone, torch.Generator().manual_seed(s.seed) if s.seed else None, "cpu")
+            assert batched[row] == sample(logits[row : row + 1], alone, uniform).item()
+        logits = logits.roll(1, dims=1)
+
+
+def test_cancel_frees_the_row_at_the_next_step(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=2, decode="eager")
+    recorder = Recorder()
+    request = engine.submit(tokenizer.encode(PROMPTS[1]), RequestSettings(max_tokens=50, temperature=0), recorder.sink(0))
+    waiting = engine.submit(tokenizer.encode(PROMPTS[2]), RequestSettings(max_tokens=50, temperature=0), recorder.sink(1))
+    for _ in range(3):
+        engine.step()
+    engine.cancel(request)
+    engine.cancel(waiting)
+    assert engine.stats()["rows_free"] == 0
+    engine.step()
+    assert engine.stats()["rows_free"] == 2 and engine.stats()["running"] == 0
+    assert recorder.finished(0).reason == "cancelled" and len(recorder.tokens(0)) == 3
+    assert not engine.step()  # nothing left to run
+
+
+def test_prompts_join_in_groups_with_admit_every(tiny):
+    """admit_every=3, 2 rows: a request that arrives while the other row runs waits until 3
+    steps have passed since the last admission (an idle engine admits at once)."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=2, decode="eager", admit_every=3)
+    settings = RequestSettings(max_tokens=20, temperature=0)
+    engine.submit([1, 5, 6], settings, lambda event: None)
+    engine.step()  # step 0: idle, admitted at once
+    engine.submit([1, 7], settings, lambda event: None)
+    running = []
+    for _ in range(3):
+        engine.step()
+        running.append(engine.stats()["running"])
+    assert running == [1, 1, 2]  # steps 1 and 2 decode alone; step 3 admits the waiting prompt
+
+
+def test_queue_bound(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=1, max_queue=1, decode="eager")
+    sink = Recorder().sink(0)
+    settings = RequestSettings(max_tokens=4, temperature=0)
+    engine.submit([1, 5], settings, sink)  # takes the row at the next step
+    engine.step()
+    engine.submit([1, 6], settings, sink)  # waits
+    with pytest.raises(QueueFull, match="all 1 rows are busy and 1 requests are waiting"):
+        engine.submit([1, 7], settings, sink)
+    run(engine)
+    engine.submit([1, 7], settings, sink)  # room again
+
+
+def test_stop_string_and_eos_end_a_request_and_free_its_row(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer.encode(PROMPTS[0])
+    tokens, _ = solo(model, tokenizer, prompt, RequestSettings(max_tokens=12))
+    full = " " + tokenizer.decode(tokens)
+    stop = full[10:14]
+
+    class EosAtFifthToken:  # the model never ends a verse with EOS in 12 tokens: make its 5th token the EOS
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        eos_id = tokens[4]
+
+    engine = Engine(model, EosAtFifthToken(), rows=1, decode="eager")
+    recorder = Recorder()
+    engine.submit(prompt, RequestSettings(max_tokens=12, stop=[stop]), recorder.sink("stop"))
+    engine.submit(prompt, RequestSettings(max_tokens=12, stop=["\n\n"]), recorder.sink("eos"))
+    engine.submit(prompt, RequestSettings(max_tokens=12, ignore_eos=True), recorder.sink("ignore"))
+    run(engine)
+    assert recorder.text("stop") == full[:10] and recorder.finished("stop").reason == "stop"
+    assert recorder.tokens("eos") == tokens[:4] and recorder.finished("eos").reason == "stop"
+    assert recorder.tokens("ignore") == tokens and recorder.finished("ignore").reason == "length"
+    assert engine.stats()["rows_free"] == 1 and engine.stats()["admitted"] == 3
+
+
+def test_prompt_too_long_without_a_window():
+    model = random_model(tiny_args(sliding_window=None))
+    tokenizer = Tokenizer.from_folder("tiny-mixtral")
+    engine = Engine(model, tokenizer, rows=2, max_model_len=16, decode="eager")
+    with pytest.raises(GenerationError, match="exceeds this model's limit of 16 tokens per sequence"):
+        engine.submit(list(range(1, 12)), RequestSettings(max_tokens=6), lambda event: None)
+    recorder = Recorder()
+    engine.submit(list(range(1, 11)), RequestSettings(max_tokens=6, temperature=0), recorder.sink(0))
+    run(engine)
+    expected, _ = generate([list(range(1, 11))], model, max_tokens=6)
+    assert recorder.tokens(0) == expected[0]
+
+
+def test_sizing_from_a_budget(tiny, monkeypatch):
+    model, _ = tiny
+    row = kv_cache_bytes(model.args, 1, model.args.sliding_window, model.dtype, model.parallel)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(sizing, "total_memory", lambda device: 2 * (weights + 1000 + 10 * row))
+    monkeypatch.setattr(sizing, "measure_step_peak", lambda model, n, slots: 1000)
+    monkeypatch.setattr(sizing, "free_memory", lambda device: None)
+    plan = sizing.plan_rows(model, prefill_tokens=64, memory_fraction=0.5)
+    assert (plan.rows, plan.row_bytes, plan.step_peak_bytes) == (10, row, 1000)
+    assert sizing.plan_rows(model, prefill_tokens=64, memory_fraction=0.5, max_rows=3).rows == 3
+    with pytest.raises(GenerationError, match="leaves no room for one row"):
+        sizing.plan_rows(model, prefill_tokens=64, memory_fraction=0.2)
+
+
+def test_sizing_docstring_example():
+    from mixtral_infer import ModelArgs
+
+    args = ModelArgs(dim=4096, n_layers=32, head_dim=128, hidden_dim=14336, n_heads=32, n_kv_heads=8, norm_eps=1e-5,
+                     vocab_size=32000, sliding_window=4096)  # fmt: skip
+    from mixtral_infer.model.parallel import Parallel
+
+    row = kv_cache_bytes(args, 1, 4096, torch.bfloat16, Parallel())
+    assert row == 512 * 2**20
+    assert int((72e9 - 14.5e9 - 1e9) // row) == 105
