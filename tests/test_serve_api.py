@@ -152,7 +152,7 @@ def test_chat_through_the_openai_client_equals_the_conversation(server, referenc
     model, tokenizer = reference
     client = server.client()
     question = "Who shall dwell in thy holy hill?"
-    expected = Conversation(model, tokenizer, instruct=True, max_tokens=8, temperature=0.0).reply(question)
+    expected = Conversation(model, tokenizer, instruct=True, max_tokens=8, temperature=0.0).reply(question).text
     messages = [{"role": "user", "content": question}]
     whole = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=8, temperature=0)
     assert whole.choices[0].message.content == expected
@@ -165,7 +165,7 @@ def test_chat_through_the_openai_client_equals_the_conversation(server, referenc
     conversation = Conversation(model, tokenizer, instruct=True, max_tokens=8, temperature=0.0)
     conversation.reply(question)
     conversation.settings["max_tokens"] = 4
-    assert again.choices[0].message.content == conversation.reply("And who shall stand?")
+    assert again.choices[0].message.content == conversation.reply("And who shall stand?").text
 
 
 def test_32_concurrent_streams_each_get_their_solo_tokens(server, reference):

@@ -6,9 +6,9 @@ from conftest import random_model, tiny_args
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.generation.settings import kv_cache_bytes
 from mixtral_infer.serve import sizing
-from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.serve.engine import Engine, Finished, QueueFull, RequestSettings, TokenEvent, sample_rows
 
 PROMPTS = [

@@ -48,6 +48,7 @@ from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.serve.text import Detokenizer, StopStrings
 from mixtral_infer.tokenizer import Tokenizer
 
+
 class QueueFull(GenerationError):
     """Every row is busy and the queue holds ``max_queue`` requests: try again later."""
 
