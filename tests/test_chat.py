@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixtral_infer import Tokenizer, generate
-from mixtral_infer.generation.chat import Conversation, TextStream
+from mixtral_infer.generation.chat import Conversation
+from mixtral_infer.generation.text_stream import TextStream
 
 
 @pytest.fixture(params=[8, None], ids=["window", "no-window"])
@@ -73,9 +74,9 @@ def test_plain_mode_treats_each_line_as_a_new_prompt(chat_parts):
 def test_text_stream_holds_back_half_characters(tokenizer_path):
     tokenizer = Tokenizer(tokenizer_path)
     shown = []
-    stream = TextStream(tokenizer, shown.append, leading_space=False)
+    stream = TextStream(tokenizer, leading_space=False)
     for token in tokenizer.encode("naïve 中文 🙂", bos=False):
-        stream.push(token)
+        shown.append(stream.push(token))
     assert "".join(shown) == "naïve 中文 🙂"
     assert all("\ufffd" not in piece for piece in shown)
 
@@ -89,12 +90,12 @@ def test_text_stream_worked_example():
     ids = tokenizer.encode("And the你", bos=False)
     assert [tokenizer.id_to_piece(i) for i in ids] == ["\u2581And", "\u2581the", "<0xE4>", "<0xBD>", "<0xA0>"]
     shown = []
-    stream = TextStream(tokenizer, shown.append, leading_space=True)
+    stream = TextStream(tokenizer, leading_space=True)
     starts = []
     for token in ids:
-        stream.push(token)
+        shown.append(stream.push(token))
         starts.append(stream.start)
-    assert shown == [" And", " the", "你"]
+    assert [piece for piece in shown if piece] == [" And", " the", "你"]
     assert starts == [0, 1, 1, 1, 2]
 
 
@@ -108,12 +109,12 @@ def test_streamed_text_is_the_whole_decode(ids, leading_space, finished):
     """Any token sequence (byte pieces in any order, lone ``▁``, leading spaces): the pieces add up to one decode."""
     tokenizer = SHIPPED_TOKENIZER
     shown = []
-    stream = TextStream(tokenizer, shown.append, leading_space=leading_space)
+    stream = TextStream(tokenizer, leading_space=leading_space)
     for token in ids:
-        stream.push(token)
+        shown.append(stream.push(token))
     whole = tokenizer.decode_continuation(ids) if leading_space else tokenizer.decode(ids)
     if finished:
-        stream.finish()
+        shown.append(stream.finish())
         assert "".join(shown) == whole
     else:  # only a trailing half character may be held back
         assert whole.startswith("".join(shown))
@@ -136,10 +137,10 @@ def test_streaming_decodes_each_token_a_bounded_number_of_times():
             return tokenizer.decode_continuation(tokens)
 
     shown = []
-    stream = TextStream(Counting(), shown.append, leading_space=True)
+    stream = TextStream(Counting(), leading_space=True)
     for token in ids:
-        stream.push(token)
-    stream.finish()
+        shown.append(stream.push(token))
+    shown.append(stream.finish())
     assert "".join(shown) == tokenizer.decode_continuation(ids)
     assert len(ids) > 400
     assert sum(decoded) <= 2 * 4 * len(ids)  # two decodes per token of at most the tokens since the last piece (+ a character's bytes)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from mixtral_infer.serve.text import Detokenizer, StopStrings
+from mixtral_infer.generation.text_stream import TextStream
+from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.tokenizer import Tokenizer
 
 TEXTS = [
@@ -21,9 +22,9 @@ def tokenizer():
 @pytest.mark.parametrize("leading_space", [True, False])
 def test_pieces_add_up_to_the_decoded_answer(tokenizer, text, leading_space):
     ids = tokenizer.encode(text, bos=False)
-    detokenizer = Detokenizer(tokenizer, leading_space)
+    detokenizer = TextStream(tokenizer, leading_space)
     pieces = [detokenizer.push(token) for token in ids]
-    pieces.append(detokenizer.flush())
+    pieces.append(detokenizer.finish())
     expected = tokenizer.decode(ids)
     if leading_space and tokenizer.id_to_piece(ids[0]).startswith("\u2581"):
         expected = " " + expected
@@ -35,10 +36,10 @@ def test_pieces_add_up_to_the_decoded_answer(tokenizer, text, leading_space):
 def test_half_a_character_is_held_back_and_flushed(tokenizer):
     emoji = tokenizer.encode("🙂", bos=False)
     assert len(emoji) > 1  # byte fallback: one token per byte
-    detokenizer = Detokenizer(tokenizer, leading_space=False)
+    detokenizer = TextStream(tokenizer, leading_space=False)
     assert [detokenizer.push(t) for t in emoji[:-1]] == [""] * (len(emoji) - 1)
     # An answer cut in the middle of a character ends as decode shows it: U+FFFD per stray byte.
-    flushed = detokenizer.flush()
+    flushed = detokenizer.finish()
     assert flushed == tokenizer.decode(emoji[:-1]) and flushed.endswith("\ufffd")
 
 

@@ -17,65 +17,10 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from mixtral_infer.generation.generate import generate
+from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.tokenizer import Tokenizer
-
-REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
-
-
-class TextStream:
-    """Turns tokens into printable text pieces as they arrive, in time linear in the answer.
-
-    Decoding token by token loses sentencepiece's spaces and splits multi-byte characters
-    (byte-fallback pieces), so each new token is decoded together with the tokens since the
-    last piece shown, ``tokens[start:]``, and the text beyond ``tokens[start:shown]``'s is
-    emitted; it is held back while it ends in half a character. Both decodes start at the
-    same token, so the space sentencepiece drops at the start of a decode drops from both.
-
-    Worked example, pieces ``▁And ▁the <0xE4> <0xBD> <0xA0>`` (the last three are 你)::
-
-        push ▁And    decode([▁And]) = "And"           emit " And" (the leading space, see below)
-        push ▁the    [▁And ▁the] - [▁And]             emit " the"   start=1
-        push <0xE4>  [▁the <0xE4>] ends in U+FFFD     hold
-        push <0xBD>  [▁the <0xE4> <0xBD>]             hold
-        push <0xA0>  [▁the 你] - [▁the]                emit "你"
-
-    ``leading_space``: the answer continues a prompt, so a first piece starting with ``▁``
-    shows its space (``Tokenizer.decode_continuation``).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, emit: Callable[[str], None], leading_space: bool):
-        self.tokenizer, self.emit, self.leading_space = tokenizer, emit, leading_space
-        self.tokens: List[int] = []
-        self.pieces: List[str] = []  # what was emitted
-        self.start = 0  # decodes begin at this token: the first one of the last piece shown
-        self.shown = 0  # tokens[:shown] are fully shown
-
-    def _decode(self, end: int) -> str:
-        tokens = self.tokens[self.start : end]
-        if self.start == 0 and self.leading_space:
-            return self.tokenizer.decode_continuation(tokens)
-        return self.tokenizer.decode(tokens)
-
-    def push(self, token: int) -> None:
-        self.tokens.append(token)
-        self._show(final=False)
-
-    def finish(self) -> None:
-        """Emit whatever was held back (an answer may end in half a character)."""
-        self._show(final=True)
-
-    def text(self) -> str:
-        """Everything emitted so far."""
-        return "".join(self.pieces)
-
-    def _show(self, final: bool) -> None:
-        before, now = self._decode(self.shown), self._decode(len(self.tokens))
-        if len(now) > len(before) and (final or not now.endswith(REPLACEMENT_CHARACTER)):
-            self.pieces.append(now[len(before) :])
-            self.emit(self.pieces[-1])
-            self.start, self.shown = self.shown, len(self.tokens)
 
 
 @dataclass
@@ -147,7 +92,7 @@ class Conversation:
         else:
             seen, cache = 0, None
         prompt = self.history[seen:] + turn
-        stream = TextStream(self.tokenizer, emit, leading_space=not self.instruct)
+        stream = TextStream(self.tokenizer, leading_space=not self.instruct)
         seed = None if self.seed is None else self.seed + self.turns
         self.turns += 1
         ended_by_eos = False
@@ -157,7 +102,9 @@ class Conversation:
         def on_token(_: int, token: int) -> None:
             if not first_token:
                 first_token.append(time.perf_counter() - start)
-            stream.push(token)
+            piece = stream.push(token)
+            if piece:
+                emit(piece)
 
         try:
             generated, _ = generate(
@@ -171,7 +118,9 @@ class Conversation:
                 **self.settings,
             )
             ended_by_eos = len(generated[0]) < self.settings["max_tokens"]
-            stream.finish()
+            rest = stream.finish()
+            if rest:
+                emit(rest)
         finally:
             # Also on Ctrl-C: keep what was said; the cache only counts tokens it fully read.
             self.history += turn + stream.tokens + ([self.tokenizer.eos_id] if ended_by_eos else [])

@@ -44,8 +44,9 @@ from mixtral_infer.errors import GenerationError
 from mixtral_infer.fast.decode_step import decode_logits, supports_static_decode
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling, sample
+from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.transformer import Transformer
-from mixtral_infer.serve.text import Detokenizer, StopStrings
+from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.tokenizer import Tokenizer
 
 
@@ -109,7 +110,7 @@ class Request:
     first_token_at: Optional[float] = None
     cancelled: bool = False
     done: bool = False
-    detokenizer: Optional[Detokenizer] = None
+    detokenizer: Optional[TextStream] = None
     stops: Optional[StopStrings] = None
 
 
@@ -186,7 +187,7 @@ class Engine:
         if settings.temperature > 0:
             seed = settings.seed if settings.seed is not None else random.randrange(2**63)
             request.generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        request.detokenizer = Detokenizer(self.tokenizer, settings.leading_space)
+        request.detokenizer = TextStream(self.tokenizer, settings.leading_space)
         request.stops = StopStrings(settings.stop)
         with self.lock:
             if self.draining:
@@ -442,7 +443,7 @@ class Engine:
             if request.row is not None and self.slots[request.row] is request:
                 self.slots[request.row] = None
                 self.running.remove(request)
-        text = "" if reason in ("cancelled", "error") else request.stops.push(request.detokenizer.flush()) + request.stops.flush()
+        text = "" if reason in ("cancelled", "error") else request.stops.push(request.detokenizer.finish()) + request.stops.flush()
         if self.metrics is not None:
             self.metrics.finished(reason, time.perf_counter() - request.arrival, len(request.prompt), len(request.generated))
         request.sink(Finished(reason, text, len(request.prompt), len(request.generated), error))

@@ -1,10 +1,4 @@
-"""Tokens to streamed text: incremental detokenization and stop strings.
-
-Decoding a sentencepiece token alone loses its leading space and may cut a multi-byte
-character in half, and decoding the whole answer again for every token costs time
-quadratic in its length. ``Detokenizer`` decodes a short window instead (as vLLM and TGI
-do): the tokens from ``prefix`` on, minus the text those before ``read`` already gave. The
-window's first token is decoded together with the tokens after it, so its space is kept.
+"""Stop strings on streamed text (the text itself comes from ``generation.text_stream``).
 
 ``StopStrings`` cuts the text at the first stop string and holds back a tail that could be
 the start of one, so streamed text never shows part of a stop string.
@@ -12,49 +6,9 @@ the start of one, so streamed text never shows part of a stop string.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
-
-from mixtral_infer.tokenizer import Tokenizer
+from typing import Optional, Sequence
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
-
-
-class Detokenizer:
-    """Text pieces of an answer, one call per token; their concatenation is the answer's text.
-
-    ``leading_space``: a completion continues its prompt, so an answer whose first piece
-    starts with a word boundary (``▁``) begins with a space, which ``decode`` drops.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, leading_space: bool):
-        self.tokenizer, self.leading_space = tokenizer, leading_space
-        self.tokens: List[int] = []
-        self.prefix = 0  # first token of the decode window
-        self.read = 0  # tokens before this one have been turned into text
-
-    def push(self, token: int) -> str:
-        """The new text after ``token`` ("" while it ends in half a character)."""
-        self.tokens.append(token)
-        before, after = self._window()
-        if len(after) <= len(before) or after.endswith(REPLACEMENT_CHARACTER):
-            return ""
-        return self._advance(after[len(before) :])
-
-    def flush(self) -> str:
-        """What is held back at the end of the answer (half a character, shown as U+FFFD)."""
-        before, after = self._window()
-        return self._advance(after[len(before) :]) if len(after) > len(before) else ""
-
-    def _window(self) -> Tuple[str, str]:
-        """The text of the window's tokens already read, and of all the window's tokens."""
-        decode = self.tokenizer.decode
-        return decode(self.tokens[self.prefix : self.read]), decode(self.tokens[self.prefix :])
-
-    def _advance(self, piece: str) -> str:
-        if self.read == 0 and self.leading_space and self.tokenizer.id_to_piece(self.tokens[0]).startswith("\u2581"):
-            piece = " " + piece
-        self.prefix, self.read = self.read, len(self.tokens)
-        return piece
 
 
 class StopStrings:
