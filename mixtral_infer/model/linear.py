@@ -13,16 +13,24 @@ Example, 2 threads, weight (OUT=6, IN) and x (1, IN)::
 
 Inputs with more rows (prefill) are real matrix products and stay with ``F.linear``,
 as do CUDA tensors and code being compiled by ``torch.compile``.
+
+A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
+(``quant.kernels``), so the model's code has one call per matmul whatever the format.
 """
 
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.quant.kernels import quantized_linear
+from mixtral_infer.quant.weights import QuantizedWeight
+
 MAX_ROWS = 8  # above this many rows, F.linear is as fast or faster (measured on 2 cores)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` (a transposed view on the bmm path)."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(x, weight)
     if x.device.type != "cpu" or torch.compiler.is_compiling():
         return F.linear(x, weight)  # a compiled graph picks its own matmul
     blocks = torch.get_num_threads()
