@@ -114,10 +114,15 @@ class QuantizedWeight:
         return self.scales.device
 
     def __getitem__(self, index) -> "QuantizedWeight":
-        """Expert ``index`` of stacked weights."""
-        values = None if self.values is None else self.values[index]
-        packed = None if self.packed is None else tuple(t[index] for t in self.packed)
-        return QuantizedWeight(self.scheme, values, self.scales[index], self.in_features, packed)
+        """Expert ``index`` of stacked weights: an int gives views, a 0-d tensor a gathered copy
+        (indexed as a 1-element list, which compiles without reading the tensor on the host)."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[index.reshape(1)][0] if isinstance(index, torch.Tensor) else t[index]
+
+        values = None if self.values is None else pick(self.values)
+        packed = None if self.packed is None else tuple(pick(t) for t in self.packed)
+        return QuantizedWeight(self.scheme, values, pick(self.scales), self.in_features, packed)
 
     def integers(self) -> torch.Tensor:
         """The signed integers ``(..., OUT, IN)``: int8 as stored, int4 unpacked to [-8, 7]."""
