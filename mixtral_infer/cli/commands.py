@@ -22,6 +22,8 @@ from mixtral_infer.generation.generate import DECODE_MODES, generate
 from mixtral_infer.generation.settings import as_int, check_new_cache
 from mixtral_infer.generation.settings import check_options as check_generation_options
 from mixtral_infer.model.parallel import Parallel
+from mixtral_infer.quant.model import model_scheme, quantized_numel
+from mixtral_infer.quant.weights import QuantScheme
 from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, resolve_model_folder, shipped_models
 from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
 
@@ -147,6 +149,7 @@ def load(
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
     max_tokens: int = 0,
+    quantize: Optional[str] = None,
 ):
     """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given.
 
@@ -160,7 +163,7 @@ def load(
     if folder.is_dir() and tokenizer_path is None:
         raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
     args = open_checkpoint(folder).args  # the configuration only
-    cache_dtype = torch_dtype or default_dtype(torch_device)
+    cache_dtype = torch_dtype or (torch.bfloat16 if quantize else default_dtype(torch_device))
     check_new_cache(args, max_batch_size, int(max_tokens) + 1, int(max_tokens), cache_dtype, torch_device, parallel)
     start = time.perf_counter()
     model = load_model(
@@ -170,12 +173,14 @@ def load(
         dtype=torch_dtype,
         progress=ProgressBar("loading") if is_main_process() else None,
         parallel=parallel,
+        quantize=quantize,
     )
     tokenizer = Tokenizer(tokenizer_path)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters()) + quantized_numel(model)
+    scheme = model_scheme(model)
     print(
         f"rank {parallel.rank}: " if parallel.world_size > 1 else "",
-        f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}, {model.device}) "
+        f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}{', weights ' + scheme.label if scheme else ''}, {model.device}) "
         f"in {time.perf_counter() - start:.2f}s",
         sep="",
         file=sys.stderr,
@@ -196,6 +201,7 @@ def demo(
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
     decode: str = "auto",
+    quantize: Optional[str] = None,
 ) -> None:
     """Complete three prompts of different lengths in one batch and print them.
 
@@ -206,10 +212,12 @@ def demo(
 
     Under torchrun, --tensor_parallel N or --num_pipeline_ranks N cut the model across the N processes.
     --decode eager|static|compiled|auto: auto compiles the decode step on CUDA (eager on CPU).
+    --quantize int8|int4|int4-128: weight-only quantization while loading (bfloat16 compute unless --dtype).
     """
     check_decode(decode)
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
-    model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens)
+    QuantScheme.parse(quantize)
+    model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
     encoded = [tokenizer.encode(prompt, bos=True) for prompt in DEMO_PROMPTS]
     start = time.perf_counter()
     generated, _ = generate(
@@ -257,18 +265,21 @@ def interactive(
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
     decode: str = "auto",
+    quantize: Optional[str] = None,
 ) -> None:
     """A prompt loop that streams each answer; /reset starts over, /quit (or end of input) leaves.
 
     With --instruct, turns are wrapped in [INST] ... [/INST] and later turns see earlier ones.
     Under torchrun, rank 0 reads the input and shares each line with the other ranks.
     --decode eager|static|compiled|auto: auto compiles the decode step on CUDA (eager on CPU).
+    --quantize int8|int4|int4-128: weight-only quantization while loading (bfloat16 compute unless --dtype).
     """
     check_decode(decode)
+    QuantScheme.parse(quantize)
     if not isinstance(instruct, bool):
         raise GenerationError(f"--instruct takes no value (got {instruct!r}): write --instruct or --noinstruct")
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
-    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens)
+    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
     main_process = is_main_process()
     conversation = Conversation(
         model,
@@ -332,18 +343,22 @@ def _share_line(line: Optional[str]) -> Optional[str]:
     return shared[0]
 
 
-def convert(src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] = None, max_shard_size: str = "5GB") -> None:
+def convert(
+    src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] = None, max_shard_size: str = "5GB",
+    quantize: Optional[str] = None,
+) -> None:  # fmt: skip
     """Write the model folder SRC to the new folder DST in the other layout (--to mistral|hf).
 
     A Hugging Face folder is written in shards of at most --max_shard_size (5GB, 500MB, ...),
-    with the tokenizer files transformers reads.
+    with the tokenizer files transformers reads. --quantize int8|int4|int4-128 writes a
+    quantized Mistral folder (integers and scales) that loads without quantizing again.
     """
     from mixtral_infer.checkpoint.convert import convert as convert_folder
 
     start = time.perf_counter()
     written = convert_folder(
         str(src), str(dst), to=to, dtype=parse_dtype(dtype), max_shard_size=str(max_shard_size),
-        notify=lambda message: print(message, file=sys.stderr),
+        notify=lambda message: print(message, file=sys.stderr), quantize=quantize,
     )
     print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
 

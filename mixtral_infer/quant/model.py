@@ -22,6 +22,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import nn
 
+from mixtral_infer.errors import ConfigError
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 
@@ -56,6 +57,15 @@ def stored_shapes(name: str, shape: Tuple[int, ...], scheme: QuantScheme) -> Tup
     return (out, inputs // 2), (out, inputs // scheme.group_size)
 
 
+def check_quantizable(args, scheme: QuantScheme) -> None:
+    """ConfigError, before any weight is read, when int4 groups do not divide a weight's inputs."""
+    if scheme.group_size is None:
+        return
+    for name, inputs in (("dim", args.dim), ("n_heads * head_dim", args.n_heads * args.head_dim), ("hidden_dim", args.hidden_dim)):
+        if inputs % scheme.group_size:
+            raise ConfigError(f"{name}={inputs} is not a multiple of the int4 group size {scheme.group_size}: choose a group size that divides it")
+
+
 def install(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
     """Put ``weight`` where internal parameter ``name`` was (the parameter is removed)."""
     module_path, _, leaf = name.rpartition(".")
@@ -77,6 +87,11 @@ def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
         if is_quantized(name):
             install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device))
     return model
+
+
+def quantized_numel(model: nn.Module) -> int:
+    """How many weights a model holds quantized (``model.parameters()`` counts only the float ones)."""
+    return sum(module.shape.numel() for module in model.modules() if isinstance(module, QuantizedParameter))
 
 
 def model_scheme(model: nn.Module) -> Optional[QuantScheme]:

@@ -76,6 +76,11 @@ class QuantScheme:
             raise ConfigError(f"quantize={value!r}: only int4 takes a group size (int4-32, int4-128)")
         return cls(name)
 
+    @property
+    def label(self) -> str:
+        """``int8``, ``int4 (groups of 32)``."""
+        return self.name if self.group_size is None else f"{self.name} (groups of {self.group_size})"
+
     def to_params(self) -> dict:
         return {"scheme": self.name} if self.group_size is None else {"scheme": self.name, "group_size": self.group_size}
 
@@ -166,19 +171,32 @@ class QuantizedParameter(nn.Module, QuantizedWeight):
 
 
 def quantize(weight: torch.Tensor, scheme: QuantScheme, dtype: Optional[torch.dtype] = None) -> QuantizedWeight:
-    """Quantize a float weight ``(..., OUT, IN)`` (see the module docstring); scales in ``dtype``."""
+    """Quantize a float weight ``(..., OUT, IN)`` (see the module docstring); scales in ``dtype``.
+
+    Rows are quantized a block at a time, so the float32 working copies stay small
+    (about 64 MB) however large the weight: loading quantizes a model in little more
+    memory than its quantized size.
+    """
     scheme.check_shape("weight", tuple(weight.shape))
-    w = weight.to(torch.float32)
     out_dtype = dtype or (weight.dtype if weight.is_floating_point() else torch.float32)
+    rows = weight.reshape(-1, weight.shape[-1])  # (R, IN): every output row of every expert
+    block = max(1, (16 << 20) // weight.shape[-1])  # 16M float32 values per block
+    parts = [_quantize_rows(rows[start : start + block].to(torch.float32), scheme) for start in range(0, rows.shape[0], block)]
+    values = torch.cat([v for v, _ in parts]).reshape(*weight.shape[:-1], -1)
+    scales = torch.cat([s for _, s in parts]).to(out_dtype)
+    scales = scales.reshape(*weight.shape[:-1]) if scheme.name == "int8" else scales.reshape(*weight.shape[:-1], -1)
+    return QuantizedWeight(scheme, values, scales, weight.shape[-1])
+
+
+def _quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integers and float32 scales of float32 rows ``(R, IN)``."""
     if scheme.name == "int8":
-        scales = _bfloat16_scale(w.abs().amax(dim=-1) / 127)  # (..., OUT)
-        q = torch.clamp(torch.round(w / scales[..., None]), -127, 127).to(torch.int8)
-        return QuantizedWeight(scheme, q, scales.to(out_dtype), weight.shape[-1])
-    groups = w.unflatten(-1, (-1, scheme.group_size))  # (..., OUT, IN/G, G)
-    scales = _bfloat16_scale(groups.abs().amax(dim=-1) / 7)  # (..., OUT, IN/G)
-    n = (torch.clamp(torch.round(groups / scales[..., None]), -8, 7) + 8).to(torch.uint8).flatten(-2)  # (..., OUT, IN)
-    values = n[..., 0::2] | (n[..., 1::2] << 4)  # (..., OUT, IN/2)
-    return QuantizedWeight(scheme, values, scales.to(out_dtype), weight.shape[-1])
+        scales = _bfloat16_scale(w.abs().amax(dim=-1) / 127)  # (R,)
+        return torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8), scales
+    groups = w.unflatten(-1, (-1, scheme.group_size))  # (R, IN/G, G)
+    scales = _bfloat16_scale(groups.abs().amax(dim=-1) / 7)  # (R, IN/G)
+    n = (torch.clamp(torch.round(groups / scales[..., None]), -8, 7) + 8).to(torch.uint8).flatten(-2)  # (R, IN)
+    return n[:, 0::2] | (n[:, 1::2] << 4), scales  # (R, IN/2): inputs 2j and 2j+1 in one byte
 
 
 def _bfloat16_scale(scale: torch.Tensor) -> torch.Tensor:
