@@ -14,6 +14,8 @@ Worked example, int4 with groups of 32, published ``layers.0.attention.wq.weight
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -35,9 +37,37 @@ def quantize_published(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype
     in the layout of ``device``'s kernel, scales in ``dtype``; other tensors pass unchanged."""
     for name, tensor in tensors:
         if is_quantized_published(name):
-            yield name, prepare(quantize(tensor.to(device), scheme, dtype))
+            weight = prepare(quantize(tensor.to(device), scheme, dtype))
+            del tensor
+            release_freed_memory()
+            yield name, weight
         else:
             yield name, tensor
+
+
+def release_freed_memory() -> None:
+    """Give the pages of freed working copies back to the system (glibc's ``malloc_trim``).
+
+    Quantizing leaves the float tensor and its working copies freed between the integers
+    the model keeps; glibc keeps such holes resident, and over a model they add up to
+    about the quantized size again (measured: peak 2.2x the quantized model without this,
+    1.1x with it). Elsewhere than glibc this does nothing.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
 
 
 def to_stored(tensors: Tensors, scheme: QuantScheme) -> Tensors:
@@ -68,7 +98,10 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
         if values.dtype != expected:
             raise CheckpointError(f"{source}: {weight_name} has dtype {values.dtype}, {scheme.name} stores {expected}")
         in_features = values.shape[-1] * (2 if scheme.name == "int4" else 1)
-        yield weight_name, prepare(QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features))
+        weight = prepare(QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features))
+        del values, scales, tensor
+        release_freed_memory()
+        yield weight_name, weight
     if waiting:
         name = sorted(waiting)[0]
         missing = scales_name(name) if name.endswith(".weight") else name[: -len("scales")] + "weight"

@@ -47,6 +47,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return reference_linear(x, weight)
 
 
+ROWS_PER_CONVERSION = 256  # a multiple of the kernel's 64-row blocks; bounds the int32 working copy
+
+
 def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:
     """Give ``weight`` the layout its device's kernel reads; drop the plain values unless ``keep_values``.
 
@@ -58,12 +61,16 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.scheme.name != "int4" or weight.shape[-2] % 16:
         return weight
-    nibbles = torch.stack([weight.values & 15, weight.values >> 4], dim=-1).flatten(-2).to(torch.int32)  # (..., OUT, IN)
-    matrices = nibbles.reshape(-1, *nibbles.shape[-2:])  # (E, OUT, IN): one per expert
-    packed = torch.stack([torch.ops.aten._convert_weight_to_int4pack_for_cpu(m, 1) for m in matrices])
-    packed = packed.reshape(*nibbles.shape[:-1], -1)  # (..., OUT, IN/2)
-    scales = weight.scales.transpose(-1, -2)  # (..., IN/G, OUT)
-    scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()  # (..., IN/G, OUT, 2)
+    # Without keep_values the kernel layout overwrites the plain one: no new memory for the weight.
+    packed = weight.values.clone() if keep_values else weight.values  # (..., OUT, IN/2)
+    scales_and_zeros = torch.zeros(*weight.scales.shape[:-2], weight.scales.shape[-1], weight.scales.shape[-2], 2, dtype=weight.dtype)
+    scales_and_zeros[..., 0] = weight.scales.transpose(-1, -2)  # (..., IN/G, OUT, 2): [scale, 0]
+    rows = ROWS_PER_CONVERSION
+    for matrix in packed.view(-1, *packed.shape[-2:]):  # one expert (OUT, IN/2) at a time, in place
+        for start in range(0, matrix.shape[0], rows):  # the layout is blocked by 64 rows: slices convert alike
+            part = matrix[start : start + rows]
+            nibbles = torch.stack([part & 15, part >> 4], dim=-1).flatten(-2).to(torch.int32)  # (rows, IN)
+            part.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1))
     weight.packed = (packed, scales_and_zeros)
     if not keep_values:
         weight.values = None

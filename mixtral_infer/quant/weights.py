@@ -174,28 +174,35 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme, dtype: Optional[torch.dt
     """Quantize a float weight ``(..., OUT, IN)`` (see the module docstring); scales in ``dtype``.
 
     Rows are quantized a block at a time, so the float32 working copies stay small
-    (about 64 MB) however large the weight: loading quantizes a model in little more
-    memory than its quantized size.
+    (1 MB) however large the weight: loading quantizes a model in little more memory
+    than its quantized size.
     """
     scheme.check_shape("weight", tuple(weight.shape))
     out_dtype = dtype or (weight.dtype if weight.is_floating_point() else torch.float32)
     rows = weight.reshape(-1, weight.shape[-1])  # (R, IN): every output row of every expert
-    block = max(1, (16 << 20) // weight.shape[-1])  # 16M float32 values per block
-    parts = [_quantize_rows(rows[start : start + block].to(torch.float32), scheme) for start in range(0, rows.shape[0], block)]
-    values = torch.cat([v for v, _ in parts]).reshape(*weight.shape[:-1], -1)
-    scales = torch.cat([s for _, s in parts]).to(out_dtype)
-    scales = scales.reshape(*weight.shape[:-1]) if scheme.name == "int8" else scales.reshape(*weight.shape[:-1], -1)
-    return QuantizedWeight(scheme, values, scales, weight.shape[-1])
+    # The results are allocated first and filled block by block: the working copies, freed
+    # after each block, then leave no holes between the tensors the model keeps.
+    packed_in = weight.shape[-1] // (2 if scheme.name == "int4" else 1)
+    values = torch.empty(rows.shape[0], packed_in, dtype=torch.int8 if scheme.name == "int8" else torch.uint8, device=weight.device)
+    n_scales = 1 if scheme.name == "int8" else weight.shape[-1] // scheme.group_size
+    scales = torch.empty(rows.shape[0], n_scales, dtype=out_dtype, device=weight.device)
+    block = max(1, (1 << 18) // weight.shape[-1])  # 256K float32 values (1 MB) per block
+    for start in range(0, rows.shape[0], block):
+        block_values, block_scales = _quantize_rows(rows[start : start + block].to(torch.float32, copy=True), scheme)
+        values[start : start + block] = block_values
+        scales[start : start + block] = block_scales.reshape(block_values.shape[0], n_scales)
+    scales = scales.reshape(weight.shape[:-1]) if scheme.name == "int8" else scales.reshape(*weight.shape[:-1], n_scales)
+    return QuantizedWeight(scheme, values.reshape(*weight.shape[:-1], packed_in), scales, weight.shape[-1])
 
 
 def _quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integers and float32 scales of float32 rows ``(R, IN)``."""
+    """Integers and float32 scales of float32 rows ``(R, IN)`` (overwritten: no working copies)."""
     if scheme.name == "int8":
         scales = _bfloat16_scale(w.abs().amax(dim=-1) / 127)  # (R,)
-        return torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8), scales
+        return w.div_(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
     groups = w.unflatten(-1, (-1, scheme.group_size))  # (R, IN/G, G)
     scales = _bfloat16_scale(groups.abs().amax(dim=-1) / 7)  # (R, IN/G)
-    n = (torch.clamp(torch.round(groups / scales[..., None]), -8, 7) + 8).to(torch.uint8).flatten(-2)  # (R, IN)
+    n = groups.div_(scales[..., None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8).flatten(-2)  # (R, IN)
     return n[:, 0::2] | (n[:, 1::2] << 4), scales  # (R, IN/2): inputs 2j and 2j+1 in one byte
 
 
