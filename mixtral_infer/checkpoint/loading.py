@@ -355,7 +355,7 @@ def load_model(
     if scheme is not None and stored is not None:
         raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized ({stored.name}) already; load without quantize=")
     if scheme is not None:
-        check_quantizable(checkpoint.args, scheme)
+        check_quantizable(checkpoint.args, scheme, parallel.tensor_parallel)
     if (scheme or stored) is not None and dtype is None:
         dtype = torch.bfloat16
     tokenizer = find_tokenizer(checkpoint.folder)

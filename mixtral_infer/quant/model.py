@@ -57,13 +57,16 @@ def stored_shapes(name: str, shape: Tuple[int, ...], scheme: QuantScheme) -> Tup
     return (out, inputs // 2), (out, inputs // scheme.group_size)
 
 
-def check_quantizable(args, scheme: QuantScheme) -> None:
-    """ConfigError, before any weight is read, when int4 groups do not divide a weight's inputs."""
+def check_quantizable(args, scheme: QuantScheme, tensor_parallel: int = 1) -> None:
+    """ConfigError, before any weight is read, when int4 groups do not divide a weight's inputs
+    (with tensor parallelism, each rank's share of ``wo`` and ``w2`` inputs: ranks quantize their own)."""
     if scheme.group_size is None:
         return
-    for name, inputs in (("dim", args.dim), ("n_heads * head_dim", args.n_heads * args.head_dim), ("hidden_dim", args.hidden_dim)):
+    n = tensor_parallel
+    for name, inputs in (("dim", args.dim), ("n_heads * head_dim", args.n_heads * args.head_dim // n), ("hidden_dim", args.hidden_dim // n)):
         if inputs % scheme.group_size:
-            raise ConfigError(f"{name}={inputs} is not a multiple of the int4 group size {scheme.group_size}: choose a group size that divides it")
+            share = f" / tensor_parallel={n}" if n > 1 and name != "dim" else ""
+            raise ConfigError(f"{name}{share} = {inputs} inputs is not a multiple of the int4 group size {scheme.group_size}: choose a group size that divides it")
 
 
 def install(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
