@@ -29,7 +29,7 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
     router, and ``min(E, B * k)`` experts per layer).
 
 * prefill of one prompt of 2048 and 8192 tokens, last logit only (what generation needs):
-  ours ``generate.prefill(..., logprobs=False)`` at the default chunk, transformers
+  ours ``generate.prefill`` (last logits only) at the default chunk, transformers
   ``model(prompt, logits_to_keep=1)``; with the peak GPU memory over what was allocated before.
 
 * quantized decode (``--quantize int8 int4``, default both; ``--quantize`` alone for none): the
@@ -352,8 +352,8 @@ def bench_prefill(ours: Transformer, hf, length: int, repeats: int, log) -> Dict
 
     def run_ours() -> None:
         cache = ours.make_cache(1, max_seqlen=length + 1)
-        cache.init_kvseqlens(1)
-        prefill(ours, cache, prompt, default_chunk_size(1), logprobs=False)
+        cache.start_sequences(1)
+        prefill(ours, cache, prompt, default_chunk_size(1))
 
     def run_hf() -> None:
         hf(torch.tensor(prompt, device=device), use_cache=True, logits_to_keep=1)

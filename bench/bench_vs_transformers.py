@@ -45,7 +45,7 @@ What is measured, in one process unless said otherwise:
    ``--repeats`` runs after a warm-up, ours and transformers alternating:
 
    * last logit, ours with the default chunk (``generate.default_chunk_size(1)`` = 2048 tokens):
-     what generation does. Ours ``generate.prefill(..., logprobs=False)``, transformers
+     what generation does. Ours ``generate.prefill`` (last logits only), transformers
      ``logits_to_keep=1`` (as ``hf.generate`` does);
    * the same with ours in chunks of the window (256): less activation memory, smaller matmuls;
    * all logits, ours with the default chunk: every prompt token's logits on both sides (scoring).
@@ -392,8 +392,8 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> List[List[
 def ours_decode(model: Transformer, prompts: List[List[int]], new_tokens: int) -> tuple[float, List[List[int]]]:
     batch = len(prompts)
     cache = model.make_cache(batch, max_seqlen=len(prompts[0]) + new_tokens)
-    cache.init_kvseqlens(batch)
-    logits, _ = ours_prefill(model, cache, prompts, default_chunk_size(len(prompts)), logprobs=False)
+    cache.start_sequences(batch)
+    logits = ours_prefill(model, cache, prompts, default_chunk_size(len(prompts)))
     tokens = logits.argmax(-1)
     out = [tokens]
     seqlens = [1] * batch
@@ -509,9 +509,9 @@ def ours_chunked_prefill(model: Transformer, prompt: List[int], chunk: int, all_
     does with ``prompt_logprobs=False``.
     """
     cache = model.make_cache(1)
-    cache.init_kvseqlens(1)
+    cache.start_sequences(1)
     if not all_logits:
-        logits, _ = ours_prefill(model, cache, [prompt], chunk, logprobs=False)
+        logits = ours_prefill(model, cache, [prompt], chunk)
         return logits[0], cache
     ids = torch.tensor(prompt, dtype=torch.long)
     logits = None

@@ -1,18 +1,18 @@
-"""Peak memory, disk and time of ``convert --to hf``: the hand-written single-file writer vs shards.
+"""Peak memory, disk and time of ``convert``, for several source trees (before / after a change).
 
-Builds a random float32 Mistral-layout checkpoint (default about 1.7 GB), then converts it
-to a Hugging Face folder in a fresh subprocess per writer:
+Builds a random float32 Mistral-layout checkpoint (default about 1.7 GB: the bench shapes of
+``bench_vs_transformers.py`` at 4 layers), then converts it in a fresh subprocess per source
+tree (``--tree NAME=DIR``, e.g. a ``git archive`` of main, and this tree) and case:
 
-* ``hand``: what ``convert --to hf`` did before: ``write_safetensors`` streams tensors to
-  a side file, then copies them behind the header into ``model.safetensors`` (every byte
-  written twice, twice the checkpoint on disk at the end);
-* ``shards``: ``write_hf_shards`` through the ``safetensors`` library, at the default
-  ``max_shard_size`` (5 GB: the whole model is one shard) and at smaller limits.
+* ``hf 5GB``: ``convert --to hf`` at the default ``max_shard_size`` (the whole model is one shard);
+* ``hf 500MB``: the same in shards of at most 500 MB;
+* ``mistral``: ``convert --to mistral`` (one ``consolidated.safetensors``, the hand-written writer).
 
 A thread samples the process's anonymous and file-backed resident memory (``RssAnon``,
-``RssFile`` in /proc/self/status) and the bytes under the destination every 5 ms.
+``RssFile`` in /proc/self/status, counted over their values just before converting) and the
+bytes under the destination's folder every 5 ms.
 
-    .venv/bin/python bench/convert_memory.py --out bench/convert_memory.json
+    .venv/bin/python bench/convert_memory.py --tree main=/tmp/main-tree --tree this=. --out bench/convert_memory.json
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,12 +34,9 @@ CHILD = textwrap.dedent(
 
     import torch
 
-    from mixtral_infer.checkpoint.loading import open_checkpoint
     from mixtral_infer.checkpoint.convert import convert
-    from mixtral_infer.checkpoint.hf_format import published_to_hf
-    from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
 
-    src, dst, writer, shard = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+    src, dst, target, shard = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 
     def status():
         fields = {}
@@ -74,13 +72,7 @@ CHILD = textwrap.dedent(
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     start = time.perf_counter()
-    if writer == "hand":
-        checkpoint = open_checkpoint(src)
-        dst.mkdir()
-        write_safetensors(dst / "model.safetensors", published_to_hf(checkpoint.published_tensors(), checkpoint.args),
-                          metadata={"format": "pt"})
-    else:
-        convert(src, dst, to="hf", max_shard_size=shard)
+    convert(src, dst, to=target, max_shard_size=shard if shard != "-" else "5GB")
     seconds = time.perf_counter() - start
     done.set()
     thread.join()
@@ -88,7 +80,7 @@ CHILD = textwrap.dedent(
     print(json.dumps({
         "seconds": seconds,
         "peak_anon_over_start": peak["RssAnon"] - base["RssAnon"],
-        "peak_file_backed": peak["RssFile"],
+        "peak_file_backed": peak["RssFile"] - base["RssFile"],
         "peak_hwm_over_start": end["VmHWM"] - base["VmHWM"] if end["VmHWM"] > base["VmHWM"] else 0,
         "peak_disk": peak["disk"],
         "files": sorted(p.name for p in dst.iterdir()),
@@ -118,29 +110,43 @@ def build_checkpoint(folder: Path, dim: int, n_layers: int, hidden: int, experts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", action="append", required=True, help="NAME=DIR: a source tree holding mixtral_infer/")
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--workdir", type=Path, default=None)
     options = parser.parse_args()
+    trees = dict(tree.split("=", 1) for tree in options.tree)
     workdir = Path(tempfile.mkdtemp(prefix="convert-memory-", dir=options.workdir))
     checkpoint_bytes = build_checkpoint(workdir / "src", dim=1024, n_layers=options.layers, hidden=3584, experts=8)
     print(f"checkpoint: {checkpoint_bytes / 1e9:.2f} GB float32 in {workdir / 'src'}", file=sys.stderr)
-    results = {"checkpoint_bytes": checkpoint_bytes, "runs": []}
-    for writer, shard in [("hand", ""), ("shards", "5GB"), ("shards", "500MB"), ("shards", "200MB")]:
-        out = workdir / f"out-{writer}-{shard}"
-        out.mkdir()
-        command = [sys.executable, "-c", CHILD, str(workdir / "src"), str(out / "hf"), writer, shard or "-"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        run = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
-        run.update(writer=writer, max_shard_size=shard or None)
-        results["runs"].append(run)
-        print(
-            f"{writer:6} {shard or '':>6}: {run['seconds']:6.1f} s, peak anonymous {run['peak_anon_over_start'] / 1e6:7.0f} MB, "
-            f"file-backed {run['peak_file_backed'] / 1e6:5.0f} MB, disk {run['peak_disk'] / 1e9:.2f} GB, "
-            f"{len(run['files'])} files",
-            file=sys.stderr,
-        )
-        subprocess.run(["rm", "-rf", str(out)], check=True)
+    results = {"checkpoint_bytes": checkpoint_bytes, "trees": {n: str(Path(t).resolve()) for n, t in trees.items()}, "runs": []}
+    cases = [("hf", "5GB"), ("hf", "500MB"), ("mistral", "")]
+    for target, shard in cases:
+        for repeat in range(options.repeats):
+            for name, tree in trees.items():  # alternating, so that a drift of the machine hits every tree
+                out = workdir / f"out-{name}"
+                out.mkdir()
+                command = [sys.executable, "-c", CHILD, str(workdir / "src"), str(out / "dst"), target, shard or "-"]
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(tree).resolve())}
+                run = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env, cwd=workdir).stdout)
+                run.update(tree=name, to=target, max_shard_size=shard or None, repeat=repeat)
+                results["runs"].append(run)
+                print(
+                    f"{target:7} {shard:>6} {name:6}: {run['seconds']:6.1f} s, peak anonymous {run['peak_anon_over_start'] / 1e6:7.0f} MB, "
+                    f"file-backed {run['peak_file_backed'] / 1e6:5.0f} MB, disk {run['peak_disk'] / 1e9:.2f} GB, "
+                    f"{len(run['files'])} files",
+                    file=sys.stderr,
+                )
+                subprocess.run(["rm", "-rf", str(out)], check=True)
+    results["median"] = {
+        f"{target} {shard} {name}".replace("  ", " "): {
+            key: statistics.median(r[key] for r in results["runs"] if (r["to"], r["max_shard_size"] or "", r["tree"]) == (target, shard, name))
+            for key in ("seconds", "peak_anon_over_start", "peak_file_backed", "peak_disk")
+        }
+        for target, shard in cases
+        for name in trees
+    }
     subprocess.run(["rm", "-rf", str(workdir)], check=True)
     if options.out is not None:
         options.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -42,8 +42,8 @@ def tiny_copy(args: ModelArgs) -> ModelArgs:
 def primed(model, batch: int, new_tokens: int):
     prompts = random_prompts(batch, PROMPT_LEN, model.args.vocab_size, seed=3)
     cache = model.make_cache(batch, max_seqlen=PROMPT_LEN + new_tokens)
-    cache.init_kvseqlens(batch)
-    logits, _ = prefill(model, cache, prompts, model.args.sliding_window)
+    cache.start_sequences(batch)
+    logits = prefill(model, cache, prompts, model.args.sliding_window)
     return cache, logits.argmax(-1)
 
 

@@ -77,10 +77,6 @@ class Tokenizer:
     def eos_id(self) -> int:
         return self._model.eos_id()
 
-    @property
-    def pad_id(self) -> int:
-        return self._model.pad_id()
-
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> List[int]:
         """Token ids of ``text``. Lone surrogates (undecodable input bytes) become U+FFFD."""
         if not isinstance(text, str):
@@ -104,6 +100,17 @@ class Tokenizer:
 
     def decode(self, ids: List[int]) -> str:
         return self._model.decode(list(ids))
+
+    def decode_continuation(self, ids: List[int]) -> str:
+        """Tokens that continue a text: sentencepiece drops the space of a first ``▁word``
+        piece at the start of a decode, which a continuation must keep.
+
+        ``decode([▁the, ▁LORD]) == "the LORD"``, ``decode_continuation([▁the, ▁LORD]) == " the LORD"``.
+        """
+        text = self.decode(ids)
+        if ids and self.id_to_piece(ids[0]).startswith("\u2581"):
+            text = " " + text
+        return text
 
     def id_to_piece(self, token_id: int) -> str:
         return self._model.id_to_piece(token_id)

@@ -1,4 +1,5 @@
-"""The rotating cache against the worked examples of the article in shared/seeds."""
+"""The rotating cache against the worked examples of 猛猿's article "图解Mixtral 8 * 7b推理优化原理与源码实现"
+(Mixtral 8x7b inference optimisation explained, with source code; see cache.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from mixtral_infer.model.xformers_bias import (
 def position_cache(window: int, batch: int) -> RotatingBufferCache:
     """A one-layer cache with one KV head of size 1, so each slot holds a single number."""
     cache = RotatingBufferCache(1, batch, window, n_kv_heads=1, head_dim=1, sliding_window=window)
-    cache.init_kvseqlens(batch)
+    cache.start_sequences(batch)
     return cache
 
 
@@ -26,7 +27,7 @@ def write_chunk(cache: RotatingBufferCache, seqlens: list[int]) -> None:
     metadata = cache.get_input_metadata(seqlens)
     keys = metadata.positions.float()[:, None, None]  # (T, 1, 1)
     cache.get_view(0, metadata).update(keys, keys)
-    cache.update_seqlens(seqlens)
+    cache.advance(seqlens)
 
 
 def slots(cache: RotatingBufferCache, b: int) -> list[int]:
@@ -57,14 +58,13 @@ def test_ragged_chunk_rotates_and_unrotates():
 
 
 def test_metadata_worked_example():
-    """seqlens [5, 7, 2] at positions [0, 1, 3], W=3 (the example in cache.py's docstring)."""
+    """chunk_lengths [5, 7, 2] at positions [0, 1, 3], W=3 (the example in cache.py's docstring)."""
     metadata = build_input_metadata([5, 7, 2], [0, 1, 3], cache_size=3, sliding_window=3, device=torch.device("cpu"))
     assert metadata.positions.tolist() == [0, 1, 2, 3, 4, 1, 2, 3, 4, 5, 6, 7, 3, 4]
     assert metadata.to_cache_mask.tolist() == [False, False, True, True, True] + [False] * 4 + [True] * 5
-    assert metadata.cached_elements.tolist() == [3, 3, 2]
     assert metadata.cache_positions.tolist() == [2, 0, 1, 5, 3, 4, 6, 7]
     assert metadata.to_cache_rows.tolist() == [2, 3, 4, 9, 10, 11, 12, 13]
-    assert metadata.prefill
+    assert not metadata.decoding
     assert isinstance(metadata.mask, BlockDiagonalCausalLocalAttentionFromBottomRightMask)
     # Sequence 0 has nothing cached; sequence 1 has 1 token, sequence 2 has 3 (clamped to W=3).
     assert metadata.mask.k_seqinfo.seqstart_py == [0, 5, 5 + 8, 5 + 8 + 5]
@@ -73,9 +73,9 @@ def test_metadata_worked_example():
 def test_first_chunk_uses_causal_local_mask_and_decode_uses_padded_keys():
     first = build_input_metadata([4, 2], [0, 0], cache_size=4, sliding_window=4, device=torch.device("cpu"))
     assert isinstance(first.mask, BlockDiagonalCausalLocalAttentionMask)
-    assert first.first_prefill
+    assert first.nothing_cached and not first.decoding
     decode = build_input_metadata([1, 0, 1], [9, 5, 2], cache_size=4, sliding_window=4, device=torch.device("cpu"))
-    assert not decode.prefill
+    assert decode.decoding
     assert isinstance(decode.mask, BlockDiagonalCausalWithOffsetPaddedKeysMask)
     assert decode.mask.k_seqinfo.seqlen_py == [4, 4, 3]
     assert decode.cache_positions.tolist() == [9 % 4, 2 * 4 + 2]
@@ -91,7 +91,7 @@ def test_interleave_kv_puts_each_cache_before_its_chunk():
 
 
 def test_kv_gather_worked_example():
-    """S = 3, seqlens [2, 0, 1], seen [4, 9, 1] (the example in kv_gather's docstring)."""
+    """S = 3, chunk_lengths [2, 0, 1], seen [4, 9, 1] (the example in kv_gather's docstring)."""
     gather = kv_gather([2, 0, 1], [4, 9, 1], cache_size=3, device=torch.device("cpu"))
     assert gather.cache_rows.tolist() == [1, 2, 0, 6]
     assert gather.cache_dst.tolist() == [0, 1, 2, 5]

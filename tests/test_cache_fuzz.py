@@ -57,7 +57,7 @@ def test_rotating_cache_matches_full_history(scenario, seed):
     cache = RotatingBufferCache(1, batch, window, N_KV_HEADS, HEAD_DIM, sliding_window=window)
     cache.cache_k.fill_(float("nan"))
     cache.cache_v.fill_(float("nan"))
-    cache.init_kvseqlens(batch)
+    cache.start_sequences(batch)
     history_k = [torch.empty(0, N_KV_HEADS, HEAD_DIM) for _ in range(batch)]
     history_v = [torch.empty(0, N_KV_HEADS, HEAD_DIM) for _ in range(batch)]
 
@@ -76,14 +76,14 @@ def test_rotating_cache_matches_full_history(scenario, seed):
 
         metadata = cache.get_input_metadata(seqlens)
         view = cache.get_view(0, metadata)
-        if view.prefill:
-            key, value = view.interleave_kv(xk, xv)
-            view.update(xk, xv)
-        else:
+        if view.decoding:
             view.update(xk, xv)
             key, value = view.key, view.value
+        else:
+            key, value = view.interleave_kv(xk, xv)
+            view.update(xk, xv)
         out = torch_attention(q, key, value, view.mask)
-        cache.update_seqlens(seqlens)
+        cache.advance(seqlens)
 
         offset = 0
         for b, n in enumerate(seqlens):
@@ -98,7 +98,7 @@ def test_rotating_cache_matches_full_history(scenario, seed):
 
         for b in range(batch):
             length = history_k[b].shape[0]
-            assert cache.seqlens[b] == length
+            assert cache.tokens_seen[b] == length
             kept = min(window, length)
             torch.testing.assert_close(unrotate(cache.cache_k[0, b], length), history_k[b][length - kept :])
             torch.testing.assert_close(unrotate(cache.cache_v[0, b], length), history_v[b][length - kept :])

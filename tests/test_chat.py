@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 from conftest import random_model, tiny_args
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mixtral_infer import Tokenizer, generate
 from mixtral_infer.generation.chat import Conversation, TextStream
@@ -30,14 +32,14 @@ def test_later_turns_see_earlier_ones(chat_parts):
     history = list(conversation.history)
     assert history[0] == tokenizer.bos_id
     pieces = []
-    answer = conversation.reply("and a second one", emit=pieces.append)
+    answer = conversation.reply("and a second one", emit=pieces.append).text
     turn = tokenizer.encode("[INST] and a second one [/INST]", bos=False)
     expected = answer_from_scratch(model, tokenizer, history + turn, 20)
     assert conversation.history[len(history) + len(turn) :][: len(expected)] == expected
     assert "".join(pieces) == answer == tokenizer.decode(expected)
     if model.args.sliding_window is not None:
         assert conversation.cache.cache_size == model.args.sliding_window  # constant memory
-        assert conversation.cache.seqlens[0] > 3 * model.args.sliding_window
+        assert conversation.cache.tokens_seen[0] > 3 * model.args.sliding_window
 
 
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(chat_parts):
@@ -55,7 +57,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(chat_parts):
         conversation.reply("tell me more", emit=interrupt_after_three)
     history = list(conversation.history)
     turn = tokenizer.encode("[INST] go on [/INST]", bos=False)
-    answer = conversation.reply("go on")
+    answer = conversation.reply("go on").text
     assert answer == tokenizer.decode(answer_from_scratch(model, tokenizer, history + turn, 20))
 
 
@@ -63,7 +65,7 @@ def test_plain_mode_treats_each_line_as_a_new_prompt(chat_parts):
     model, tokenizer = chat_parts
     conversation = Conversation(model, tokenizer, max_tokens=10)
     conversation.reply("something else first")
-    answer = conversation.reply("The module")
+    answer = conversation.reply("The module").text
     expected = answer_from_scratch(model, tokenizer, tokenizer.encode("The module"), 10)
     assert answer.strip() == tokenizer.decode(expected).strip()
 
@@ -76,3 +78,68 @@ def test_text_stream_holds_back_half_characters(tokenizer_path):
         stream.push(token)
     assert "".join(shown) == "naïve 中文 🙂"
     assert all("\ufffd" not in piece for piece in shown)
+
+
+SHIPPED_TOKENIZER = Tokenizer.from_folder("tiny-mixtral")
+
+
+def test_text_stream_worked_example():
+    """The example in TextStream's docstring, on the shipped tokenizer (你 has no piece: three byte pieces)."""
+    tokenizer = SHIPPED_TOKENIZER
+    ids = tokenizer.encode("And the你", bos=False)
+    assert [tokenizer.id_to_piece(i) for i in ids] == ["\u2581And", "\u2581the", "<0xE4>", "<0xBD>", "<0xA0>"]
+    shown = []
+    stream = TextStream(tokenizer, shown.append, leading_space=True)
+    starts = []
+    for token in ids:
+        stream.push(token)
+        starts.append(stream.start)
+    assert shown == [" And", " the", "你"]
+    assert starts == [0, 1, 1, 1, 2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(3, SHIPPED_TOKENIZER.n_words - 1), max_size=30),
+    leading_space=st.booleans(),
+    finished=st.booleans(),
+)
+def test_streamed_text_is_the_whole_decode(ids, leading_space, finished):
+    """Any token sequence (byte pieces in any order, lone ``▁``, leading spaces): the pieces add up to one decode."""
+    tokenizer = SHIPPED_TOKENIZER
+    shown = []
+    stream = TextStream(tokenizer, shown.append, leading_space=leading_space)
+    for token in ids:
+        stream.push(token)
+    whole = tokenizer.decode_continuation(ids) if leading_space else tokenizer.decode(ids)
+    if finished:
+        stream.finish()
+        assert "".join(shown) == whole
+    else:  # only a trailing half character may be held back
+        assert whole.startswith("".join(shown))
+        assert "".join(shown) == whole or whole.endswith("\ufffd")
+
+
+def test_streaming_decodes_each_token_a_bounded_number_of_times():
+    """Incremental: decoding work grows with the answer's length, not with its square."""
+    tokenizer = SHIPPED_TOKENIZER
+    ids = tokenizer.encode("And the LORD spake unto Moses, saying, 你好 " * 40, bos=False)
+    decoded = []
+
+    class Counting:
+        def decode(self, tokens):
+            decoded.append(len(tokens))
+            return tokenizer.decode(tokens)
+
+        def decode_continuation(self, tokens):
+            decoded.append(len(tokens))
+            return tokenizer.decode_continuation(tokens)
+
+    shown = []
+    stream = TextStream(Counting(), shown.append, leading_space=True)
+    for token in ids:
+        stream.push(token)
+    stream.finish()
+    assert "".join(shown) == tokenizer.decode_continuation(ids)
+    assert len(ids) > 400
+    assert sum(decoded) <= 2 * 4 * len(ids)  # two decodes per token of at most the tokens since the last piece (+ a character's bytes)

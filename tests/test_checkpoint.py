@@ -86,7 +86,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 
     save_consolidated(random_model(tiny_args()), tmp_path / "mistral")
 
-    def fail_midway(folder, tensors, max_shard_size, metadata=None):
+    def fail_midway(folder, tensors, max_shard_size, metadata=None, plan=None):
         next(iter(tensors))
         raise KeyboardInterrupt
 
@@ -131,3 +131,49 @@ def test_loading_peak_memory_stays_near_one_copy(tmp_path):
     )
     peak = int(result.stdout.strip())
     assert peak < 1.5 * checkpoint_bytes, f"peak {peak / 1e6:.0f} MB for a {checkpoint_bytes / 1e6:.0f} MB checkpoint"
+
+
+@pytest.mark.parametrize("weights", ["consolidated.safetensors", "consolidated.00.pth"])
+def test_progress_counts_every_tensor_of_either_file_once(tmp_path, weights):
+    """A .pth used to report (done, done) for each tensor: from tensor 50 on the bar printed a full line each."""
+    args = tiny_args(moe=False)
+    args.n_layers = 6  # 6 * 9 + 3 = 57 tensors: above the bar's threshold of 50
+    folder = tmp_path / "model"
+    save_consolidated(random_model(args), folder)
+    if weights.endswith(".pth"):
+        from mixtral_infer.checkpoint.safetensors_reader import iter_tensors
+
+        torch.save(dict(iter_tensors(folder / "consolidated.safetensors")), folder / weights)
+        (folder / "consolidated.safetensors").unlink()
+    calls = []
+    load_model(folder, device="cpu", progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, 57) for i in range(1, 58)]
+
+
+def test_hf_config_without_rms_norm_eps_gets_mistral_configs_default():
+    import transformers
+
+    from mixtral_infer.checkpoint.hf_format import args_from_hf_config
+
+    config = hf_config_from_args(tiny_args(moe=False), torch.float32)
+    del config["rms_norm_eps"]
+    assert args_from_hf_config(config).norm_eps == transformers.MistralConfig().rms_norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("batch", [0, -1, "2", 1.5])
+def test_max_batch_size_is_validated_with_the_args(tmp_path, batch):
+    from mixtral_infer.errors import ConfigError
+
+    save_consolidated(random_model(tiny_args(moe=False)), tmp_path / "model")
+    with pytest.raises(ConfigError, match=rf"load_model: max_batch_size={batch!r} must be a positive integer"):
+        load_model(tmp_path / "model", max_batch_size=batch, device="cpu")
+
+
+def test_params_json_round_trip_leaves_out_max_batch_size(tmp_path):
+    args = tiny_args(moe=True, max_batch_size=3)
+    save_consolidated(random_model(args), tmp_path / "model")
+    params = json.loads((tmp_path / "model" / "params.json").read_text())
+    assert "max_batch_size" not in params
+    assert params["moe"] == {"num_experts": 4, "num_experts_per_tok": 2}
+    loaded = load_model(tmp_path / "model", max_batch_size=3, device="cpu").args
+    assert loaded == args

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +58,7 @@ def test_interactive_streams_two_instruct_turns_then_ends_at_end_of_input():
     result = run("interactive", "--instruct", "--max_tokens", "12", "--temperature", "0", stdin="Who art thou?\nSay more.\n")
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    answers = [line for line in result.stdout.split("> ") if line.strip()]
+    answers = result.stdout.splitlines()  # piped: no prompt characters, one answer per line
     assert len(answers) == 2
     assert all(len(a.split()) >= 2 for a in answers)
 
@@ -62,7 +67,220 @@ def test_interactive_reset_and_quit():
     result = run("interactive", "--max_tokens", "5", "--temperature", "0", stdin="In the beginning\n/reset\n/quit\nnever read\n")
     assert result.returncode == 0, result.stderr
     assert "(new conversation)" in result.stderr
-    assert result.stdout.count("> ") == 3  # three prompts shown; the line after /quit is never read
+    assert "> " not in result.stdout
+    assert len(result.stdout.splitlines()) == 1  # one answer; the line after /quit is never read
+
+
+def greedy_continuation(prompt: str, max_tokens: int) -> tuple[str, int]:
+    """What the shipped default model continues ``prompt`` with at temperature 0, and its token count."""
+    model = load_model(DEFAULT_MODEL, device="cpu")
+    tokenizer = Tokenizer(DEFAULT_MODEL / "tokenizer.model")
+    generated, _ = generate([tokenizer.encode(prompt)], model, max_tokens=max_tokens, eos_id=tokenizer.eos_id)
+    return tokenizer.decode_continuation(generated[0]), len(generated[0])
+
+
+def test_interactive_piped_gives_the_answers_on_stdout_and_a_stats_line_each_on_stderr():
+    expected, n_tokens = greedy_continuation("In the beginning", 6)
+    result = run("interactive", "--max_tokens", "6", "--temperature", "0", stdin="In the beginning\nIn the beginning\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{expected}\n{expected}\n"
+    stats = [line for line in result.stderr.splitlines() if "tokens/s" in line]
+    assert len(stats) == 2
+    for line in stats:
+        assert re.fullmatch(rf"\[{n_tokens} tokens, [\d.]+ tokens/s, first token after [\d.]+ s; cut at --max_tokens 6\]", line), line
+
+
+def test_an_answer_that_ends_at_eos_has_no_max_tokens_mark(monkeypatch, capsys, tokenizer_path):
+    """The shipped models never end a text, so the model's EOS is played by the token it says third."""
+    from conftest import random_model, tiny_args
+
+    from mixtral_infer.cli import commands
+
+    model = random_model(dataclasses.replace(tiny_args(), vocab_size=400), seed=3)
+    tokenizer = Tokenizer(tokenizer_path)
+    greedy, _ = generate([tokenizer.encode("a question")], model, max_tokens=8)
+    stop = greedy[0].index(greedy[0][2])  # tokens said before the "EOS" first comes
+
+    class EndsThere(Tokenizer):
+        eos_id = greedy[0][2]
+
+    lines = iter(["a question", "a question", None])
+    monkeypatch.setattr(commands, "load", lambda *args: (model, EndsThere(tokenizer_path)))
+    monkeypatch.setattr(commands, "read_line", lambda prompt: next(lines))
+    commands.interactive(max_tokens=8, temperature=0)
+    monkeypatch.setattr(commands, "load", lambda *args: (model, tokenizer))
+    lines = iter(["a question", None])
+    commands.interactive(max_tokens=8, temperature=0)
+    stats = [line for line in capsys.readouterr().err.splitlines() if "tokens/s" in line]
+    assert len(stats) == 3
+    assert all(line.startswith(f"[{stop} tokens, ") and line.endswith(" s]") for line in stats[:2])
+    assert stats[2].startswith("[8 tokens, ") and stats[2].endswith("; cut at --max_tokens 8]")
+
+
+class Terminal:
+    """The command line on a pseudo-terminal, as a user at a shell sees it (stdout and stderr mixed)."""
+
+    def __init__(self, *args):
+        import pty
+
+        env = {**os.environ, "TERM": "xterm", "OMP_NUM_THREADS": "1"}
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: a session of its own, the pty as its terminal
+            os.execve(sys.executable, [sys.executable, str(REPO / "main.py"), *args], env)
+        self.seen = ""
+
+    def read_until(self, text: str, timeout: float = 120) -> str:
+        """Everything shown from the last call on, up to and including ``text``."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"{text!r} never shown; the terminal shows {self.seen!r}")
+            try:
+                self.seen += os.read(self.fd, 4096).decode(errors="replace")
+            except OSError:  # the child has exited
+                raise AssertionError(f"{text!r} never shown; the terminal shows {self.seen!r}") from None
+        shown, self.seen = self.seen.split(text, 1)
+        return shown + text
+
+    def type(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+    def ctrl_c(self) -> None:
+        # Python's readline loop sees a signal only when its select() is interrupted; one that
+        # lands between the prompt being drawn and select() waits for the next key. A person
+        # never presses that fast: wait as they would.
+        time.sleep(0.5)
+        self.type("\x03")
+
+    def exit_code(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        os.close(self.fd)
+        return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_interactive_on_a_terminal_prompts_edits_recalls_history_and_explains_ctrl_c():
+    expected, _ = greedy_continuation("In the beginning", 6)
+    terminal = Terminal("interactive", "--max_tokens", "6", "--temperature", "0")
+    assert "type a prompt" in terminal.read_until("> ")
+    terminal.type("In the begXX\x7f\x7finning\r")  # two backspaces: line editing
+    first = terminal.read_until("> ")
+    assert expected in first and "cut at --max_tokens 6" in first
+    terminal.type("\x1b[A\r")  # up arrow: the last line again, from readline's history
+    again = terminal.read_until("> ")
+    assert "In the beginning" in again and expected in again
+    terminal.ctrl_c()  # at the empty prompt
+    assert "(Ctrl-C: press it again, type /quit or press Ctrl-D to leave)" in terminal.read_until("> ")
+    terminal.type("/quit\r")
+    assert terminal.exit_code() == 0
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_ctrl_c_twice_at_the_prompt_leaves():
+    terminal = Terminal("interactive", "--max_tokens", "4")
+    terminal.read_until("> ")
+    terminal.ctrl_c()
+    terminal.read_until("press it again")
+    terminal.read_until("> ")
+    terminal.ctrl_c()
+    assert terminal.exit_code() == 0
+
+
+def test_instruct_on_a_shipped_model_says_it_is_not_instruction_tuned():
+    instruct = run("interactive", "tiny-mistral", "--instruct", stdin="")
+    assert instruct.returncode == 0, instruct.stderr
+    assert "note: tiny-mistral is not instruction-tuned" in instruct.stderr
+    plain = run("interactive", "tiny-mistral", stdin="")
+    assert "instruction-tuned" not in plain.stderr
+
+
+def test_only_rank_0_says_an_answer_was_stopped(monkeypatch, capsys, tokenizer_path):
+    """Ctrl-C reaches every torchrun process; ranks other than 0 print nothing."""
+    from conftest import random_model, tiny_args
+
+    from mixtral_infer.cli import commands
+    from mixtral_infer.generation.chat import Conversation
+
+    def interrupted(self, text, emit):
+        raise KeyboardInterrupt
+
+    model = random_model(dataclasses.replace(tiny_args(), vocab_size=400))
+    monkeypatch.setattr(commands, "load", lambda *args: (model, Tokenizer(tokenizer_path)))
+    monkeypatch.setattr(Conversation, "reply", interrupted)
+    for main_process, expected in ((False, ""), (True, "[stopped by Ctrl-C]\n")):
+        lines = iter(["a question", None])
+        monkeypatch.setattr(commands, "is_main_process", lambda: main_process)
+        monkeypatch.setattr(commands, "read_line", lambda prompt: next(lines))
+        monkeypatch.setattr(commands, "_share_line", lambda line: next(lines) if not main_process else line)
+        commands.interactive()
+        out, err = capsys.readouterr()
+        assert err.endswith(expected) and (out == "\n") == main_process
+
+
+def test_demo_completes_each_prompt_given_in_order():
+    prompts = ["Blessed are", "3", "你好 world"]  # "3" stays text; 你 and 好 have no pieces (bytes)
+    args = [item for prompt in prompts for item in ("--prompt", prompt)]
+    result = run("demo", *args, "--max_tokens", "10", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    model = load_model(DEFAULT_MODEL, max_batch_size=3, device="cpu")
+    tokenizer = Tokenizer(DEFAULT_MODEL / "tokenizer.model")
+    generated, _ = generate([tokenizer.encode(p) for p in prompts], model, max_tokens=10, eos_id=tokenizer.eos_id)
+    blocks = [f"{p}{tokenizer.decode_continuation(g)}\n{'-' * 40}\n" for p, g in zip(prompts, generated)]
+    assert result.stdout == "".join(blocks)
+    one = run("demo", "-p", "Blessed are", "--max_tokens", "10", "--temperature", "0")
+    assert one.stdout == blocks[0]
+
+
+def run_counting_heavy_imports(*args):
+    """The command line in a subprocess that says on stderr which heavy modules were imported by the end."""
+    code = (
+        "import atexit, runpy, sys\n"
+        f"sys.argv = ['main.py', *{list(args)!r}]\n"
+        "heavy = ('torch', 'xformers', 'sentencepiece', 'safetensors', 'fire')\n"
+        "atexit.register(lambda: sys.stderr.write('imported: %s\\n' % sorted(m for m in heavy if m in sys.modules)))\n"
+        f"runpy.run_path({str(REPO / 'main.py')!r}, run_name='__main__')\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"], ["interactive", "-h"], ["convert", "--help"], []])
+def test_help_imports_no_torch(args):
+    """--help took 5.5-6 s when importing xformers pulled in torch._dynamo; now it imports no model code."""
+    result = run_counting_heavy_imports(*args)
+    assert result.returncode == 0, result.stderr
+    heavy = result.stderr.strip().splitlines()[-1]
+    assert heavy in ("imported: []", "imported: ['fire']"), heavy
+    assert result.stdout.strip()  # on stdout, so `| less` shows it
+
+
+def test_help_documents_every_option_with_its_default_and_choices():
+    from mixtral_infer.cli.commands import COMMANDS
+    from mixtral_infer.generation.generate import DECODE_MODES
+
+    top = run("--help")
+    for command in COMMANDS:
+        assert f"  {command} " in top.stdout
+    assert "MODEL_PATH: a model folder" in top.stdout and "tiny-mistral, tiny-mixtral" in top.stdout
+    for command, function in COMMANDS.items():
+        text = run(command, "--help").stdout
+        assert "Optional[Optional" not in text and "'Optional" not in text and "Optional[]" not in text
+        for name, parameter in inspect.signature(function).parameters.items():
+            if parameter.default is inspect.Parameter.empty:  # SRC, DST: listed as positional arguments
+                block = re.split(r"\n {0,4}(?=\S)", text.split(f"\n    {name.upper()}\n", 1)[1])[0]
+            else:
+                block = text.split(f"--{name}=", 1)[1].split("\n    -", 1)[0]  # this option's lines
+                assert f"Default: {parameter.default!r}" in block, block
+            description = block.strip().splitlines()[-1].strip()
+            assert not description.startswith(("Type:", "Default:")) and len(description) > 20, block
+    demo_help = run("demo", "--help").stdout
+    decode = demo_help.split("--decode=", 1)[1]
+    assert all(mode in decode for mode in DECODE_MODES)
+    assert all(name in demo_help.split("--dtype=", 1)[1] for name in ("float32", "bfloat16", "float16"))
+    assert "shipped model's name" in demo_help.split("--model_path=", 1)[1]
+    assert "not" in run("interactive", "--help").stdout.split("--instruct", 1)[1].split("--max_tokens")[0]
 
 
 @pytest.mark.parametrize("option", ["--tensor_parallel", "--num_pipeline_ranks"])

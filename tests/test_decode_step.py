@@ -73,7 +73,7 @@ def test_static_decode_continues_a_conversation_like_eager(model):
         caches[mode], results[mode] = cache, (first, second)
     assert_same(results["eager"][0], results["static"][0])
     assert_same(results["eager"][1], results["static"][1])
-    assert caches["static"].seqlens == caches["eager"].seqlens
+    assert caches["static"].tokens_seen == caches["eager"].tokens_seen
     torch.testing.assert_close(caches["static"].cache_k, caches["eager"].cache_k, atol=1e-5, rtol=0)
     torch.testing.assert_close(caches["static"].cache_v, caches["eager"].cache_v, atol=1e-5, rtol=0)
 
@@ -112,7 +112,7 @@ def test_worked_example_of_slots_and_visibility():
 def test_a_finished_row_leaves_its_cache_and_position_alone():
     model = random_model(tiny_args(moe=False, max_batch_size=2), seed=24)
     cache = model.make_cache(2)
-    cache.init_kvseqlens(2)
+    cache.start_sequences(2)
     before_k, before_v = cache.cache_k.clone(), cache.cache_v.clone()
     settings = Sampling.uniform_settings(2, model.args.vocab_size, 0.0)
     step = make_decode_step(model, settings.greedy, settings.filtered, eos_id=None)

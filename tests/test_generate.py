@@ -117,3 +117,27 @@ def test_no_window_model_generates_like_its_uncached_forward():
     full = [p + g for p, g in zip(prompts, generated)]
     for got, expected in zip(logprobs, score(model, full)):
         assert got == pytest.approx(expected, abs=1e-4)
+
+
+def test_prompt_chunks_worked_example():
+    """The example in prompt_chunks' docstring, a..g as 1..7."""
+    from mixtral_infer.generation.generate import prompt_chunks
+
+    chunks = [(s, n, ids.tolist(), e) for s, n, ids, e in prompt_chunks([[1, 2, 3, 4, 5], [6, 7]], 2, torch.device("cpu"))]
+    assert chunks == [(0, [2, 2], [1, 2, 6, 7], [1]), (2, [2, 0], [3, 4], []), (4, [1, 0], [5], [0])]
+
+
+@torch.no_grad()
+def test_both_prefills_give_the_same_last_logits_and_the_scores_of_a_cacheless_pass(model):
+    from mixtral_infer.generation.generate import prefill, prefill_with_logprobs
+
+    prompts = random_prompts(PROMPT_LENGTHS, model.args.vocab_size, seed=9)
+    caches = [model.make_cache(len(prompts)) for _ in range(2)]
+    last = prefill(model, caches[0], prompts, chunk_size=5)
+    last_too, logprobs = prefill_with_logprobs(model, caches[1], prompts, chunk_size=5)
+    torch.testing.assert_close(last, last_too, atol=1e-5, rtol=1e-5)
+    assert caches[0].tokens_seen == caches[1].tokens_seen == [len(p) for p in prompts]
+    for ours, expected in zip(logprobs, score(model, prompts)):
+        assert ours == pytest.approx(expected, abs=1e-4)
+    full = [model(torch.tensor(p), [len(p)])[-1] for p in prompts]
+    torch.testing.assert_close(last, torch.stack(full), atol=1e-4, rtol=1e-4)

@@ -26,7 +26,7 @@ def cached_logits(model, sequences, prefix_lengths, chunk_size):
     """
     batch = len(sequences)
     cache = model.make_cache(batch, max_seqlen=max(len(s) for s in sequences))
-    cache.init_kvseqlens(batch)
+    cache.start_sequences(batch)
     collected = [[] for _ in range(batch)]
     with torch.no_grad():
         for start in range(0, max(prefix_lengths), chunk_size):
@@ -84,14 +84,14 @@ def test_logit_rows_select_rows_of_the_full_logits(model_pair):
     caches = [ours.make_cache(3), ours.make_cache(3)]
     with torch.no_grad():
         for cache in caches:
-            cache.init_kvseqlens(3)
+            cache.start_sequences(3)
         full = ours(input_ids, seqlens, caches[0])  # (T, V)
         some = ours(input_ids, seqlens, caches[1], logit_rows=rows)  # (4, V)
         none = ours(input_ids[:2], [2, 0, 0], ours.make_cache(3), logit_rows=[])
     assert some.shape == (len(rows), args.vocab_size)
     assert (some - full[rows]).abs().max().item() <= 1e-5
     assert none.shape == (0, args.vocab_size)
-    assert caches[0].seqlens == caches[1].seqlens
+    assert caches[0].tokens_seen == caches[1].tokens_seen
     for layer in range(args.n_layers):
         assert torch.equal(caches[0].cache_k[layer], caches[1].cache_k[layer])
 

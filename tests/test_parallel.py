@@ -50,9 +50,9 @@ def worker(rank, world_size, port, folder, parallel_kind, out_path):
 def last_logits_only(model, sequences):
     """Each sequence's last logits from a chunked prefill that skips every other row (``logit_rows``)."""
     cache = model.make_cache(len(sequences), max_seqlen=max(LENGTHS))
-    cache.init_kvseqlens(len(sequences))
+    cache.start_sequences(len(sequences))
     with torch.no_grad():
-        logits, _ = prefill(model, cache, sequences, chunk_size=5, logprobs=False)
+        logits = prefill(model, cache, sequences, chunk_size=5)
     return logits  # (B, V)
 
 
@@ -89,6 +89,29 @@ def test_two_processes_match_one(saved_model, parallel_kind, tmp_path):
         replicated += sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith("norm.weight") or "gate" in n)
         assert all(share == (full_bytes - replicated) // 2 + replicated for share in shares)
         assert all(r["cache_bytes"] == full_cache // 2 for r in results)
+
+
+@pytest.mark.parametrize("parallel", [Parallel(tensor_parallel=2, rank=1), Parallel(num_pipeline_ranks=2, rank=1)], ids=["tp", "pp"])
+def test_a_rank_reads_only_its_share_from_either_format(saved_model, tmp_path, monkeypatch, parallel):
+    """A rank's weights are the same from a Mistral folder (rows/columns cut by ``get_slice``) and from the
+    converted Hugging Face folder (whole tensors cut after translation); neither reads another stage's layers."""
+    from mixtral_infer.checkpoint import safetensors_reader
+    from mixtral_infer.checkpoint.convert import convert
+
+    folder, model = saved_model
+    convert(folder, tmp_path / "hf", to="hf")
+    read = []
+    real_read = safetensors_reader._read
+    monkeypatch.setattr(safetensors_reader, "_read", lambda path, entry, selection: read.append(entry.name) or real_read(path, entry, selection))
+    ours = load_model(folder, device="cpu", dtype=torch.float32, parallel=parallel).state_dict()
+    hf = load_model(tmp_path / "hf", device="cpu", dtype=torch.float32, parallel=parallel).state_dict()
+    assert list(ours) == list(hf) and all(torch.equal(ours[name], hf[name]) for name in ours)
+    first_layer = [name for name in read if name.startswith(("layers.0.", "model.layers.0."))]
+    assert (first_layer == []) == (parallel.num_pipeline_ranks == 2)  # layers 0-1 are rank 0's stage
+    if parallel.tensor_parallel == 2:
+        full = model.state_dict()
+        assert ours["layers.0.attention.wq.weight"].shape[0] * 2 == full["layers.0.attention.wq.weight"].shape[0]
+        assert torch.equal(ours["layers.0.attention.wo.weight"], full["layers.0.attention.wo.weight"][:, full["layers.0.attention.wo.weight"].shape[1] // 2 :])
 
 
 @pytest.mark.parametrize(

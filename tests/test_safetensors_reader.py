@@ -14,9 +14,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors import SafetensorError
 
 from mixtral_infer import CheckpointError
+from mixtral_infer.checkpoint import safetensors_reader as reader
 from mixtral_infer.checkpoint.safetensors_reader import DTYPES, MAX_NESTING, iter_tensors, parse_header, read_header
+from mixtral_infer.model.parallel import Selection
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,8 +121,74 @@ def test_the_whole_header_is_checked_before_a_byte_of_data_is_read(tmp_path, mon
     path = tmp_path / "x.safetensors"
     path.write_bytes(file_bytes(with_entry("c", dtype="F8")))
     monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("a tensor was allocated"))
+    monkeypatch.setattr(reader, "safe_open", lambda *a, **k: pytest.fail("the library opened the file"))
     with pytest.raises(CheckpointError, match="dtype 'F8'"):
         next(iter_tensors(path))
+
+
+@pytest.mark.parametrize(
+    "pairs, data, message",
+    [
+        ([VALID[0], (VALID[1][0], {**VALID[1][1], "data_offsets": [32, 40]})], DATA, r"data bytes \[24, 32\) before tensor b belong to no tensor"),
+        (VALID, DATA + bytes(8), "the last 8 data bytes belong to no tensor"),
+        ([], DATA, "the last 40 data bytes belong to no tensor"),
+    ],
+    ids=["gap", "trailing", "no-tensors"],
+)
+def test_data_must_be_covered_exactly_as_the_library_requires(tmp_path, pairs, data, message):
+    with pytest.raises(CheckpointError, match=message) as error:
+        load(tmp_path, file_bytes(pairs, data))
+    assert str(error.value).startswith(str(tmp_path / "x.safetensors")) and "\n" not in str(error.value)
+
+
+def test_a_library_error_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    """The file can change between our check and the library's: its error is still one CheckpointError line."""
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(file_bytes())
+
+    def changed(*args, **kwargs):
+        raise SafetensorError("Error while deserializing header: invalid shape, data type, or offset for tensor\nmore")
+
+    monkeypatch.setattr(reader, "safe_open", changed)
+    with pytest.raises(CheckpointError) as error:
+        next(iter_tensors(path))
+    assert str(error.value) == f"{path}: cannot read (Error while deserializing header: invalid shape, data type, or offset for tensor)"
+
+
+def test_a_file_replaced_after_its_check_is_refused_before_reading(tmp_path):
+    """The shape check approved the old file; the new one's tensor is bigger: refused from its header."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "x.safetensors"
+    save_file({"w": torch.zeros(2, 3)}, path)
+
+    def replace(name, shape):
+        save_file({"w": torch.zeros(2000, 3)}, path)
+
+    with pytest.raises(CheckpointError, match=r"tensor w changed while loading \(now \(2000, 3\)\)"):
+        next(iter_tensors(path, check=replace))
+
+
+@pytest.mark.parametrize(
+    "selection, expected",
+    [
+        (Selection(), slice(None)),
+        (Selection(rows=slice(2, 5)), (slice(2, 5),)),
+        (Selection(columns=slice(1, 3)), (slice(None), slice(1, 3))),
+        (Selection(rows=slice(4, 6), columns=slice(0, 2)), (slice(4, 6), slice(0, 2))),
+    ],
+    ids=["whole", "rows", "columns", "both"],
+)
+def test_a_rank_gets_its_rows_and_columns_as_tensors_of_their_own(tmp_path, selection, expected):
+    from safetensors.torch import save_file
+
+    weight = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)  # (rows, columns)
+    save_file({"w": weight, "n": torch.ones(4)}, tmp_path / "x.safetensors")
+    tensors = dict(iter_tensors(tmp_path / "x.safetensors", select=lambda name: selection if name == "w" else None))
+    assert list(tensors) == ["w"]  # "n" is skipped
+    part = tensors["w"]
+    assert torch.equal(part, weight[expected]) and part.is_contiguous()
+    assert part.untyped_storage().nbytes() == part.nbytes  # its own memory, not a view of the file's map
 
 
 def test_shape_check_runs_for_every_tensor_before_reading(tmp_path):

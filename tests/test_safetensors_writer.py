@@ -14,7 +14,8 @@ from test_checkpoint import TOLERANCE, max_difference
 from mixtral_infer import load_model
 from mixtral_infer.checkpoint.convert import convert
 from mixtral_infer.checkpoint.loading import save_consolidated
-from mixtral_infer.checkpoint.safetensors_writer import parse_size, write_hf_shards
+from mixtral_infer.checkpoint.safetensors_reader import iter_tensors
+from mixtral_infer.checkpoint.safetensors_writer import parse_size, plan_shards, write_hf_shards, write_safetensors
 from mixtral_infer.errors import ConfigError
 
 
@@ -66,9 +67,89 @@ def test_only_one_shard_is_held_in_memory(tmp_path):
             yield name, tensor
             del tensor
 
-    write_hf_shards(tmp_path, stream(), max_shard_size=800)  # 2 tensors per shard
-    assert max(held) <= 2, held  # the shard being filled (and the one just closed, until it is released)
+    write_hf_shards(tmp_path, stream(), max_shard_size=800, plan=tensors_of([400] * 10))  # 2 tensors per shard
+    assert max(held) <= 1, held  # the shard being filled: a complete one is written before the next tensor is asked for
     assert len(list(tmp_path.glob("model-*-of-00005.safetensors"))) == 5
+
+
+def test_each_shard_has_its_final_name_as_soon_as_it_is_written(tmp_path):
+    """With the sizes known up front, shard 1 is written and in place before the first tensor of shard 2 is asked for."""
+    present = []
+
+    def stream():
+        for i in range(6):
+            present.append(sorted(p.name for p in tmp_path.iterdir()))
+            yield f"t{i}", torch.full((100,), float(i))
+
+    write_hf_shards(tmp_path, stream(), max_shard_size=800, plan=tensors_of([400] * 6))
+    shard = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert present == [[], [], shard[:1], shard[:1], shard[:2], shard[:2]]  # (t0 t1 | t2 t3 | t4 t5)
+
+
+def test_plan_shards_docstring_example():
+    assert plan_shards([400, 400, 600, 1200, 100], limit=1000) == [1, 1, 2, 3, 4]
+    assert plan_shards([0, 1000, 1], limit=1000) == [1, 1, 2]  # an empty tensor fills nothing
+    assert plan_shards([], limit=1000) == []
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (tensors_of([400, 400, 100]), r"tensor t2 torch.float32 \(100,\) differs from the plan: t2 torch.float32 \(25,\)"),
+        ([("t0", torch.ones(100)), ("x", torch.ones(100)), ("t2", torch.ones(100))], "tensor t1 .* differs from the plan: x"),
+        (tensors_of([400, 400]), "tensor t2 comes after the 2 planned"),
+        (tensors_of([400] * 4), "3 tensors written, 4 planned"),
+    ],
+    ids=["shape", "name", "more", "fewer"],
+)
+@pytest.mark.parametrize("writer", ["hf", "mistral"])
+def test_a_stream_that_differs_from_its_plan_is_refused_and_leaves_nothing(tmp_path, plan, message, writer):
+    tensors = iter(tensors_of([400] * 3))
+    with pytest.raises(ValueError, match=message):
+        if writer == "hf":
+            write_hf_shards(tmp_path, tensors, max_shard_size=400, plan=plan)
+        else:
+            write_safetensors(tmp_path / "consolidated.safetensors", tensors, plan=plan)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_one_file_is_written_in_one_pass_from_its_plan(tmp_path):
+    """The header comes from the plan, so tensors go straight behind it: no side file, nothing copied afterwards."""
+    path = tmp_path / "consolidated.safetensors"
+    seen = []
+
+    def stream():
+        for name, tensor in tensors_of([400, 800, 4]):
+            seen.append(sorted(p.name for p in tmp_path.iterdir()))
+            yield name, tensor
+
+    write_safetensors(path, stream(), plan=[(n, t.to("meta")) for n, t in tensors_of([400, 800, 4])])
+    assert seen == [["consolidated.safetensors.partial"]] * 3
+    assert [p.name for p in tmp_path.iterdir()] == ["consolidated.safetensors"]
+    header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    assert path.stat().st_size == header_end + 1204
+    assert [(n, t.tolist()) for n, t in iter_tensors(path)] == [(n, t.tolist()) for n, t in tensors_of([400, 800, 4])]
+
+
+@pytest.mark.parametrize("target", ["hf", "mistral"])
+def test_convert_plans_from_the_headers_what_it_writes(tmp_path, target):
+    """planned_tensors reads no tensor and gives the names, dtypes and shapes convert writes, in order."""
+    from mixtral_infer.checkpoint.convert import planned_tensors
+    from mixtral_infer.checkpoint.hf_format import published_to_hf
+    from mixtral_infer.checkpoint.loading import open_checkpoint
+
+    model = random_model(tiny_args(moe=True), seed=3)
+    save_consolidated(model, tmp_path / "mistral")
+    convert(tmp_path / "mistral", tmp_path / "hf", to="hf", max_shard_size="40KB")
+    for source in ("mistral", "hf"):
+        checkpoint = open_checkpoint(tmp_path / source)
+        written = list(checkpoint.published_tensors())
+        if target == "hf":
+            written = list(published_to_hf(written, checkpoint.args))
+        for dtype in (None, torch.bfloat16):
+            plan = planned_tensors(checkpoint, target, dtype)
+            assert all(like.is_meta for _, like in plan)
+            assert [(n, like.dtype, like.shape) for n, like in plan] == [(n, dtype or t.dtype, t.shape) for n, t in written]
 
 
 def test_a_failing_shard_leaves_no_partial_files(tmp_path, monkeypatch):

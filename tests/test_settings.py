@@ -104,7 +104,7 @@ def test_a_cache_below_the_window_is_refused_once_the_sequence_outgrows_it(model
 def test_a_continued_conversation_counts_what_the_cache_has_seen(no_window):
     cache = no_window.make_cache(1, max_seqlen=12)
     generate([[1, 5, 6]], no_window, max_tokens=4, cache=cache)  # 3 + 3 fed (the last token is sampled, not fed)
-    assert cache.seqlens == [6]
+    assert cache.tokens_seen == [6]
     with pytest.raises(GenerationError, match=r"needs 13 \(6 already seen \+ 2 prompt tokens \+ max_tokens=5\)"):
         generate([[7, 8]], no_window, max_tokens=5, cache=cache)
 

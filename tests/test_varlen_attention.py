@@ -30,7 +30,6 @@ CPU = torch.device("cpu")
 def biases(device=CPU):
     """(name, bias): each block-diagonal bias type that attention() meets in prefill."""
     q, kv = [5, 1, 9], [5 + 4, 1 + 2, 9 + 3]
-    yield "plain", BlockDiagonalMask.from_seqlens(q, kv, device=device)
     yield "causal", BlockDiagonalCausalMask.from_seqlens(q, device=device)
     yield "causal local 3", BlockDiagonalCausalMask.from_seqlens(q, device=device).make_local_attention(3)
     bottom_right = BlockDiagonalMask.from_seqlens(q, kv, device=device)
@@ -50,7 +49,8 @@ def sizes(bias):
 
 def test_window_sizes_follow_the_table():
     q, kv = [2, 3], [4, 3]
-    assert window_size_of(BlockDiagonalMask.from_seqlens(q, kv)) == (-1, -1)
+    with pytest.raises(NotImplementedError, match="only causal"):
+        window_size_of(BlockDiagonalMask.from_seqlens(q, kv))  # the cache never makes a non-causal bias
     assert window_size_of(BlockDiagonalCausalMask.from_seqlens(q)) == (-1, 0)
     assert window_size_of(BlockDiagonalCausalMask.from_seqlens(q).make_local_attention(5)) == (4, 0)
     bottom_right = BlockDiagonalMask.from_seqlens(q, kv)

@@ -2,8 +2,9 @@
 
 Tensors stream from the source to the destination: one at a time into a Mistral
 ``consolidated.safetensors``, one shard of at most ``max_shard_size`` at a time into
-Hugging Face shards (``safetensors_writer``). A Hugging Face folder also gets what
-transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
+Hugging Face shards (``safetensors_writer``), every byte written once. The files are laid
+out before any tensor is read, from the source's headers (``planned_tensors``). A Hugging
+Face folder also gets what transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
 hidden sibling folder ``.DST.partial-PID`` that is renamed to the destination only once
 complete, so an interrupted conversion leaves no half-written checkpoint behind; the next
 conversion to the same destination removes what a killed one left. The destination must
@@ -17,17 +18,19 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from mixtral_infer.checkpoint.hf_format import hf_config_from_args, published_to_hf
+from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published, published_to_hf
 from mixtral_infer.checkpoint.hf_tokenizer import write_hf_tokenizer
 from mixtral_infer.checkpoint.loading import (
     HF_CONFIG_FILE,
     PARAMS_FILE,
     SAFETENSORS_FILE,
     TOKENIZER_FILE,
+    Checkpoint,
+    _pth_tensors,
     open_checkpoint,
 )
 from mixtral_infer.checkpoint.quantized import PARAMS_KEY, to_stored
@@ -91,15 +94,17 @@ def convert(
         if dtype is not None:
             tensors = ((name, tensor.to(dtype)) for name, tensor in tensors)
         params = checkpoint.args.to_params()
-        params.pop("max_batch_size", None)
+        plan = planned_tensors(checkpoint, target, dtype)
         if scheme is not None:
             tensors = to_stored(tensors, scheme)
+            plan = list(to_stored(iter(plan), scheme))
             params[PARAMS_KEY] = scheme.to_params()
         if target == "mistral":
-            write_safetensors(partial / SAFETENSORS_FILE, tensors)
+            write_safetensors(partial / SAFETENSORS_FILE, tensors, plan=plan)
             (partial / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
         else:
-            shards = write_hf_shards(partial, published_to_hf(tensors, checkpoint.args), max_shard_size, metadata={"format": "pt"})
+            hf_tensors = published_to_hf(tensors, checkpoint.args)
+            shards = write_hf_shards(partial, hf_tensors, max_shard_size, metadata={"format": "pt"}, plan=plan)
             written_dtype = dtype or _first_dtype(shards[0])
             config = hf_config_from_args(checkpoint.args, written_dtype)
             (partial / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -160,3 +165,24 @@ def _process_alive(pid: int) -> bool:
 
 def _first_dtype(path: Path) -> torch.dtype:
     return read_header(path)[0].dtype
+
+
+def planned_tensors(checkpoint: Checkpoint, target: str, dtype: Optional[torch.dtype] = None) -> List[Tuple[str, torch.Tensor]]:
+    """What ``convert`` writes in format ``target``, in order, as tensors on the meta device: the writers' plan.
+
+    Worked out from the source's headers alone (the meta tensors go through the same
+    translation as the real ones), so the files can be laid out before any tensor is read.
+    """
+
+    def shapes() -> Iterator[Tuple[str, torch.Tensor]]:
+        for path in checkpoint.weight_files:
+            if path.suffix == ".safetensors":
+                entries = sorted(read_header(path), key=lambda e: e.begin)  # the order iter_tensors reads them in
+                pairs = ((e.name, e.shape, e.dtype) for e in entries)
+            else:  # memory-mapped: nothing is read
+                pairs = ((name, tuple(t.shape), t.dtype) for name, t in _pth_tensors(path))
+            for name, shape, stored in pairs:
+                yield name, torch.empty(shape, dtype=dtype or stored, device="meta")
+
+    published = hf_to_published(shapes(), checkpoint.args) if checkpoint.format == "hf" else shapes()
+    return list(published_to_hf(published, checkpoint.args) if target == "hf" else published)

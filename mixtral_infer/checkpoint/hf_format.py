@@ -24,6 +24,7 @@ import torch
 from mixtral_infer.checkpoint.weight_shapes import Shape, check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.moe import MoeArgs
+from mixtral_infer.model.parallel import LAYER_TENSOR
 from mixtral_infer.model.transformer import ModelArgs
 
 
@@ -80,7 +81,7 @@ def args_from_hf_config(config: dict, source: str = "config.json") -> ModelArgs:
             hidden_dim=_field(config, "intermediate_size", (int,), source),
             n_heads=n_heads,
             n_kv_heads=_field(config, "num_key_value_heads", (int,), source, default=n_heads),
-            norm_eps=_field(config, "rms_norm_eps", number, source, default=1e-5),
+            norm_eps=_field(config, "rms_norm_eps", number, source, default=1e-6),  # MistralConfig's default
             vocab_size=_field(config, "vocab_size", (int,), source),
             rope_theta=theta,
             sliding_window=config.get("sliding_window"),
@@ -171,7 +172,6 @@ def hf_to_published(tensors: Iterable[Tuple[str, torch.Tensor]], args: ModelArgs
         yield published, tensor
 
 
-_PUBLISHED_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _PUBLISHED_ATTENTION = {v: k for k, v in _ATTENTION.items()}
 _PUBLISHED_DENSE = {v: k for k, v in _DENSE.items()}
 
@@ -185,7 +185,7 @@ def published_to_hf(tensors: Iterable[Tuple[str, torch.Tensor]], args: ModelArgs
             yield "model.norm.weight", tensor
         elif name == "output.weight":
             yield "lm_head.weight", tensor
-        elif (match := _PUBLISHED_LAYER.match(name)) is not None:
+        elif (match := LAYER_TENSOR.match(name)) is not None:
             prefix, rest = f"model.layers.{match[1]}", match[2]
             parts = rest.split(".")
             if rest == "attention_norm.weight":

@@ -27,7 +27,12 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from mixtral_infer.checkpoint.hf_format import args_from_hf_config, check_hf_shape, hf_to_published
+from mixtral_infer.checkpoint.hf_format import (
+    args_from_hf_config,
+    check_hf_shape,
+    hf_name_to_published,
+    hf_to_published,
+)
 from mixtral_infer.checkpoint.quantized import check_stored_shape, from_stored, quantize_published, scheme_from_params, stack
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
@@ -95,7 +100,8 @@ def _read_params(folder: str | Path) -> Tuple[ModelArgs, Optional[QuantScheme]]:
 # ---------------------------------------------------------------- reading tensors
 
 
-def _pth_tensors(path: Path, select: Optional[Selector] = None, check: Optional[ShapeCheck] = None) -> NamedTensors:
+def _open_pth(path: Path) -> Dict[str, torch.Tensor]:
+    """The state dict of a ``.pth`` file, memory-mapped: no tensor data is read yet."""
     try:
         state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:
@@ -108,6 +114,11 @@ def _pth_tensors(path: Path, select: Optional[Selector] = None, check: Optional[
     bad = [key for key in state if not isinstance(key, str)]
     if bad:
         raise CheckpointError(f"{path}: tensor name {bad[0]!r} is a {type(bad[0]).__name__}, expected a string")
+    return state
+
+
+def _pth_tensors(path: Path, select: Optional[Selector] = None, check: Optional[ShapeCheck] = None) -> NamedTensors:
+    state = _open_pth(path)
     if check is not None:
         for name, tensor in state.items():  # memory-mapped: nothing is read yet
             check(name, tuple(tensor.shape))
@@ -123,7 +134,7 @@ def _selected(tensors: Iterable[Tuple[str, torch.Tensor]], select: Optional[Sele
 
 
 def _tensor_count(path: Path) -> int:
-    return len(read_header(path)) if path.suffix == ".safetensors" else 0
+    return len(read_header(path)) if path.suffix == ".safetensors" else len(_open_pth(path))
 
 
 @dataclass
@@ -148,18 +159,27 @@ class Checkpoint:
         if self.quantization is not None:
             check_shape = lambda name, shape, args, source: check_stored_shape(name, shape, args, self.quantization, source)  # noqa: E731
         for path in self.weight_files:
-            file_select = select if self.format == "mistral" else None
+            file_select = select if self.format == "mistral" else _hf_file_select(select)
             check = lambda name, shape, path=path: check_shape(name, shape, self.args, str(path))  # noqa: E731
             read = iter_tensors if path.suffix == ".safetensors" else _pth_tensors
             raw = read(path, file_select, check)
             for name, tensor in raw:
                 done += 1
                 if progress is not None:
-                    progress(done, max(total, done))
+                    progress(done, total)
                 if self.format == "mistral":
                     yield name, tensor
                     continue
                 yield from _selected(hf_to_published([(name, tensor)], self.args), select)
+
+
+def _hf_file_select(select: Optional[Selector]) -> Optional[Selector]:
+    """For a transformers file: skip the tensors whose published counterpart ``select`` leaves out (another
+    pipeline stage's layers, another rank's experts); read the others whole, to be cut after translation
+    (their q/k rows are permuted per head, their experts may be fused)."""
+    if select is None:
+        return None
+    return lambda name: None if (published := hf_name_to_published(name)) is not None and select(published) is None else Selection()
 
 
 def _hf_weight_files(folder: Path) -> List[Path]:
@@ -347,7 +367,7 @@ def load_model(
         if kind == "meta":
             raise ConfigError("device='meta' holds no data, so no weights can be loaded onto it: use 'cpu' or 'cuda'")
     checkpoint = open_checkpoint(folder)
-    checkpoint.args.max_batch_size = max_batch_size
+    checkpoint.args = ModelArgs.checked({**vars(checkpoint.args), "max_batch_size": max_batch_size}, "load_model")
     parallel.check(checkpoint.args)
     stored = checkpoint.quantization
     if stored is not None and parallel.world_size > 1:
@@ -386,7 +406,5 @@ def save_consolidated(model: Transformer, folder: str | Path) -> None:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    params = model.args.to_params()
-    params.pop("max_batch_size", None)
-    (folder / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
+    (folder / PARAMS_FILE).write_text(json.dumps(model.args.to_params(), indent=2) + "\n", encoding="utf-8")
     write_safetensors(folder / SAFETENSORS_FILE, internal_to_published(model.state_dict(), model.args))

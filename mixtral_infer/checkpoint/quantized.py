@@ -73,12 +73,17 @@ _LIBC = _glibc()
 def to_stored(tensors: Tensors, scheme: QuantScheme) -> Tensors:
     """Published float tensors -> what a quantized folder holds: ``X.weight`` integers, ``X.scales``."""
     for name, tensor in tensors:
-        if is_quantized_published(name):
+        if not is_quantized_published(name):
+            yield name, tensor
+        elif tensor.is_meta:  # the writers' plan: shapes and dtypes only
+            values_shape, scales_shape = stored_shapes(name, tuple(tensor.shape), scheme)
+            integers = torch.int8 if scheme.name == "int8" else torch.uint8
+            yield name, torch.empty(values_shape, dtype=integers, device="meta")
+            yield scales_name(name), torch.empty(scales_shape, dtype=SCALE_DTYPE, device="meta")
+        else:
             weight = quantize(tensor, scheme, SCALE_DTYPE)
             yield name, weight.values
             yield scales_name(name), weight.scales
-        else:
-            yield name, tensor
 
 
 def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, device: torch.device, source: str) -> Iterator:

@@ -1,24 +1,29 @@
 """Writing safetensors: Hugging Face shards through the library, one Mistral file by hand.
 
-**Hugging Face folders** (``write_hf_shards``) are written as transformers writes them:
-tensors are gathered into shards of at most ``max_shard_size`` bytes, each shard is
-written by ``safetensors.torch.save_file`` to a temporary name and renamed into place
-once every shard is complete (``model-00001-of-00003.safetensors`` ... plus
-``model.safetensors.index.json``; a model that fits one shard is ``model.safetensors``).
-Only one shard is in memory at a time, and every byte is written once.
+Both writers take the tensors as a stream, one at a time, with a **plan**: the name,
+dtype and shape of every tensor to come, in order, known before any is read
+(``convert.planned_tensors`` works it out from the source's headers, as tensors on the
+meta device). Without a plan, the tensors are gathered first and are their own plan,
+as transformers plans ``save_pretrained`` from a state dict: use that for tensors that
+are in memory anyway. A stream that differs from its plan is a ValueError.
 
-**A Mistral folder** has a single ``consolidated.safetensors``, which
-``safetensors.torch.save_file`` could only write with the whole model in memory
-(``bench/convert_memory.py``, a 1.71 GB float32 checkpoint: 1722 MB peak anonymous memory
-written as one shard through the library, 474 MB streamed by hand; but 10 s instead of 3-4 s
-and twice the disk). That measured reason keeps ``write_safetensors`` here. The format
-is simple enough to stream: an 8-byte little-endian header length, a JSON header
+**Hugging Face folders** (``write_hf_shards``) are written as transformers writes them:
+tensors are gathered into shards of at most ``max_shard_size`` bytes (``plan_shards``),
+each shard is written by ``safetensors.torch.save_file`` to a hidden ``.partial`` name
+and renamed to ``model-0000i-of-0000N.safetensors`` as soon as it is complete, before the
+next tensor is read; then ``model.safetensors.index.json``. A model that fits one shard is
+``model.safetensors``. Only one shard is in memory at a time, and every byte is written once.
+
+**A Mistral folder** has a single ``consolidated.safetensors``. The library writes a file
+only from all of its tensors at once (``save_file(dict)``; it has no streaming writer), so
+this file is written here, which is the one hand-written piece left. Measured by
+``bench/convert_memory.py`` on a 1.71 GB float32 checkpoint (``bench/convert_memory.json``):
+written by one ``save_file`` call (``--to hf`` at the default 5GB, one shard) it peaks at
+1722 MB of anonymous memory, the model; streamed here (``--to mistral``), at 368 MB. With the plan, the header is known first, so the file is written in one
+pass: the header, then each tensor's bytes at its offset as it arrives, under ``.partial``
+until complete.
+The format: an 8-byte little-endian header length, the JSON header
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``, then the raw bytes.
-The bytes go to a side file as tensors arrive; the header, known only at the end,
-is written first into the final file and the bytes are copied after it, tensor by
-tensor in name order: the same tensors always give the same file, byte for byte.
-The result appears under its name only when complete (written as ``.partial``,
-then renamed).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,66 +52,82 @@ DTYPE_NAMES = {
     torch.bool: "BOOL",
 }
 
+NamedTensors = Iterable[Tuple[str, torch.Tensor]]
+Plan = Sequence[Tuple[str, torch.Tensor]]  # (name, a tensor of the dtype and shape to come; meta is fine)
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor that shares memory with no other (``save_file`` refuses shared tensors:
+    the experts cut from a fused ``gate_up_proj`` are views of one storage)."""
+    tensor = (tensor.detach() if tensor.requires_grad else tensor).to("cpu").contiguous()  # self when already so
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+def _gathered(tensors: NamedTensors, plan: Optional[Plan]) -> Tuple[NamedTensors, Plan]:
+    """The tensors and their plan: the given one, or the tensors themselves, gathered."""
+    if plan is not None:
+        return tensors, plan
+    tensors = list(tensors)
+    return tensors, tensors
+
+
+def _planned(tensors: NamedTensors, plan: Plan) -> Iterable[Tuple[int, str, torch.Tensor]]:
+    """(position, name, tensor) for each tensor of the stream, each checked against the plan."""
+    names = set()
+    for position, (name, tensor) in enumerate(tensors):
+        if position >= len(plan):
+            raise ValueError(f"tensor {name} comes after the {len(plan)} planned")
+        expected, like = plan[position]
+        if (name, tensor.dtype, tensor.shape) != (expected, like.dtype, like.shape):
+            raise ValueError(
+                f"tensor {name} {tensor.dtype} {tuple(tensor.shape)} differs from the plan: {expected} {like.dtype} {tuple(like.shape)}"
+            )
+        if name in names:
+            raise ValueError(f"tensor {name} written twice")
+        names.add(name)
+        yield position, name, tensor
+    if len(names) != len(plan):
+        raise ValueError(f"{len(names)} tensors written, {len(plan)} planned")
 
 
 def write_safetensors(
-    path: str | Path,
-    tensors: Iterable[Tuple[str, torch.Tensor]],
-    metadata: Optional[Dict[str, str]] = None,
+    path: str | Path, tensors: NamedTensors, metadata: Optional[Dict[str, str]] = None, plan: Optional[Plan] = None
 ) -> int:
-    """Stream ``(name, tensor)`` pairs into ``path``; returns the number of tensors written."""
+    """Stream ``(name, tensor)`` pairs into one file ``path`` in one pass; returns the number of tensors written.
+
+    The tensors lie in the file in name order, whatever order they arrive in (each is
+    written at its offset), so the same tensors always give the same file, byte for byte.
+    """
     path = Path(path)
-    data_path = path.with_name(path.name + ".data.partial")
-    final_partial = path.with_name(path.name + ".partial")
-    written: Dict[str, Tuple[str, list, int, int]] = {}  # name -> (dtype, shape, start in side file, size)
-    offset = 0
+    tensors, plan = _gathered(tensors, plan)
+    header: Dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    position = 0
+    for name, like in sorted(plan, key=lambda pair: pair[0]):
+        if like.dtype not in DTYPE_NAMES:
+            raise ValueError(f"tensor {name}: dtype {like.dtype} cannot be stored in safetensors")
+        if name in header:
+            raise ValueError(f"tensor {name} written twice")
+        header[name] = {"dtype": DTYPE_NAMES[like.dtype], "shape": list(like.shape), "data_offsets": [position, position + like.nbytes]}
+        position += like.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
+    data_start = 8 + len(encoded)
+    partial = path.with_name(path.name + ".partial")
     try:
-        with open(data_path, "wb") as data:
-            for name, tensor in tensors:
-                if name in written:
-                    raise ValueError(f"tensor {name} written twice")
-                if tensor.dtype not in DTYPE_NAMES:
-                    raise ValueError(f"tensor {name}: dtype {tensor.dtype} cannot be stored in safetensors")
-                raw = tensor_bytes(tensor)
-                data.write(raw)
-                written[name] = (DTYPE_NAMES[tensor.dtype], list(tensor.shape), offset, len(raw))
-                offset += len(raw)
-        header: Dict[str, object] = {}
-        if metadata:
-            header["__metadata__"] = dict(metadata)
-        position = 0
-        for name in sorted(written):
-            dtype, shape, _, size = written[name]
-            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [position, position + size]}
-            position += size
-        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
-        with open(final_partial, "wb") as out, open(data_path, "rb") as data:
+        with open(partial, "wb") as out:
             out.write(struct.pack("<Q", len(encoded)))
             out.write(encoded)
-            for name in sorted(written):
-                _, _, start, size = written[name]
-                data.seek(start)
-                _copy_bytes(data, out, size)
-        os.replace(final_partial, path)
+            for _, name, tensor in _planned(tensors, plan):
+                flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # (numel,)
+                out.seek(data_start + header[name]["data_offsets"][0])
+                out.write(memoryview(flat.view(torch.uint8).numpy()))
+        os.replace(partial, path)
     finally:
-        for leftover in (data_path, final_partial):
-            if leftover.exists():
-                leftover.unlink()
-    return len(written)
-
-
-def _copy_bytes(source, target, size: int, block: int = 16 << 20) -> None:
-    while size > 0:
-        chunk = source.read(min(block, size))
-        if not chunk:
-            raise OSError("side file ended early")
-        target.write(chunk)
-        size -= len(chunk)
+        if partial.exists():
+            partial.unlink()
+    return len(plan)
 
 
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -129,66 +150,70 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor that shares memory with no other (``save_file`` refuses shared tensors:
-    the experts cut from a fused ``gate_up_proj`` are views of one storage)."""
-    tensor = (tensor.detach() if tensor.requires_grad else tensor).to("cpu").contiguous()  # self when already so
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
+def plan_shards(sizes: Sequence[int], limit: int) -> List[int]:
+    """The shard number (from 1) of each tensor: a shard closes when the next tensor would take it past
+    ``limit`` bytes; a tensor larger than the limit gets a shard of its own.
+
+    >>> plan_shards([400, 400, 600, 1200, 100], limit=1000)
+    [1, 1, 2, 3, 4]
+    """
+    shards: List[int] = []
+    number, filled, members = 1, 0, 0  # the shard being filled: its bytes and tensors so far
+    for size in sizes:
+        if members and filled + size > limit:
+            number, filled, members = number + 1, 0, 0
+        shards.append(number)
+        filled, members = filled + size, members + 1
+    return shards
 
 
 def write_hf_shards(
     folder: str | Path,
-    tensors: Iterable[Tuple[str, torch.Tensor]],
+    tensors: NamedTensors,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     metadata: Optional[Dict[str, str]] = None,
+    plan: Optional[Plan] = None,
 ) -> List[Path]:
     """Write ``(name, tensor)`` pairs into ``folder`` as transformers' ``save_pretrained`` does.
 
-    A shard is closed when the next tensor would take it past ``max_shard_size`` (a
-    larger tensor gets a shard of its own). Returns the weight files written.
+    Each shard is renamed to its final name as soon as it is written, before the next
+    tensor is asked for; if writing fails, the shards already written are removed.
+    Returns the weight files written.
     """
     from safetensors.torch import save_file
 
     folder = Path(folder)
     limit = parse_size(max_shard_size)
-    partials: List[Path] = []
-    weight_map: Dict[str, int] = {}  # name -> shard number
-    shard: Dict[str, torch.Tensor] = {}
-    shard_bytes = total = 0
+    tensors, plan = _gathered(tensors, plan)
+    shard_of = plan_shards([like.nbytes for _, like in plan], limit)
+    count = shard_of[-1] if shard_of else 1
+    names = [HF_WEIGHTS_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    partial = folder / ".shard.safetensors.partial"
+    written: List[Path] = []
 
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        path = folder / f".model-{len(partials) + 1:05d}.safetensors.partial"
-        partials.append(path)
-        save_file(shard, str(path), metadata=metadata)
-        shard, shard_bytes = {}, 0
+    def write(shard: Dict[str, torch.Tensor], number: int) -> None:
+        save_file(shard, str(partial), metadata=metadata)
+        os.replace(partial, folder / names[number - 1])
+        written.append(folder / names[number - 1])
 
     try:
-        for name, tensor in tensors:
-            if name in weight_map or name in shard:
-                raise ValueError(f"tensor {name} written twice")
-            tensor = _own_storage(tensor)
-            size = tensor.numel() * tensor.element_size()
-            if shard and shard_bytes + size > limit:
-                flush()
-            shard[name] = tensor
-            weight_map[name] = len(partials) + 1  # the shard being filled
-            shard_bytes += size
-            total += size
-        if shard or not partials:
-            flush()
-        count = len(partials)
-        names = [HF_WEIGHTS_FILE] if count == 1 else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-        for partial, name in zip(partials, names):
-            os.replace(partial, folder / name)
+        shard: Dict[str, torch.Tensor] = {}
+        for position, name, tensor in _planned(tensors, plan):
+            shard[name] = _own_storage(tensor)
+            if position + 1 == len(plan) or shard_of[position + 1] != shard_of[position]:  # the shard is complete
+                write(shard, shard_of[position])
+                shard = {}
+        if not plan:
+            write({}, 1)  # no tensors: an empty model.safetensors, as transformers writes
+    except BaseException:
+        for path in written:  # a folder with some of the shards would look like a model
+            path.unlink()
+        raise
     finally:
-        for partial in partials:
-            if partial.exists():
-                partial.unlink()
+        if partial.exists():
+            partial.unlink()
     if count > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {name: names[i - 1] for name, i in sorted(weight_map.items())}}
+        weight_map = {name: names[shard_of[i] - 1] for i, (name, _) in enumerate(plan)}
+        index = {"metadata": {"total_size": sum(like.nbytes for _, like in plan)}, "weight_map": dict(sorted(weight_map.items()))}
         (folder / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return [folder / name for name in names]
-

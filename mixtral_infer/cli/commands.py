@@ -1,31 +1,32 @@
-"""The command line: ``demo`` and ``interactive``, parsed by fire.
+"""The command line, parsed by fire::
+
+    mixtral-infer demo [MODEL_PATH] [--prompt TEXT]...     complete prompts in one batch
+    mixtral-infer interactive [MODEL_PATH] [--instruct]    a prompt loop that streams each answer
+    mixtral-infer convert SRC DST [--to mistral|hf]        a model folder in the other layout
+    mixtral-infer models                                   the shipped models, by name
 
 Every function here only turns options into API calls and prints; errors of the
-package are printed as one line (exit code 1), never as a traceback.
-"""
+package are printed as one line (exit code 1), never as a traceback. torch and the
+model code are imported when a command runs, so ``--help`` answers at once.
 
-from __future__ import annotations
+``--help`` shows each option's ``Type:`` (its annotation), ``Default:`` and the line of the
+command's ``Args:`` section. So the commands' parameters are annotated with plain classes
+(``top_k: int = None`` shows as ``Optional[int]``): fire prints ``Optional[str]`` as
+``Optional[Optional]``, and a string annotation (``from __future__ import annotations``) as
+its quoted text.
+"""
 
 import difflib
 import inspect
+import json
 import re
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
-import torch
-
-from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_device, default_dtype, load_model, open_checkpoint
 from mixtral_infer.errors import GenerationError, MixtralInferError
-from mixtral_infer.generation.chat import Conversation
-from mixtral_infer.generation.generate import DECODE_MODES, generate
-from mixtral_infer.generation.settings import as_int, check_new_cache
-from mixtral_infer.generation.settings import check_options as check_generation_options
-from mixtral_infer.model.parallel import Parallel
-from mixtral_infer.quant.model import model_scheme, quantized_numel
-from mixtral_infer.quant.weights import QuantScheme
-from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, resolve_model_folder, shipped_models
-from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
+from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, is_shipped, resolve_model_folder, shipped_models
 
 DEFAULT_MODEL = SHIPPED_MODELS / DEFAULT_MODEL_NAME
 DEMO_PROMPTS = [
@@ -33,24 +34,43 @@ DEMO_PROMPTS = [
     "And the LORD spake unto Moses, saying,",
     "Blessed are",
 ]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MODEL_PATH_HELP = (
+    "a model folder (Mistral: params.json + consolidated.safetensors; Hugging Face: config.json + "
+    f"model.safetensors) or a shipped model's name ({', '.join(shipped_models())}; see `models`); default {DEFAULT_MODEL_NAME}"
+)
 
 
-def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+def parse_dtype(name: Optional[str]):
+    """The torch dtype called ``name``; None for None (the device's default)."""
     if name is None:
         return None
-    if not isinstance(name, str) or name not in DTYPES:
-        raise GenerationError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if not isinstance(name, str) or name not in DTYPE_NAMES:
+        raise GenerationError(f"--dtype {name!r} is not one of {', '.join(DTYPE_NAMES)}")
+    import torch
+
+    return getattr(torch, name)
+
+
+def check_quantize(quantize: Optional[str]) -> None:
+    from mixtral_infer.quant.weights import QuantScheme
+
+    QuantScheme.parse(quantize)
 
 
 def check_decode(decode: str) -> None:
+    from mixtral_infer.generation.generate import DECODE_MODES
+
     if decode not in DECODE_MODES:
         raise GenerationError(f"--decode {decode!r} is not one of {', '.join(DECODE_MODES)}")
 
 
-def parse_device(name: Optional[str]) -> torch.device:
+def parse_device(name: Optional[str]):
     """The device a model can run on: cpu, cuda[:N] where CUDA is available, mps where MPS is."""
+    import torch
+
+    from mixtral_infer.checkpoint.loading import default_device
+
     if name is None:
         return default_device()
     try:
@@ -85,6 +105,9 @@ def check_options(
     num_pipeline_ranks: object,
 ) -> None:
     """Every option of demo / interactive, checked before the model is loaded (fire passes strings as they came)."""
+    from mixtral_infer.generation.settings import as_int
+    from mixtral_infer.generation.settings import check_options as check_generation_options
+
     check_generation_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)
     for name, value in (("tensor_parallel", tensor_parallel), ("num_pipeline_ranks", num_pipeline_ranks)):
         if as_int(value) is None or as_int(value) < 1:
@@ -114,6 +137,10 @@ def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Op
     """(Parallel, device) for this process; joins the torchrun group when the model is cut."""
     import os
 
+    import torch
+
+    from mixtral_infer.model.parallel import Parallel
+
     parallel_size = tensor_parallel * num_pipeline_ranks
     if parallel_size == 1:
         return Parallel(), parse_device(device)
@@ -136,9 +163,15 @@ def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Op
 
 
 def is_main_process() -> bool:
+    if "torch" not in sys.modules:
+        return True  # nothing was loaded, so no process group was joined
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def model_folder(model_path: Optional[str]) -> Path:
+    return resolve_model_folder(str(model_path)) if model_path is not None else DEFAULT_MODEL
 
 
 def load(
@@ -156,7 +189,13 @@ def load(
     Before any weight is read: the tokenizer must be there, and a model without a
     sliding window must have room for a cache of ``max_tokens`` new tokens.
     """
-    folder = resolve_model_folder(str(model_path)) if model_path is not None else DEFAULT_MODEL
+    import torch
+
+    from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_dtype, load_model, open_checkpoint
+    from mixtral_infer.generation.settings import check_new_cache
+    from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
+
+    folder = model_folder(model_path)
     parallel, torch_device = join_process_group(int(tensor_parallel), int(num_pipeline_ranks), device)
     torch_dtype = parse_dtype(dtype)
     tokenizer_path = find_tokenizer(folder)
@@ -176,6 +215,8 @@ def load(
         quantize=quantize,
     )
     tokenizer = Tokenizer(tokenizer_path)
+    from mixtral_infer.quant.model import model_scheme, quantized_numel
+
     n_params = sum(p.numel() for p in model.parameters()) + quantized_numel(model)
     scheme = model_scheme(model)
     print(
@@ -188,37 +229,61 @@ def load(
     return model, tokenizer
 
 
+def prompt_list(prompt: object) -> List[str]:
+    """The prompts ``--prompt`` gave (``main`` hands them over as one list), else the built-in ones."""
+    if prompt is None or (isinstance(prompt, (list, tuple)) and not prompt):
+        return list(DEMO_PROMPTS)
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+        raise GenerationError(f"--prompt {prompt!r}: give the text of a prompt, e.g. --prompt 'In the beginning'")
+    return list(prompts)
+
+
 def demo(
-    model_path: Optional[str] = None,
+    model_path: str = None,
+    prompt: str = (),
     max_tokens: int = 60,
     temperature: float = 0.7,
     top_p: float = 0.9,
-    top_k: Optional[int] = None,
-    chunk_size: Optional[int] = None,
-    seed: Optional[int] = 0,
-    device: Optional[str] = None,
-    dtype: Optional[str] = None,
+    top_k: int = None,
+    chunk_size: int = None,
+    seed: int = 0,
+    device: str = None,
+    dtype: str = None,
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
     decode: str = "auto",
-    quantize: Optional[str] = None,
+    quantize: str = None,
 ) -> None:
-    """Complete three prompts of different lengths in one batch and print them.
+    """Complete prompts in one batch and print each with its continuation.
 
-    MODEL_PATH: a model folder or a shipped model's name (see `models`); default tiny-mixtral.
+    Prints each prompt and its continuation on stdout, then "N tokens in S s" on stderr.
+    Sampled with a fixed seed, so the output is the same every run; --temperature 0 is greedy.
 
-    Sampled (temperature 0.7, top-p 0.9) with a fixed seed, so the output is the same every run;
-    --temperature 0 for greedy.
-
-    Under torchrun, --tensor_parallel N or --num_pipeline_ranks N cut the model across the N processes.
-    --decode eager|static|compiled|auto: auto compiles the decode step on CUDA (eager on CPU).
-    --quantize int8|int4|int4-128: weight-only quantization while loading (bfloat16 compute unless --dtype).
+    Args:
+        model_path: MODEL_PATH, also given as the first argument: {MODEL_PATH}.
+        prompt: a prompt to complete; repeat for several (--prompt "In the beginning" --prompt "Blessed are"). Without it: three built-in prompts of different lengths.
+        max_tokens: new tokens per prompt at most (fewer when the model ends the text).
+        temperature: sampling temperature; 0 is greedy.
+        top_p: sample from the smallest set of tokens whose probability reaches top_p, in (0, 1].
+        top_k: sample from the top_k most likely tokens only; default: all.
+        chunk_size: prompt tokens of each prompt per forward pass; default 2048 shared by the batch. Any value gives the same text.
+        seed: random seed, an integer in [0, 2^63); the same seed gives the same text.
+        device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
+        dtype: float32, bfloat16 or float16; default bfloat16 on cuda, float32 elsewhere.
+        tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
+        num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
+        decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step through torch.compile).
+        quantize: int8, int4 or int4-128: weight-only quantization while loading; computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
+    check_quantize(quantize)
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
-    QuantScheme.parse(quantize)
-    model, tokenizer = load(model_path, len(DEMO_PROMPTS), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
-    encoded = [tokenizer.encode(prompt, bos=True) for prompt in DEMO_PROMPTS]
+    prompts = prompt_list(prompt)
+    from mixtral_infer.generation.generate import generate
+
+    model, tokenizer = load(model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
+    encoded = [tokenizer.encode(text, bos=True) for text in prompts]
     start = time.perf_counter()
     generated, _ = generate(
         encoded,
@@ -236,49 +301,67 @@ def demo(
     elapsed = time.perf_counter() - start
     if not is_main_process():
         return
-    for prompt, tokens in zip(DEMO_PROMPTS, generated):
-        print(f"{prompt}{_continuation(tokenizer, tokens)}")
+    for text, tokens in zip(prompts, generated):
+        print(f"{text}{tokenizer.decode_continuation(tokens)}")
         print("-" * 40)
     n_tokens = sum(len(t) for t in generated)
     print(f"{n_tokens} tokens in {elapsed:.2f}s ({n_tokens / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
 
 
-def _continuation(tokenizer: Tokenizer, tokens: List[int]) -> str:
-    """Decoded new tokens, with the space that sentencepiece drops at the start of a decode."""
-    text = tokenizer.decode(tokens)
-    if tokens and tokenizer.id_to_piece(tokens[0]).startswith("\u2581"):
-        text = " " + text
-    return text
-
-
 def interactive(
-    model_path: Optional[str] = None,
+    model_path: str = None,
     instruct: bool = False,
     max_tokens: int = 100,
     temperature: float = 0.7,
     top_p: float = 0.9,
-    top_k: Optional[int] = None,
-    chunk_size: Optional[int] = None,
-    seed: Optional[int] = None,
-    device: Optional[str] = None,
-    dtype: Optional[str] = None,
+    top_k: int = None,
+    chunk_size: int = None,
+    seed: int = None,
+    device: str = None,
+    dtype: str = None,
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
     decode: str = "auto",
-    quantize: Optional[str] = None,
+    quantize: str = None,
 ) -> None:
-    """A prompt loop that streams each answer; /reset starts over, /quit (or end of input) leaves.
+    """A prompt loop that streams each answer.
 
-    With --instruct, turns are wrapped in [INST] ... [/INST] and later turns see earlier ones.
-    Under torchrun, rank 0 reads the input and shares each line with the other ranks.
-    --decode eager|static|compiled|auto: auto compiles the decode step on CUDA (eager on CPU).
-    --quantize int8|int4|int4-128: weight-only quantization while loading (bfloat16 compute unless --dtype).
+    Each line read is a prompt; its answer streams to stdout, then a line of statistics
+    (tokens, tokens/s, time to the first token; a mark when max_tokens cut it) goes to stderr.
+    On a terminal: a "> " prompt, line editing and history (up arrow); piped input gives only
+    the answers on stdout, one per line. /reset starts a new conversation; /quit, end of input
+    (Ctrl-D) or Ctrl-C twice at the prompt leaves; Ctrl-C during an answer stops that answer.
+
+    Args:
+        model_path: MODEL_PATH, also given as the first argument: {MODEL_PATH}.
+        instruct: wrap each turn in [INST] ... [/INST] and keep the conversation (later turns see earlier ones). For instruction-tuned models; the shipped ones are not.
+        max_tokens: new tokens per answer at most.
+        temperature: sampling temperature; 0 is greedy.
+        top_p: sample from the smallest set of tokens whose probability reaches top_p, in (0, 1].
+        top_k: sample from the top_k most likely tokens only; default: all.
+        chunk_size: prompt tokens per forward pass; default 2048. Any value gives the same text.
+        seed: random seed, an integer in [0, 2^63); default: a different answer every run.
+        device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
+        dtype: float32, bfloat16 or float16; default bfloat16 on cuda, float32 elsewhere.
+        tensor_parallel: under torchrun, cut each layer across N processes; rank 0 reads the input and shares each line.
+        num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
+        decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager, static or compiled.
+        quantize: int8, int4 or int4-128: weight-only quantization while loading; computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
-    QuantScheme.parse(quantize)
+    check_quantize(quantize)
     if not isinstance(instruct, bool):
         raise GenerationError(f"--instruct takes no value (got {instruct!r}): write --instruct or --noinstruct")
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
+    terminal = sys.stdin.isatty()
+    if instruct and is_shipped(model_folder(model_path)):
+        print(
+            f"note: {model_folder(model_path).name} is not instruction-tuned (it continues Bible text); with --instruct it "
+            "sees [INST] ... [/INST] it was never trained on. Without --instruct each line is a text to continue.",
+            file=sys.stderr,
+        )
+    from mixtral_infer.generation.chat import Conversation
+
     model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
     main_process = is_main_process()
     conversation = Conversation(
@@ -295,10 +378,11 @@ def interactive(
     )
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # undecodable bytes become U+FFFD, not a crash
-    if main_process:
-        print("type a prompt; /reset starts a new conversation, /quit leaves", file=sys.stderr)
+    if main_process and terminal:
+        use_readline()
+        print("type a prompt; /reset starts a new conversation, /quit or Ctrl-D leaves", file=sys.stderr)
     while True:
-        line = _read_line() if main_process else None
+        line = read_line("> " if terminal else "") if main_process else None
         line = _share_line(line)
         if line is None:
             return
@@ -316,24 +400,48 @@ def interactive(
             continue
         emit = (lambda piece: print(piece, end="", flush=True)) if main_process else (lambda piece: None)
         try:
-            conversation.reply(line, emit=emit)
+            reply = conversation.reply(line, emit=emit)
+            status = f"[{reply.stats()}" + (f"; cut at --max_tokens {max_tokens}]" if reply.hit_max_tokens else "]")
         except KeyboardInterrupt:
-            print(" [stopped]", end="")
+            status = "[stopped by Ctrl-C]"
         if main_process:
             print(flush=True)
+            print(status, file=sys.stderr, flush=True)
 
 
-def _read_line() -> Optional[str]:
-    """The next input line, or None at end of input or Ctrl-C."""
+def use_readline() -> None:
+    """Line editing and history (up arrow) for ``input()``, where Python has readline."""
     try:
-        return input("> ")
-    except (EOFError, KeyboardInterrupt):
-        print(file=sys.stderr)
-        return None
+        import readline  # noqa: F401  (importing it is what turns it on)
+    except ImportError:  # Windows without pyreadline
+        pass
+
+
+def read_line(prompt: str) -> Optional[str]:
+    """The next input line; None at end of input or at a second Ctrl-C in a row.
+
+    Ctrl-C at the prompt drops the line being typed and says how to leave, like a shell.
+    """
+    interrupted = False
+    while True:
+        try:
+            return input(prompt)
+        except EOFError:
+            if prompt:
+                print(file=sys.stderr)
+            return None
+        except KeyboardInterrupt:
+            if interrupted:
+                print(file=sys.stderr)
+                return None
+            interrupted = True
+            print("\n(Ctrl-C: press it again, type /quit or press Ctrl-D to leave)", file=sys.stderr, flush=True)
 
 
 def _share_line(line: Optional[str]) -> Optional[str]:
     """Rank 0's line, on every rank of a process group."""
+    if "torch" not in sys.modules:
+        return line
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -343,15 +451,18 @@ def _share_line(line: Optional[str]) -> Optional[str]:
     return shared[0]
 
 
-def convert(
-    src: str, dst: str, to: Optional[str] = None, dtype: Optional[str] = None, max_shard_size: str = "5GB",
-    quantize: Optional[str] = None,
-) -> None:  # fmt: skip
-    """Write the model folder SRC to the new folder DST in the other layout (--to mistral|hf).
+def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_size: str = "5GB", quantize: str = None) -> None:
+    """Write the model folder SRC to the new folder DST, in the other layout.
 
-    A Hugging Face folder is written in shards of at most --max_shard_size (5GB, 500MB, ...),
-    with the tokenizer files transformers reads. --quantize int8|int4|int4-128 writes a
-    quantized Mistral folder (integers and scales) that loads without quantizing again.
+    DST must not exist; it appears only once complete (written as a hidden .DST.partial-PID first).
+
+    Args:
+        src: a model folder (Mistral or Hugging Face layout) or a shipped model's name.
+        dst: the folder to write; must not exist.
+        to: mistral (params.json + consolidated.safetensors) or hf (config.json + sharded model.safetensors, with the tokenizer files transformers reads); default: the layout SRC is not in.
+        dtype: float32, bfloat16 or float16; default: as stored.
+        max_shard_size: largest shard of a Hugging Face folder, e.g. 5GB or 500MB.
+        quantize: int8, int4 or int4-128: write a quantized Mistral folder (integers + scales) that loads without quantizing again.
     """
     from mixtral_infer.checkpoint.convert import convert as convert_folder
 
@@ -375,6 +486,57 @@ def models() -> None:
 
 
 COMMANDS = {"demo": demo, "interactive": interactive, "convert": convert, "models": models}
+for _command in (demo, interactive):
+    _command.__doc__ = _command.__doc__.replace("{MODEL_PATH}", MODEL_PATH_HELP)
+
+USAGE = f"""usage: mixtral-infer COMMAND [ARGS] [--OPTIONS]   (also: python main.py ..., python -m mixtral_infer ...)
+
+commands:
+  demo [MODEL_PATH] [--prompt TEXT]...     complete prompts in one batch (without --prompt: three built-in ones)
+  interactive [MODEL_PATH] [--instruct]    a prompt loop that streams each answer
+  convert SRC DST [--to mistral|hf]        write a model folder in the other layout
+  models                                   list the shipped models
+
+MODEL_PATH: {MODEL_PATH_HELP}.
+
+mixtral-infer COMMAND --help lists a command's options with their defaults.
+mixtral-infer --version prints the version.
+"""
+
+
+def command_help(command: str) -> str:
+    """fire's help text of one command (fire itself prints it on stderr, so ``| less`` would show nothing)."""
+    from fire import helptext, trace
+
+    command_trace = trace.FireTrace(COMMANDS, name="mixtral-infer")
+    command_trace.AddAccessedProperty(COMMANDS[command], command, [command], None, None)
+    return helptext.HelpText(COMMANDS[command], command_trace)
+
+
+def gather_prompts(argv: List[str]) -> List[str]:
+    """``demo``'s repeated ``--prompt TEXT`` as one ``--prompt=[...]`` that fire reads as a list of strings.
+
+    fire keeps only the last of a repeated option and turns ``--prompt 3`` into the number 3;
+    a list literal of JSON strings (also Python string literals) reaches ``demo`` as the texts typed.
+    """
+    if not argv or argv[0] != "demo":
+        return argv
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept, prompts, index = [], [], 1
+    while index < end:
+        arg = argv[index]
+        if arg in ("--prompt", "-p") and index + 1 < end:
+            prompts.append(argv[index + 1])
+            index += 2
+            continue
+        if arg.startswith("--prompt="):
+            prompts.append(arg.split("=", 1)[1])
+        else:
+            kept.append(arg)
+        index += 1
+    if not prompts:
+        return argv
+    return [argv[0], *kept, f"--prompt={json.dumps(prompts)}", *argv[end:]]
 
 
 def check_arguments(argv: List[str]) -> None:
@@ -418,15 +580,23 @@ def check_arguments(argv: List[str]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import fire
-
     from mixtral_infer import __version__
 
-    if (sys.argv[1:] if argv is None else argv) in (["--version"], ["-V"]):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["--version"], ["-V"]):
         print(f"mixtral-infer {__version__}")
         return 0
+    if argv in ([], ["--help"], ["-h"], ["help"]):
+        print(USAGE, end="")
+        return 0
+    if argv[0] in COMMANDS and any(arg in ("-h", "--help") for arg in argv[1:]):
+        print(command_help(argv[0]))
+        return 0
+    import fire
+
     try:
-        check_arguments(list(sys.argv[1:] if argv is None else argv))
+        argv = gather_prompts(argv)
+        check_arguments(argv)
         fire.Fire(COMMANDS, command=argv, name="mixtral-infer")
     except MixtralInferError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -435,10 +605,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(file=sys.stderr)
         return 130
     finally:
-        import torch.distributed as dist
+        if "torch.distributed" in sys.modules:
+            import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 

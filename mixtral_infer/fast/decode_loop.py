@@ -91,7 +91,7 @@ def decode_static(
     compiled = step is not None
     if step is None:
         step = make_decode_step(model, sampling.greedy, sampling.filtered, settings.eos_id)
-    positions = torch.tensor(cache.seqlens, dtype=torch.long, device=device)  # (B,) tokens seen
+    positions = torch.tensor(cache.tokens_seen, dtype=torch.long, device=device)  # (B,) tokens seen
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     uniform = draw_uniform(batch, sampling, settings.generator, device)
     tokens, token_logprob, next_alive = choose_tokens(logits, alive, sampling, uniform, settings.eos_id)
@@ -116,7 +116,7 @@ def decode_static(
             reader.push(emitted, token_logprob)
         if not _record(reader.pop(), index - 1, settings, generated, logprobs):
             break  # every row had finished; the step launched after it wrote nothing
-    cache.seqlens = positions.tolist()
+    cache.tokens_seen = positions.tolist()
 
 
 def _record(

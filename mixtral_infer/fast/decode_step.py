@@ -59,14 +59,14 @@ def attend_one_token(
     attention: Attention,
     x: torch.Tensor,  # (B, D)
     rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, 1, Dh/2)
-    cache_k: torch.Tensor,  # (B, S, K, Dh) this layer's buffers of the B rows
-    cache_v: torch.Tensor,  # (B, S, K, Dh)
+    cache_k: torch.Tensor,  # (B, S, H_kv, Dh) this layer's buffers of the B rows
+    cache_v: torch.Tensor,  # (B, S, H_kv, Dh)
     slots: torch.Tensor,  # (B,) where each row's new key goes: position % S
     alive: torch.Tensor,  # (B,) bool: the row is decoding (a finished row writes nothing new)
     visible: torch.Tensor,  # (B, S) bool: the slots each row's query sees
 ) -> torch.Tensor:
     batch = x.shape[0]
-    xq, xk, xv = attention.project(x, rotary)  # (B, H, Dh), (B, K, Dh), (B, K, Dh)
+    xq, xk, xv = attention.project(x, rotary)  # (B, H, Dh), (B, H_kv, Dh), (B, H_kv, Dh)
 
     rows = torch.arange(batch, device=x.device)
     keep = alive[:, None, None]  # (B, 1, 1)
@@ -75,7 +75,7 @@ def attend_one_token(
 
     out = F.scaled_dot_product_attention(
         xq[:, :, None, :],  # (B, H, 1, Dh)
-        cache_k.transpose(1, 2),  # (B, K, S, Dh)
+        cache_k.transpose(1, 2),  # (B, H_kv, S, Dh)
         cache_v.transpose(1, 2),
         attn_mask=visible[:, None, None, :],  # (B, 1, 1, S)
         enable_gqa=True,
@@ -93,15 +93,15 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     expert runs on every row and a routing matrix, zero where a row did not choose the
     expert, mixes them: each expert's weights are read once, as a grouped matmul would.
     """
-    experts, weights = moe.route(x)  # (B, k), (B, k)
+    experts, weights = moe.route(x)  # (B, A), (B, A)
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
     if isinstance(moe.w1, QuantizedWeight):
         return _quantized_moe_one_token(moe, x, experts, weights)
     if batch * k < n_experts:
-        w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, k, I, D), (B, k, I, D), (B, k, D, I)
-        hidden = F.silu(torch.einsum("bd,bkid->bki", x, w1)) * torch.einsum("bd,bkid->bki", x, w3)  # (B, k, I)
-        out = torch.einsum("bki,bkdi->bkd", hidden, w2)  # (B, k, D)
+        w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, A, I, D), (B, A, I, D), (B, A, D, I)
+        hidden = F.silu(torch.einsum("bd,bkid->bki", x, w1)) * torch.einsum("bd,bkid->bki", x, w3)  # (B, A, I)
+        out = torch.einsum("bki,bkdi->bkd", hidden, w2)  # (B, A, D)
         return torch.einsum("bkd,bk->bd", out, weights)
     mix = torch.zeros(batch, n_experts, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (B, E)
     hidden = F.silu(torch.einsum("bd,eid->ebi", x, moe.w1)) * torch.einsum("bd,eid->ebi", x, moe.w3)  # (E, B, I)
@@ -139,8 +139,8 @@ def slots_and_visibility(positions: torch.Tensor, n_slots: int) -> Tuple[torch.T
 
 def decode_logits(
     model: Transformer,
-    cache_k: torch.Tensor,  # (L, B_max, S, K, Dh) the whole cache; rows 0..B-1 are decoded
-    cache_v: torch.Tensor,  # (L, B_max, S, K, Dh)
+    cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh) the whole cache; rows 0..B-1 are decoded
+    cache_v: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
     tokens: torch.Tensor,  # (B,) each row's last token
     positions: torch.Tensor,  # (B,) the position each token takes = tokens the row has seen
     alive: torch.Tensor,  # (B,) bool
@@ -201,7 +201,7 @@ def make_decode_step(
     """``decode_one_token`` bound to a model and to the batch's static sampling facts."""
 
     def decode_one_token(
-        cache_k: torch.Tensor,  # (L, B_max, S, K, Dh)
+        cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
         cache_v: torch.Tensor,
         tokens: torch.Tensor,  # (B,) the tokens chosen last step
         positions: torch.Tensor,  # (B,)
@@ -255,7 +255,7 @@ class StepCompiler:
             self.cache = cache = None  # free the old buffers before making the new ones
             cache = self.model.make_cache(batch, max_seqlen=slots)
             self.cache = cache
-        cache.init_kvseqlens(batch)
+        cache.start_sequences(batch)
         return cache
 
     def step(self, cache: RotatingBufferCache, batch: int, sampling: Sampling, eos_id: Optional[int]):

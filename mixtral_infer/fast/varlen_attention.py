@@ -15,7 +15,6 @@ queries and ``kv_len`` keys when ``i + kv_len - q_len - left <= j <= i + kv_len 
 ==============================================================  ==================
 bias                                                            window_size
 ==============================================================  ==================
-``BlockDiagonalMask`` (no causality)                            ``(-1, -1)``
 ``BlockDiagonalCausalMask`` / ``...FromBottomRightMask``        ``(-1, 0)``
 ``BlockDiagonalCausalLocalAttention[FromBottomRight]Mask`` W    ``(W - 1, 0)``
 ==============================================================  ==================
@@ -56,9 +55,7 @@ class VarlenArguments:
 
 def window_size_of(bias: BlockDiagonalMask) -> Tuple[int, int]:
     """Flash attention's ``(left, right)`` window for a block-diagonal bias (table above)."""
-    causal, _, window = block_semantics(bias)  # bottom-right alignment is flash's own
-    if not causal:
-        return (-1, -1)
+    _, window = block_semantics(bias)  # bottom-right alignment is flash's own
     return (window - 1, 0) if window is not None else (-1, 0)
 
 
@@ -75,8 +72,8 @@ def varlen_arguments(bias: BlockDiagonalMask, device: torch.device) -> VarlenArg
 
 
 def reference_varlen_attention(
-    query: torch.Tensor,  # (T_q, H, D)
-    key: torch.Tensor,  # (T_k, H_kv, D)
+    query: torch.Tensor,  # (T_q, H, Dh)
+    key: torch.Tensor,  # (T_k, H_kv, Dh)
     value: torch.Tensor,
     cu_seq_q: torch.Tensor,
     cu_seq_k: torch.Tensor,
@@ -127,8 +124,8 @@ def kernel_takes_gqa(kernel: Kernel) -> bool:
 
 
 def varlen_attention(
-    q: torch.Tensor,  # (T_q, H, D)
-    k: torch.Tensor,  # (T_k, H_kv, D)
+    q: torch.Tensor,  # (T_q, H, Dh)
+    k: torch.Tensor,  # (T_k, H_kv, Dh)
     v: torch.Tensor,
     bias: BlockDiagonalMask,
     kernel: Kernel,
@@ -145,7 +142,7 @@ def varlen_attention(
             v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)
     return kernel(
         q, k, v, args.cu_seq_q, args.cu_seq_k, args.max_q, args.max_k, window_size=args.window_size, **options
-    )  # (T_q, H, D)
+    )  # (T_q, H, Dh)
 
 
 def can_use_torch_varlen(q: torch.Tensor, bias) -> bool:

@@ -12,6 +12,8 @@ for a v3 one (``Tokenizer.encode_instruct``).
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from mixtral_infer.generation.generate import generate
@@ -23,38 +25,74 @@ REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 byte sequence decod
 
 
 class TextStream:
-    """Turns tokens into printable text pieces as they arrive.
+    """Turns tokens into printable text pieces as they arrive, in time linear in the answer.
 
-    Decoding token by token loses sentencepiece's spaces and splits multi-byte
-    characters, so the whole answer is decoded each time and only the new suffix
-    is emitted (held back while it ends in half a character).
+    Decoding token by token loses sentencepiece's spaces and splits multi-byte characters
+    (byte-fallback pieces), so each new token is decoded together with the tokens since the
+    last piece shown, ``tokens[start:]``, and the text beyond ``tokens[start:shown]``'s is
+    emitted; it is held back while it ends in half a character. Both decodes start at the
+    same token, so the space sentencepiece drops at the start of a decode drops from both.
+
+    Worked example, pieces ``▁And ▁the <0xE4> <0xBD> <0xA0>`` (the last three are 你)::
+
+        push ▁And    decode([▁And]) = "And"           emit " And" (the leading space, see below)
+        push ▁the    [▁And ▁the] - [▁And]             emit " the"   start=1
+        push <0xE4>  [▁the <0xE4>] ends in U+FFFD     hold
+        push <0xBD>  [▁the <0xE4> <0xBD>]             hold
+        push <0xA0>  [▁the 你] - [▁the]                emit "你"
+
+    ``leading_space``: the answer continues a prompt, so a first piece starting with ``▁``
+    shows its space (``Tokenizer.decode_continuation``).
     """
 
     def __init__(self, tokenizer: Tokenizer, emit: Callable[[str], None], leading_space: bool):
         self.tokenizer, self.emit, self.leading_space = tokenizer, emit, leading_space
         self.tokens: List[int] = []
-        self.shown = 0
+        self.pieces: List[str] = []  # what was emitted
+        self.start = 0  # decodes begin at this token: the first one of the last piece shown
+        self.shown = 0  # tokens[:shown] are fully shown
 
-    def text(self) -> str:
-        text = self.tokenizer.decode(self.tokens)
-        if self.leading_space and self.tokens and self.tokenizer.id_to_piece(self.tokens[0]).startswith("\u2581"):
-            text = " " + text
-        return text
+    def _decode(self, end: int) -> str:
+        tokens = self.tokens[self.start : end]
+        if self.start == 0 and self.leading_space:
+            return self.tokenizer.decode_continuation(tokens)
+        return self.tokenizer.decode(tokens)
 
     def push(self, token: int) -> None:
         self.tokens.append(token)
-        text = self.text()
-        if not text.endswith(REPLACEMENT_CHARACTER):
-            self._show(text)
+        self._show(final=False)
 
     def finish(self) -> None:
         """Emit whatever was held back (an answer may end in half a character)."""
-        self._show(self.text())
+        self._show(final=True)
 
-    def _show(self, text: str) -> None:
-        if len(text) > self.shown:
-            self.emit(text[self.shown :])
-            self.shown = len(text)
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self.pieces)
+
+    def _show(self, final: bool) -> None:
+        before, now = self._decode(self.shown), self._decode(len(self.tokens))
+        if len(now) > len(before) and (final or not now.endswith(REPLACEMENT_CHARACTER)):
+            self.pieces.append(now[len(before) :])
+            self.emit(self.pieces[-1])
+            self.start, self.shown = self.shown, len(self.tokens)
+
+
+@dataclass
+class Reply:
+    """One answer and how it went."""
+
+    text: str
+    tokens: int  # generated, EOS not counted
+    seconds: float  # from the question to the last token
+    first_token_seconds: Optional[float]  # time to the first token (None when there was none)
+    hit_max_tokens: bool  # stopped by max_tokens, not by the model's EOS
+
+    def stats(self) -> str:
+        """``12 tokens, 35.1 tokens/s, first token after 0.08 s``"""
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        first = f", first token after {self.first_token_seconds:.2f} s" if self.first_token_seconds is not None else ""
+        return f"{self.tokens} tokens, {rate:.1f} tokens/s{first}"
 
 
 class Conversation:
@@ -90,7 +128,7 @@ class Conversation:
         elif self.cache is None:
             self.cache = self.model.make_cache(1)
         else:
-            self.cache.reset()  # the same buffers: a compiled decode step keeps writing where it was captured
+            self.cache.start_sequences(1)  # the same buffers: a compiled decode step keeps writing where it was captured
 
     def _turn_tokens(self, text: str) -> List[int]:
         if not self.instruct:
@@ -98,13 +136,13 @@ class Conversation:
         tokens = self.tokenizer.encode_instruct(text)
         return ([self.tokenizer.bos_id] if not self.history else []) + tokens
 
-    def reply(self, text: str, emit: Callable[[str], None] = lambda piece: None) -> str:
-        """Answer ``text``, calling ``emit`` with each new piece of the answer; returns the answer."""
+    def reply(self, text: str, emit: Callable[[str], None] = lambda piece: None) -> Reply:
+        """Answer ``text``, calling ``emit`` with each new piece of the answer."""
         if not self.instruct:
             self.reset()  # plain completion: every line is a new prompt
         turn = self._turn_tokens(text)
         if self.cache is not None:
-            seen = self.cache.seqlens[0] if self.cache.seqlens else 0
+            seen = self.cache.tokens_seen[0] if self.cache.tokens_seen else 0
             cache = self.cache
         else:
             seen, cache = 0, None
@@ -113,6 +151,14 @@ class Conversation:
         seed = None if self.seed is None else self.seed + self.turns
         self.turns += 1
         ended_by_eos = False
+        start = time.perf_counter()
+        first_token: List[float] = []
+
+        def on_token(_: int, token: int) -> None:
+            if not first_token:
+                first_token.append(time.perf_counter() - start)
+            stream.push(token)
+
         try:
             generated, _ = generate(
                 [prompt],
@@ -120,7 +166,7 @@ class Conversation:
                 eos_id=self.tokenizer.eos_id,
                 seed=seed,
                 cache=cache,
-                on_token=lambda _, token: stream.push(token),
+                on_token=on_token,
                 prompt_logprobs=False,
                 **self.settings,
             )
@@ -129,4 +175,10 @@ class Conversation:
         finally:
             # Also on Ctrl-C: keep what was said; the cache only counts tokens it fully read.
             self.history += turn + stream.tokens + ([self.tokenizer.eos_id] if ended_by_eos else [])
-        return stream.text()
+        return Reply(
+            text=stream.text(),
+            tokens=len(stream.tokens),
+            seconds=time.perf_counter() - start,
+            first_token_seconds=first_token[0] if first_token else None,
+            hit_max_tokens=not ended_by_eos,
+        )

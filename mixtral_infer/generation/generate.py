@@ -8,7 +8,7 @@ Each sequence then decodes until its own EOS; the loop ends when all have.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,52 +75,67 @@ def _check_finite(logits: torch.Tensor, where: str) -> None:
         raise GenerationError(f"the model produced NaN or inf logits {where}: the weights may be broken")
 
 
+def prompt_chunks(
+    encoded_prompts: Sequence[Sequence[int]], chunk_size: int, device: torch.device
+) -> Iterator[Tuple[int, List[int], torch.Tensor, List[int]]]:
+    """``(start, lengths, input_ids, ends)`` of each prefill chunk: tokens ``start .. start +
+    chunk_size - 1`` of every prompt, flat ``(T,)``; ``ends`` lists the prompts that end in it.
+
+    Prompts ``[a b c d e]``, ``[f g]`` in chunks of 2: ``(0, [2, 2], [a b f g], [1])``,
+    ``(2, [2, 0], [c d], [])``, ``(4, [1, 0], [e], [0])``: the short prompt sits the later chunks out.
+    """
+    longest = max(len(p) for p in encoded_prompts)
+    for start in range(0, longest, chunk_size):
+        chunks = [list(p[start : start + chunk_size]) for p in encoded_prompts]
+        lengths = [len(c) for c in chunks]
+        input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
+        ends = [i for i, (p, n) in enumerate(zip(encoded_prompts, lengths)) if n and start + n == len(p)]
+        yield start, lengths, input_ids, ends
+
+
 def prefill(
     model: Transformer,
     cache: RotatingBufferCache,
     encoded_prompts: Sequence[Sequence[int]],
     chunk_size: int,
-    logprobs: bool = True,
-) -> Tuple[torch.Tensor, List[List[float]]]:
-    """Run every prompt through the model in chunks.
+) -> torch.Tensor:
+    """Read every prompt into the cache in chunks; the logits after each prompt's last token ``(B, V)``.
 
-    Returns the logits after each prompt's last token ``(B, V)`` and, per prompt,
-    the log-probability of each of its tokens after the first. With ``logprobs=False``
-    those lists stay empty and only the rows of each prompt's last token go through
-    the output matrix (``Transformer.forward``'s ``logit_rows``).
+    Only the rows of those last tokens go through the output matrix (``Transformer.forward``'s
+    ``logit_rows``): what generation needs.
     """
-    batch = len(encoded_prompts)
-    longest = max(len(p) for p in encoded_prompts)
-    last_logits: List[Optional[torch.Tensor]] = [None] * batch
-    prompt_logprobs: List[List[float]] = [[] for _ in range(batch)]
-    for start in range(0, longest, chunk_size):
-        chunks = [list(p[start : start + chunk_size]) for p in encoded_prompts]
-        seqlens = [len(c) for c in chunks]
-        input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=model.device)
-        ends = [i for i, (p, n) in enumerate(zip(encoded_prompts, seqlens)) if n and start + n == len(p)]
-        if not logprobs:
-            # Only the prompts that end in this chunk need logits: their last rows.
-            ends_at = list(accumulate(seqlens))  # each sequence's end in the flat chunk
-            rows = [ends_at[i] - 1 for i in ends]
-            logits = model(input_ids, seqlens, cache, logit_rows=rows)  # (len(ends), V)
-            _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
-            for row, i in enumerate(ends):
-                last_logits[i] = logits[row]
-            continue
-        logits = model(input_ids, seqlens, cache)  # (T, V)
+    last_logits: List[Optional[torch.Tensor]] = [None] * len(encoded_prompts)
+    for start, lengths, input_ids, ends in prompt_chunks(encoded_prompts, chunk_size, model.device):
+        ends_at = list(accumulate(lengths))  # each sequence's end in the flat chunk
+        logits = model(input_ids, lengths, cache, logit_rows=[ends_at[i] - 1 for i in ends])  # (len(ends), V)
+        _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
+        for row, i in enumerate(ends):
+            last_logits[i] = logits[row]
+    return torch.stack(last_logits)  # type: ignore[arg-type]
+
+
+def prefill_with_logprobs(
+    model: Transformer,
+    cache: RotatingBufferCache,
+    encoded_prompts: Sequence[Sequence[int]],
+    chunk_size: int,
+) -> Tuple[torch.Tensor, List[List[float]]]:
+    """``prefill``, scoring the prompts too: the logits after each prompt's last token ``(B, V)``
+    and, per prompt, the log-probability of each of its tokens after the first."""
+    last_logits: List[Optional[torch.Tensor]] = [None] * len(encoded_prompts)
+    prompt_logprobs: List[List[float]] = [[] for _ in encoded_prompts]
+    for start, lengths, input_ids, ends in prompt_chunks(encoded_prompts, chunk_size, model.device):
+        logits = model(input_ids, lengths, cache)  # (T, V)
         _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
         normalizer = torch.logsumexp(logits, dim=-1)  # (T,), so no second (T, V) tensor for log_softmax
         offset = 0
-        for i, (prompt, n) in enumerate(zip(encoded_prompts, seqlens)):
-            if n == 0:
-                continue
+        for i, (prompt, n) in enumerate(zip(encoded_prompts, lengths)):
             # Row j of this chunk predicts prompt token start + j + 1 (when there is one).
             targets = list(prompt[start + 1 : start + n + 1])
             if targets:
                 rows = slice(offset, offset + len(targets))
                 index = torch.tensor(targets, device=logits.device)[:, None]
-                picked = logits[rows].gather(1, index)[:, 0] - normalizer[rows]
-                prompt_logprobs[i].extend(picked.tolist())
+                prompt_logprobs[i].extend((logits[rows].gather(1, index)[:, 0] - normalizer[rows]).tolist())
             if i in ends:
                 last_logits[i] = logits[offset + n - 1].clone()  # not a view that keeps the chunk's (T, V) alive
             offset += n
@@ -193,26 +208,29 @@ def generate(
     mode = decode_mode(decode, model)
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
-    if cache is not None and cache.seqlens and len(cache.seqlens) != batch:
-        raise GenerationError(f"the cache holds {len(cache.seqlens)} sequences but {batch} prompts were given")
+    if cache is not None and cache.tokens_seen and len(cache.tokens_seen) != batch:
+        raise GenerationError(f"the cache holds {len(cache.tokens_seen)} sequences but {batch} prompts were given")
     if cache is None:
         check_new_cache(model.args, batch, longest + max_tokens, max_tokens, model.dtype, model.device, model.parallel)
         if mode == "compiled":
             cache = step_compiler(model).cache_for(batch, longest + max_tokens)
         else:
             cache = model.make_cache(batch, max_seqlen=longest + max_tokens)
-        cache.init_kvseqlens(batch)
+        cache.start_sequences(batch)
     else:
         check_cache_capacity(cache, model, encoded_prompts, max_tokens)
-        if not cache.seqlens:
-            cache.init_kvseqlens(batch)
+        if not cache.tokens_seen:
+            cache.start_sequences(batch)
     chunk_size = chunk_size or default_chunk_size(batch)
     if model.parallel.world_size > 1:
         seed = shared_seed(seed)  # every rank must draw the same tokens
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     sampling = Sampling.uniform_settings(batch, model.args.vocab_size, temperature, top_p, top_k, model.device)
 
-    logits, logprobs = prefill(model, cache, encoded_prompts, chunk_size, prompt_logprobs)  # (B, V)
+    if prompt_logprobs:
+        logits, logprobs = prefill_with_logprobs(model, cache, encoded_prompts, chunk_size)  # (B, V)
+    else:
+        logits, logprobs = prefill(model, cache, encoded_prompts, chunk_size), [[] for _ in encoded_prompts]
     generated: List[List[int]] = [[] for _ in range(batch)]
     if max_tokens == 0:
         return generated, logprobs

@@ -168,7 +168,7 @@ def check_cache_capacity(
             f"the cache was made for sliding_window={cache.sliding_window}, the model has "
             f"sliding_window={model.args.sliding_window}: make it with model.make_cache"
         )
-    seen = cache.seqlens or [0] * len(prompts)
+    seen = cache.tokens_seen or [0] * len(prompts)
     for index, (before, prompt) in enumerate(zip(seen, prompts)):
         n_tokens = before + len(prompt) + max_tokens
         if cache.cache_size < cache_slots_needed(model, n_tokens):

@@ -55,7 +55,7 @@ def xformers_kernels_available() -> bool:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
-    """Attention of q ``(T_q, H, D)`` over k, v ``(T_k, H_kv, D)``; returns ``(T_q, H, D)``.
+    """Attention of q ``(T_q, H, Dh)`` over k, v ``(T_k, H_kv, Dh)``; returns ``(T_q, H, Dh)``.
 
     On CUDA: xformers' kernels when they load, else torch's ragged flash attention for the
     prefill biases (``fast.varlen_attention``); everywhere else the SDPA path below.
@@ -72,21 +72,19 @@ def _xformers_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
 
     n_heads, n_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = n_heads // n_kv_heads
-    # xformers' grouped layout (B, M, G, H, K): G = KV heads, H = query heads per KV head.
+    # xformers' grouped layout (its B, M, G, H, K): 1 batch, T tokens, H_kv groups, H/H_kv heads each, Dh.
     q5 = q.view(1, q.shape[0], n_kv_heads, group, head_dim)
     k5 = k.view(1, k.shape[0], n_kv_heads, 1, head_dim).expand(-1, -1, -1, group, -1)
     v5 = v.view(1, v.shape[0], n_kv_heads, 1, head_dim).expand(-1, -1, -1, group, -1)
-    out = memory_efficient_attention(q5, k5, v5, attn_bias=bias)  # (1, T_q, G, H, K)
+    out = memory_efficient_attention(q5, k5, v5, attn_bias=bias)  # (1, T_q, H_kv, H/H_kv, Dh)
     return out.view(q.shape)
 
 
-def local_causal_mask(
-    q_len: int, kv_len: int, window: Optional[int], device: torch.device
-) -> Optional[torch.Tensor]:
+def local_causal_mask(q_len: int, kv_len: int, window: Optional[int], device: torch.device) -> torch.Tensor:
     """Boolean ``(q_len, kv_len)`` mask, aligned at the bottom right.
 
     Query i sits at key index ``i + kv_len - q_len`` and sees the keys from
-    ``window - 1`` before itself up to itself. Returns None when every key is visible.
+    ``window - 1`` before itself (every earlier key without a window) up to itself.
     """
     shift = kv_len - q_len
     query = torch.arange(q_len, device=device)[:, None] + shift
@@ -97,19 +95,19 @@ def local_causal_mask(
     return allowed
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """SDPA on (T, H, D) layouts; returns (T_q, H, D)."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA on (T, H, Dh) layouts; returns (T_q, H, Dh)."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
-    )  # (H, T_q, D)
+    )  # (H, T_q, Dh)
     return out.transpose(0, 1)
 
 
 def _block_diagonal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalMask
 ) -> torch.Tensor:
-    causal, bottom_right, window = block_semantics(bias)
-    return _per_block_attention(q, k, v, bias, causal, bottom_right, window)
+    bottom_right, window = block_semantics(bias)
+    return _per_block_attention(q, k, v, bias, bottom_right, window)
 
 
 QUERY_TILE = 256  # queries per SDPA call in a long sliding-window block (at least the window)
@@ -143,19 +141,15 @@ def _per_block_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     bias,
-    causal: bool,
     bottom_right: bool,
     window: Optional[int],
 ) -> torch.Tensor:
-    """SDPA per block of the bias, each with its own (q_len, kv_len) mask; long
+    """SDPA per block of the bias, each with its own causal (q_len, kv_len) mask; long
     sliding-window blocks in tiles of queries (``window_tiles``)."""
     out = torch.empty_like(q)
     for (q_start, q_end), (k_start, k_end) in zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()):
         q_len, kv_len = q_end - q_start, k_end - k_start
         if q_len == 0:
-            continue
-        if not causal:
-            out[q_start:q_end] = _sdpa(q[q_start:q_end], k[k_start:k_end], v[k_start:k_end], None)
             continue
         # A top-left causal block is the bottom-right one when the block is square.
         if not bottom_right and q_len != kv_len:
@@ -178,7 +172,7 @@ def _padded_keys_attention(
     padding = bias.k_seqinfo.padding
     if max(q_seqlens, default=0) > 1:
         # Several queries per sequence: causal from the bottom right within each used block.
-        return _per_block_attention(q, k, v, bias, causal=True, bottom_right=True, window=None)
+        return _per_block_attention(q, k, v, bias, bottom_right=True, window=None)
     batch = len(q_seqlens)
     n_kv_heads, head_dim = k.shape[1:]
     rows = [b for b, n in enumerate(q_seqlens) if n == 1]
@@ -186,7 +180,7 @@ def _padded_keys_attention(
     values = v.view(batch, padding, n_kv_heads, head_dim)
     if len(rows) != batch:
         index = torch.tensor(rows, device=k.device)
-        keys, values = keys[index], values[index]  # (B_active, S, H_kv, D)
+        keys, values = keys[index], values[index]  # (B_active, S, H_kv, Dh)
     lengths = [kv_seqlens[b] for b in rows]
     mask = None
     longest = max(lengths)
@@ -201,13 +195,13 @@ def _padded_keys_attention(
         values = values.masked_fill(~valid[:, :, None, None], 0)
         mask = valid[:, None, None, :]  # (B_active, 1, 1, S)
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :],  # (B_active, H, 1, D)
-        keys.transpose(1, 2),  # (B_active, H_kv, S, D)
+        q[:, :, None, :],  # (B_active, H, 1, Dh)
+        keys.transpose(1, 2),  # (B_active, H_kv, S, Dh)
         values.transpose(1, 2),
         attn_mask=mask,
         enable_gqa=True,
     )
-    return out[:, :, 0, :]  # (B_active, H, D) == (T_q, H, D)
+    return out[:, :, 0, :]  # (B_active, H, Dh) == (T_q, H, Dh)
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:

@@ -4,7 +4,8 @@ With a sliding window of W tokens, position ``p`` only ever attends to positions
 ``p-W+1 .. p``. So a sequence needs at most W keys/values in its cache, and the
 keys/values of position ``i`` are stored in slot ``i % W``: the buffer "rotates".
 
-Worked example (the article in ``shared/seeds``), W = 3, one prompt of 10 tokens
+Worked example (from 猛猿's article "图解Mixtral 8 * 7b推理优化原理与源码实现", "Mixtral 8x7b
+inference optimisation explained, with source code", on 大猿搬砖简记), W = 3, one prompt of 10 tokens
 prefilled in chunks of 5. Only the last W tokens of a chunk are written::
 
     chunk 0, positions 0..4: writes 2 -> slot 2, 3 -> slot 0, 4 -> slot 1
@@ -16,14 +17,18 @@ To attend, the cache is put back in position order by ``unrotate``: with 10
 tokens seen, the oldest one lives in slot ``10 % 3 = 1``, so the order is slots
 ``[1, 2, 0]`` = positions ``[7, 8, 9]``.
 
-The whole batch is one flat tensor of ``sum(seqlens)`` tokens. A chunk of a
+The whole batch is one flat tensor of ``sum(chunk_lengths)`` tokens. A chunk of a
 later prefill attends to ``[unrotated cache of seq 0 | chunk of seq 0 | unrotated
 cache of seq 1 | chunk of seq 1 | ...]``: ``interleave_list`` builds that order.
 
-``RotatingBufferCache`` owns the buffers and each sequence's length so far;
-``RotatingCacheInputMetadata`` says, for one chunk, which tokens go where and
-which attention bias to use; ``CacheView`` is one layer's window onto both.
-Nothing here knows about layers or weights.
+``RotatingBufferCache`` owns the buffers and how many tokens each sequence has
+seen (``tokens_seen``); ``RotatingCacheInputMetadata`` says, for one chunk of
+``chunk_lengths`` tokens per sequence, which tokens go where and which attention
+bias to use; ``CacheView`` is one layer's window onto both. Nothing here knows
+about layers or weights.
+
+Shapes: B sequences (``B_max`` rows in the buffers), S slots per sequence, T tokens
+in the chunk, H_kv KV heads, Dh head dim.
 """
 
 from __future__ import annotations
@@ -78,36 +83,36 @@ def unrotate(buffer: torch.Tensor, seqlen: int) -> torch.Tensor:
 class RotatingCacheInputMetadata:
     """What one forward pass over a chunk needs to read and write the cache.
 
-    Worked example: seqlens ``[5, 7, 2]`` arriving when the sequences have seen
+    Worked example: chunk_lengths ``[5, 7, 2]`` arriving when the sequences have seen
     ``[0, 1, 3]`` tokens, W = 3::
 
         positions       = [0 1 2 3 4 | 1 2 3 4 5 6 7 | 3 4]
         to_cache_mask   = [F F T T T | F F F F T T T | T T]   (last W of each)
         to_cache_rows   = [2 3 4 | 9 10 11 | 12 13]
-        cached_elements = [3, 3, 2]
         cache_positions = [2 0 1 | 5 3 4 | 6 7]              (b * W + p % W)
+
+    (``chunk_lengths`` was called ``seqlens``, and ``decoding`` was ``not prefill``.)
     """
 
     positions: torch.Tensor  # (T,) absolute position of each token in its sequence
     to_cache_mask: torch.Tensor  # (T,) bool: the token is among its sequence's last `cache_size` in this chunk
-    to_cache_rows: torch.Tensor  # (sum(cached_elements),) the same as indices: where to_cache_mask is true
-    cached_elements: torch.Tensor  # (B,) how many tokens of each sequence this chunk writes
-    cache_positions: torch.Tensor  # (sum(cached_elements),) flat slot index b * cache_size + p % cache_size
-    prefill: bool  # True: attend over [unrotated cache | chunk]; False: decode over the buffers
+    to_cache_rows: torch.Tensor  # (N_w,) where to_cache_mask is true, as indices (N_w: tokens this chunk writes)
+    cache_positions: torch.Tensor  # (N_w,) flat slot index b * cache_size + p % cache_size of those rows
+    decoding: bool  # True: one new token per sequence, attending to its whole buffer; False: [unrotated cache | chunk]
     mask: AttentionBias
-    seqlens: List[int]  # (B,) tokens of each sequence in this chunk; 0 for a sequence that sits it out
+    chunk_lengths: List[int]  # (B,) tokens of each sequence in this chunk; 0 for a sequence that sits it out
     seen_before: List[int]  # (B,) tokens each sequence had seen before this chunk
     cache_size: int  # S, slots per sequence
 
     @property
-    def first_prefill(self) -> bool:
+    def nothing_cached(self) -> bool:
         """No sequence taking part has anything cached yet: attend within the chunk only."""
-        return all(seen == 0 for seen, n in zip(self.seen_before, self.seqlens) if n > 0)
+        return all(seen == 0 for seen, n in zip(self.seen_before, self.chunk_lengths) if n > 0)
 
     @functools.cached_property
     def kv_gather(self) -> "KVGather":
         """``interleave_kv``'s order as index tensors, made once per chunk for every layer."""
-        return kv_gather(self.seqlens, self.seen_before, self.cache_size, self.positions.device)
+        return kv_gather(self.chunk_lengths, self.seen_before, self.cache_size, self.positions.device)
 
 
 def _causal_mask(q_seqlens: List[int], window: Optional[int], device: torch.device) -> AttentionBias:
@@ -130,40 +135,38 @@ def causal_attention_bias(seqlens: List[int], window: Optional[int], device: tor
 
 
 def build_input_metadata(
-    seqlens: List[int],
+    chunk_lengths: List[int],
     seen_before: List[int],
     cache_size: int,
     sliding_window: Optional[int],
     device: torch.device,
 ) -> RotatingCacheInputMetadata:
     """Metadata for a chunk: pure function of the lengths, so it is easy to test."""
-    if len(seqlens) != len(seen_before):
-        raise ValueError(f"got {len(seqlens)} sequence lengths for a cache holding {len(seen_before)} sequences")
-    if any(n < 0 for n in seqlens):
-        raise ValueError(f"sequence lengths must be >= 0, got {seqlens}")
+    if len(chunk_lengths) != len(seen_before):
+        raise ValueError(f"got {len(chunk_lengths)} sequence lengths for a cache holding {len(seen_before)} sequences")
+    if any(n < 0 for n in chunk_lengths):
+        raise ValueError(f"sequence lengths must be >= 0, got {chunk_lengths}")
 
     positions: List[int] = []
     to_cache: List[bool] = []
     cache_positions: List[int] = []
-    cached_elements: List[int] = []
-    for b, (n, seen) in enumerate(zip(seqlens, seen_before)):
+    for b, (n, seen) in enumerate(zip(chunk_lengths, seen_before)):
         first_cached = max(n - cache_size, 0)  # only the last `cache_size` tokens are written
         positions.extend(range(seen, seen + n))
         to_cache.extend(i >= first_cached for i in range(n))
         cache_positions.extend(b * cache_size + p % cache_size for p in range(seen + first_cached, seen + n))
-        cached_elements.append(n - first_cached)
 
-    active = [b for b, n in enumerate(seqlens) if n > 0]
-    q_seqlens = [seqlens[b] for b in active]
+    active = [b for b, n in enumerate(chunk_lengths) if n > 0]
+    q_seqlens = [chunk_lengths[b] for b in active]
     cached_before = [min(seen_before[b], cache_size) for b in active]
-    prefill = any(n > 1 for n in seqlens) or all(c == 0 for c in cached_before)
-    if not prefill:
-        # Decoding: every sequence adds at most one token and the query attends to the whole
+    decoding = all(n <= 1 for n in chunk_lengths) and any(c > 0 for c in cached_before)
+    if decoding:
+        # Every sequence adds at most one token and the query attends to the whole
         # (rotated) buffer of its sequence, whose order does not matter to attention.
         mask: AttentionBias = BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
-            q_seqlen=list(seqlens),
+            q_seqlen=list(chunk_lengths),
             kv_padding=cache_size,
-            kv_seqlen=[min(seen + n, cache_size) for seen, n in zip(seen_before, seqlens)],
+            kv_seqlen=[min(seen + n, cache_size) for seen, n in zip(seen_before, chunk_lengths)],
             device=device,
         )
     elif all(c == 0 for c in cached_before):
@@ -176,11 +179,10 @@ def build_input_metadata(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         to_cache_mask=torch.tensor(to_cache, dtype=torch.bool, device=device),
         to_cache_rows=torch.tensor([i for i, cached in enumerate(to_cache) if cached], dtype=torch.long, device=device),
-        cached_elements=torch.tensor(cached_elements, dtype=torch.long, device=device),
         cache_positions=torch.tensor(cache_positions, dtype=torch.long, device=device),
-        prefill=prefill,
+        decoding=decoding,
         mask=mask,
-        seqlens=list(seqlens),
+        chunk_lengths=list(chunk_lengths),
         seen_before=list(seen_before),
         cache_size=cache_size,
     )
@@ -195,15 +197,15 @@ class KVGather:
     """
 
     cache_rows: torch.Tensor  # (N_c,) rows of the flat (B*S) buffer, each sequence's in position order
-    cache_dst: torch.Tensor  # (N_c,) where they go in the key tensor
+    cache_dst: torch.Tensor  # (N_c,) where they go in the key tensor (N_c: cached keys taking part)
     chunk_dst: torch.Tensor  # (T,) where the chunk's tokens go
-    total: int  # rows of the key tensor: sum(min(seen_b, S) + seqlen_b)
+    total: int  # rows of the key tensor: sum(min(seen_b, S) + T_b)
 
 
-def kv_gather(seqlens: List[int], seen_before: List[int], cache_size: int, device: torch.device) -> KVGather:
+def kv_gather(chunk_lengths: List[int], seen_before: List[int], cache_size: int, device: torch.device) -> KVGather:
     """The index form of ``interleave_list(unrotated caches, chunks)`` over the sequences taking part.
 
-    S = 3, seqlens ``[2, 0, 1]``, seen ``[4, 9, 1]``: sequence 0 holds positions 1..3 in slots
+    S = 3, chunk_lengths ``[2, 0, 1]``, seen ``[4, 9, 1]``: sequence 0 holds positions 1..3 in slots
     ``[1, 2, 0]`` (oldest first), sequence 2 position 0 in slot 0 (flat row 2 * 3 + 0 = 6)::
 
         key rows    0 1 2 | 3 4   | 5 | 6
@@ -214,7 +216,7 @@ def kv_gather(seqlens: List[int], seen_before: List[int], cache_size: int, devic
     cache_dst: List[int] = []
     chunk_dst: List[int] = []
     offset = 0
-    for b, (n, seen) in enumerate(zip(seqlens, seen_before)):
+    for b, (n, seen) in enumerate(zip(chunk_lengths, seen_before)):
         if n == 0:
             continue
         cached = min(seen, cache_size)
@@ -235,8 +237,8 @@ class CacheView:
 
     def __init__(
         self,
-        cache_k: torch.Tensor,  # (B_max, S, H_kv, D)
-        cache_v: torch.Tensor,  # (B_max, S, H_kv, D)
+        cache_k: torch.Tensor,  # (B_max, S, H_kv, Dh)
+        cache_v: torch.Tensor,  # (B_max, S, H_kv, Dh)
         metadata: RotatingCacheInputMetadata,
     ):
         self.cache_k = cache_k
@@ -245,20 +247,20 @@ class CacheView:
 
     @property
     def batch_size(self) -> int:
-        return len(self.metadata.seqlens)
+        return len(self.metadata.chunk_lengths)
 
     @property
-    def prefill(self) -> bool:
-        return self.metadata.prefill
+    def decoding(self) -> bool:
+        return self.metadata.decoding
 
     @property
     def mask(self) -> AttentionBias:
         return self.metadata.mask
 
     def update(self, xk: torch.Tensor, xv: torch.Tensor) -> None:
-        """Write the chunk's keys/values (T, H_kv, D) into their slots (only the last S of each sequence)."""
+        """Write the chunk's keys/values (T, H_kv, Dh) into their slots (only the last S of each sequence)."""
         n_kv_heads, head_dim = self.cache_k.shape[-2:]
-        flat_k = self.cache_k.view(-1, n_kv_heads, head_dim)  # (B_max*S, H_kv, D)
+        flat_k = self.cache_k.view(-1, n_kv_heads, head_dim)  # (B_max*S, H_kv, Dh)
         flat_v = self.cache_v.view(-1, n_kv_heads, head_dim)
         rows = self.metadata.to_cache_rows  # an index, not a boolean mask: no device sync
         flat_k.index_copy_(0, self.metadata.cache_positions, xk.index_select(0, rows))
@@ -269,16 +271,16 @@ class CacheView:
 
         Returns ``[cache_0 | chunk_0 | cache_1 | chunk_1 | ...]`` over the sequences
         taking part in the chunk, each cache unrotated to position order:
-        ``(sum(min(seen_b, S) + seqlen_b), H_kv, D)``.
+        ``(sum(min(seen_b, S) + T_b), H_kv, Dh)``.
         """
-        if self.metadata.first_prefill:
+        if self.metadata.nothing_cached:
             return xk, xv
         if xk.is_cuda:
             return self.gather_kv(xk), self.gather_kv(xv, values=True)
-        seqlens, seen = self.metadata.seqlens, self.metadata.seen_before
-        active = [b for b, n in enumerate(seqlens) if n > 0]
-        chunk_k = torch.split(xk, [seqlens[b] for b in active])
-        chunk_v = torch.split(xv, [seqlens[b] for b in active])
+        lengths, seen = self.metadata.chunk_lengths, self.metadata.seen_before
+        active = [b for b, n in enumerate(lengths) if n > 0]
+        chunk_k = torch.split(xk, [lengths[b] for b in active])
+        chunk_v = torch.split(xv, [lengths[b] for b in active])
         cached_k = [unrotate(self.cache_k[b], seen[b]) for b in active]
         cached_v = [unrotate(self.cache_v[b], seen[b]) for b in active]
         key = torch.cat(interleave_list(cached_k, chunk_k), dim=0)
@@ -290,15 +292,15 @@ class CacheView:
         the same tensor, with no Python loop over the sequences (used on CUDA)."""
         gather = self.metadata.kv_gather
         buffer = self.cache_v if values else self.cache_k
-        flat = buffer.view(-1, *buffer.shape[2:])  # (B_max*S, K, Dh)
-        out = chunk.new_empty(gather.total, *chunk.shape[1:])  # (sum(cached + T_b), K, Dh)
+        flat = buffer.view(-1, *buffer.shape[2:])  # (B_max*S, H_kv, Dh)
+        out = chunk.new_empty(gather.total, *chunk.shape[1:])  # (sum(cached + T_b), H_kv, Dh)
         out[gather.cache_dst] = flat.index_select(0, gather.cache_rows)
         out[gather.chunk_dst] = chunk
         return out
 
     @property
     def key(self) -> torch.Tensor:
-        """The buffers of the sequences in use, flat: (B*S, H_kv, D), for decoding."""
+        """The buffers of the sequences in use, flat: (B*S, H_kv, Dh), for decoding."""
         return self.cache_k[: self.batch_size].flatten(0, 1)
 
     @property
@@ -311,7 +313,10 @@ class RotatingBufferCache:
 
     ``cache_size`` is the sliding window, or, when the model has none, the longest
     sequence the caller will run (prompt + new tokens): nothing is ever evicted then.
-    ``seqlens`` counts the tokens each sequence has seen so far (not clamped).
+    ``tokens_seen`` counts the tokens each sequence has seen so far (not clamped; empty
+    until ``start_sequences``). Renamed: ``seqlens`` -> ``tokens_seen``,
+    ``start_sequences`` -> ``start_sequences``, ``advance`` -> ``advance``; ``reset()``
+    is ``start_sequences(batch)``.
     """
 
     def __init__(
@@ -336,7 +341,7 @@ class RotatingBufferCache:
         # Zeros, not empty: no result depends on unused slots, but zeros keep them finite.
         self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
         self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
-        self.seqlens: List[int] = []
+        self.tokens_seen: List[int] = []
 
     @property
     def device(self) -> torch.device:
@@ -349,22 +354,20 @@ class RotatingBufferCache:
     def nbytes(self) -> int:
         return self.cache_k.nbytes + self.cache_v.nbytes
 
-    def reset(self) -> None:
-        """Forget every sequence; the buffers are reused as they are."""
-        self.seqlens = []
-
-    def init_kvseqlens(self, batch_size: int) -> None:
+    def start_sequences(self, batch_size: int) -> None:
+        """Hold ``batch_size`` new sequences, none of whose tokens are seen yet (the buffers are reused as they are)."""
         if batch_size > self.max_batch_size:
             raise ValueError(f"batch of {batch_size} sequences exceeds the cache's max_batch_size={self.max_batch_size}")
-        self.seqlens = [0] * batch_size
+        self.tokens_seen = [0] * batch_size
 
-    def get_input_metadata(self, seqlens: List[int]) -> RotatingCacheInputMetadata:
-        if not self.seqlens:
-            self.init_kvseqlens(len(seqlens))
-        return build_input_metadata(seqlens, self.seqlens, self.cache_size, self.sliding_window, self.device)
+    def get_input_metadata(self, chunk_lengths: List[int]) -> RotatingCacheInputMetadata:
+        if not self.tokens_seen:
+            self.start_sequences(len(chunk_lengths))
+        return build_input_metadata(chunk_lengths, self.tokens_seen, self.cache_size, self.sliding_window, self.device)
 
     def get_view(self, layer: int, metadata: RotatingCacheInputMetadata) -> CacheView:
         return CacheView(self.cache_k[layer], self.cache_v[layer], metadata)
 
-    def update_seqlens(self, seqlens: List[int]) -> None:
-        self.seqlens = [seen + n for seen, n in zip(self.seqlens, seqlens)]
+    def advance(self, chunk_lengths: List[int]) -> None:
+        """Count a chunk's tokens as seen, once every layer has written them."""
+        self.tokens_seen = [seen + n for seen, n in zip(self.tokens_seen, chunk_lengths)]

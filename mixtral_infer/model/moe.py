@@ -15,7 +15,6 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from simple_parsing.helpers import Serializable
 from torch import nn
 
 from mixtral_infer.model.linear import linear
@@ -23,7 +22,7 @@ from mixtral_infer.model.parallel import Parallel
 
 
 @dataclass
-class MoeArgs(Serializable):
+class MoeArgs:
     num_experts: int
     num_experts_per_tok: int
 
@@ -43,9 +42,9 @@ class MoeLayer(nn.Module):
             nn.init.normal_(weight, std=dim**-0.5)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chosen experts ``(T, K)`` and their mixing weights ``(T, K)`` for x ``(T, D)``."""
+        """Chosen experts ``(T, A)`` and their mixing weights ``(T, A)`` for x ``(T, D)``."""
         logits = self.gate(x)  # (T, E)
-        top_logits, experts = torch.topk(logits, self.args.num_experts_per_tok, dim=-1)  # (T, K)
+        top_logits, experts = torch.topk(logits, self.args.num_experts_per_tok, dim=-1)  # (T, A)
         weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
         return experts, weights
 
@@ -54,14 +53,14 @@ class MoeLayer(nn.Module):
         return linear(F.silu(linear(x, self.w1[e])) * linear(x, self.w3[e]), self.w2[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
-        experts, weights = self.route(x)  # (T, K), (T, K)
+        experts, weights = self.route(x)  # (T, A), (T, A)
         if x.shape[0] == 1:
             return self.parallel.all_reduce(self._one_token(x, experts[0], weights[0]))
         k = experts.shape[1]
-        flat_experts = experts.flatten()  # (T*K,)
+        flat_experts = experts.flatten()  # (T*A,)
         order = torch.argsort(flat_experts, stable=True)  # assignments grouped by expert
-        tokens = order // k  # (T*K,) the token of each sorted assignment
-        mix = weights.flatten()[order, None]  # (T*K, 1)
+        tokens = order // k  # (T*A,) the token of each sorted assignment
+        mix = weights.flatten()[order, None]  # (T*A, 1)
         counts = torch.bincount(flat_experts, minlength=self.args.num_experts).tolist()
         out = torch.zeros_like(x)
         starts = [0, *accumulate(counts)]  # expert e's assignments are order[starts[e] : starts[e + 1]]

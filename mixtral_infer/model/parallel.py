@@ -39,7 +39,7 @@ class Selection:
     columns: Optional[slice] = None  # then keep these columns
 
 
-_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)$")
+LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)$")  # a published tensor of layer i: (i, the rest)
 _EXPERT = re.compile(r"^feed_forward\.experts\.(\d+)\.")
 
 
@@ -108,7 +108,7 @@ class Parallel:
             return Selection() if self.is_first_stage else None
         if name in ("norm.weight", "output.weight"):
             return Selection() if self.is_last_stage else None
-        match = _LAYER_TENSOR.match(name)
+        match = LAYER_TENSOR.match(name)
         if match is None:
             return Selection()  # not ours to judge: the loader reports it as unexpected
         if int(match[1]) not in self.layer_range(args.n_layers):

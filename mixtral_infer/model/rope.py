@@ -15,14 +15,14 @@ import torch
 def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position's angles: two ``(T, 1, head_dim / 2)`` float32 tensors."""
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)  # (D/2,)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+    inv_freq = 1.0 / (theta**exponents)  # (Dh/2,)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, Dh/2)
     return angles.cos()[:, None, :], angles.sin()[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``(T, H, D)`` by the angles; computed in float32, returned in x's dtype."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # (T, H, D/2, 2)
+    pairs = x.float().unflatten(-1, (-1, 2))  # (T, H, Dh/2, 2)
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)

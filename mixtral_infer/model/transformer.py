@@ -2,9 +2,10 @@
 SwiGLU (dense) or mixture-of-experts feed-forward.
 
 The batch is one flat tensor of ``sum(seqlens)`` tokens with the list of
-sequence lengths, so ragged batches need no padding. Shape legend:
-T tokens in the flat batch, D model dim, H query heads, K KV heads, Dh head dim,
-V vocabulary.
+sequence lengths, so ragged batches need no padding. Shape legend, one meaning
+per letter across the package: T tokens in the flat batch, B sequences, D model dim,
+H query heads, H_kv KV heads, Dh head dim, S cache slots per sequence, L layers,
+I feed-forward hidden dim, E experts, A experts chosen per token (top-k), V vocabulary.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from simple_parsing.helpers import Serializable
 from torch import nn
 
 from mixtral_infer.errors import ConfigError
@@ -32,7 +32,9 @@ MAX_LAYERS = 4096  # the largest published decoders have ~130 layers
 
 
 @dataclass
-class ModelArgs(Serializable):
+class ModelArgs:
+    """A model's shape, as in ``params.json`` (``from_params`` / ``to_params``), plus the batch it serves."""
+
     dim: int
     n_layers: int
     head_dim: int
@@ -41,7 +43,7 @@ class ModelArgs(Serializable):
     n_kv_heads: int
     norm_eps: float
     vocab_size: int
-    max_batch_size: int = 1
+    max_batch_size: int = 1  # not the model's: the batch a loaded model serves (never written to params.json)
     # When absent: 10000.0 with a sliding window, 1e6 without (as the published models do).
     rope_theta: Optional[float] = None
     sliding_window: Optional[int] = None
@@ -50,8 +52,6 @@ class ModelArgs(Serializable):
     def __post_init__(self) -> None:
         if self.rope_theta is None:
             self.rope_theta = 10000.0 if self.sliding_window is not None else 1e6
-        if isinstance(self.moe, dict):
-            self.moe = MoeArgs(**self.moe)
         self.validate()
 
     def validate(self, source: str = "ModelArgs") -> None:
@@ -113,9 +113,9 @@ class ModelArgs(Serializable):
             raise ConfigError(f"{source}: {error}") from None
 
     def to_params(self) -> dict:
-        """The params.json dict (no null entries)."""
+        """The params.json dict (no null entries, no max_batch_size)."""
         params = dataclasses.asdict(self)
-        return {key: value for key, value in params.items() if value is not None}
+        return {key: value for key, value in params.items() if value is not None and key != "max_batch_size"}
 
 
 class RMSNorm(nn.Module):
@@ -146,11 +146,11 @@ class Attention(nn.Module):
     def project(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries ``(T, H, Dh)``, keys and values ``(T, K, Dh)`` of x ``(T, D)``, q and k rotated."""
+        """Queries ``(T, H, Dh)``, keys and values ``(T, H_kv, Dh)`` of x ``(T, D)``, q and k rotated."""
         n_tokens = x.shape[0]
         xq = linear(x, self.wq.weight).reshape(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
-        xk = linear(x, self.wk.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
-        xv = linear(x, self.wv.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, K, Dh)
+        xk = linear(x, self.wk.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
+        xv = linear(x, self.wv.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
         return apply_rotary(xq, *rotary), apply_rotary(xk, *rotary), xv
 
     def forward(
@@ -165,13 +165,13 @@ class Attention(nn.Module):
 
         if cache is None:
             key, value = xk, xv
-        elif cache.prefill:
-            key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), K, Dh)
+        elif cache.decoding:
             cache.update(xk, xv)
+            key, value = cache.key, cache.value  # (B*S, H_kv, Dh)
             mask = cache.mask
         else:
+            key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), H_kv, Dh)
             cache.update(xk, xv)
-            key, value = cache.key, cache.value  # (B*S, K, Dh)
             mask = cache.mask
         out = attention(xq, key, value, mask)  # (T, H, Dh)
         out = linear(out.reshape(n_tokens, self.n_heads * self.head_dim), self.wo.weight)  # (T, D)
@@ -295,7 +295,7 @@ class Transformer(nn.Module):
             view = cache.get_view(local_index, metadata) if cache is not None else None
             h = layer(h, rotary, view, mask)
         if cache is not None:
-            cache.update_seqlens(seqlens)
+            cache.advance(seqlens)
         return self._stage_output(h, logit_rows)  # (T, V) or (len(logit_rows), V)
 
     def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:

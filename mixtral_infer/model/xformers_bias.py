@@ -36,17 +36,16 @@ BlockDiagonalCausalLocalAttentionFromBottomRightMask = attn_bias.BlockDiagonalCa
 BlockDiagonalCausalWithOffsetPaddedKeysMask = attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask
 
 
-def block_semantics(bias: BlockDiagonalMask) -> tuple[bool, bool, Optional[int]]:
-    """(causal, from_bottom_right, window) of a block-diagonal bias: what every attention
-    path (SDPA per block, torch's varlen flash attention) needs to know of it."""
+def block_semantics(bias: BlockDiagonalMask) -> tuple[bool, Optional[int]]:
+    """(from_bottom_right, window) of a causal block-diagonal bias: what every attention
+    path (SDPA per block, torch's varlen flash attention) needs to know of it. The cache
+    only makes causal biases, so a non-causal one is refused."""
     if isinstance(bias, BlockDiagonalCausalLocalAttentionFromBottomRightMask):
-        return True, True, bias._window_size
+        return True, bias._window_size
     if isinstance(bias, BlockDiagonalCausalFromBottomRightMask):
-        return True, True, None
+        return True, None
     if isinstance(bias, BlockDiagonalCausalLocalAttentionMask):
-        return True, False, bias._window_size
+        return False, bias._window_size
     if isinstance(bias, BlockDiagonalCausalMask):
-        return True, False, None
-    if type(bias) is BlockDiagonalMask:
-        return False, False, None
-    raise NotImplementedError(f"no attention for bias type {type(bias).__name__}")
+        return False, None
+    raise NotImplementedError(f"no attention for bias type {type(bias).__name__} (only causal ones are made)")

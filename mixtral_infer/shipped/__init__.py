@@ -24,3 +24,9 @@ def resolve_model_folder(folder: str | Path) -> Path:
     if path.exists():
         return path
     return shipped_models().get(str(folder), path)
+
+
+def is_shipped(folder: str | Path) -> bool:
+    """True for the folder of a shipped model (whatever name or path reached it)."""
+    path = Path(folder).resolve()
+    return path.parent == SHIPPED_MODELS.resolve() and (path / "params.json").is_file()
