@@ -124,11 +124,11 @@ PEAK_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def large_bfloat16_folder(tmp_path_factory):
-    """381 MB of bfloat16 (12 layers, 4 experts): large enough that one tensor in flight is a few percent."""
+    """625 MB of bfloat16 (20 layers, 4 experts): large enough that one tensor in flight is a few percent."""
     from mixtral_infer import ModelArgs, MoeArgs, Transformer
 
     args = ModelArgs(
-        dim=1024, n_layers=12, head_dim=64, hidden_dim=1024, n_heads=16, n_kv_heads=4, norm_eps=1e-5,
+        dim=1024, n_layers=20, head_dim=64, hidden_dim=1024, n_heads=16, n_kv_heads=4, norm_eps=1e-5,
         vocab_size=4000, sliding_window=64, moe=MoeArgs(num_experts=4, num_experts_per_tok=2),
     )  # fmt: skip
     folder = tmp_path_factory.mktemp("large")
