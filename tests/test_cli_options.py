@@ -44,7 +44,7 @@ def assert_one_line_error(result, message):
         (["demo", "--device", "meta"], "--device meta: a model runs on cpu, cuda or mps, not meta"),
         (["demo", "--device", "mps"], "--device mps: MPS is not available on this machine" if not torch.backends.mps.is_available() else None),
         (["demo", "--tensor_parallel", "abc"], "--tensor_parallel 'abc' must be an integer >= 1"),
-        (["convert", "a", "b", "c", "d", "e", "f"], "convert: unexpected argument 'f'"),
+        (["convert", "a", "b", "c", "d", "e", "f", "g"], "convert: unexpected argument 'g'"),
     ],
 )
 def test_bad_options_are_refused_before_loading(args, message):

@@ -33,6 +33,7 @@ from mixtral_infer.checkpoint.loading import (
     _pth_tensors,
     open_checkpoint,
 )
+from mixtral_infer.checkpoint.quantized import PARAMS_KEY, to_stored
 from mixtral_infer.checkpoint.safetensors_reader import read_header
 from mixtral_infer.checkpoint.safetensors_writer import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -41,6 +42,8 @@ from mixtral_infer.checkpoint.safetensors_writer import (
     write_safetensors,
 )
 from mixtral_infer.errors import CheckpointError
+from mixtral_infer.quant.model import check_quantizable
+from mixtral_infer.quant.weights import QuantScheme
 from mixtral_infer.tokenizer import find_tokenizer
 
 FORMATS = ("mistral", "hf")
@@ -53,6 +56,7 @@ def convert(
     dtype: Optional[torch.dtype] = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     notify: Callable[[str], None] = lambda message: None,
+    quantize: Optional[str] = None,
 ) -> Path:
     """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one).
 
@@ -61,12 +65,21 @@ def convert(
     folder of a conversion that was killed is removed, and ``notify`` says so.
 
     ``max_shard_size`` (bytes, or "5GB", "500MB"): the largest Hugging Face shard.
+    ``quantize`` ("int8", "int4", "int4-128"): write a quantized Mistral folder (integers
+    and scales, ``checkpoint/quantized.py``) that loads without quantizing again.
     """
+    scheme = QuantScheme.parse(quantize)
     checkpoint = open_checkpoint(src)
     parse_size(max_shard_size)  # a bad size is an error before anything is written
-    target = to or ("hf" if checkpoint.format == "mistral" else "mistral")
+    target = to or ("hf" if checkpoint.format == "mistral" and scheme is None else "mistral")
     if target not in FORMATS:
         raise CheckpointError(f"--to {target!r}: expected one of {', '.join(FORMATS)}")
+    if checkpoint.quantization is not None:
+        raise CheckpointError(f"{checkpoint.folder}: its weights are quantized ({checkpoint.quantization.name}); convert the float original instead")
+    if scheme is not None and target != "mistral":
+        raise CheckpointError("--quantize writes the Mistral layout (transformers cannot read these integers): use --to mistral")
+    if scheme is not None:
+        check_quantizable(checkpoint.args, scheme)  # before anything is written
     dst = Path(dst)
     check_destination(dst)
     remove_stale_partials(dst, notify)
@@ -82,6 +95,10 @@ def convert(
             tensors = ((name, tensor.to(dtype)) for name, tensor in tensors)
         params = checkpoint.args.to_params()
         plan = planned_tensors(checkpoint, target, dtype)
+        if scheme is not None:
+            tensors = to_stored(tensors, scheme)
+            plan = list(to_stored(iter(plan), scheme))
+            params[PARAMS_KEY] = scheme.to_params()
         if target == "mistral":
             write_safetensors(partial / SAFETENSORS_FILE, tensors, plan=plan)
             (partial / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")

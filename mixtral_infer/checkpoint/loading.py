@@ -33,11 +33,14 @@ from mixtral_infer.checkpoint.hf_format import (
     hf_name_to_published,
     hf_to_published,
 )
+from mixtral_infer.checkpoint.quantized import check_stored_shape, from_stored, quantize_published, scheme_from_params, stack
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.parallel import Parallel, Selection
 from mixtral_infer.model.transformer import ModelArgs, Transformer
+from mixtral_infer.quant.model import check_quantizable, install
+from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme
 from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
 
@@ -83,8 +86,15 @@ def _read_json(path: Path) -> dict:
 
 
 def read_params(folder: str | Path) -> ModelArgs:
+    return _read_params(folder)[0]
+
+
+def _read_params(folder: str | Path) -> Tuple[ModelArgs, Optional[QuantScheme]]:
+    """The model's arguments and, for a folder written by ``convert --quantize``, its quantization."""
     path = Path(folder) / PARAMS_FILE
-    return ModelArgs.from_params(_read_json(path), source=str(path))
+    params = _read_json(path)
+    stored = scheme_from_params(params, str(path))
+    return ModelArgs.from_params(params, source=str(path)), stored
 
 
 # ---------------------------------------------------------------- reading tensors
@@ -135,6 +145,7 @@ class Checkpoint:
     format: str  # "mistral" or "hf"
     args: ModelArgs
     weight_files: List[Path]
+    quantization: Optional[QuantScheme] = None  # how the stored weights are quantized (convert --quantize)
 
     def published_tensors(self, progress: Optional[Progress] = None, select: Optional[Selector] = None) -> NamedTensors:
         """Every tensor under its published name, one at a time.
@@ -145,6 +156,8 @@ class Checkpoint:
         total = sum(_tensor_count(p) for p in self.weight_files) if progress is not None else 0
         done = 0
         check_shape = check_published_shape if self.format == "mistral" else check_hf_shape
+        if self.quantization is not None:
+            check_shape = lambda name, shape, args, source: check_stored_shape(name, shape, args, self.quantization, source)  # noqa: E731
         for path in self.weight_files:
             file_select = select if self.format == "mistral" else _hf_file_select(select)
             check = lambda name, shape, path=path: check_shape(name, shape, self.args, str(path))  # noqa: E731
@@ -210,10 +223,10 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: is not a folder (give the folder holding params.json or config.json)")
     if (folder / PARAMS_FILE).is_file():
-        args = read_params(folder)
+        args, stored = _read_params(folder)
         for name in (SAFETENSORS_FILE, PTH_FILE):
             if (folder / name).is_file():
-                return Checkpoint(folder, "mistral", args, [folder / name])
+                return Checkpoint(folder, "mistral", args, [folder / name], stored)
         raise CheckpointError(f"{folder}: no weights found (expected {SAFETENSORS_FILE} or {PTH_FILE})")
     if (folder / HF_CONFIG_FILE).is_file():
         config_path = folder / HF_CONFIG_FILE
@@ -250,13 +263,13 @@ def _stack_experts(tensors: NamedTensors, args: ModelArgs, parallel: Parallel = 
         group[expert] = tensor
         if len(group) == len(local):
             del pending[(layer, weight)]
-            yield f"layers.{layer}.feed_forward.{weight}", torch.stack([group[j] for j in local])
+            yield f"layers.{layer}.feed_forward.{weight}", stack([group[j] for j in local])
     for (layer, weight), group in pending.items():
         missing = sorted(set(local) - set(group))
         raise CheckpointError(f"missing tensor(s) layers.{layer}.feed_forward.experts.{missing}.{weight}.weight")
 
 
-def _assign(model: Transformer, name: str, tensor: torch.Tensor, source: str) -> None:
+def _assign(model: Transformer, name: str, tensor: torch.Tensor | QuantizedWeight, source: str) -> None:
     module_path, _, leaf = name.rpartition(".")
     try:
         module = model.get_submodule(module_path) if module_path else model
@@ -266,7 +279,10 @@ def _assign(model: Transformer, name: str, tensor: torch.Tensor, source: str) ->
     if current is None or tuple(current.shape) != tuple(tensor.shape):
         expected = None if current is None else tuple(current.shape)
         raise CheckpointError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the model config implies {expected}")
-    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    if isinstance(tensor, QuantizedWeight):
+        install(model, name, tensor)
+    else:
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
 def build_model(
@@ -276,21 +292,35 @@ def build_model(
     device: Optional[torch.device | str] = None,
     dtype: Optional[torch.dtype] = None,
     parallel: Parallel = Parallel(),
+    quantize: Optional[QuantScheme] = None,
+    stored: Optional[QuantScheme] = None,
 ) -> Transformer:
     """A model on ``device`` in ``dtype`` from published (name, tensor) pairs.
 
     Built on the meta device; each tensor is moved to its final dtype and device as
     it is read, so the peak is about one model plus one layer's experts.
+    ``quantize``: quantize the weights (``quant.model``) as they are read, each expert on
+    its own, so the peak is the quantized model plus one float tensor and one layer's
+    quantized experts. ``stored``: the tensors are a quantized folder's (``convert --quantize``).
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     with torch.device("meta"):
         model = Transformer(args, parallel)
+    if quantize is not None and stored is not None:
+        raise ConfigError(f"{source}: the weights are stored quantized ({stored.name}) already; load without quantize=")
+    if quantize is not None:
+        tensors = quantize_published(tensors, quantize, dtype, device)
+    elif stored is not None:
+        tensors = from_stored(tensors, stored, dtype, device, str(source))
     seen = set()
     for name, tensor in _stack_experts(tensors, args, parallel):
         if name in seen:
             raise CheckpointError(f"{source}: tensor {name} appears twice")
         seen.add(name)
+        if isinstance(tensor, QuantizedWeight):
+            _assign(model, name, tensor, str(source))
+            continue
         if not tensor.is_floating_point():
             raise CheckpointError(f"{source}: tensor {name} has dtype {tensor.dtype}, expected floating point")
         _assign(model, name, tensor.to(device=device, dtype=dtype), str(source))
@@ -318,11 +348,17 @@ def load_model(
     dtype: Optional[torch.dtype] = None,
     progress: Optional[Progress] = None,
     parallel: Parallel = Parallel(),
+    quantize: Optional[str | QuantScheme] = None,
 ) -> Transformer:
     """Load a Mistral or Hugging Face model folder (format detected from its files).
 
     With ``parallel``, only this rank's share of the weights is read and kept.
+    ``quantize``: ``"int8"``, ``"int4"`` (groups of 32 inputs) or ``"int4-128"``: weight-only
+    quantization while loading (``quant/``); without ``dtype`` the model then computes in
+    bfloat16, the dtype of the CPU kernels. A folder written by ``convert --quantize``
+    loads quantized without it.
     """
+    scheme = QuantScheme.parse(quantize)
     if device is not None:
         try:
             kind = torch.device(device).type
@@ -333,12 +369,21 @@ def load_model(
     checkpoint = open_checkpoint(folder)
     checkpoint.args = ModelArgs.checked({**vars(checkpoint.args), "max_batch_size": max_batch_size}, "load_model")
     parallel.check(checkpoint.args)
+    stored = checkpoint.quantization
+    if stored is not None and parallel.world_size > 1:
+        raise ConfigError(f"{checkpoint.folder}: a quantized folder loads in one process; with parallel=, load its float original with quantize=")
+    if scheme is not None and stored is not None:
+        raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized ({stored.name}) already; load without quantize=")
+    if scheme is not None:
+        check_quantizable(checkpoint.args, scheme, parallel.tensor_parallel)
+    if (scheme or stored) is not None and dtype is None:
+        dtype = torch.bfloat16
     tokenizer = find_tokenizer(checkpoint.folder)
     if tokenizer is not None:
         check_tokenizer_vocab(tokenizer, checkpoint.args)  # before any weight is read
     select = None if parallel == Parallel() else lambda name: parallel.select(name, checkpoint.args)
     tensors = checkpoint.published_tensors(progress, select)
-    return build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel)
+    return build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
 
 
 # ---------------------------------------------------------------- writing

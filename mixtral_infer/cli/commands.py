@@ -52,6 +52,12 @@ def parse_dtype(name: Optional[str]):
     return getattr(torch, name)
 
 
+def check_quantize(quantize: Optional[str]) -> None:
+    from mixtral_infer.quant.weights import QuantScheme
+
+    QuantScheme.parse(quantize)
+
+
 def check_decode(decode: str) -> None:
     from mixtral_infer.generation.generate import DECODE_MODES
 
@@ -176,12 +182,15 @@ def load(
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
     max_tokens: int = 0,
+    quantize: Optional[str] = None,
 ):
     """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given.
 
     Before any weight is read: the tokenizer must be there, and a model without a
     sliding window must have room for a cache of ``max_tokens`` new tokens.
     """
+    import torch
+
     from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_dtype, load_model, open_checkpoint
     from mixtral_infer.generation.settings import check_new_cache
     from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
@@ -193,7 +202,7 @@ def load(
     if folder.is_dir() and tokenizer_path is None:
         raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
     args = open_checkpoint(folder).args  # the configuration only
-    cache_dtype = torch_dtype or default_dtype(torch_device)
+    cache_dtype = torch_dtype or (torch.bfloat16 if quantize else default_dtype(torch_device))
     check_new_cache(args, max_batch_size, int(max_tokens) + 1, int(max_tokens), cache_dtype, torch_device, parallel)
     start = time.perf_counter()
     model = load_model(
@@ -203,12 +212,16 @@ def load(
         dtype=torch_dtype,
         progress=ProgressBar("loading") if is_main_process() else None,
         parallel=parallel,
+        quantize=quantize,
     )
     tokenizer = Tokenizer(tokenizer_path)
-    n_params = sum(p.numel() for p in model.parameters())
+    from mixtral_infer.quant.model import model_scheme, quantized_numel
+
+    n_params = sum(p.numel() for p in model.parameters()) + quantized_numel(model)
+    scheme = model_scheme(model)
     print(
         f"rank {parallel.rank}: " if parallel.world_size > 1 else "",
-        f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}, {model.device}) "
+        f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}{', weights ' + scheme.label if scheme else ''}, {model.device}) "
         f"in {time.perf_counter() - start:.2f}s",
         sep="",
         file=sys.stderr,
@@ -240,6 +253,7 @@ def demo(
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
     decode: str = "auto",
+    quantize: str = None,
 ) -> None:
     """Complete prompts in one batch and print each with its continuation.
 
@@ -260,13 +274,15 @@ def demo(
         tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step through torch.compile).
+        quantize: int8, int4 or int4-128: weight-only quantization while loading; computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
+    check_quantize(quantize)
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
     prompts = prompt_list(prompt)
     from mixtral_infer.generation.generate import generate
 
-    model, tokenizer = load(model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens)
+    model, tokenizer = load(model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
     encoded = [tokenizer.encode(text, bos=True) for text in prompts]
     start = time.perf_counter()
     generated, _ = generate(
@@ -306,6 +322,7 @@ def interactive(
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
     decode: str = "auto",
+    quantize: str = None,
 ) -> None:
     """A prompt loop that streams each answer.
 
@@ -329,8 +346,10 @@ def interactive(
         tensor_parallel: under torchrun, cut each layer across N processes; rank 0 reads the input and shares each line.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager, static or compiled.
+        quantize: int8, int4 or int4-128: weight-only quantization while loading; computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
+    check_quantize(quantize)
     if not isinstance(instruct, bool):
         raise GenerationError(f"--instruct takes no value (got {instruct!r}): write --instruct or --noinstruct")
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
@@ -343,7 +362,7 @@ def interactive(
         )
     from mixtral_infer.generation.chat import Conversation
 
-    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens)
+    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
     main_process = is_main_process()
     conversation = Conversation(
         model,
@@ -432,7 +451,7 @@ def _share_line(line: Optional[str]) -> Optional[str]:
     return shared[0]
 
 
-def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_size: str = "5GB") -> None:
+def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_size: str = "5GB", quantize: str = None) -> None:
     """Write the model folder SRC to the new folder DST, in the other layout.
 
     DST must not exist; it appears only once complete (written as a hidden .DST.partial-PID first).
@@ -443,13 +462,14 @@ def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_siz
         to: mistral (params.json + consolidated.safetensors) or hf (config.json + sharded model.safetensors, with the tokenizer files transformers reads); default: the layout SRC is not in.
         dtype: float32, bfloat16 or float16; default: as stored.
         max_shard_size: largest shard of a Hugging Face folder, e.g. 5GB or 500MB.
+        quantize: int8, int4 or int4-128: write a quantized Mistral folder (integers + scales) that loads without quantizing again.
     """
     from mixtral_infer.checkpoint.convert import convert as convert_folder
 
     start = time.perf_counter()
     written = convert_folder(
         str(src), str(dst), to=to, dtype=parse_dtype(dtype), max_shard_size=str(max_shard_size),
-        notify=lambda message: print(message, file=sys.stderr),
+        notify=lambda message: print(message, file=sys.stderr), quantize=quantize,
     )
     print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
 

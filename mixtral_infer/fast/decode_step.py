@@ -45,6 +45,7 @@ from mixtral_infer.model.linear import linear
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Attention, Transformer
+from mixtral_infer.quant.weights import QuantizedWeight
 
 StepOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -95,6 +96,8 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     experts, weights = moe.route(x)  # (B, A), (B, A)
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
+    if isinstance(moe.w1, QuantizedWeight):
+        return _quantized_moe_one_token(moe, x, experts, weights)
     if batch * k < n_experts:
         w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, A, I, D), (B, A, I, D), (B, A, D, I)
         hidden = F.silu(torch.einsum("bd,bkid->bki", x, w1)) * torch.einsum("bd,bkid->bki", x, w3)  # (B, A, I)
@@ -104,6 +107,25 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     hidden = F.silu(torch.einsum("bd,eid->ebi", x, moe.w1)) * torch.einsum("bd,eid->ebi", x, moe.w3)  # (E, B, I)
     out = torch.einsum("ebi,edi->ebd", hidden, moe.w2)  # (E, B, D)
     return torch.einsum("ebd,be->bd", out, mix)
+
+
+def _quantized_moe_one_token(moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``moe_one_token`` for quantized experts, whose kernels take one 2-D weight at a time.
+
+    The same two cases, as loops of fixed length: B * k gathered experts, one row each,
+    or every expert on every row mixed by the routing matrix.
+    """
+    batch, k = experts.shape
+    n_experts = moe.w1.shape[0]
+
+    def expert(e, rows: torch.Tensor) -> torch.Tensor:  # e: an int or a 0-d tensor; rows (N, D) -> (N, D)
+        return linear(F.silu(linear(rows, moe.w1[e])) * linear(rows, moe.w3[e]), moe.w2[e])
+
+    if batch * k < n_experts:
+        out = [sum(expert(experts[b, j], x[b : b + 1]) * weights[b, j] for j in range(k)) for b in range(batch)]
+        return torch.cat(out)  # (B, D)
+    mix = torch.zeros(batch, n_experts, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (B, E)
+    return sum(expert(e, x) * mix[:, e : e + 1] for e in range(n_experts))
 
 
 def slots_and_visibility(positions: torch.Tensor, n_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -12,18 +12,29 @@ Example, 2 threads, weight (OUT=6, IN) and x (1, IN)::
     weight.view(2, 3, IN) @ x.T  ->  (2, 3, 1)  ->  reshape (6, 1)  ->  .T  (1, 6)
 
 Inputs with more rows (prefill) are real matrix products and stay with ``F.linear``,
-as do CUDA tensors and code being compiled by ``torch.compile``.
+as do CUDA tensors and code being compiled by ``torch.compile``. So do bfloat16 and
+float16: oneDNN's few-row path already streams them from every core, and the bmm blocks
+run 2.5-4x slower than ``F.linear`` in bfloat16 (``bench/bench_quant.py``, 1-8 rows of a
+3584 x 1024 weight on a 2-core Xeon with avx512_bf16: 0.31 ms against 0.79-1.2 ms).
+
+A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
+(``quant.kernels``), so the model's code has one call per matmul whatever the format.
 """
 
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.quant.kernels import quantized_linear
+from mixtral_infer.quant.weights import QuantizedWeight
+
 MAX_ROWS = 8  # above this many rows, F.linear is as fast or faster (measured on 2 cores)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` (a transposed view on the bmm path)."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling():
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(x, weight)
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
         return F.linear(x, weight)  # a compiled graph picks its own matmul
     blocks = torch.get_num_threads()
     rows, (out_features, in_features) = x.shape[0], weight.shape

@@ -1,0 +1,58 @@
+"""One timed run of mixtral_infer on a benchmark model folder, for the llama.cpp side-by-side.
+
+The same measurement as ``/work/shared/bench-llamacpp/ours_run.py`` (which run_compare.py calls),
+on the current API and with ``--quantize int8|int4`` (llama.cpp's Q8_0 / Q4_0 peers):
+
+    python bench/ours_run.py HF_FOLDER --dtype bfloat16 --quantize int8
+
+Prints one JSON line: decode_s (128 greedy new tokens after a 64-token prompt, decode loop only,
+batch 1) and prefill_s (one 2048-token prompt, default chunk, last logit only), each after a warm-up.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_vs_transformers as b  # noqa: E402
+
+from mixtral_infer import load_model  # noqa: E402
+from mixtral_infer.generation.generate import default_chunk_size  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantize", default=None, help="int8, int4 or int4-128 (weights only; compute in --dtype)")
+    parser.add_argument("--what", nargs="+", default=["decode", "prefill"])
+    cli = parser.parse_args()
+    start = time.perf_counter()
+    model = load_model(cli.folder, max_batch_size=1, device="cpu", dtype=getattr(torch, cli.dtype), quantize=cli.quantize)
+    out = {"dtype": cli.dtype, "quantize": cli.quantize, "load_s": time.perf_counter() - start, "threads": torch.get_num_threads(),
+           "weights_bytes": sum(t.nbytes for t in [*model.parameters(), *model.buffers()])}  # fmt: skip
+    if cli.quantize is None:
+        out["decode_bytes_b1"] = b.decode_bytes(model, 1)["bytes"]
+    vocab = model.args.vocab_size
+    if "decode" in cli.what:
+        prompts = b.random_prompts(1, b.PROMPT_LEN, vocab, seed=1001)
+        b.ours_decode(model, prompts, 16)  # warm-up
+        out["decode_s"], _ = b.ours_decode(model, prompts, b.NEW_TOKENS)
+        out["decode_tok_s"] = b.NEW_TOKENS / out["decode_s"]
+    if "prefill" in cli.what:
+        prompt = b.random_prompts(1, b.PREFILL_LEN, vocab, seed=7)[0]
+        window = model.args.sliding_window or b.PREFILL_LEN
+        b.ours_chunked_prefill(model, prompt[:window], window)  # warm-up
+        start = time.perf_counter()
+        b.ours_chunked_prefill(model, prompt, default_chunk_size(1))
+        out["prefill_s"] = time.perf_counter() - start
+        out["prefill_tok_s"] = b.PREFILL_LEN / out["prefill_s"]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

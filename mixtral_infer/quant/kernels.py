@@ -1,0 +1,77 @@
+"""The matrix products of quantized weights: PyTorch's weight-only kernels, chosen per device.
+
+Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
+``bench/bench_quant_kernels.py``, 1-8 rows of bfloat16 times a 14336 x 1024 weight:
+
+* **CPU int8**: ``torch.ops.aten._weight_int8pack_mm`` (reads the int8 weight at the speed
+  ``F.linear`` reads bfloat16, so half the time). torchao's ``Int8WeightOnlyConfig`` runs a
+  dequantize-then-matmul on CPU, 20x slower.
+* **CPU int4**: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout made by
+  ``_convert_weight_to_int4pack_for_cpu``. torchao 0.18 has no CPU int4 layout any more
+  (``Int4WeightOnlyConfig`` needs the CUDA-only ``mslk`` package).
+* Both CPU kernels are vectorised for bfloat16 activations only (float32: 10-50x slower),
+  so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
+* **CUDA**: int8 as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
+  conversion fuses into the product); int4 dequantizes first. Not measured: no GPU was lent
+  to the session that wrote this (``bench/bench_gpu.py`` has the rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mixtral_infer.quant.weights import QuantizedWeight
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``x (M, IN) @ dequantize(weight).T`` -> ``(M, OUT)``: the readable path the kernels must equal."""
+    return F.linear(x, weight.dequantize(x.dtype))
+
+
+def uses_cpu_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
+    if uses_cpu_kernel(x, weight):
+        x = x.contiguous()
+        if weight.scheme.name == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
+        if weight.packed is not None:
+            packed, scales_and_zeros = weight.packed
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, weight.scheme.group_size, scales_and_zeros)
+    elif x.device.type == "cuda" and weight.scheme.name == "int8":
+        return F.linear(x, weight.values.to(x.dtype)) * weight.scales.to(x.dtype)
+    return reference_linear(x, weight)
+
+
+ROWS_PER_CONVERSION = 256  # a multiple of the kernel's 64-row blocks; bounds the int32 working copy
+
+
+def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:
+    """Give ``weight`` the layout its device's kernel reads; drop the plain values unless ``keep_values``.
+
+    Only CPU int4 has a layout of its own: per expert (``(OUT, IN/2)`` matrix),
+    ``_convert_weight_to_int4pack_for_cpu`` of the unsigned nibbles, and the scales as
+    ``(IN/G, OUT, 2)`` pairs ``[scale, 0]`` (the kernel computes ``(n - 8) * scale + zero``).
+    Its rows must come in multiples of 16, and its activations in bfloat16 (the scales'
+    dtype); other weights keep the plain layout and take the reference path.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.scheme.name != "int4" or weight.shape[-2] % 16:
+        return weight
+    # Without keep_values the kernel layout overwrites the plain one: no new memory for the weight.
+    packed = weight.values.clone() if keep_values else weight.values  # (..., OUT, IN/2)
+    scales_and_zeros = torch.zeros(*weight.scales.shape[:-2], weight.scales.shape[-1], weight.scales.shape[-2], 2, dtype=weight.dtype)
+    scales_and_zeros[..., 0] = weight.scales.transpose(-1, -2)  # (..., IN/G, OUT, 2): [scale, 0]
+    rows = ROWS_PER_CONVERSION
+    for matrix in packed.view(-1, *packed.shape[-2:]):  # one expert (OUT, IN/2) at a time, in place
+        for start in range(0, matrix.shape[0], rows):  # the layout is blocked by 64 rows: slices convert alike
+            part = matrix[start : start + rows]
+            nibbles = torch.stack([part & 15, part >> 4], dim=-1).flatten(-2).to(torch.int32)  # (rows, IN)
+            part.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1))
+    weight.packed = (packed, scales_and_zeros)
+    if not keep_values:
+        weight.values = None
+    return weight

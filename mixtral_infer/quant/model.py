@@ -1,0 +1,105 @@
+"""Which of a Transformer's weights are quantized, and putting quantized weights in their place.
+
+Quantized: the attention projections ``wq, wk, wv, wo``, the feed-forward ``w1, w2, w3``
+(dense, or the stacked experts ``(E, I, D)``) and the output matrix: the matrices every
+decoding step reads. Kept as they are: the embeddings (a lookup of one row per token, not
+a matmul), the norms and the MoE router (small, and the routing decides which experts run).
+
+A quantized weight replaces its ``nn.Parameter`` under the same attribute name, so
+``linear(x, self.wq.weight)`` and ``self.w1[e]`` read it as before.
+
+On disk (a folder written by ``convert --quantize``) a quantized weight is two tensors
+under its published name: ``X.weight`` holds the integers (int8, or uint8 with two int4
+values per byte) and ``X.scales`` the scales; ``params.json`` records the scheme as
+``"quantization": {"scheme": "int4", "group_size": 32}``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+
+from mixtral_infer.errors import ConfigError
+from mixtral_infer.quant.kernels import prepare
+from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
+
+# Internal parameter names (experts stacked) and published names (one tensor per expert).
+_QUANTIZED_INTERNAL = re.compile(r"^(output\.weight|layers\.\d+\.(attention\.w[qkvo]\.weight|feed_forward\.w[123](\.weight)?))$")
+_QUANTIZED_PUBLISHED = re.compile(
+    r"^(output|layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123]|feed_forward\.experts\.\d+\.w[123]))\.weight$"
+)
+
+
+def is_quantized(name: str) -> bool:
+    """Whether internal parameter ``name`` is quantized (``layers.0.feed_forward.w1``: yes; ``...gate.weight``: no)."""
+    return _QUANTIZED_INTERNAL.match(name) is not None
+
+
+def is_quantized_published(name: str) -> bool:
+    """Whether published tensor ``name`` (``layers.0.feed_forward.experts.3.w1.weight``) is quantized."""
+    return _QUANTIZED_PUBLISHED.match(name) is not None
+
+
+def scales_name(published_weight_name: str) -> str:
+    """``layers.0.attention.wq.weight`` -> ``layers.0.attention.wq.scales``."""
+    return published_weight_name[: -len("weight")] + "scales"
+
+
+def stored_shapes(name: str, shape: Tuple[int, ...], scheme: QuantScheme) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Shapes of the integers and the scales of published float weight ``name`` of ``shape`` (OUT, IN)."""
+    scheme.check_shape(name, shape)
+    out, inputs = shape
+    if scheme.name == "int8":
+        return (out, inputs), (out,)
+    return (out, inputs // 2), (out, inputs // scheme.group_size)
+
+
+def check_quantizable(args, scheme: QuantScheme, tensor_parallel: int = 1) -> None:
+    """ConfigError, before any weight is read, when int4 groups do not divide a weight's inputs
+    (with tensor parallelism, each rank's share of ``wo`` and ``w2`` inputs: ranks quantize their own)."""
+    if scheme.group_size is None:
+        return
+    n = tensor_parallel
+    for name, inputs in (("dim", args.dim), ("n_heads * head_dim", args.n_heads * args.head_dim // n), ("hidden_dim", args.hidden_dim // n)):
+        if inputs % scheme.group_size:
+            share = f" / tensor_parallel={n}" if n > 1 and name != "dim" else ""
+            raise ConfigError(f"{name}{share} = {inputs} inputs is not a multiple of the int4 group size {scheme.group_size}: choose a group size that divides it")
+
+
+def install(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
+    """Put ``weight`` where internal parameter ``name`` was (the parameter is removed)."""
+    module_path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    if leaf in module._parameters:
+        delattr(module, leaf)
+    setattr(module, leaf, QuantizedParameter(weight))
+
+
+def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
+    """One weight quantized on ``device``, in the layout of that device's kernel."""
+    return prepare(quantize(tensor.to(device), scheme, dtype))
+
+
+def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
+    """Quantize a model already in memory, in place (loading does it tensor by tensor instead)."""
+    scheme = QuantScheme.parse(scheme)
+    for name, param in list(model.named_parameters()):
+        if is_quantized(name):
+            install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device))
+    return model
+
+
+def quantized_numel(model: nn.Module) -> int:
+    """How many weights a model holds quantized (``model.parameters()`` counts only the float ones)."""
+    return sum(module.shape.numel() for module in model.modules() if isinstance(module, QuantizedParameter))
+
+
+def model_scheme(model: nn.Module) -> Optional[QuantScheme]:
+    """The scheme of a model's quantized weights, or None for a float model."""
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight):
+            return module.scheme
+    return None

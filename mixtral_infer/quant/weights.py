@@ -1,0 +1,212 @@
+"""Weight-only quantization: integer weights that carry their format and scales.
+
+Decoding reads every weight once per token, so a weight stored in 8 or 4 bits is read
+2x or 4x faster than in bfloat16. Only the weights are quantized; activations, the
+embeddings, the norms and the MoE router stay in the model's dtype.
+
+Two schemes, both symmetric (zero maps to zero):
+
+* **int8**, one scale per output row: ``w[o, i] ~= q[o, i] * scale[o]``, ``q`` in
+  [-127, 127], ``scale[o] = max_i |w[o, i]| / 127``.
+* **int4**, one scale per group of ``group_size`` consecutive inputs of a row:
+  ``w[o, i] ~= (n[o, i] - 8) * scale[o, i // G]``, ``n`` in [1, 15], ``scale = max |w| / 7``
+  over the group. Two values per byte: byte ``j`` of a row holds input ``2j`` in its low
+  nibble and input ``2j + 1`` in its high nibble (the *plain* layout, written to disk).
+
+Scales are rounded to bfloat16 *before* the integers are chosen, so the scale a file
+stores is the scale the integers were rounded with.
+
+Worked example, int4, G = 4, one row ``w = [0.7, -0.35, 0.1, 0.0]``: scale = 0.7 / 7 = 0.1
+(bfloat16 0.10009765625), ``n - 8 = round(w / scale) = [7, -3, 1, 0]``, ``n = [15, 5, 9, 8]``,
+bytes ``[15 | 5 << 4, 9 | 8 << 4] = [95, 137]``; dequantized ``[0.7007, -0.3003, 0.1001, 0.0]``.
+
+The matrix products are PyTorch's weight-only kernels (``quant/kernels.py`` says which
+and why); ``QuantizedWeight.dequantize`` is the readable reference they are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from mixtral_infer.errors import ConfigError
+
+SCHEMES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels take
+DEFAULT_INT4_GROUP_SIZE = 32
+SCALE_DTYPE = torch.bfloat16  # scales are bfloat16 numbers, whatever dtype holds them
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a model's weights are quantized: ``int8``, or ``int4`` with ``group_size`` inputs per scale."""
+
+    name: str
+    group_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEMES:
+            raise ConfigError(f"quantize={self.name!r}: expected one of {', '.join(SCHEMES)}")
+        if self.name == "int8" and self.group_size is not None:
+            raise ConfigError("int8 has one scale per output row: give no group_size")
+        if self.name == "int4" and self.group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"int4 group_size={self.group_size!r}: expected one of {INT4_GROUP_SIZES}")
+
+    @classmethod
+    def parse(cls, value: "str | QuantScheme | dict | None") -> Optional["QuantScheme"]:
+        """``"int8"``, ``"int4"`` (group 32), ``"int4-128"``, a dict from params.json, or None."""
+        if value is None or isinstance(value, QuantScheme):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"scheme", "group_size"}
+            if unknown or "scheme" not in value:
+                raise ConfigError(f"quantization={value!r}: expected {{'scheme': 'int8'|'int4', 'group_size': int}}")
+            return cls(value["scheme"], value.get("group_size"))
+        if not isinstance(value, str):
+            raise ConfigError(f"quantize={value!r}: expected one of {', '.join(SCHEMES)}")
+        name, _, group = value.partition("-")
+        if name == "int4":
+            if group and not group.isdigit():
+                raise ConfigError(f"quantize={value!r}: the group size after 'int4-' must be a number, e.g. int4-128")
+            return cls(name, int(group) if group else DEFAULT_INT4_GROUP_SIZE)
+        if group:
+            raise ConfigError(f"quantize={value!r}: only int4 takes a group size (int4-32, int4-128)")
+        return cls(name)
+
+    @property
+    def label(self) -> str:
+        """``int8``, ``int4 (groups of 32)``."""
+        return self.name if self.group_size is None else f"{self.name} (groups of {self.group_size})"
+
+    def to_params(self) -> dict:
+        return {"scheme": self.name} if self.group_size is None else {"scheme": self.name, "group_size": self.group_size}
+
+    def check_shape(self, name: str, shape: tuple) -> None:
+        if self.group_size is not None and shape[-1] % self.group_size:
+            raise ConfigError(f"{name}: {shape[-1]} inputs are not a multiple of the int4 group size {self.group_size}")
+
+
+class QuantizedWeight:
+    """A weight ``(..., OUT, IN)`` stored as integers and scales; ``linear(x, weight)`` takes it.
+
+    ``values``: int8 ``(..., OUT, IN)``, or for int4 uint8 ``(..., OUT, IN/2)`` in the plain
+    layout. ``scales``: ``(..., OUT)`` for int8, ``(..., OUT, IN/G)`` for int4, in the dtype
+    of the activations. Leading dimensions are stacked experts: ``weight[e]`` is expert e
+    (views, or a gather for a tensor ``e``), a plain object that compiled code can make.
+
+    A kernel may want its own layout (``quant.kernels.prepare``): it is kept in ``packed``
+    (not saved), and ``values`` may then be dropped to save memory (``values is None``).
+    """
+
+    def __init__(self, scheme: QuantScheme, values: Optional[torch.Tensor], scales: torch.Tensor, in_features: int,
+                 packed: Optional[tuple] = None):  # fmt: skip
+        self.scheme, self.in_features = scheme, in_features
+        self.values, self.scales, self.packed = values, scales, packed
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.scales.shape[: -1 if self.scheme.name == "int4" else None], self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.scales.device
+
+    def __getitem__(self, index) -> "QuantizedWeight":
+        """Expert ``index`` of stacked weights: an int gives views, a 0-d tensor a gathered copy
+        (indexed as a 1-element list, which compiles without reading the tensor on the host)."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[index.reshape(1)][0] if isinstance(index, torch.Tensor) else t[index]
+
+        values = None if self.values is None else pick(self.values)
+        packed = None if self.packed is None else tuple(pick(t) for t in self.packed)
+        return QuantizedWeight(self.scheme, values, pick(self.scales), self.in_features, packed)
+
+    def integers(self) -> torch.Tensor:
+        """The signed integers ``(..., OUT, IN)``: int8 as stored, int4 unpacked to [-8, 7]."""
+        if self.values is None:
+            raise RuntimeError("this weight holds only its kernel layout; quantize again to get the integers")
+        if self.scheme.name == "int8":
+            return self.values
+        low, high = self.values & 15, self.values >> 4  # (..., OUT, IN/2) each
+        return torch.stack([low, high], dim=-1).flatten(-2).to(torch.int8) - 8  # inputs 2j, 2j+1 side by side
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The readable reference: the weight ``(..., OUT, IN)`` these integers and scales stand for."""
+        q = self.integers().to(torch.float32)
+        scales = self.scales.to(torch.float32)
+        if self.scheme.name == "int8":
+            return (q * scales[..., None]).to(dtype)
+        groups = scales.repeat_interleave(self.scheme.group_size, dim=-1)  # (..., OUT, IN)
+        return (q * groups).to(dtype)
+
+
+class QuantizedParameter(nn.Module, QuantizedWeight):
+    """A ``QuantizedWeight`` held by a model in place of an ``nn.Parameter``: its tensors are
+    buffers, so ``model.to(...)`` and ``state_dict()`` see them (``X.values``, ``X.scales``)."""
+
+    def __init__(self, weight: QuantizedWeight):
+        nn.Module.__init__(self)
+        self.scheme, self.in_features = weight.scheme, weight.in_features
+        self.register_buffer("values", weight.values)
+        self.register_buffer("scales", weight.scales)
+        kernel_values, kernel_scales = weight.packed or (None, None)
+        self.register_buffer("kernel_values", kernel_values, persistent=False)
+        self.register_buffer("kernel_scales", kernel_scales, persistent=False)
+
+    @property
+    def packed(self) -> Optional[tuple]:
+        return None if self.kernel_values is None else (self.kernel_values, self.kernel_scales)
+
+    def extra_repr(self) -> str:
+        size = f", group_size={self.scheme.group_size}" if self.scheme.group_size else ""
+        return f"{self.scheme.name}{size}, shape={tuple(self.shape)}, dtype={self.dtype}"
+
+
+def quantize(weight: torch.Tensor, scheme: QuantScheme, dtype: Optional[torch.dtype] = None) -> QuantizedWeight:
+    """Quantize a float weight ``(..., OUT, IN)`` (see the module docstring); scales in ``dtype``.
+
+    Rows are quantized a block at a time, so the float32 working copies stay small
+    (1 MB) however large the weight: loading quantizes a model in little more memory
+    than its quantized size.
+    """
+    scheme.check_shape("weight", tuple(weight.shape))
+    out_dtype = dtype or (weight.dtype if weight.is_floating_point() else torch.float32)
+    rows = weight.reshape(-1, weight.shape[-1])  # (R, IN): every output row of every expert
+    # The results are allocated first and filled block by block: the working copies, freed
+    # after each block, then leave no holes between the tensors the model keeps.
+    packed_in = weight.shape[-1] // (2 if scheme.name == "int4" else 1)
+    values = torch.empty(rows.shape[0], packed_in, dtype=torch.int8 if scheme.name == "int8" else torch.uint8, device=weight.device)
+    n_scales = 1 if scheme.name == "int8" else weight.shape[-1] // scheme.group_size
+    scales = torch.empty(rows.shape[0], n_scales, dtype=out_dtype, device=weight.device)
+    block = max(1, (1 << 18) // weight.shape[-1])  # 256K float32 values (1 MB) per block
+    for start in range(0, rows.shape[0], block):
+        block_values, block_scales = _quantize_rows(rows[start : start + block].to(torch.float32, copy=True), scheme)
+        values[start : start + block] = block_values
+        scales[start : start + block] = block_scales.reshape(block_values.shape[0], n_scales)
+    scales = scales.reshape(weight.shape[:-1]) if scheme.name == "int8" else scales.reshape(*weight.shape[:-1], n_scales)
+    return QuantizedWeight(scheme, values.reshape(*weight.shape[:-1], packed_in), scales, weight.shape[-1])
+
+
+def _quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integers and float32 scales of float32 rows ``(R, IN)`` (overwritten: no working copies)."""
+    if scheme.name == "int8":
+        scales = _bfloat16_scale(w.abs().amax(dim=-1) / 127)  # (R,)
+        return w.div_(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
+    groups = w.unflatten(-1, (-1, scheme.group_size))  # (R, IN/G, G)
+    scales = _bfloat16_scale(groups.abs().amax(dim=-1) / 7)  # (R, IN/G)
+    n = groups.div_(scales[..., None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8).flatten(-2)  # (R, IN)
+    return n[:, 0::2] | (n[:, 1::2] << 4), scales  # (R, IN/2): inputs 2j and 2j+1 in one byte
+
+
+def _bfloat16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Round to bfloat16 (as stored), and keep all-zero rows or groups from dividing by zero."""
+    scale = scale.to(SCALE_DTYPE).to(torch.float32)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))

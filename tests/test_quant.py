@@ -1,0 +1,161 @@
+"""Weight-only quantization: the formats' worked examples, the kernels against the dequantize
+reference, and quantized models decoding alike on every path (eager, static, compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import WINDOW, random_model, tiny_args
+from test_model import random_prompts
+
+from mixtral_infer import generate
+from mixtral_infer.errors import ConfigError
+from mixtral_infer.fast.decode_step import moe_one_token
+from mixtral_infer.model.linear import linear
+from mixtral_infer.quant.kernels import prepare, quantized_linear, reference_linear, uses_cpu_kernel
+from mixtral_infer.quant.model import is_quantized, is_quantized_published, quantize_model
+from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
+
+INT8, INT4 = QuantScheme.parse("int8"), QuantScheme.parse("int4")
+SCHEMES = {"int8": INT8, "int4-32": INT4, "int4-128": QuantScheme.parse("int4-128")}
+
+
+def test_int4_worked_example():
+    """The module docstring's example: G = 4, w = [0.7, -0.35, 0.1, 0.0]."""
+    scheme = object.__new__(QuantScheme)  # group size 4 is below what the kernels take: only for the example
+    object.__setattr__(scheme, "name", "int4")
+    object.__setattr__(scheme, "group_size", 4)
+    weight = quantize(torch.tensor([[0.7, -0.35, 0.1, 0.0]]), scheme)
+    assert weight.scales.tolist() == [[0.10009765625]]
+    assert weight.values.tolist() == [[95, 137]]
+    assert weight.integers().tolist() == [[7, -3, 1, 0]]
+    torch.testing.assert_close(weight.dequantize(), torch.tensor([[7, -3, 1, 0]]) * 0.10009765625)
+
+
+def test_int8_scales_per_output_row():
+    weight = quantize(torch.tensor([[1.27, -0.635, 0.0], [0.0, 0.0, 0.0]]), INT8)
+    assert weight.scales.tolist() == [torch.tensor(0.01, dtype=torch.bfloat16).item(), 1.0]  # an all-zero row: scale 1
+    assert weight.integers().tolist() == [[127, -63, 0], [0, 0, 0]]  # -0.635 / 0.010009765625 = -63.4
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantization_error_is_within_half_a_step(scheme):
+    """Each value is rounded to the nearest multiple of its scale: |w - dequantized| <= scale / 2."""
+    w = torch.randn(3, 32, 256, generator=torch.Generator().manual_seed(1))
+    weight = quantize(w, SCHEMES[scheme])
+    step = weight.scales if scheme == "int8" else weight.scales.repeat_interleave(SCHEMES[scheme].group_size, -1)
+    step = step[..., None] if scheme == "int8" else step
+    assert ((w - weight.dequantize()).abs() <= step / 2 + 1e-6).all()
+    assert weight.shape == w.shape and weight[1].shape == w[1].shape
+    torch.testing.assert_close(weight[1].dequantize(), weight.dequantize()[1])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 33])
+def test_kernel_equals_the_dequantize_reference(scheme, rows):
+    """bfloat16 activations take PyTorch's kernel; it equals dequantize-then-matmul in float32 up to
+    bfloat16 rounding of the result (a layout mistake would be off by the whole value)."""
+    g = torch.Generator().manual_seed(rows)
+    weight = prepare(quantize(torch.randn(2, 96, 256, generator=g), SCHEMES[scheme], torch.bfloat16), keep_values=True)
+    x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+    for expert in range(2):
+        assert uses_cpu_kernel(x, weight[expert])
+        got = linear(x, weight[expert]).float()
+        expected = x.float() @ weight[expert].dequantize().T
+        assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+
+
+def test_float32_activations_take_the_reference_path():
+    weight = prepare(quantize(torch.randn(32, 64), INT4, torch.float32))
+    x = torch.randn(3, 64)
+    assert weight.packed is None and not uses_cpu_kernel(x, weight)
+    torch.testing.assert_close(quantized_linear(x, weight), x @ weight.dequantize().T)
+    torch.testing.assert_close(reference_linear(x, weight), x @ weight.dequantize().T)
+
+
+def test_scheme_names_and_errors():
+    assert QuantScheme.parse("int4-128") == QuantScheme("int4", 128)
+    assert QuantScheme.parse({"scheme": "int8"}) == INT8
+    assert QuantScheme.parse("int4").to_params() == {"scheme": "int4", "group_size": 32}
+    with pytest.raises(ConfigError, match="quantize='int3': expected one of int8, int4"):
+        QuantScheme.parse("int3")
+    with pytest.raises(ConfigError, match=r"int4 group_size=48: expected one of \(32, 64, 128, 256\)"):
+        QuantScheme.parse("int4-48")
+    with pytest.raises(ConfigError, match="only int4 takes a group size"):
+        QuantScheme.parse("int8-32")
+    with pytest.raises(ConfigError, match="96 inputs are not a multiple of the int4 group size 64"):
+        quantize(torch.randn(16, 96), QuantScheme("int4", 64))
+
+
+def test_which_weights_are_quantized():
+    model = quantize_model(random_model(tiny_args(moe=True)), "int8")
+    quantized = sorted(name for name, module in model.named_modules() if isinstance(module, QuantizedParameter))
+    assert quantized == [
+        f"layers.{i}.{part}" for i in range(2)
+        for part in ["attention.wk.weight", "attention.wo.weight", "attention.wq.weight", "attention.wv.weight",
+                     "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    ] + ["output.weight"]  # fmt: skip
+    kept = sorted(name for name, _ in model.named_parameters())
+    assert kept == ["layers.0.attention_norm.weight", "layers.0.feed_forward.gate.weight", "layers.0.ffn_norm.weight",
+                    "layers.1.attention_norm.weight", "layers.1.feed_forward.gate.weight", "layers.1.ffn_norm.weight",
+                    "norm.weight", "tok_embeddings.weight"]  # fmt: skip
+    assert is_quantized("layers.3.feed_forward.w2.weight") and not is_quantized("layers.3.feed_forward.gate.weight")
+    assert is_quantized_published("layers.3.feed_forward.experts.7.w2.weight")
+    assert not is_quantized_published("tok_embeddings.weight") and not is_quantized_published("norm.weight")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_model_equals_the_float_model_of_its_dequantized_weights(scheme):
+    """The grouped MoE path and every linear() call site read the quantized weights: a float model
+    holding the dequantized weights gives the same logits (float32, the reference path)."""
+    model = random_model(tiny_args(moe=True), seed=3)
+    quantized = quantize_model(random_model(tiny_args(moe=True), seed=3), scheme)
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, QuantizedParameter):
+                model.get_parameter(name).copy_(module.dequantize())
+        ids = torch.tensor(random_prompts([12], 128, seed=4)[0])
+        torch.testing.assert_close(quantized(ids, seqlens=[12]), model(ids, seqlens=[12]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_quantized_static_decode_equals_eager(moe, scheme, dtype):
+    """Batch 1 (the MoE gathers its 2 experts) and batch 3 (every expert runs), past the window.
+    float32 runs the reference path: logprobs to 1e-5. bfloat16 runs the kernels: the same
+    tokens, logprobs as close as bfloat16 decoding is without quantization."""
+    model = quantize_model(random_model(tiny_args(moe=moe), seed=5).to(dtype), scheme)
+    for lengths in ([5], [2 * WINDOW + 1, 3, 6]):
+        prompts = random_prompts(lengths, 128, seed=len(lengths))
+        eager_tokens, eager_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="eager")
+        static_tokens, static_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="static")
+        assert static_tokens == eager_tokens
+        tolerance = 1e-5 if dtype == torch.float32 else 0.1
+        for got, expected in zip(static_logprobs, eager_logprobs):
+            assert got == pytest.approx(expected, abs=tolerance)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_quantized_moe_one_token_equals_the_grouped_layer(batch):
+    layer = quantize_model(random_model(tiny_args(moe=True), seed=25), "int4").layers["0"].feed_forward
+    x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch))
+    with torch.no_grad():
+        torch.testing.assert_close(moe_one_token(layer, x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_step_compiles_and_equals_eager():
+    """int4 kernels inside torch.compile(fullgraph=True), batch 1 (gathered experts), bfloat16."""
+    model = quantize_model(random_model(tiny_args(moe=True, max_batch_size=1), seed=7).to(torch.bfloat16), "int4")
+    prompts = random_prompts([WINDOW + 3], 128, seed=8)
+    eager_tokens, eager_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="eager")
+    compiled_tokens, compiled_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="compiled")
+    assert compiled_tokens == eager_tokens
+    assert compiled_logprobs[0] == pytest.approx(eager_logprobs[0], abs=0.1)
+
+
+def test_a_quantized_weight_is_no_parameter_and_moves_with_the_model():
+    model = quantize_model(random_model(tiny_args(moe=False)).to(torch.bfloat16), "int4")
+    weight = model.layers["0"].attention.wq.weight
+    assert isinstance(weight, QuantizedWeight) and weight.packed is not None and weight.values is None
+    assert {name for name in model.state_dict() if "wq" in name} == {"layers.0.attention.wq.weight.scales", "layers.1.attention.wq.weight.scales"}

@@ -1,0 +1,178 @@
+"""Quantizing while loading, quantized folders (convert --quantize), their errors, the command line,
+the peak memory of a quantized load, and tensor parallelism with each rank quantizing its share."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import random_model, tiny_args
+from test_model import random_prompts
+from test_parallel import free_port
+
+from mixtral_infer import ConfigError, load_model
+from mixtral_infer.checkpoint.convert import convert
+from mixtral_infer.checkpoint.loading import save_consolidated
+from mixtral_infer.checkpoint.safetensors_reader import read_header
+from mixtral_infer.errors import CheckpointError
+from mixtral_infer.model.parallel import Parallel
+from mixtral_infer.quant.weights import QuantizedWeight
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def logits(model, seed=1):
+    ids = torch.tensor(random_prompts([20], model.args.vocab_size, seed=seed)[0])
+    with torch.no_grad():
+        return model(ids, seqlens=[20])
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_folder_loads_as_quantizing_on_load_does(model_folder, tmp_path, scheme):
+    """convert --quantize writes integers and scales; loading them gives the model load_model(quantize=)
+    gives, logit for logit, in bfloat16 (the kernels) and float32 (the reference path)."""
+    folder = convert(model_folder, tmp_path / "quantized", quantize=scheme)
+    params = json.loads((folder / "params.json").read_text())
+    assert params["quantization"] == ({"scheme": "int8"} if scheme == "int8" else {"scheme": "int4", "group_size": 32})
+    entries = {e.name: e for e in read_header(folder / "consolidated.safetensors")}
+    wq, scales = entries["layers.0.attention.wq.weight"], entries["layers.0.attention.wq.scales"]
+    if scheme == "int8":
+        assert (wq.dtype, wq.shape, scales.shape) == (torch.int8, (64, 64), (64,))
+    else:  # two values per byte, one scale per 32 inputs
+        assert (wq.dtype, wq.shape, scales.shape) == (torch.uint8, (64, 32), (64, 2))
+    assert scales.dtype == torch.bfloat16
+    assert entries["layers.0.feed_forward.experts.3.w2.weight"].shape == ((64, 96) if scheme == "int8" else (64, 48))
+    assert entries["tok_embeddings.weight"].dtype == entries["layers.0.feed_forward.gate.weight"].dtype == torch.float32
+    assert "layers.0.feed_forward.gate.scales" not in entries and "norm.scales" not in entries
+    for dtype in (torch.bfloat16, torch.float32):
+        stored = load_model(folder, dtype=dtype)
+        on_load = load_model(model_folder, dtype=dtype, quantize=scheme)
+        assert isinstance(stored.layers["1"].feed_forward.w1, QuantizedWeight)
+        assert torch.equal(logits(stored), logits(on_load))
+    assert load_model(folder).dtype == torch.bfloat16  # the kernels' dtype, unless dtype= says otherwise
+
+
+def test_quantized_folder_errors(model_folder, tmp_path):
+    folder = convert(model_folder, tmp_path / "q8", quantize="int8")
+    with pytest.raises(ConfigError, match="stored quantized \\(int8\\) already; load without quantize="):
+        load_model(folder, quantize="int4")
+    with pytest.raises(CheckpointError, match="its weights are quantized \\(int8\\); convert the float original instead"):
+        convert(folder, tmp_path / "again")
+    with pytest.raises(CheckpointError, match="--quantize writes the Mistral layout .*: use --to mistral"):
+        convert(model_folder, tmp_path / "hf", to="hf", quantize="int8")
+    with pytest.raises(ConfigError, match="a quantized folder loads in one process"):
+        load_model(folder, parallel=Parallel(tensor_parallel=2, rank=0))
+    with pytest.raises(ConfigError, match="dim = 64 inputs is not a multiple of the int4 group size 128"):
+        load_model(model_folder, quantize="int4-128")
+    with pytest.raises(ConfigError, match="hidden_dim / tensor_parallel=2 = 48 inputs is not a multiple of the int4 group size 32"):
+        load_model(model_folder, quantize="int4", parallel=Parallel(tensor_parallel=2, rank=0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "q8"]  # nothing half-written
+
+
+def test_a_quantized_folder_missing_scales_is_refused(model_folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = convert(model_folder, tmp_path / "q4", quantize="int4")
+    tensors = load_file(folder / "consolidated.safetensors")
+    del tensors["layers.1.attention.wo.scales"]
+    save_file(tensors, folder / "consolidated.safetensors")
+    with pytest.raises(CheckpointError, match="layers.1.attention.wo.weight has no partner: layers.1.attention.wo.scales is missing"):
+        load_model(folder)
+    tensors["layers.1.attention.wo.scales"] = torch.ones(64, 3, dtype=torch.bfloat16)
+    save_file(tensors, folder / "consolidated.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor layers.1.attention.wo.scales has shape \(64, 3\), the model config implies \(64, 2\)"):
+        load_model(folder)
+
+
+def test_demo_quantize_on_the_command_line():
+    def run(*args):
+        return subprocess.run([sys.executable, str(REPO / "main.py"), *args], capture_output=True, text=True, timeout=300)
+
+    result = run("demo", "--quantize", "int4", "--max_tokens", "8", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert "weights int4 (groups of 32)" in result.stderr and "And the LORD spake unto Moses" in result.stdout
+    refused = run("demo", "--quantize", "int3")
+    assert refused.returncode == 1 and refused.stderr.strip() == "error: quantize='int3': expected one of int8, int4"
+
+
+PEAK_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from mixtral_infer import load_model
+
+    def rss_kib(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+
+    torch.ones(1) @ torch.ones(1)  # let torch allocate what it allocates once
+    before = rss_kib("VmRSS")
+    model = load_model(sys.argv[1], device="cpu", quantize=sys.argv[2])
+    held = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    print((rss_kib("VmHWM") - before) * 1024, held)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def large_bfloat16_folder(tmp_path_factory):
+    """625 MB of bfloat16 (20 layers, 4 experts): large enough that one tensor in flight is a few percent."""
+    from mixtral_infer import ModelArgs, MoeArgs, Transformer
+
+    args = ModelArgs(
+        dim=1024, n_layers=20, head_dim=64, hidden_dim=1024, n_heads=16, n_kv_heads=4, norm_eps=1e-5,
+        vocab_size=4000, sliding_window=64, moe=MoeArgs(num_experts=4, num_experts_per_tok=2),
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("large")
+    save_consolidated(Transformer(args).to(torch.bfloat16), folder)
+    return folder
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_folder, scheme):
+    """Peak resident memory of a fresh process loading with quantize= stays within 1.2x what the
+    quantized model holds (bfloat16 checkpoint: 2.0x the int8 model, 2.9x the int4 one)."""
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(large_bfloat16_folder), scheme], capture_output=True, text=True,
+        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    peak, held = map(int, result.stdout.split())
+    checkpoint = (large_bfloat16_folder / "consolidated.safetensors").stat().st_size
+    assert held < checkpoint / (1.9 if scheme == "int8" else 2.5)
+    assert peak <= 1.2 * held, f"peak {peak / 1e6:.0f} MB for a quantized model of {held / 1e6:.0f} MB"
+
+
+def parallel_worker(rank, world_size, port, folder, out_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        parallel = Parallel(tensor_parallel=world_size, rank=rank)
+        model = load_model(folder, max_batch_size=1, dtype=torch.float32, parallel=parallel, quantize="int4")
+        torch.save(logits(model), f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_tensor_parallel_ranks_quantize_their_own_share(tmp_path, moe):
+    """2 gloo ranks, int4 groups of 32: each rank quantizes its rows, its half of wo's and w2's inputs
+    (64 of 128), or its experts, from the float checkpoint; the groups fall alike, so the logits
+    equal one process's int4 model (float32 activations: the reference path)."""
+    args = dataclasses.replace(tiny_args(moe=moe, max_batch_size=1), hidden_dim=128)
+    save_consolidated(random_model(args, seed=9), tmp_path / "model")
+    out_path = tmp_path / "logits"
+    mp.start_processes(parallel_worker, args=(2, free_port(), str(tmp_path / "model"), str(out_path)), nprocs=2, start_method="spawn")
+    expected = logits(load_model(tmp_path / "model", dtype=torch.float32, quantize="int4"))
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(f"{out_path}.{rank}"), expected, atol=1e-5, rtol=1e-5)
