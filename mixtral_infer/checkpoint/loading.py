@@ -33,7 +33,13 @@ from mixtral_infer.checkpoint.hf_format import (
     hf_name_to_published,
     hf_to_published,
 )
-from mixtral_infer.checkpoint.quantized import check_stored_shape, from_stored, quantize_published, scheme_from_params, stack
+from mixtral_infer.checkpoint.quantized import (
+    check_stored_shape,
+    from_stored,
+    quantize_published,
+    scheme_from_params,
+    stack,
+)
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError

@@ -17,7 +17,7 @@ values per byte) and ``X.scales`` the scales; ``params.json`` records the scheme
 from __future__ import annotations
 
 import re
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
