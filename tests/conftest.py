@@ -113,3 +113,13 @@ def model_folder(tmp_path, tokenizer_path):
     save_consolidated(random_model(args, seed=5), folder)
     shutil.copyfile(tokenizer_path, folder / "tokenizer.model")
     return folder
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests, restored after: tiny models run faster on one
+    thread, and far faster when the machine's other core is busy (serve tests: up to 20x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -99,13 +99,7 @@ def wait_for(condition, timeout=20.0):
     return False
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The reference runs tiny models: one thread is faster, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster, far faster on a busy machine
 
 
 @pytest.fixture(scope="module")
