@@ -114,33 +114,52 @@ def start_server(model: str, rows: int, prefill_tokens: int):
     return process, port, lines
 
 
+def completion_body(request: Dict) -> bytes:
+    """The streamed greedy completion every client sends (usage in the last chunk)."""
+    return json.dumps({"prompt": request["prompt"], "max_tokens": request["max_tokens"], "temperature": 0,
+                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+
+
+class StreamTimes:
+    """Reads a stream's SSE lines: when the first text came, how many tokens in all, when it ended."""
+
+    def __init__(self, clock_start: float):
+        self.clock_start, self.first, self.tokens, self.seen = clock_start, None, 0, 0
+
+    def feed(self, line: bytes) -> bool:
+        """Take one line; True at ``data: [DONE]``."""
+        if not line.startswith(b"data: "):
+            return False  # kept cheap: the clients share the 2 cores with the server
+        self.seen += 1
+        if self.seen == 2:  # the first chunk is the empty opening one; the next carries the first text
+            self.first = time.perf_counter() - self.clock_start
+        if b'"usage"' in line:
+            self.tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        return line.startswith(b"data: [DONE]")
+
+    def record(self, request: Dict, **extra) -> Dict:
+        done = time.perf_counter() - self.clock_start
+        first = self.first if self.first is not None else done
+        return {**request, **extra, "first": first, "done": done, "tokens": self.tokens}
+
+
 def stream_one(port: int, request: Dict, clock_start: float) -> Dict:
     """Send one streamed completion; times are seconds since ``clock_start``."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"prompt": request["prompt"], "max_tokens": request["max_tokens"], "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    first, tokens, seen = None, 0, 0
-    for line in response:  # kept cheap: the clients share the 2 cores with the server
-        if not line.startswith(b"data: "):
-            continue
-        seen += 1
-        if seen == 2:  # the first chunk is the empty opening one; the next carries the first text
-            first = time.perf_counter() - clock_start
-        if b'"usage"' in line:
-            tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-    done = time.perf_counter() - clock_start
+    connection.request("POST", "/v1/completions", completion_body(request), {"Content-Type": "application/json"})
+    times = StreamTimes(clock_start)
+    for line in connection.getresponse():
+        times.feed(line)
+    record = times.record(request)
     connection.close()
-    return {**request, "first": first if first is not None else done, "done": done, "tokens": tokens}
+    return record
 
 
 async def stream_async(port: int, request: Dict, clock_start: float) -> Dict:
     """``stream_one`` on asyncio streams: one thread for all clients, so the load generator
     itself stays light beside the server on 2 cores. The SSE lines are read as they come (the
     chunked encoding's size lines are skipped with the rest)."""
-    body = json.dumps({"prompt": request["prompt"], "max_tokens": request["max_tokens"], "temperature": 0,
-                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+    body = completion_body(request)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     sent = time.perf_counter() - clock_start
     writer.write(
@@ -148,20 +167,13 @@ async def stream_async(port: int, request: Dict, clock_start: float) -> Dict:
         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     await writer.drain()
-    first, tokens, seen = None, 0, 0
+    times = StreamTimes(clock_start)
     async for line in reader:
-        if not line.startswith(b"data: "):
-            continue
-        seen += 1
-        if seen == 2:  # the first chunk is the empty opening one; the next carries the first text
-            first = time.perf_counter() - clock_start
-        if b'"usage"' in line:
-            tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-        if line.startswith(b"data: [DONE]"):
+        if times.feed(line):
             break
-    done = time.perf_counter() - clock_start
+    record = times.record(request, sent=sent)
     writer.close()
-    return {**request, "sent": sent, "first": first if first is not None else done, "done": done, "tokens": tokens}
+    return record
 
 
 def run_clients(requests: List[Dict], clients: int, port: int) -> List[Dict]:

@@ -87,19 +87,27 @@ def token_ids(prompt: Sequence[object], index: int, vocab_size: int) -> List[int
     return ids
 
 
+def meminfo_bytes(field: str) -> Optional[int]:
+    """A ``/proc/meminfo`` field (``MemAvailable``, ``MemTotal``) in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def free_memory(device: torch.device) -> Optional[int]:
     """Bytes that can still be allocated on ``device`` (None when unknown)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        return available
     try:
         import os
 

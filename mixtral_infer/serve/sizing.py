@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.generation.settings import check_cache_fits, free_memory, gigabytes, kv_cache_bytes
+from mixtral_infer.generation.settings import check_cache_fits, free_memory, gigabytes, kv_cache_bytes, meminfo_bytes
 from mixtral_infer.model.transformer import Transformer
 
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -56,14 +56,7 @@ def total_memory(device: torch.device) -> Optional[int]:
     """Bytes of memory of the device (RAM for the CPU), None when unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return meminfo_bytes("MemTotal")
 
 
 def _proc_status_kb(field: str) -> Optional[int]:
