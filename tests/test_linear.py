@@ -1,4 +1,4 @@
-"""linear() (few-row matmuls as per-thread bmm blocks) equals F.linear, whatever the rows and layout."""
+"""linear() equals F.linear, whatever the rows, the layout and the few-row path (bmm blocks or not)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.model import linear as linear_module
 from mixtral_infer.model.linear import linear
 
 
-@pytest.fixture(autouse=True)
-def two_threads():
-    """The bmm path needs at least 2 threads; CI machines may give torch just one."""
+@pytest.fixture(autouse=True, params=[True, False], ids=["bmm-blocks", "f-linear"])
+def two_threads(request, monkeypatch):
+    """Both few-row paths, whatever this CPU's vendor picks; the bmm path needs at least 2 threads."""
+    monkeypatch.setattr(linear_module, "split_few_rows", request.param)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -33,3 +35,10 @@ def test_odd_output_size_falls_back_to_f_linear():
     weight = torch.randn(7, 5)  # 7 rows do not split into 2 blocks
     x = torch.randn(2, 5)
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
+
+
+def test_the_bmm_blocks_are_taken_when_asked(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or torch.matmul(*a))
+    linear(torch.randn(1, 40), torch.randn(96, 40))
+    assert calls == ([1] if linear_module.split_few_rows else [])

@@ -1,11 +1,21 @@
-"""``x @ weight.T`` for the few-row inputs of decoding, spread over every CPU core.
+"""``x @ weight.T`` for every matmul of the model, with few-row inputs spread over every CPU core.
 
 Decoding multiplies one row per sequence (or the few rows an expert receives) by each
-weight matrix: the time is the time to read the weights. On CPU, ``F.linear`` with so
-few rows takes a matrix-vector path that runs on one core, reading the weights well
-below the machine's memory bandwidth (measured by ``bench/``: 2.0x slower decode at
-batch 1 on 2 cores). Cutting the weight into one block of output rows per thread and
-running the blocks as a single ``torch.bmm`` lets every core stream its own block.
+weight matrix: the time is the time to read the weights. Whether ``F.linear`` reads them
+from every core depends on the CPU (MKL's few-row float32 path), so this module measures
+the difference once per CPU vendor and picks (torch 2.13.0, 2 cores, 3584 x 1024 float32):
+
+========================================  ==============================  ==========================
+1-3 rows                                   2-core AMD EPYC (avx512_bf16)   2-core Intel Xeon (SPR)
+========================================  ==============================  ==========================
+``F.linear``                               one core                        both cores, 25-29 GB/s
+one ``bmm`` block per thread (below)       42 GB/s, step 51-59 -> 27 ms    one core, 15-16 GB/s
+========================================  ==============================  ==========================
+
+So on AMD CPUs (``hardware.cpu_info().vendor == "AuthenticAMD"``) float32 inputs of at most
+``MAX_ROWS`` rows are cut into one block of output rows per thread, run as one ``torch.bmm``;
+elsewhere they go to ``F.linear`` (on the Xeon: mistral-bench float32 decode 24 -> 42 tokens/s).
+``split_few_rows`` overrides the choice (True/False; None = by vendor).
 
 Example, 2 threads, weight (OUT=6, IN) and x (1, IN)::
 
@@ -24,17 +34,23 @@ A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.hardware import cpu_info
 from mixtral_infer.quant.kernels import quantized_linear
 from mixtral_infer.quant.weights import QuantizedWeight
 
 MAX_ROWS = 8  # above this many rows, F.linear is as fast or faster (measured on 2 cores)
+split_few_rows = None  # True / False forces the bmm blocks on / off; None: on for AMD CPUs only
+
+
+def _split_few_rows() -> bool:
+    return cpu_info().vendor == "AuthenticAMD" if split_few_rows is None else split_few_rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` (a transposed view on the bmm path)."""
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight)
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling() or not _split_few_rows():
         return F.linear(x, weight)  # a compiled graph picks its own matmul
     blocks = torch.get_num_threads()
     rows, (out_features, in_features) = x.shape[0], weight.shape
