@@ -290,10 +290,11 @@ def test_torchrun_with_two_processes_prints_the_same_completions(option):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    single = run("demo", "--max_tokens", "30")
+    # float32: bfloat16 (the shipped models' own dtype) rounds differently once the matmuls are cut
+    single = run("demo", "--max_tokens", "30", "--dtype", "float32")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(port), str(REPO / "main.py"), "demo", "--max_tokens", "30", option, "2",
+        "--master-port", str(port), str(REPO / "main.py"), "demo", "--max_tokens", "30", option, "2", "--dtype", "float32",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
@@ -308,13 +309,15 @@ def test_parallel_options_without_torchrun_are_a_clear_error():
 
 
 def test_decode_static_prints_what_decode_eager_prints():
-    """The fast decode step behind the command line: the same sampled text, demo and a conversation."""
-    eager = run("demo", "--max_tokens", "40", "--decode", "eager")
-    static = run("demo", "--max_tokens", "40", "--decode", "static")
+    """The fast decode step behind the command line: the same sampled text, demo and a conversation
+    (in float32: in the shipped models' bfloat16 the two paths round differently)."""
+    eager = run("demo", "--max_tokens", "40", "--decode", "eager", "--dtype", "float32")
+    static = run("demo", "--max_tokens", "40", "--decode", "static", "--dtype", "float32")
     assert eager.returncode == 0 and static.returncode == 0, static.stderr
     assert static.stdout == eager.stdout
     turns = "Who art thou?\nSay more.\n"
-    chat = [run("interactive", "--instruct", "--max_tokens", "40", "--seed", "1", "--decode", mode, stdin=turns) for mode in ("eager", "static")]
+    chat = [run("interactive", "--instruct", "--max_tokens", "40", "--seed", "1", "--decode", mode, "--dtype", "float32", stdin=turns)
+            for mode in ("eager", "static")]
     assert chat[1].returncode == 0, chat[1].stderr
     assert chat[1].stdout == chat[0].stdout
 

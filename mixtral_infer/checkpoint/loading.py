@@ -18,6 +18,7 @@ a MoE layer's experts are stacked: published
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from mixtral_infer.checkpoint.compute_dtype import compute_dtype, stored_dtype
 from mixtral_infer.checkpoint.hf_format import (
     args_from_hf_config,
     check_hf_shape,
@@ -70,8 +72,12 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def default_dtype(checkpoint: "Checkpoint", device: torch.device, quantize: Optional[QuantScheme] = None) -> torch.dtype:
+    """What ``load_model`` computes in without ``dtype=``: bfloat16 for quantized weights (the CPU
+    kernels' dtype), else the checkpoint's own dtype where ``device`` can compute in it (``compute_dtype``)."""
+    if quantize is not None or checkpoint.quantization is not None:
+        return torch.bfloat16
+    return compute_dtype(checkpoint.stored_dtype(), device)
 
 
 def _one_line(error: BaseException) -> str:
@@ -152,6 +158,16 @@ class Checkpoint:
     args: ModelArgs
     weight_files: List[Path]
     quantization: Optional[QuantScheme] = None  # how the stored weights are quantized (convert --quantize)
+
+    def stored_dtype(self) -> Optional[torch.dtype]:
+        """The floating dtype holding most of the weights, from the file headers (nothing is read)."""
+
+        def dtypes_and_sizes(path: Path) -> Iterator[Tuple[torch.dtype, int]]:
+            if path.suffix == ".safetensors":
+                return ((entry.dtype, math.prod(entry.shape)) for entry in read_header(path))
+            return ((tensor.dtype, tensor.numel()) for tensor in _open_pth(path).values())
+
+        return stored_dtype(pair for path in self.weight_files for pair in dtypes_and_sizes(path))
 
     def published_tensors(self, progress: Optional[Progress] = None, select: Optional[Selector] = None) -> NamedTensors:
         """Every tensor under its published name, one at a time.
@@ -301,7 +317,7 @@ def build_model(
     quantize: Optional[QuantScheme] = None,
     stored: Optional[QuantScheme] = None,
 ) -> Transformer:
-    """A model on ``device`` in ``dtype`` from published (name, tensor) pairs.
+    """A model on ``device`` in ``dtype`` (default float32, bfloat16 on CUDA) from published (name, tensor) pairs.
 
     Built on the meta device; each tensor is moved to its final dtype and device as
     it is read, so the peak is about one model plus one layer's experts.
@@ -310,7 +326,7 @@ def build_model(
     quantized experts. ``stored``: the tensors are a quantized folder's (``convert --quantize``).
     """
     device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or default_dtype(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device("meta"):
         model = Transformer(args, parallel)
     if quantize is not None and stored is not None:
@@ -358,6 +374,8 @@ def load_model(
 ) -> Transformer:
     """Load a Mistral or Hugging Face model folder (format detected from its files).
 
+    ``dtype``: what the model computes in; by default the checkpoint's own dtype where the
+    device has native arithmetic for it, else float32 (``checkpoint.compute_dtype``).
     With ``parallel``, only this rank's share of the weights is read and kept.
     ``quantize``: ``"int8"``, ``"int4"`` (groups of 32 inputs) or ``"int4-128"``: weight-only
     quantization while loading (``quant/``); without ``dtype`` the model then computes in
@@ -382,8 +400,8 @@ def load_model(
         raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized ({stored.name}) already; load without quantize=")
     if scheme is not None:
         check_quantizable(checkpoint.args, scheme, parallel.tensor_parallel)
-    if (scheme or stored) is not None and dtype is None:
-        dtype = torch.bfloat16
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(checkpoint, device, scheme)
     tokenizer = find_tokenizer(checkpoint.folder)
     if tokenizer is not None:
         check_tokenizer_vocab(tokenizer, checkpoint.args)  # before any weight is read

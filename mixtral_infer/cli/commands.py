@@ -193,6 +193,7 @@ def load(
 
     from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_dtype, load_model, open_checkpoint
     from mixtral_infer.generation.settings import check_new_cache
+    from mixtral_infer.quant.weights import QuantScheme
     from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
 
     folder = model_folder(model_path)
@@ -201,9 +202,10 @@ def load(
     tokenizer_path = find_tokenizer(folder)
     if folder.is_dir() and tokenizer_path is None:
         raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
-    args = open_checkpoint(folder).args  # the configuration only
-    cache_dtype = torch_dtype or (torch.bfloat16 if quantize else default_dtype(torch_device))
-    check_new_cache(args, max_batch_size, int(max_tokens) + 1, int(max_tokens), cache_dtype, torch_device, parallel)
+    checkpoint = open_checkpoint(folder)  # the configuration and the file headers only
+    args = checkpoint.args
+    torch_dtype = torch_dtype or default_dtype(checkpoint, torch_device, QuantScheme.parse(quantize))
+    check_new_cache(args, max_batch_size, int(max_tokens) + 1, int(max_tokens), torch_dtype, torch_device, parallel)
     start = time.perf_counter()
     model = load_model(
         folder,
@@ -270,7 +272,7 @@ def demo(
         chunk_size: prompt tokens of each prompt per forward pass; default 2048 shared by the batch. Any value gives the same text.
         seed: random seed, an integer in [0, 2^63); the same seed gives the same text.
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
-        dtype: float32, bfloat16 or float16; default bfloat16 on cuda, float32 elsewhere.
+        dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step through torch.compile).
@@ -342,7 +344,7 @@ def interactive(
         chunk_size: prompt tokens per forward pass; default 2048. Any value gives the same text.
         seed: random seed, an integer in [0, 2^63); default: a different answer every run.
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
-        dtype: float32, bfloat16 or float16; default bfloat16 on cuda, float32 elsewhere.
+        dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         tensor_parallel: under torchrun, cut each layer across N processes; rank 0 reads the input and shares each line.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager, static or compiled.
@@ -517,7 +519,7 @@ def serve(
         prefill_tokens: prompt tokens read per engine step, shared by the waiting prompts.
         max_model_len: tokens per sequence (prompt + answer) for a model without a sliding window.
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
-        dtype: float32, bfloat16 or float16; default bfloat16 on cuda, float32 elsewhere.
+        dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         decode: auto, eager, static or compiled, as for demo: how steps where every row decodes run.
         served_model_name: the model name clients send and /v1/models lists; default: the folder's name.
         shutdown_timeout: seconds running requests may take to finish after SIGTERM before they are cancelled.
