@@ -22,6 +22,7 @@ import bench_vs_transformers as b  # noqa: E402
 
 from mixtral_infer import load_model  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size  # noqa: E402
+from mixtral_infer.serve.sizing import weight_bytes  # noqa: E402
 
 
 def main():
@@ -34,7 +35,7 @@ def main():
     start = time.perf_counter()
     model = load_model(cli.folder, max_batch_size=1, device="cpu", dtype=getattr(torch, cli.dtype), quantize=cli.quantize)
     out = {"dtype": cli.dtype, "quantize": cli.quantize, "load_s": time.perf_counter() - start, "threads": torch.get_num_threads(),
-           "weights_bytes": sum(t.nbytes for t in [*model.parameters(), *model.buffers()])}  # fmt: skip
+           "weights_bytes": weight_bytes(model)}  # fmt: skip
     if cli.quantize is None:
         out["decode_bytes_b1"] = b.decode_bytes(model, 1)["bytes"]
     vocab = model.args.vocab_size

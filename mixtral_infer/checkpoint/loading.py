@@ -45,6 +45,7 @@ from mixtral_infer.checkpoint.quantized import (
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.model.parallel import Parallel, Selection
 from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.quant.model import check_quantizable, install
@@ -371,6 +372,7 @@ def load_model(
     progress: Optional[Progress] = None,
     parallel: Parallel = Parallel(),
     quantize: Optional[str | QuantScheme] = None,
+    pack: bool = True,
 ) -> Transformer:
     """Load a Mistral or Hugging Face model folder (format detected from its files).
 
@@ -381,6 +383,9 @@ def load_model(
     quantization while loading (``quant/``); without ``dtype`` the model then computes in
     bfloat16, the dtype of the CPU kernels. A folder written by ``convert --quantize``
     loads quantized without it.
+    ``pack``: a bfloat16 or float16 model on CPU keeps its matrices in oneDNN's layout, which
+    decodes 1.3x faster (``fast.cpu_packed``); ``pack=False`` keeps plain ``nn.Parameter``s
+    (to edit weights or ``torch.compile`` the model).
     """
     scheme = QuantScheme.parse(quantize)
     if device is not None:
@@ -407,7 +412,8 @@ def load_model(
         check_tokenizer_vocab(tokenizer, checkpoint.args)  # before any weight is read
     select = None if parallel == Parallel() else lambda name: parallel.select(name, checkpoint.args)
     tensors = checkpoint.published_tensors(progress, select)
-    return build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
+    model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
+    return pack_model(model) if pack else model
 
 
 # ---------------------------------------------------------------- writing

@@ -39,6 +39,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.linear import linear
@@ -96,7 +97,7 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     experts, weights = moe.route(x)  # (B, A), (B, A)
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
-    if isinstance(moe.w1, QuantizedWeight):
+    if isinstance(moe.w1, (QuantizedWeight, PackedWeight)):
         return _quantized_moe_one_token(moe, x, experts, weights)
     if batch * k < n_experts:
         w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, A, I, D), (B, A, I, D), (B, A, D, I)
@@ -110,7 +111,7 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
 
 
 def _quantized_moe_one_token(moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``moe_one_token`` for quantized experts, whose kernels take one 2-D weight at a time.
+    """``moe_one_token`` for quantized or packed experts, whose kernels take one 2-D weight at a time.
 
     The same two cases, as loops of fixed length: B * k gathered experts, one row each,
     or every expert on every row mixed by the routing matrix.

@@ -28,12 +28,15 @@ run 2.5-4x slower than ``F.linear`` in bfloat16 (``bench/bench_quant.py``, 1-8 r
 3584 x 1024 weight on a 2-core Xeon with avx512_bf16: 0.31 ms against 0.79-1.2 ms).
 
 A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
-(``quant.kernels``), so the model's code has one call per matmul whatever the format.
+(``quant.kernels``), and a bfloat16/float16 weight packed in oneDNN's layout
+(``fast.cpu_packed.PackedWeight``, how ``load_model`` keeps them on CPU) to oneDNN, so the
+model's code has one call per matmul whatever the format.
 """
 
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.quant.kernels import quantized_linear
 from mixtral_infer.quant.weights import QuantizedWeight
@@ -46,10 +49,12 @@ def _split_few_rows() -> bool:
     return cpu_info().vendor == "AuthenticAMD" if split_few_rows is None else split_few_rows
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` (a transposed view on the bmm path)."""
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight)
+    if isinstance(weight, PackedWeight):
+        return packed_linear(x, weight)
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling() or not _split_few_rows():
         return F.linear(x, weight)  # a compiled graph picks its own matmul
     blocks = torch.get_num_threads()

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast.cpu_packed import packed_numel
 from mixtral_infer.generation.settings import check_cache_fits, free_memory, gigabytes, kv_cache_bytes, meminfo_bytes
 from mixtral_infer.model.transformer import Transformer
 
@@ -98,6 +99,13 @@ def measure_step_peak(model: Transformer, n_tokens: int, slots: int) -> Optional
     return None if peak is None or before is None else max(peak - before, 0)
 
 
+def weight_bytes(model: Transformer) -> int:
+    """Bytes the model's weights take: parameters, buffers (quantized weights' integers and scales)
+    and matrices packed for oneDNN (``fast.cpu_packed``)."""
+    plain = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return plain + packed_numel(model) * model.dtype.itemsize
+
+
 def plan_rows(
     model: Transformer,
     *,
@@ -113,7 +121,7 @@ def plan_rows(
     if slots is None:
         raise GenerationError("a model without a sliding window needs --max-model-len (tokens per sequence) to size its rows")
     row_bytes = kv_cache_bytes(model.args, 1, slots, model.dtype, model.parallel)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)
     device = model.device
     if max_rows is not None and memory_fraction is None:
         check_cache_fits(max_rows * row_bytes, f"--max-rows {max_rows}: the KV cache", device, "lower --max-rows")

@@ -1,0 +1,139 @@
+"""bfloat16 and float16 weights in oneDNN's blocked layout, which CPU matmuls read 1.4x faster.
+
+``F.linear`` on a bfloat16 CPU tensor calls oneDNN, which first reorders the plain
+``(OUT, IN)`` weight into its blocked layout on every call. Reordering each weight once,
+at load, and calling the same oneDNN product on the result (``torch.ops.mkldnn``'s
+``_reorder_linear_weight`` and ``_linear_pointwise``, what ``torch.compile``'s CPU
+backend does to frozen weights) gives the same numbers, bit for bit, faster.
+
+Measured with torch 2.13.0 on the 2-core Xeon (avx512_bf16), 24 bfloat16 weights of
+3584 x 1024 in turn (none stays in cache):
+
+==================================  ==========  ==========  ==========  ==========
+rows                                 1           2           8           256
+==================================  ==========  ==========  ==========  ==========
+``F.linear``                         0.48 ms     0.51 ms     0.79 ms     11.5 ms
+the same op on the plain weight      0.50 ms
+blocked layout (this module)         0.33 ms     0.37 ms     0.58 ms     11.2 ms
+==================================  ==========  ==========  ==========  ==========
+
+so the layout, not the op, is the gain: the 8-layer mistral-bench decodes at 53 tokens/s
+instead of 41.5 in bfloat16.
+
+A packed weight is opaque (a ``torch._mkldnn`` tensor), so it lives in a ``PackedWeight``
+that ``linear()`` recognises, in place of the ``nn.Parameter`` (``pack_model``):
+``weight[e]`` is expert ``e`` of stacked experts, ``weight.dense()`` the plain tensor
+(the readable reference, and what ``state_dict()`` holds under the parameter's name).
+``unpack_model`` puts plain parameters back, for code that edits weights or compiles
+the model (``torch.compile`` cannot trace the opaque tensors). ``load_model`` packs the
+bfloat16 and float16 models it loads on CPU unless ``pack=False``.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import nn
+
+from mixtral_infer.quant.model import is_quantized
+
+PACKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class PackedWeight:
+    """A weight ``(..., OUT, IN)`` held as one oneDNN-layout matrix per leading index (expert)."""
+
+    def __init__(self, matrices: List[torch.Tensor], shape: torch.Size, dtype: torch.dtype):
+        self.matrices, self.shape, self.dtype = matrices, torch.Size(shape), dtype
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def __getitem__(self, index) -> "PackedWeight":
+        """Expert ``index`` (an int, or a 0-d tensor read on the host: free on CPU) of stacked weights."""
+        if len(self.shape) != 3:
+            raise IndexError(f"a packed {tuple(self.shape)} weight is one matrix; only stacked experts are indexed")
+        return PackedWeight([self.matrices[int(index)]], self.shape[1:], self.dtype)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def dense(self) -> torch.Tensor:
+        """The plain weight ``(..., OUT, IN)``."""
+        plain = [matrix.to_dense() for matrix in self.matrices]
+        return torch.stack(plain) if len(self.shape) == 3 else plain[0]
+
+
+def can_pack(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.dtype in PACKED_DTYPES
+        and tensor.dim() in (2, 3)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack(tensor: torch.Tensor) -> PackedWeight:
+    """``tensor`` (OUT, IN) or stacked experts (E, OUT, IN), reordered once for few-row products."""
+    matrices = [tensor] if tensor.dim() == 2 else list(tensor.unbind(0))
+    packed = [torch.ops.mkldnn._reorder_linear_weight(matrix.contiguous(), 1) for matrix in matrices]
+    return PackedWeight(packed, tensor.shape, tensor.dtype)
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """``x (..., IN) @ weight (OUT, IN).T`` -> ``(..., OUT)``, equal to ``F.linear(x, weight.dense())``."""
+    if len(weight.matrices) != 1:
+        raise ValueError(f"a stacked {tuple(weight.shape)} weight: multiply by one expert, weight[e]")
+    return torch.ops.mkldnn._linear_pointwise(x, weight.matrices[0], None, "none", [], "")
+
+
+class PackedParameter(nn.Module, PackedWeight):
+    """A ``PackedWeight`` held by a model in place of an ``nn.Parameter``. ``state_dict()`` gives
+    the plain weight under the parameter's own name; ``model.to(...)`` does not move it."""
+
+    def __init__(self, weight: PackedWeight):
+        nn.Module.__init__(self)
+        PackedWeight.__init__(self, weight.matrices, weight.shape, weight.dtype)
+        self._register_state_dict_hook(_plain_in_state_dict)
+
+    def extra_repr(self) -> str:
+        return f"shape={tuple(self.shape)}, dtype={self.dtype}, oneDNN layout"
+
+
+def _plain_in_state_dict(module: PackedParameter, state_dict: dict, prefix: str, local_metadata) -> None:
+    state_dict[prefix[:-1]] = module.dense()  # prefix is "layers.0.attention.wq.weight."
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:
+    module_path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    delattr(module, leaf)
+    setattr(module, leaf, new)
+
+
+def pack_model(model: nn.Module) -> nn.Module:
+    """Pack, in place, the float matrices that decoding reads (those ``quant.model`` would quantize)."""
+    for name, param in list(model.named_parameters()):
+        if is_quantized(name) and can_pack(param):
+            _replace(model, name, PackedParameter(pack(param.data)))
+            del param
+    return model
+
+
+def unpack_model(model: nn.Module) -> nn.Module:
+    """Plain ``nn.Parameter``s again, in place: for code that edits weights or compiles the model."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, PackedParameter):
+            _replace(model, name, nn.Parameter(module.dense(), requires_grad=False))
+    return model
+
+
+def is_packed(model: nn.Module) -> bool:
+    return any(isinstance(module, PackedParameter) for module in model.modules())
+
+
+def packed_numel(model: nn.Module) -> int:
+    """How many weights a model holds packed (``model.parameters()`` counts only the plain ones)."""
+    return sum(module.shape.numel() for module in model.modules() if isinstance(module, PackedParameter))

@@ -1,0 +1,116 @@
+"""Weights packed in oneDNN's layout (fast/cpu_packed.py) give F.linear's numbers, bit for bit, on every path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixtral_infer import generate, load_model
+from mixtral_infer.checkpoint.loading import save_consolidated
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast.cpu_packed import PackedParameter, is_packed, pack, pack_model, packed_numel, unpack_model
+from mixtral_infer.fast.decode_step import _quantized_moe_one_token
+from mixtral_infer.model.linear import linear
+from mixtral_infer.serve.sizing import weight_bytes
+
+from conftest import random_model, tiny_args
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 33])
+def test_equals_f_linear_bit_for_bit(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=g).to(dtype)  # (OUT, IN)
+    packed = pack(weight)
+    for x in (torch.randn(rows, 64, generator=g).to(dtype), torch.randn(64, rows, generator=g).to(dtype).T):  # (M, IN), plain and transposed
+        assert torch.equal(linear(x, packed), F.linear(x, weight))
+    assert torch.equal(packed.dense(), weight)
+
+
+def test_stacked_experts_are_indexed_by_int_or_tensor():
+    experts = torch.randn(4, 48, 32).bfloat16()  # (E, OUT, IN)
+    packed = pack(experts)
+    x = torch.randn(2, 32).bfloat16()
+    for e in (0, 3, torch.tensor(2)):
+        assert packed[e].shape == (48, 32)
+        assert torch.equal(linear(x, packed[e]), F.linear(x, experts[int(e)]))
+    assert torch.equal(packed.dense(), experts)
+    with pytest.raises(ValueError, match="weight\\[e\\]"):
+        linear(x, packed)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The same bfloat16 MoE model, plain and packed."""
+    plain = random_model(tiny_args(moe=True)).to(torch.bfloat16)
+    packed = pack_model(random_model(tiny_args(moe=True)).to(torch.bfloat16))
+    return plain, packed
+
+
+def test_pack_model_replaces_the_decoding_matrices_only(models):
+    plain, packed = models
+    assert isinstance(packed.layers["0"].attention.wq.weight, PackedParameter)
+    assert isinstance(packed.layers["0"].feed_forward.w1, PackedParameter)
+    assert isinstance(packed.output.weight, PackedParameter)
+    kept = {name for name, _ in packed.named_parameters()}
+    assert kept and all("norm" in name or "embeddings" in name or "gate" in name for name in kept)
+    assert packed_numel(packed) + sum(p.numel() for p in packed.parameters()) == sum(p.numel() for p in plain.parameters())
+    assert weight_bytes(packed) == weight_bytes(plain)
+
+
+def test_state_dict_holds_the_plain_weights_under_their_names(models):
+    plain, packed = models
+    ours, theirs = packed.state_dict(), plain.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+PROMPTS = [list(range(3, 40)), list(range(5, 12))]  # ragged, the longer one past the window
+
+
+def test_logits_equal_on_prefill_chunks_and_eager_decoding(models):
+    """Chunked prefill past the window then eager decoding: the same tokens and log-probabilities, exactly."""
+    plain, packed = models
+    assert generate(PROMPTS, plain, max_tokens=12, chunk_size=5, decode="eager") == generate(PROMPTS, packed, max_tokens=12, chunk_size=5, decode="eager")
+
+
+def test_logits_equal_on_the_static_decode_step():
+    """Dense model: the static step differs only in its matmuls. (With experts, plain weights take the
+    stacked einsums and packed ones the per-expert loop, which add in another order: tested below.)"""
+    plain = random_model(tiny_args(moe=False)).to(torch.bfloat16)
+    packed = pack_model(random_model(tiny_args(moe=False)).to(torch.bfloat16))
+    assert generate(PROMPTS, plain, max_tokens=12, chunk_size=5, decode="static") == generate(PROMPTS, packed, max_tokens=12, chunk_size=5, decode="static")
+
+
+def test_the_static_moe_step_equals_its_plain_loop(models):
+    plain, packed = models
+    x = torch.randn(3, plain.args.dim).bfloat16()  # (B, D)
+    moe_plain, moe_packed = plain.layers["1"].feed_forward, packed.layers["1"].feed_forward
+    experts, weights = moe_plain.route(x)
+    assert torch.equal(_quantized_moe_one_token(moe_packed, x, experts, weights), _quantized_moe_one_token(moe_plain, x, experts, weights))
+
+
+def test_compiled_decoding_asks_for_plain_weights(models):
+    _, packed = models
+    with pytest.raises(GenerationError, match="pack=False"):
+        generate([[3, 4, 5]], packed, max_tokens=2, decode="compiled")
+
+
+def test_unpack_model_gives_parameters_back():
+    model = pack_model(random_model(tiny_args(moe=False)).to(torch.bfloat16))
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    unpack_model(model)
+    assert not is_packed(model)
+    assert all(torch.equal(p, expected[name]) for name, p in model.named_parameters())
+    assert isinstance(model.layers["0"].attention.wq.weight, torch.nn.Parameter)
+
+
+def test_load_model_packs_16_bit_models_on_cpu(tmp_path):
+    save_consolidated(random_model(tiny_args(moe=True)).to(torch.bfloat16), tmp_path / "bf16")
+    assert is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16))
+    assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16, pack=False))
+    assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.float32))
+    assert not is_packed(load_model(tmp_path / "bf16", device="cpu", quantize="int8"))  # quantized matrices are not floats
