@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_model, tiny_args
 
 from mixtral_infer import load_model
 from mixtral_infer.checkpoint import compute_dtype as compute_module
@@ -11,8 +12,6 @@ from mixtral_infer.checkpoint.compute_dtype import compute_dtype, say_once, stor
 from mixtral_infer.checkpoint.convert import convert
 from mixtral_infer.checkpoint.loading import open_checkpoint, save_consolidated
 from mixtral_infer.hardware import CpuInfo
-
-from conftest import random_model, tiny_args
 
 BF16_CPU = CpuInfo(vendor="GenuineIntel", native=frozenset({torch.bfloat16}))
 PLAIN_CPU = CpuInfo(vendor="AuthenticAMD", native=frozenset())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_model, tiny_args
 
 from mixtral_infer import generate, load_model
 from mixtral_infer.checkpoint.loading import save_consolidated
@@ -13,8 +14,6 @@ from mixtral_infer.fast.cpu_packed import PackedParameter, is_packed, pack, pack
 from mixtral_infer.fast.decode_step import _quantized_moe_one_token
 from mixtral_infer.model.linear import linear
 from mixtral_infer.serve.sizing import weight_bytes
-
-from conftest import random_model, tiny_args
 
 DTYPES = [torch.bfloat16, torch.float16]
 

@@ -192,8 +192,6 @@ def load(
     Before any weight is read: the tokenizer must be there, and a model without a
     sliding window must have room for a cache of ``max_tokens`` new tokens.
     """
-    import torch
-
     from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_dtype, load_model, open_checkpoint
     from mixtral_infer.generation.settings import check_new_cache
     from mixtral_infer.quant.weights import QuantScheme
