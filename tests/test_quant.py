@@ -12,6 +12,7 @@ from mixtral_infer import generate
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.decode_step import moe_one_token
 from mixtral_infer.model.linear import linear
+from mixtral_infer.quant import kernels
 from mixtral_infer.quant.kernels import prepare, quantized_linear, reference_linear, uses_cpu_kernel
 from mixtral_infer.quant.model import is_quantized, is_quantized_published, quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
@@ -63,6 +64,19 @@ def test_kernel_equals_the_dequantize_reference(scheme, rows):
         got = linear(x, weight[expert]).float()
         expected = x.float() @ weight[expert].dequantize().T
         assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+
+
+def test_int8_prefill_chunks_dequantize_then_multiply(monkeypatch):
+    """From DEQUANTIZE_ROWS rows on, CPU int8 skips its kernel (slower there) for dequantize + F.linear."""
+    weight = prepare(quantize(torch.randn(64, 128), SCHEMES["int8"], torch.bfloat16))
+    calls = []
+    kernel = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    for rows in (kernels.DEQUANTIZE_ROWS - 1, kernels.DEQUANTIZE_ROWS):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        got, expected = quantized_linear(x, weight).float(), reference_linear(x, weight).float()
+        assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+    assert calls == [kernels.DEQUANTIZE_ROWS - 1]
 
 
 def test_float32_activations_take_the_reference_path():

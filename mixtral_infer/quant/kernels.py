@@ -9,6 +9,11 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
 * **CPU int4**: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout made by
   ``_convert_weight_to_int4pack_for_cpu``. torchao 0.18 has no CPU int4 layout any more
   (``Int4WeightOnlyConfig`` needs the CUDA-only ``mslk`` package).
+* **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
+  to bfloat16 (2 ms) and multiplying with ``F.linear`` beats the int8 kernel, which is
+  compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
+  8.0 vs 7.5 ms). int4 keeps its kernel: its plain values are dropped once packed, and
+  unpacking nibbles costs 13 ms.
 * Both CPU kernels are vectorised for bfloat16 activations only (float32: 10-50x slower),
   so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
 * **CUDA**: int8 as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
@@ -33,10 +38,15 @@ def uses_cpu_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
 
 
+DEQUANTIZE_ROWS = 512  # CPU int8: from this many rows on, dequantize + F.linear is faster (module docstring)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
     if uses_cpu_kernel(x, weight):
         x = x.contiguous()
+        if weight.scheme.name == "int8" and x.shape[0] >= DEQUANTIZE_ROWS:
+            return reference_linear(x, weight)
         if weight.scheme.name == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
         if weight.packed is not None:
