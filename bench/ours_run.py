@@ -28,7 +28,7 @@ from mixtral_infer.serve.sizing import weight_bytes  # noqa: E402
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("folder")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quantize", default=None, help="int8, int4 or int4-128 (weights only; compute in --dtype)")
     parser.add_argument("--what", nargs="+", default=["decode", "prefill"])
     cli = parser.parse_args()

@@ -107,9 +107,10 @@ def test_unpack_model_gives_parameters_back():
     assert isinstance(model.layers["0"].attention.wq.weight, torch.nn.Parameter)
 
 
-def test_load_model_packs_16_bit_models_on_cpu(tmp_path):
+def test_load_model_packs_bfloat16_models_on_cpu(tmp_path):
     save_consolidated(random_model(tiny_args(moe=True)).to(torch.bfloat16), tmp_path / "bf16")
     assert is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16))
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16, pack=False))
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.float32))
+    assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.float16))  # slower packed for one row
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", quantize="int8"))  # quantized matrices are not floats

@@ -383,7 +383,7 @@ def load_model(
     quantization while loading (``quant/``); without ``dtype`` the model then computes in
     bfloat16, the dtype of the CPU kernels. A folder written by ``convert --quantize``
     loads quantized without it.
-    ``pack``: a bfloat16 or float16 model on CPU keeps its matrices in oneDNN's layout, which
+    ``pack``: a bfloat16 model on CPU keeps its matrices in oneDNN's layout, which
     decodes 1.3x faster (``fast.cpu_packed``); ``pack=False`` keeps plain ``nn.Parameter``s
     (to edit weights or ``torch.compile`` the model).
     """
