@@ -402,10 +402,12 @@ class Engine:
         if not torch.isfinite(logits).all():
             raise GenerationError("the model produced NaN or inf logits: the weights may be broken")
         tokens = sample_rows(logits, [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
-        log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
-        chosen = log_probs.gather(1, tokens[:, None])[:, 0].tolist()
-        top_n = max((r.settings.logprobs or 0) for r in sampled)
-        top = log_probs.topk(top_n, dim=-1) if top_n else None
+        chosen, top = None, None
+        if any(r.settings.logprobs is not None for r in sampled):  # else skip a softmax over (N, V)
+            log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
+            chosen = log_probs.gather(1, tokens[:, None])[:, 0].tolist()
+            top_n = max((r.settings.logprobs or 0) for r in sampled)
+            top = log_probs.topk(top_n, dim=-1) if top_n else None
         top_values = top.values.tolist() if top is not None else None
         top_ids = top.indices.tolist() if top is not None else None
         now = time.perf_counter()
