@@ -30,13 +30,15 @@ run 2.5-4x slower than ``F.linear`` in bfloat16 (``bench/bench_quant.py``, 1-8 r
 A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
 (``quant.kernels``), and a bfloat16/float16 weight packed in oneDNN's layout
 (``fast.cpu_packed.PackedWeight``, how ``load_model`` keeps them on CPU) to oneDNN, so the
-model's code has one call per matmul whatever the format.
+model's code has one call per matmul whatever the format. A bfloat16/float16 product of
+prefill size is computed in float32 on CPUs that multiply float32 faster (``fast.cpu_upcast``).
 """
 
 import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
+from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.quant.kernels import quantized_linear
 from mixtral_infer.quant.weights import QuantizedWeight
@@ -54,7 +56,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeigh
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight)
     if isinstance(weight, PackedWeight):
-        return packed_linear(x, weight)
+        return upcast_linear(x, weight.dense()) if should_upcast(x) else packed_linear(x, weight)
+    if should_upcast(x):  # prefill-sized 16-bit products on CPUs that multiply float32 faster
+        return upcast_linear(x, weight)
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling() or not _split_few_rows():
         return F.linear(x, weight)  # a compiled graph picks its own matmul
     blocks = torch.get_num_threads()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.quant.weights import QuantizedWeight
 
 
@@ -46,6 +47,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     if uses_cpu_kernel(x, weight):
         x = x.contiguous()
         if weight.scheme.name == "int8" and x.shape[0] >= DEQUANTIZE_ROWS:
+            if should_upcast(x):  # this CPU multiplies float32 faster (fast.cpu_upcast)
+                return upcast_linear(x, weight.dequantize(torch.float32))
             return reference_linear(x, weight)
         if weight.scheme.name == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
