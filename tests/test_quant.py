@@ -79,6 +79,30 @@ def test_int8_prefill_chunks_dequantize_then_multiply(monkeypatch):
     assert calls == [kernels.DEQUANTIZE_ROWS - 1]
 
 
+@pytest.mark.parametrize("rows", [64, 128, 192])
+def test_the_int4_kernel_layout_reads_back_as_the_weight(rows):
+    weight = prepare(quantize(torch.randn(rows, 96), INT4, torch.bfloat16), keep_values=True)
+    assert torch.equal(kernels.dequantize_int4_kernel_layout(weight), weight.dequantize(torch.float32))
+
+
+def test_int4_prefill_reads_its_layout_back_where_float32_is_faster(monkeypatch):
+    """With fast.cpu_upcast choosing float32 and at least INT4_DEQUANTIZE_ROWS rows, int4 skips its
+    kernel; a weight whose rows are not whole 64-row blocks (80) keeps it."""
+    from mixtral_infer.fast import cpu_upcast
+
+    monkeypatch.setattr(cpu_upcast, "upcast", True)
+    calls = []
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a[1].shape[0]) or kernel(*a))
+    x = torch.randn(kernels.INT4_DEQUANTIZE_ROWS, 64).to(torch.bfloat16)
+    for out_features in (128, 80):
+        weight = prepare(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
+        got, expected = quantized_linear(x, weight).float(), reference_linear(x, weight).float()
+        assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+        quantized_linear(x[:4], weight)  # decoding-sized: the kernel
+    assert calls == [128, 80, 80]
+
+
 def test_float32_activations_take_the_reference_path():
     weight = prepare(quantize(torch.randn(32, 64), INT4, torch.float32))
     x = torch.randn(3, 64)

@@ -12,8 +12,9 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
 * **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
   to bfloat16 (2 ms) and multiplying with ``F.linear`` beats the int8 kernel, which is
   compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
-  8.0 vs 7.5 ms). int4 keeps its kernel: its plain values are dropped once packed, and
-  unpacking nibbles costs 13 ms.
+  8.0 vs 7.5 ms). int4, where ``fast.cpu_upcast`` multiplies in float32, reads its kernel
+  layout back (``dequantize_int4_kernel_layout``, 15 ms: its plain values are dropped) from
+  ``INT4_DEQUANTIZE_ROWS`` rows on: 1024 rows 59 vs 111 ms, 2048 rows 107 vs 222 ms (512: even).
 * Both CPU kernels are vectorised for bfloat16 activations only (float32: 10-50x slower),
   so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
 * **CUDA**: int8 as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
@@ -40,6 +41,7 @@ def uses_cpu_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
 
 
 DEQUANTIZE_ROWS = 512  # CPU int8: from this many rows on, dequantize + F.linear is faster (module docstring)
+INT4_DEQUANTIZE_ROWS = 1024  # CPU int4, where float32 multiplies faster: reading the layout back costs more
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -52,6 +54,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
             return reference_linear(x, weight)
         if weight.scheme.name == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
+        if weight.packed is not None and x.shape[0] >= INT4_DEQUANTIZE_ROWS and should_upcast(x) and weight.shape[-2] % INT4_BLOCK == 0:
+            return upcast_linear(x, dequantize_int4_kernel_layout(weight))
         if weight.packed is not None:
             packed, scales_and_zeros = weight.packed
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, weight.scheme.group_size, scales_and_zeros)
@@ -61,6 +65,26 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 
 ROWS_PER_CONVERSION = 256  # a multiple of the kernel's 64-row blocks; bounds the int32 working copy
+INT4_BLOCK = 64  # rows per block of the CPU int4 layout
+
+
+def dequantize_int4_kernel_layout(weight: QuantizedWeight) -> torch.Tensor:
+    """The float32 matrix ``(OUT, IN)`` of a CPU int4 weight that holds only its kernel layout.
+
+    ``_convert_weight_to_int4pack_for_cpu`` stores each block of 64 rows as an ``(IN, 32)``
+    byte matrix: byte ``[k, j]`` of block ``b`` holds row ``64b + j``'s input ``k`` in its low
+    nibble and row ``64b + 32 + j``'s in its high nibble (checked against the op for OUT =
+    128, 1024, 4096, 14336; other row counts end in a block laid out otherwise, so callers
+    keep the kernel for them). Example, OUT = 64, IN = 1: nibbles ``n[0..63]`` are the 32
+    bytes ``n[j] | n[32 + j] << 4``.
+    """
+    packed, _ = weight.packed  # (OUT, IN/2) bytes, in the kernel's order
+    out_features, in_features = weight.shape
+    blocks = packed.reshape(out_features // INT4_BLOCK, in_features, INT4_BLOCK // 2)  # (OUT/64, IN, 32)
+    low, high = (blocks & 15).transpose(1, 2), (blocks >> 4).transpose(1, 2)  # (OUT/64, 32, IN) each
+    nibbles = torch.cat([low, high], dim=1).reshape(out_features, in_features)  # (OUT, IN), unsigned
+    grouped = nibbles.to(torch.float32).view(out_features, -1, weight.scheme.group_size) - 8  # (OUT, IN/G, G)
+    return (grouped * weight.scales.to(torch.float32)[..., None]).view(out_features, in_features)
 
 
 def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:
