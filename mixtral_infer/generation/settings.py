@@ -87,16 +87,21 @@ def token_ids(prompt: Sequence[object], index: int, vocab_size: int) -> List[int
     return ids
 
 
-def meminfo_bytes(field: str) -> Optional[int]:
-    """A ``/proc/meminfo`` field (``MemAvailable``, ``MemTotal``) in bytes; None where there is none."""
+def proc_kb_field(path: str, field: str) -> Optional[int]:
+    """A ``Field:  N kB`` line of a ``/proc`` file in bytes; None where there is none."""
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
+        with open(path) as lines:
+            for line in lines:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def meminfo_bytes(field: str) -> Optional[int]:
+    """A ``/proc/meminfo`` field (``MemAvailable``, ``MemTotal``) in bytes; None where there is none."""
+    return proc_kb_field("/proc/meminfo", field)
 
 
 def free_memory(device: torch.device) -> Optional[int]:

@@ -20,7 +20,14 @@ import torch
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.fast.cpu_packed import packed_numel
-from mixtral_infer.generation.settings import check_cache_fits, free_memory, gigabytes, kv_cache_bytes, meminfo_bytes
+from mixtral_infer.generation.settings import (
+    check_cache_fits,
+    free_memory,
+    gigabytes,
+    kv_cache_bytes,
+    meminfo_bytes,
+    proc_kb_field,
+)
 from mixtral_infer.model.transformer import Transformer
 
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -60,17 +67,6 @@ def total_memory(device: torch.device) -> Optional[int]:
     return meminfo_bytes("MemTotal")
 
 
-def _proc_status_kb(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 @torch.inference_mode()
 def measure_step_peak(model: Transformer, n_tokens: int, slots: int) -> Optional[int]:
     """Peak memory a forward pass of ``n_tokens`` prompt tokens adds, measured by running one.
@@ -88,14 +84,14 @@ def measure_step_peak(model: Transformer, n_tokens: int, slots: int) -> Optional
         model(tokens, [n_tokens], cache, logit_rows=[n_tokens - 1])
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    before = _proc_status_kb("VmRSS")
+    before = proc_kb_field("/proc/self/status", "VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # resets VmHWM to the current resident set
     except OSError:
         return None
     model(tokens, [n_tokens], cache, logit_rows=[n_tokens - 1])
-    peak = _proc_status_kb("VmHWM")
+    peak = proc_kb_field("/proc/self/status", "VmHWM")
     return None if peak is None or before is None else max(peak - before, 0)
 
 
