@@ -38,7 +38,7 @@ from typing import List
 import torch
 from torch import nn
 
-from mixtral_infer.quant.model import is_quantized
+from mixtral_infer.quant.model import is_quantized, replace_parameter
 
 PACKED_DTYPES = (torch.bfloat16,)  # what pack_model packs (module docstring: float16 is slower packed)
 
@@ -108,19 +108,11 @@ def _plain_in_state_dict(module: PackedParameter, state_dict: dict, prefix: str,
     state_dict[prefix[:-1]] = module.dense()  # prefix is "layers.0.attention.wq.weight."
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:
-    module_path, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_path) if module_path else model
-    delattr(module, leaf)
-    setattr(module, leaf, new)
-
-
 def pack_model(model: nn.Module) -> nn.Module:
     """Pack, in place, the float matrices that decoding reads (those ``quant.model`` would quantize)."""
     for name, param in list(model.named_parameters()):
         if is_quantized(name) and can_pack(param):
-            _replace(model, name, PackedParameter(pack(param.data)))
-            del param
+            replace_parameter(model, name, PackedParameter(pack(param.data)))
     return model
 
 
@@ -128,7 +120,7 @@ def unpack_model(model: nn.Module) -> nn.Module:
     """Plain ``nn.Parameter``s again, in place: for code that edits weights or compiles the model."""
     for name, module in list(model.named_modules()):
         if isinstance(module, PackedParameter):
-            _replace(model, name, nn.Parameter(module.dense(), requires_grad=False))
+            replace_parameter(model, name, nn.Parameter(module.dense(), requires_grad=False))
     return model
 
 

@@ -69,13 +69,18 @@ def check_quantizable(args, scheme: QuantScheme, tensor_parallel: int = 1) -> No
             raise ConfigError(f"{name}{share} = {inputs} inputs is not a multiple of the int4 group size {scheme.group_size}: choose a group size that divides it")
 
 
-def install(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
-    """Put ``weight`` where internal parameter ``name`` was (the parameter is removed)."""
+def replace_parameter(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:
+    """Put ``new`` (a weight holder, or a parameter again) where attribute ``name`` of ``model`` was."""
     module_path, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_path) if module_path else model
-    if leaf in module._parameters:
+    if hasattr(module, leaf):
         delattr(module, leaf)
-    setattr(module, leaf, QuantizedParameter(weight))
+    setattr(module, leaf, new)
+
+
+def install(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
+    """Put ``weight`` where internal parameter ``name`` was (the parameter is removed)."""
+    replace_parameter(model, name, QuantizedParameter(weight))
 
 
 def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
