@@ -108,6 +108,18 @@ def build_checkpoint(folder: Path, dim: int, n_layers: int, hidden: int, experts
     return (folder / "consolidated.safetensors").stat().st_size
 
 
+def run_in_tree(child: str, args: list, tree: str, cwd: Path) -> dict:
+    """Run the ``child`` script with ``tree`` first on the path (one torch thread); its JSON result."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(tree).resolve())}
+    command = [sys.executable, "-c", child, *map(str, args)]
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env, cwd=cwd).stdout)
+
+
+def medians(runs: list, groups: dict, keys: tuple) -> dict:
+    """For each ``label -> predicate(run)`` of ``groups``: the median of every key over the matching runs."""
+    return {label: {key: statistics.median(r[key] for r in runs if match(r)) for key in keys} for label, match in groups.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="append", required=True, help="NAME=DIR: a source tree holding mixtral_infer/")
@@ -127,9 +139,7 @@ def main() -> None:
             for name, tree in trees.items():  # alternating, so that a drift of the machine hits every tree
                 out = workdir / f"out-{name}"
                 out.mkdir()
-                command = [sys.executable, "-c", CHILD, str(workdir / "src"), str(out / "dst"), target, shard or "-"]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(tree).resolve())}
-                run = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env, cwd=workdir).stdout)
+                run = run_in_tree(CHILD, [workdir / "src", out / "dst", target, shard or "-"], tree, workdir)
                 run.update(tree=name, to=target, max_shard_size=shard or None, repeat=repeat)
                 results["runs"].append(run)
                 print(
@@ -139,14 +149,12 @@ def main() -> None:
                     file=sys.stderr,
                 )
                 subprocess.run(["rm", "-rf", str(out)], check=True)
-    results["median"] = {
-        f"{target} {shard} {name}".replace("  ", " "): {
-            key: statistics.median(r[key] for r in results["runs"] if (r["to"], r["max_shard_size"] or "", r["tree"]) == (target, shard, name))
-            for key in ("seconds", "peak_anon_over_start", "peak_file_backed", "peak_disk")
-        }
+    groups = {
+        f"{target} {shard} {name}".replace("  ", " "): lambda r, key=(target, shard, name): (r["to"], r["max_shard_size"] or "", r["tree"]) == key
         for target, shard in cases
         for name in trees
     }
+    results["median"] = medians(results["runs"], groups, ("seconds", "peak_anon_over_start", "peak_file_backed", "peak_disk"))
     subprocess.run(["rm", "-rf", str(workdir)], check=True)
     if options.out is not None:
         options.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +30,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert_memory import build_checkpoint  # noqa: E402
+from convert_memory import build_checkpoint, medians, run_in_tree  # noqa: E402
 
 CHILD = textwrap.dedent(
     """
@@ -107,9 +105,7 @@ def main() -> None:
         folder = workdir / ("hf" if case == "hf" else "mistral")
         for repeat in range(options.repeats):
             for name, tree in trees.items():  # alternating, so that a drift of the machine hits every tree
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(tree).resolve())}
-                command = [sys.executable, "-c", CHILD, str(folder), case]
-                run = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env, cwd=workdir).stdout)
+                run = run_in_tree(CHILD, [folder, case], tree, workdir)
                 run.update(tree=name, case=case, repeat=repeat)
                 results["runs"].append(run)
                 print(
@@ -118,14 +114,13 @@ def main() -> None:
                     f"(model {run['model_bytes'] / 1e6:.0f} MB)",
                     file=sys.stderr,
                 )
-    results["median"] = {
-        f"{case} {name}": {
-            key: statistics.median(r[key] for r in results["runs"] if r["case"] == case and r["tree"] == name)
-            for key in ("seconds", "peak_anon", "peak_file_backed", "peak_total_hwm", "end_anon", "end_file_backed")
-        }
+    groups = {
+        f"{case} {name}": lambda r, key=(case, name): (r["case"], r["tree"]) == key
         for case in ("mistral", "hf", "mistral-tp2")
         for name in trees
     }
+    keys = ("seconds", "peak_anon", "peak_file_backed", "peak_total_hwm", "end_anon", "end_file_backed")
+    results["median"] = medians(results["runs"], groups, keys)
     subprocess.run(["rm", "-rf", str(workdir)], check=True)
     if options.out is not None:
         options.out.write_text(json.dumps(results, indent=2) + "\n")
