@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mixtral_infer.model.attention import torch_attention, window_tiles
+from mixtral_infer.model.attention import single_query_keys, torch_attention, window_tiles
 from mixtral_infer.model.cache import build_input_metadata
 from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
@@ -67,6 +67,31 @@ def test_long_blocks_run_in_query_tiles_with_the_same_result(window):
     for bias, n_q, n_k in [(first, 730, 730), (later, 603, 608 + window - 1)]:
         q, k, v = random_qkv(n_q, n_k, seed=window)
         torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_single_query_keys_docstring_example():
+    assert single_query_keys([(0, 5), (5, 6), (6, 40)], window=8) == ([0, 5, 32], [5, 1, 8])
+    assert single_query_keys([(0, 5), (5, 6), (6, 40)], window=None) == ([0, 5, 6], [5, 1, 34])
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_serving_step_single_queries_batched_beside_prompt_chunks(window):
+    """A continuous-batching step: decoding sequences (one query over their cache) beside prompt
+    chunks. The single queries go through one batched call; the result is the dense one."""
+    q_seqlens = [1, 4, 1, 1, 7, 1]
+    kv_seqlens = [1 + 9, 4 + 2, 1 + 0, 1 + 3, 7 + 0, 1 + 5]  # chunk + keys cached before it
+    bias = BlockDiagonalMask.from_seqlens(q_seqlens, kv_seqlens, device=torch.device("cpu"))
+    bias = bias.make_local_attention_from_bottomright(window) if window else bias.make_causal_from_bottomright()
+    q, k, v = random_qkv(sum(q_seqlens), sum(kv_seqlens), seed=window or 0)
+    torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_first_chunk_with_several_one_token_prompts():
+    """Top-left causal blocks of one token each (square 1 x 1) take the batched call too."""
+    seqlens = [1, 5, 1, 1]
+    bias = BlockDiagonalMask.from_seqlens(seqlens, device=torch.device("cpu")).make_local_attention(3)
+    q, k, v = random_qkv(sum(seqlens), sum(seqlens), seed=5)
+    torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_padded_keys_with_finished_sequences():

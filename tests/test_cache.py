@@ -135,3 +135,21 @@ def test_cache_without_window_is_sized_by_the_caller_and_never_wraps():
     assert cache.cache_k.shape == (2, 2, 30, 2, 16)
     windowed = random_model(tiny_args(sliding_window=8)).make_cache(2, max_seqlen=1000)
     assert windowed.cache_size == 8
+
+
+def test_interleave_kv_of_many_sequences_gathers_the_same_keys():
+    """Beyond LOOP_MAX_SEQUENCES sequences the CPU gathers by index (a serving step: most
+    sequences bring one token): each cache in position order, then its chunk."""
+    from mixtral_infer.model.cache import LOOP_MAX_SEQUENCES
+
+    batch, window = LOOP_MAX_SEQUENCES + 3, 4
+    cache = position_cache(window=window, batch=batch)
+    first = [1 + (3 * b) % 9 for b in range(batch)]  # 1..9 tokens already seen
+    write_chunk(cache, first)
+    second = [1] * (batch - 2) + [3, 0]  # the last sequence sits this step out
+    metadata = cache.get_input_metadata(second)
+    chunk = metadata.positions.float()[:, None, None]
+    key, value = cache.get_view(0, metadata).interleave_kv(chunk, chunk)
+    expected = [p for seen, n in zip(first, second) if n for p in range(max(0, seen - window), seen + n)]
+    assert key[:, 0, 0].long().tolist() == expected
+    assert torch.equal(key, value)

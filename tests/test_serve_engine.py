@@ -66,7 +66,7 @@ def solo(model, tokenizer, prompt, settings):
 def test_docstring_example_schedule(tiny):
     """R = 2, prefill budget 4, prompts of 3 and 6 tokens: seqlens [3, 1], [1, 4], [1, 1], [1, 1]."""
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer, rows=2, prefill_tokens=4, decode="eager", split_mixed=False)
+    engine = Engine(model, tokenizer, rows=2, prefill_tokens=4, decode="eager")
     planned = []
     plan = engine._plan
 
@@ -102,10 +102,10 @@ def mixed_solo(tiny):
     return [solo(model, tokenizer, prompt, settings) for prompt, settings in mixed_requests(tokenizer)]
 
 
-@pytest.mark.parametrize("decode, split_mixed", [("eager", False), ("eager", True), ("static", True)])
-def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode, split_mixed):
-    """8 requests on 3 rows, a small prefill budget (prompts read over several steps), in one
-    forward pass per step or split in two (``split_mixed``), greedy,
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
+    """8 requests on 3 rows, a small prefill budget (prompts read over several steps: decoding
+    rows and prompt chunks share forward passes), greedy,
     seeded top-k and seeded plain-temperature sampling in one batch: each gets exactly what
     generate() gives its prompt alone, with the same log-probabilities.
 
@@ -115,7 +115,7 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode, split_mixed
     boundaries are that close, out of reach of the draws.
     """
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode, split_mixed=split_mixed)
+    engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode)
     recorder = Recorder()
     for i, (prompt, settings) in enumerate(mixed_requests(tokenizer)):
         engine.submit(prompt, settings, recorder.sink(i))

@@ -8,7 +8,9 @@ else the same result is computed with ``scaled_dot_product_attention``:
 * block-diagonal biases (prefill): one SDPA call per sequence, with that
   sequence's (q_len, kv_len) causal / sliding-window mask, never a dense mask
   over the whole batch; a sequence much longer than the window in tiles of
-  queries, each over only the keys it can see (``window_tiles``);
+  queries, each over only the keys it can see (``window_tiles``); the sequences
+  that bring a single query (the decoding rows of a serving step that also reads
+  prompts) together in one batched call (``single_query_keys``);
 * the padded-keys bias (decoding): one batched SDPA call, each sequence's single
   query against its own cache buffer, with a per-sequence key length.
 
@@ -147,7 +149,15 @@ def _per_block_attention(
     """SDPA per block of the bias, each with its own causal (q_len, kv_len) mask; long
     sliding-window blocks in tiles of queries (``window_tiles``)."""
     out = torch.empty_like(q)
-    for (q_start, q_end), (k_start, k_end) in zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()):
+    blocks = list(zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()))
+    singles = [(q_start, k_start, k_end) for (q_start, q_end), (k_start, k_end) in blocks if q_end - q_start == 1]
+    if len(singles) > 1:
+        # A single query is the last position of its block, whether the block is aligned at the
+        # bottom right or (square, 1 x 1) at the top left: one batched call for all of them.
+        rows = torch.tensor([q_start for q_start, _, _ in singles], device=q.device)
+        out[rows] = _single_query_attention(q[rows], k, v, [(k_start, k_end) for _, k_start, k_end in singles], window)
+        blocks = [block for block in blocks if block[0][1] - block[0][0] != 1]
+    for (q_start, q_end), (k_start, k_end) in blocks:
         q_len, kv_len = q_end - q_start, k_end - k_start
         if q_len == 0:
             continue
@@ -163,6 +173,45 @@ def _per_block_attention(
     return out
 
 
+def single_query_keys(key_ranges: list[tuple[int, int]], window: Optional[int]) -> tuple[list[int], list[int]]:
+    """First key row and key count each single query sees, its query being its block's last key.
+
+    Blocks ``[0, 5)`` and ``[5, 6)`` and ``[6, 40)`` with a window of 8: the first query sees keys
+    0..4, the second key 5 alone, the third the last 8 keys of its block, 32..39::
+
+        starts = [0, 5, 32], lengths = [5, 1, 8]
+    """
+    starts = [max(start, end - window) if window is not None else start for start, end in key_ranges]
+    return starts, [end - first for first, (_, end) in zip(starts, key_ranges)]
+
+
+def _single_query_attention(
+    q: torch.Tensor,  # (N, H, Dh): one query per block
+    k: torch.Tensor,  # (T_k, H_kv, Dh)
+    v: torch.Tensor,
+    key_ranges: list[tuple[int, int]],  # each block's [k_start, k_end) in k
+    window: Optional[int],
+) -> torch.Tensor:
+    """One batched SDPA: query n against the keys it sees (``single_query_keys``), padded to the
+    longest. A padded slot repeats its block's last key and is masked out, so it reads only that
+    block's own keys (a NaN elsewhere in the batch cannot leak in)."""
+    starts, lengths = single_query_keys(key_ranges, window)
+    longest = max(lengths)
+    offsets = torch.arange(longest, device=k.device)  # (L,)
+    start, length = torch.tensor([starts, lengths], device=k.device)[:, :, None]  # (N, 1) each
+    index = (start + torch.minimum(offsets, length - 1)).view(-1)  # (N*L,)
+    mask = (offsets < length)[:, None, None, :] if min(lengths) < longest else None  # (N, 1, 1, L)
+    shape = (len(starts), longest, *k.shape[1:])  # (N, L, H_kv, Dh)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :],  # (N, H, 1, Dh)
+        k.index_select(0, index).view(shape).transpose(1, 2),  # (N, H_kv, L, Dh)
+        v.index_select(0, index).view(shape).transpose(1, 2),
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    return out[:, :, 0, :]  # (N, H, Dh)
+
+
 def _padded_keys_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalCausalWithOffsetPaddedKeysMask
 ) -> torch.Tensor:
@@ -174,34 +223,23 @@ def _padded_keys_attention(
         # Several queries per sequence: causal from the bottom right within each used block.
         return _per_block_attention(q, k, v, bias, bottom_right=True, window=None)
     batch = len(q_seqlens)
-    n_kv_heads, head_dim = k.shape[1:]
     rows = [b for b, n in enumerate(q_seqlens) if n == 1]
-    keys = k.view(batch, padding, n_kv_heads, head_dim)
-    values = v.view(batch, padding, n_kv_heads, head_dim)
-    if len(rows) != batch:
-        index = torch.tensor(rows, device=k.device)
-        keys, values = keys[index], values[index]  # (B_active, S, H_kv, Dh)
     lengths = [kv_seqlens[b] for b in rows]
-    mask = None
-    longest = max(lengths)
-    if longest < padding:
-        # Slots past the longest sequence are never read: drop them rather than mask them.
-        keys, values, padding = keys[:, :longest], values[:, :longest], longest
-    if min(lengths) < padding:
-        slot = torch.arange(padding, device=k.device)
-        valid = slot[None, :] < torch.tensor(lengths, device=k.device)[:, None]  # (B_active, S)
-        # Unused slots may hold anything (NaN included): zero them so 0 * NaN cannot leak in.
-        keys = keys.masked_fill(~valid[:, :, None, None], 0)
-        values = values.masked_fill(~valid[:, :, None, None], 0)
-        mask = valid[:, None, None, :]  # (B_active, 1, 1, S)
+    if len(rows) != batch or min(lengths) != max(lengths):
+        # Sequences sitting out, or of unequal lengths: gather each one's own keys. Unused
+        # slots (they may hold anything, NaN included) are never read.
+        return _single_query_attention(q, k, v, [(b * padding, b * padding + kv_seqlens[b]) for b in rows], None)
+    n_kv_heads, head_dim = k.shape[1:]
+    # Every sequence has the same number of keys: its block's first lengths[0] slots, in place.
+    keys = k.view(batch, padding, n_kv_heads, head_dim)[:, : lengths[0]]  # (B, S, H_kv, Dh)
+    values = v.view(batch, padding, n_kv_heads, head_dim)[:, : lengths[0]]
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :],  # (B_active, H, 1, Dh)
-        keys.transpose(1, 2),  # (B_active, H_kv, S, Dh)
+        q[:, :, None, :],  # (B, H, 1, Dh)
+        keys.transpose(1, 2),  # (B, H_kv, S, Dh)
         values.transpose(1, 2),
-        attn_mask=mask,
         enable_gqa=True,
     )
-    return out[:, :, 0, :]  # (B_active, H, Dh) == (T_q, H, Dh)
+    return out[:, :, 0, :]  # (B, H, Dh) == (T_q, H, Dh)
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:

@@ -49,6 +49,14 @@ from mixtral_infer.model.xformers_bias import (
 T = TypeVar("T")
 
 
+# On CPU, interleave_kv loops over the sequences (a view and a copy each) up to this many, and
+# gathers by index beyond: the loop copies each cache once, the gather twice, but the loop's
+# Python cost grows with the sequences. Measured: a serving step of 32 sequences (tiny-mixtral)
+# 8.9 ms gathered against 9.8 looped; one 512-token chunk over 1000 cached keys 1.0 ms looped
+# against 2.4 gathered.
+LOOP_MAX_SEQUENCES = 8
+
+
 def interleave_list(first: Sequence[T], second: Sequence[T]) -> List[T]:
     """``[a0, b0, a1, b1, ...]`` from ``[a0, a1, ...]`` and ``[b0, b1, ...]``.
 
@@ -275,10 +283,10 @@ class CacheView:
         """
         if self.metadata.nothing_cached:
             return xk, xv
-        if xk.is_cuda:
-            return self.gather_kv(xk), self.gather_kv(xv, values=True)
         lengths, seen = self.metadata.chunk_lengths, self.metadata.seen_before
         active = [b for b, n in enumerate(lengths) if n > 0]
+        if xk.is_cuda or len(active) > LOOP_MAX_SEQUENCES:
+            return self.gather_kv(xk), self.gather_kv(xv, values=True)
         chunk_k = torch.split(xk, [lengths[b] for b in active])
         chunk_v = torch.split(xv, [lengths[b] for b in active])
         cached_k = [unrotate(self.cache_k[b], seen[b]) for b in active]
@@ -289,13 +297,13 @@ class CacheView:
 
     def gather_kv(self, chunk: torch.Tensor, values: bool = False) -> torch.Tensor:
         """``interleave_kv``'s keys (or values) by three index operations (``KVGather``):
-        the same tensor, with no Python loop over the sequences (used on CUDA)."""
+        the same tensor, with no Python loop over the sequences (used on CUDA, and for many sequences)."""
         gather = self.metadata.kv_gather
         buffer = self.cache_v if values else self.cache_k
         flat = buffer.view(-1, *buffer.shape[2:])  # (B_max*S, H_kv, Dh)
         out = chunk.new_empty(gather.total, *chunk.shape[1:])  # (sum(cached + T_b), H_kv, Dh)
-        out[gather.cache_dst] = flat.index_select(0, gather.cache_rows)
-        out[gather.chunk_dst] = chunk
+        out.index_copy_(0, gather.cache_dst, flat.index_select(0, gather.cache_rows))
+        out.index_copy_(0, gather.chunk_dst, chunk)
         return out
 
     @property
