@@ -324,8 +324,7 @@ def bench_quantized_decode(model: Transformer, scheme: str, repeats: int, float_
             row["ours_fast_compile_s"] = warm
         log(f"  {scheme} b1 {label}: {row[label]:.1f} tok/s")
     row["same_tokens"] = first_difference(tokens, float_tokens) or len(tokens[0])
-    del quantized
-    return row
+    return row  # the quantized copy is freed here, before the next scheme is made
 
 
 # --------------------------------------------------------------------------- prefill
