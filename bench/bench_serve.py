@@ -4,7 +4,8 @@ generate() and against one request at a time, on the same Poisson arrivals.
 N requests with ragged prompts and ragged max_tokens arrive as a Poisson process; at most
 ``--clients`` are in flight at once (a request that arrives when all clients are busy waits
 for one, and its wait counts in its latency). Every request generates exactly its max_tokens
-(EOS ignored), so all modes do the same work.
+(EOS ignored) and every token is turned into text as it arrives (``TextStream``, as the server
+streams it), so all modes do the same work.
 
 - **continuous**: ``main.py serve`` in a subprocess (``--max-rows`` = clients), streamed over
   HTTP on 127.0.0.1 by one thread per client.
@@ -21,6 +22,14 @@ thread that waits for a busy core slows small matrix products down by up to 20x)
 TTFT: arrival to first token; latency: arrival to last token; throughput: generated tokens over
 the time from the first arrival to the last token. The static and sequential modes stream through
 ``on_token``, so their TTFT and latency are measured the same way, without HTTP's cost.
+
+``--repeat R`` runs every mode R times, the in-process modes in alternation, and reports each
+mode's median run (by throughput) with all R throughputs: on a shared virtual machine one run
+of the same work varies by up to 30%.
+
+With N close to the number of clients, throughput is dominated by the last batch draining (the
+longest request of the last group runs alone): ``--requests 384`` (12 per client) measures the
+steady state as well.
 
     .venv/bin/python bench/bench_serve.py --out bench/results_serve.json
 """
@@ -49,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mixtral_infer import Tokenizer, generate, load_model  # noqa: E402
+from mixtral_infer.generation.text_stream import TextStream  # noqa: E402
 
 TEXT = (
     "And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto them, When any man of you "
@@ -94,6 +104,18 @@ def summarize(name: str, records: List[Dict], start: float) -> Dict:
         flush=True,
     )
     return result
+
+
+def median_run(name: str, runs: List[List[Dict]]) -> tuple[Dict, List[Dict]]:
+    """The summary of the run with the median throughput (the lower middle one of an even
+    count), every run's throughput beside it; and that run's records."""
+    summaries = [summarize(name, records, 0.0) for records in runs]
+    order = sorted(range(len(runs)), key=lambda i: summaries[i]["throughput_tok_s"])
+    middle = order[(len(runs) - 1) // 2]
+    summary = dict(summaries[middle], throughput_runs_tok_s=[s["throughput_tok_s"] for s in summaries])
+    if len(runs) > 1:
+        print(f"{name:>11}: median of {len(runs)} runs: {summary['throughput_tok_s']:.1f} tok/s", flush=True)
+    return summary, runs[middle]
 
 
 # ---- continuous batching: the server -----------------------------------------------------
@@ -220,8 +242,10 @@ def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int)
         firsts: Dict[int, float] = {}
         lasts: Dict[int, float] = {}
         counts = [0] * len(batch)
+        texts = [TextStream(tokenizer, leading_space=True) for _ in batch]
 
-        def on_token(i, token, batch=batch, firsts=firsts, lasts=lasts, counts=counts):
+        def on_token(i, token, batch=batch, firsts=firsts, lasts=lasts, counts=counts, texts=texts):
+            texts[i].push(token)
             counts[i] += 1
             t = time.perf_counter() - start
             firsts.setdefault(i, t)
@@ -291,6 +315,7 @@ def main() -> None:
     parser.add_argument("--modes", default="continuous,engine,static,sequential")
     parser.add_argument("--admit-every", type=int, default=8, help="engine-grouped: steps between prompt groups")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per mode; the median run is reported")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -301,7 +326,7 @@ def main() -> None:
         "model": args.model, "requests": args.requests, "clients": args.clients, "rate_per_s": args.rate,
         "max_tokens": "16..64 (uniform)", "prompt_words": "3..45 (uniform)",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "load_average_before": load_before, "modes": [],
+        "repeat": args.repeat, "load_average_before": load_before, "modes": [],
     }  # fmt: skip
     modes = args.modes.split(",")
     if "continuous" in modes:
@@ -310,8 +335,9 @@ def main() -> None:
             stream_one(port, requests[0], time.perf_counter())  # warm-up
             results["idle_ttft_s"] = idle_ttft(port, requests)
             print(f"idle server TTFT (median of 8): {results['idle_ttft_s'] * 1e3:.0f} ms", flush=True)
-            records = run_clients(requests, args.clients, port)
-            results["modes"].append(summarize("continuous", records, 0.0))
+            runs = [run_clients(requests, args.clients, port) for _ in range(args.repeat)]
+            summary, records = median_run("continuous", runs)
+            results["modes"].append(summary)
             late = [r["sent"] - r["arrival"] for r in records]
             from_sent = [r["first"] - r["sent"] for r in records]
             results["continuous_send_delay_p50_s"] = percentile(late, 50)
@@ -334,16 +360,21 @@ def main() -> None:
         model = load_model(args.model, dtype=torch.float32, device="cpu", max_batch_size=args.clients)
         tokenizer = Tokenizer.from_folder(args.model)
         generate([tokenizer.encode("warm up")], model, max_tokens=4)
-        if "engine" in modes:
-            records = run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens)
-            results["modes"].append(summarize("engine", records, 0.0))
-        if "engine-grouped" in modes:
-            records = run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every)
-            results["modes"].append(summarize("engine-grouped", records, 0.0))
-        if "static" in modes:
-            results["modes"].append(summarize("static", run_generate_batches(model, tokenizer, requests, args.clients), 0.0))
-        if "sequential" in modes:
-            results["modes"].append(summarize("sequential", run_generate_batches(model, tokenizer, requests, 1), 0.0))
+        in_process = {
+            "engine": lambda: run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens),
+            "engine-grouped": lambda: run_engine_in_process(
+                model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every
+            ),
+            "static": lambda: run_generate_batches(model, tokenizer, requests, args.clients),
+            "sequential": lambda: run_generate_batches(model, tokenizer, requests, 1),
+        }
+        chosen = [mode for mode in in_process if mode in modes]
+        runs: Dict[str, list] = {mode: [] for mode in chosen}
+        for _ in range(args.repeat):  # alternating, so a noisy stretch of time hits every mode
+            for mode in chosen:
+                runs[mode].append(in_process[mode]())
+        for mode in chosen:
+            results["modes"].append(median_run(mode, runs[mode])[0])
     results["load_average_after"] = os.getloadavg()
     by_mode = {m["mode"]: m for m in results["modes"]}
     if {"engine", "static", "sequential"} <= set(by_mode):
