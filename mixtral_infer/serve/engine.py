@@ -398,6 +398,7 @@ class Engine:
         top_values = top.values.tolist() if top is not None else None
         top_ids = top.indices.tolist() if top is not None else None
         now = time.perf_counter()
+        generated = 0
         for index, (request, token) in enumerate(zip(sampled, tokens.tolist())):
             if request.first_token_at is None:
                 request.first_token_at = now
@@ -414,14 +415,15 @@ class Engine:
                 event.logprob = chosen[index]
                 event.top_logprobs = list(zip(top_ids[index][:n], top_values[index][:n])) if n else []
             request.sink(event)
-            if self.metrics is not None:
-                self.metrics.generated_tokens(1)
+            generated += 1
             if request.stops.stopped:
                 self._finish(request, "stop")
             elif len(request.generated) == request.settings.max_tokens:
                 self._finish(request, "length")
             else:
                 request.next_token = token
+        if self.metrics is not None:
+            self.metrics.generated_tokens(generated)
 
     def _finish(self, request: Request, reason: str, error: Optional[str] = None) -> None:
         """Free the request's row and send its last event."""
