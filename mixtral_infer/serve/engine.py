@@ -351,10 +351,11 @@ class Engine:
     def _decode_only(self, sampled: List[Request]) -> torch.Tensor:
         """Every running row feeds one token: the static decode step over all R rows."""
         device = self.model.device
-        tokens = torch.zeros(self.rows, dtype=torch.long)
-        alive = torch.zeros(self.rows, dtype=torch.bool)
+        tokens, alive = [0] * self.rows, [False] * self.rows  # built as lists: one tensor each, not one op per row
         for request in sampled:  # every running request: each feeds the token it sampled last
             tokens[request.row], alive[request.row] = request.next_token, True
+        tokens = torch.tensor(tokens, dtype=torch.long)  # (R,)
+        alive = torch.tensor(alive, dtype=torch.bool)  # (R,)
         positions = torch.tensor(self.cache.tokens_seen, dtype=torch.long)
         if self._decode_step is None:
             self._decode_step = self._make_decode_step()

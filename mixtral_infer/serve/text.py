@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
-
 
 class StopStrings:
     """Text released for streaming, cut at the first stop string.
