@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,9 +12,16 @@ from conftest import random_model, tiny_args
 
 from mixtral_infer import generate, load_model
 from mixtral_infer.checkpoint.loading import save_consolidated
-from mixtral_infer.errors import GenerationError
-from mixtral_infer.fast.cpu_packed import PackedParameter, is_packed, pack, pack_model, packed_numel, unpack_model
-from mixtral_infer.fast.decode_step import _quantized_moe_one_token
+from mixtral_infer.fast.cpu_packed import (
+    _MATRICES,
+    PackedParameter,
+    is_packed,
+    pack,
+    pack_model,
+    packed_numel,
+    unpack_model,
+)
+from mixtral_infer.fast.decode_step import _quantized_moe_one_token, decode_logits
 from mixtral_infer.model.linear import linear
 from mixtral_infer.serve.sizing import weight_bytes
 
@@ -92,10 +102,39 @@ def test_the_static_moe_step_equals_its_plain_loop(models):
     assert torch.equal(_quantized_moe_one_token(moe_packed, x, experts, weights), _quantized_moe_one_token(moe_plain, x, experts, weights))
 
 
-def test_compiled_decoding_asks_for_plain_weights(models):
+@pytest.mark.parametrize("batch", [1, 2], ids=["gathered-experts", "every-expert"])
+def test_the_compiled_step_reads_packed_weights_through_the_op(models, batch):
+    """torch.compile(fullgraph=True) cannot trace oneDNN's opaque tensors: compiled code multiplies
+    through ``mixtral_infer::packed_linear`` instead, by handle, with the expert as a tensor (batch 1,
+    2 of 4 experts gathered) or an int (batch 2, every expert). One step's logits equal the step op by op."""
     _, packed = models
-    with pytest.raises(GenerationError, match="pack=False"):
-        generate([[3, 4, 5]], packed, max_tokens=2, decode="compiled")
+    cache = packed.make_cache(batch)
+    cache.start_sequences(batch)
+    generate([list(range(3, 3 + 9 + b)) for b in range(batch)], packed, max_tokens=1, cache=cache)
+    inputs = (cache.cache_k.clone(), cache.cache_v.clone(), torch.tensor([5, 9][:batch]),
+              torch.tensor(cache.tokens_seen), torch.ones(batch, dtype=torch.bool))  # fmt: skip
+    compiled = torch.compile(functools.partial(decode_logits, packed), fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        expected = decode_logits(packed, *[t.clone() for t in inputs])  # (B, V)
+        compiled(*[t.clone() for t in inputs])  # compiles
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            logits = compiled(*[t.clone() for t in inputs])  # clones made alike: no recompilation
+    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)  # bfloat16: fused ops round less often
+    per_layer = 4 + 3 * (2 if batch == 1 else 4)  # wq wk wv wo, then w1 w3 w2 of 2 gathered (or all 4) experts
+    op = "mixtral_infer::packed_linear"
+    calls = [e for e in profile.events() if e.name == op and (e.cpu_parent is None or e.cpu_parent.name != op)]
+    assert len(calls) == packed.args.n_layers * per_layer + 1  # + the output matrix
+
+
+def test_a_packed_weight_leaves_the_table_with_its_last_holder():
+    weight = pack(torch.randn(4, 8, 8).bfloat16())
+    expert, handle = weight[1], weight.handle
+    del weight
+    gc.collect()
+    assert torch.equal(expert.dense(), expert.matrices[0].to_dense())  # a view keeps the matrices
+    del expert
+    gc.collect()
+    assert handle not in _MATRICES
 
 
 def test_unpack_model_gives_parameters_back():

@@ -384,8 +384,8 @@ def load_model(
     bfloat16, the dtype of the CPU kernels. A folder written by ``convert --quantize``
     loads quantized without it.
     ``pack``: a bfloat16 model on CPU keeps its matrices in oneDNN's layout, which
-    decodes 1.3x faster (``fast.cpu_packed``); ``pack=False`` keeps plain ``nn.Parameter``s
-    (to edit weights or ``torch.compile`` the model).
+    decodes 1.3x faster (``fast.cpu_packed``; compiled decoding reads it too); ``pack=False``
+    keeps plain ``nn.Parameter``s (to edit weights).
     """
     scheme = QuantScheme.parse(quantize)
     if device is not None:

@@ -183,11 +183,8 @@ def load(
     num_pipeline_ranks: int = 1,
     max_tokens: int = 0,
     quantize: Optional[str] = None,
-    decode: str = "auto",
 ):
     """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given.
-
-    ``decode="compiled"`` keeps the weights plain (``torch.compile`` cannot trace packed ones).
 
     Before any weight is read: the tokenizer must be there, and a model without a
     sliding window must have room for a cache of ``max_tokens`` new tokens.
@@ -216,7 +213,6 @@ def load(
         progress=ProgressBar("loading") if is_main_process() else None,
         parallel=parallel,
         quantize=quantize,
-        pack=decode != "compiled",
     )
     tokenizer = Tokenizer(tokenizer_path)
     from mixtral_infer.fast.cpu_packed import packed_numel
@@ -287,7 +283,7 @@ def demo(
     prompts = prompt_list(prompt)
     from mixtral_infer.generation.generate import generate
 
-    model, tokenizer = load(model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode)
+    model, tokenizer = load(model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
     encoded = [tokenizer.encode(text, bos=True) for text in prompts]
     start = time.perf_counter()
     generated, _ = generate(
@@ -367,7 +363,7 @@ def interactive(
         )
     from mixtral_infer.generation.chat import Conversation
 
-    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode)
+    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize)
     main_process = is_main_process()
     conversation = Conversation(
         model,
@@ -533,7 +529,7 @@ def serve(
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every)
     check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
-    model, tokenizer = load(model_path, 1, device, dtype, decode=decode)
+    model, tokenizer = load(model_path, 1, device, dtype)
     name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
     run_server(
         model, tokenizer, model_name=str(name), host=str(host), port=int(port), max_rows=max_rows,

@@ -13,7 +13,6 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.fast.cpu_packed import is_packed
 from mixtral_infer.fast.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.fast.decode_step import supports_static_decode
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample, token_logprobs
@@ -158,11 +157,6 @@ def decode_mode(decode: str, model: Transformer) -> str:
         return "compiled" if model.device.type == "cuda" and supports_static_decode(model) else "eager"
     if decode != "eager" and not supports_static_decode(model):
         raise GenerationError(f"decode={decode!r} needs the whole model in one process; use decode='eager'")
-    if decode == "compiled" and is_packed(model):
-        raise GenerationError(
-            "decode='compiled' cannot trace weights packed for oneDNN: load with pack=False "
-            "(the command line does so for --decode compiled) or call fast.cpu_packed.unpack_model(model)"
-        )
     return decode
 
 
