@@ -192,6 +192,38 @@ def test_quantized_step_compiles_and_equals_eager():
     assert compiled_logprobs[0] == pytest.approx(eager_logprobs[0], abs=0.1)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_an_expert_picked_by_a_tensor_is_read_in_place_on_cpu(scheme):
+    """``w[tensor(e)]`` keeps the stacked tensors and the index (no copy of the expert's weights);
+    the kernel's op multiplies by expert e's views: the same numbers as ``w[e]``, exactly."""
+    stacked = prepare(quantize(torch.randn(4, 64, 96), QuantScheme.parse(scheme), torch.bfloat16))  # (E, OUT, IN)
+    x = torch.randn(2, 96).bfloat16()
+    for e in range(4):
+        lazy = stacked[torch.tensor(e)]
+        assert lazy.expert is not None and lazy.scales is stacked.scales and lazy.shape == (64, 96)
+        assert torch.equal(quantized_linear(x, lazy), quantized_linear(x, stacked[e]))
+        assert torch.equal(lazy.resolved().scales, stacked[e].scales)
+    with pytest.raises(IndexError, match="already one expert"):
+        stacked[torch.tensor(1)][0]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_the_compiled_moe_step_multiplies_experts_in_place(scheme):
+    """Compiled, batch 1 (2 of 4 experts): each expert matrix goes through the expert op, which
+    reads the routing's index (no gathered copy), and the layer equals its eager self."""
+    layer = quantize_model(random_model(tiny_args(moe=True), seed=25).to(torch.bfloat16), scheme).layers["0"].feed_forward
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    compiled = torch.compile(moe_one_token, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        compiled(layer, x)  # compiles
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            out = compiled(layer, x)
+        torch.testing.assert_close(out, moe_one_token(layer, x), atol=0.02, rtol=0.02)
+    op = f"mixtral_infer::{scheme}_expert_mm"
+    calls = [e for e in profile.events() if e.name == op and (e.cpu_parent is None or e.cpu_parent.name != op)]
+    assert len(calls) == 2 * 3  # w1, w3, w2 of each chosen expert
+
+
 def test_a_quantized_weight_is_no_parameter_and_moves_with_the_model():
     model = quantize_model(random_model(tiny_args(moe=False)).to(torch.bfloat16), "int4")
     weight = model.layers["0"].attention.wq.weight

@@ -121,7 +121,7 @@ def _onednn_linear(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
 
 # Declared with torch.library.Library rather than the custom_op decorator: the dispatcher calls
 # the function directly, 2 us per call instead of 15-25 (57 calls per mistral-bench step).
-_LIBRARY = torch.library.Library("mixtral_infer", "DEF")
+_LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, int handle, Tensor? expert, int out_features) -> Tensor")
 
 

@@ -44,8 +44,60 @@ DEQUANTIZE_ROWS = 512  # CPU int8: from this many rows on, dequantize + F.linear
 INT4_DEQUANTIZE_ROWS = 1024  # CPU int4, where float32 multiplies faster: reading the layout back costs more
 
 
+# One expert of stacked weights, the expert a 0-d tensor (compiled code's routing): these ops
+# read it and call the CPU kernel on that expert's views, where a gather would copy the expert's
+# weights first (2 experts x 3 matrices per layer per token; mixtral-bench int4 compiled 48 ->
+# see README). Declared with torch.library.Library: the dispatcher calls the function directly.
+_LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
+_LIBRARY.define("int8_expert_mm(Tensor x, Tensor values, Tensor scales, Tensor expert) -> Tensor")
+_LIBRARY.define("int4_expert_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor expert) -> Tensor")
+
+
+def _int8_expert_mm(x, values, scales, expert):
+    e = int(expert)
+    return torch.ops.aten._weight_int8pack_mm(x, values[e], scales[e])
+
+
+def _int4_expert_mm(x, packed, group_size, scales_and_zeros, expert):
+    e = int(expert)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed[e], group_size, scales_and_zeros[e])
+
+
+_LIBRARY.impl("int8_expert_mm", _int8_expert_mm, "CPU")
+_LIBRARY.impl("int4_expert_mm", _int4_expert_mm, "CPU")
+
+
+@torch.library.register_fake("mixtral_infer::int8_expert_mm")
+def _(x, values, scales, expert):
+    return x.new_empty(x.shape[0], values.shape[1])
+
+
+@torch.library.register_fake("mixtral_infer::int4_expert_mm")
+def _(x, packed, group_size, scales_and_zeros, expert):
+    return x.new_empty(x.shape[0], packed.shape[1])
+
+
+def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor | None:
+    """The CPU kernel on expert ``weight.expert`` of stacked weights, for few rows; None where
+    the kernel would not be used (the caller then multiplies by ``weight.resolved()``)."""
+    if not uses_cpu_kernel(x, weight) or x.shape[0] >= DEQUANTIZE_ROWS:
+        return None
+    x = x.contiguous()
+    if weight.scheme.name == "int8" and weight.values is not None:
+        return torch.ops.mixtral_infer.int8_expert_mm(x, weight.values, weight.scales, weight.expert)
+    if weight.scheme.name == "int4" and weight.packed is not None:
+        packed, scales_and_zeros = weight.packed
+        return torch.ops.mixtral_infer.int4_expert_mm(x, packed, weight.scheme.group_size, scales_and_zeros, weight.expert)
+    return None
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
+    if weight.expert is not None:
+        out = expert_kernel_linear(x, weight)
+        if out is not None:
+            return out
+        weight = weight.resolved()
     if uses_cpu_kernel(x, weight):
         x = x.contiguous()
         if weight.scheme.name == "int8" and x.shape[0] >= DEQUANTIZE_ROWS:

@@ -95,20 +95,30 @@ class QuantizedWeight:
     ``values``: int8 ``(..., OUT, IN)``, or for int4 uint8 ``(..., OUT, IN/2)`` in the plain
     layout. ``scales``: ``(..., OUT)`` for int8, ``(..., OUT, IN/G)`` for int4, in the dtype
     of the activations. Leading dimensions are stacked experts: ``weight[e]`` is expert e
-    (views, or a gather for a tensor ``e``), a plain object that compiled code can make.
+    (views for an int ``e``), a plain object that compiled code can make.
 
     A kernel may want its own layout (``quant.kernels.prepare``): it is kept in ``packed``
     (not saved), and ``values`` may then be dropped to save memory (``values is None``).
+
+    ``expert``: on CPU, ``weight[e]`` for a 0-d tensor ``e`` (compiled code's expert index)
+    keeps the stacked tensors and ``expert = e`` instead of gathering a copy of one expert:
+    the CPU kernels' ops read ``e`` and multiply by that expert's views (``quant.kernels``).
+    ``resolved()`` gives the gathered weight, which everything else uses.
     """
 
+    expert: Optional[torch.Tensor] = None  # see the docstring; QuantizedParameter never has one
+
     def __init__(self, scheme: QuantScheme, values: Optional[torch.Tensor], scales: torch.Tensor, in_features: int,
-                 packed: Optional[tuple] = None):  # fmt: skip
+                 packed: Optional[tuple] = None, expert: Optional[torch.Tensor] = None):  # fmt: skip
         self.scheme, self.in_features = scheme, in_features
         self.values, self.scales, self.packed = values, scales, packed
+        if expert is not None:
+            self.expert = expert
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((*self.scales.shape[: -1 if self.scheme.name == "int4" else None], self.in_features))
+        stacked = self.scales.shape[: -1 if self.scheme.name == "int4" else None]
+        return torch.Size((*stacked[0 if self.expert is None else 1 :], self.in_features))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,11 +129,28 @@ class QuantizedWeight:
         return self.scales.device
 
     def __getitem__(self, index) -> "QuantizedWeight":
-        """Expert ``index`` of stacked weights: an int gives views, a 0-d tensor a gathered copy
-        (indexed as a 1-element list, which compiles without reading the tensor on the host)."""
+        """Expert ``index`` of stacked weights: an int gives views; a 0-d tensor a gathered copy,
+        or on CPU the stacked weights with ``expert = index`` (class docstring)."""
+        if self.expert is not None:
+            raise IndexError("this weight is already one expert")
+        if isinstance(index, torch.Tensor):
+            if self.device.type == "cpu":
+                return QuantizedWeight(self.scheme, self.values, self.scales, self.in_features, self.packed, expert=index)
+            return self._gathered(index)
+        packed = None if self.packed is None else tuple(t[index] for t in self.packed)
+        values = None if self.values is None else self.values[index]
+        return QuantizedWeight(self.scheme, values, self.scales[index], self.in_features, packed)
+
+    def resolved(self) -> "QuantizedWeight":
+        """This weight with its own tensors: ``self``, or the gathered copy of its ``expert``."""
+        return self if self.expert is None else self._gathered(self.expert)
+
+    def _gathered(self, index: torch.Tensor) -> "QuantizedWeight":
+        """A copy of expert ``index`` (0-d tensor), indexed as a 1-element list: this compiles
+        without reading the tensor on the host."""
 
         def pick(t: torch.Tensor) -> torch.Tensor:
-            return t[index.reshape(1)][0] if isinstance(index, torch.Tensor) else t[index]
+            return t[index.reshape(1)][0]
 
         values = None if self.values is None else pick(self.values)
         packed = None if self.packed is None else tuple(pick(t) for t in self.packed)
@@ -131,6 +158,8 @@ class QuantizedWeight:
 
     def integers(self) -> torch.Tensor:
         """The signed integers ``(..., OUT, IN)``: int8 as stored, int4 unpacked to [-8, 7]."""
+        if self.expert is not None:
+            return self.resolved().integers()
         if self.values is None:
             raise RuntimeError("this weight holds only its kernel layout; quantize again to get the integers")
         if self.scheme.name == "int8":
@@ -140,6 +169,8 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The readable reference: the weight ``(..., OUT, IN)`` these integers and scales stand for."""
+        if self.expert is not None:
+            return self.resolved().dequantize(dtype)
         q = self.integers().to(torch.float32)
         scales = self.scales.to(torch.float32)
         if self.scheme.name == "int8":
