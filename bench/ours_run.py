@@ -7,6 +7,11 @@ on the current API and with ``--quantize int8|int4`` (llama.cpp's Q8_0 / Q4_0 pe
 
 Prints one JSON line: decode_s (128 greedy new tokens after a 64-token prompt, decode loop only,
 batch 1) and prefill_s (one 2048-token prompt, default chunk, last logit only), each after a warm-up.
+
+``--decode loop`` (the default) times ``model(tokens, seqlens, cache).argmax(-1)`` per token, the
+eager path with no bookkeeping, as the first comparison did. ``--decode compiled`` times
+``generate(..., decode="compiled")`` from its first new token to its last (127 steps, sampling and
+streaming included) after a warm-up call that compiles (``compile_s``).
 """
 
 import argparse
@@ -20,9 +25,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_vs_transformers as b  # noqa: E402
 
-from mixtral_infer import load_model  # noqa: E402
+from mixtral_infer import generate, load_model  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size  # noqa: E402
 from mixtral_infer.serve.sizing import weight_bytes  # noqa: E402
+
+
+def generated_seconds(model, prompts, mode: str) -> float:
+    """Seconds from the first new token of ``generate(decode=mode)`` to its last (NEW_TOKENS - 1 steps)."""
+    first = []
+    generate(prompts, model, max_tokens=b.NEW_TOKENS, decode=mode, prompt_logprobs=False,
+             on_token=lambda i, t: first or first.append(time.perf_counter()))  # fmt: skip
+    return time.perf_counter() - first[0]
 
 
 def main():
@@ -31,6 +44,7 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quantize", default=None, help="int8, int4 or int4-128 (weights only; compute in --dtype)")
     parser.add_argument("--what", nargs="+", default=["decode", "prefill"])
+    parser.add_argument("--decode", default="loop", choices=["loop", "eager", "static", "compiled"])
     cli = parser.parse_args()
     start = time.perf_counter()
     model = load_model(cli.folder, max_batch_size=1, device="cpu", dtype=getattr(torch, cli.dtype), quantize=cli.quantize)
@@ -39,11 +53,19 @@ def main():
     if cli.quantize is None:
         out["decode_bytes_b1"] = b.decode_bytes(model, 1)["bytes"]
     vocab = model.args.vocab_size
-    if "decode" in cli.what:
+    if "decode" in cli.what and cli.decode == "loop":
         prompts = b.random_prompts(1, b.PROMPT_LEN, vocab, seed=1001)
         b.ours_decode(model, prompts, 16)  # warm-up
         out["decode_s"], _ = b.ours_decode(model, prompts, b.NEW_TOKENS)
         out["decode_tok_s"] = b.NEW_TOKENS / out["decode_s"]
+    elif "decode" in cli.what:
+        prompts = b.random_prompts(1, b.PROMPT_LEN, vocab, seed=1001)
+        start = time.perf_counter()
+        generated_seconds(model, prompts, cli.decode)  # warm-up (compiles)
+        out["compile_s"] = time.perf_counter() - start
+        out["decode_s"] = generated_seconds(model, prompts, cli.decode)
+        out["decode_tok_s"] = (b.NEW_TOKENS - 1) / out["decode_s"]
+    out["decode"] = cli.decode
     if "prefill" in cli.what:
         prompt = b.random_prompts(1, b.PREFILL_LEN, vocab, seed=7)[0]
         window = model.args.sliding_window or b.PREFILL_LEN

@@ -173,6 +173,8 @@ def main():
     ap.add_argument("--quiet", type=float, default=0.1, help="max cores used by other processes before a run")
     ap.add_argument("--out", type=Path, default=HERE / "results.json")
     ap.add_argument("--what", nargs="+", default=["decode", "prefill"], help="llama.cpp and ours: decode, prefill or both")
+    ap.add_argument("--ours-decode", nargs="+", default=["loop"], choices=["loop", "compiled"],
+                    help="how ours_run.py decodes: loop (eager forward per token) and/or compiled (generate, decode='compiled')")
     a = ap.parse_args()
     LOG = open(a.out.with_suffix(".log"), "a")
     results = json.loads(a.out.read_text()) if a.out.is_file() else {}
@@ -183,16 +185,27 @@ def main():
             if not gguf_path.is_file():
                 log(f"== {key}: {gguf_path} not found (make_models.py), skipped")
                 continue
-            entry = {"llama_bytes_b1": gguf_decode_bytes(gguf_path), "llama": [], "ours": []}
+            entry = {"llama_bytes_b1": gguf_decode_bytes(gguf_path), "llama": []}
             log(f"== {key}: llama.cpp reads {entry['llama_bytes_b1'] / 1e6:.1f} MB per decode step")
             for r in range(a.rounds):
                 entry["llama"].append(timed("llama.cpp", lambda: llama_run(gguf_path, a.what), a.quiet))
-                ours_args = OURS[dt] + ["--what", *a.what]
-                entry["ours"].append(timed("ours", lambda: ours_run(MODELS / f"{name}-hf-notok", ours_args), a.quiet))
+                for mode in a.ours_decode:
+                    system = ours_system(mode)
+                    what = a.what if mode == "loop" else ["decode"]  # prefill does not depend on the decode mode
+                    ours_args = OURS[dt] + ["--what", *what, "--decode", mode]
+                    entry.setdefault(system, []).append(
+                        timed(system, lambda: ours_run(MODELS / f"{name}-hf-notok", ours_args), a.quiet))
             summarize(entry)
             results[key] = entry
             a.out.write_text(json.dumps(results, indent=1) + "\n")
     print_table(results)
+
+
+def ours_system(mode):
+    return "ours" if mode == "loop" else f"ours_{mode}"
+
+
+SYSTEMS = ("llama", "ours", "ours_compiled")
 
 
 def _median(runs, key):
@@ -201,8 +214,9 @@ def _median(runs, key):
 
 
 def summarize(e):
-    for system, nbytes in (("llama", e["llama_bytes_b1"]), ("ours", None)):
-        runs = e[system]
+    for system in SYSTEMS:
+        nbytes = e["llama_bytes_b1"] if system == "llama" else None
+        runs = e.get(system)
         if not runs:
             continue
         nb = nbytes or runs[0].get("decode_bytes_b1")
@@ -224,21 +238,23 @@ def _fmt(value, spec):
 
 
 def print_table(results):
-    print(f"{'model/dtype':22s} {'system':10s} {'decode b1':>10s} {'prefill2048':>12s} {'MB/step':>8s} "
+    print(f"{'model/dtype':22s} {'system':13s} {'decode b1':>10s} {'prefill2048':>12s} {'MB/step':>8s} "
           f"{'ceiling%':>8s}  runs")
     for key, e in results.items():
-        for system in ("llama", "ours"):
+        for system in SYSTEMS:
             s = e.get(system + "_summary")
             if s:
                 mb = s["bytes_b1"] / 1e6 if s["bytes_b1"] else None
-                print(f"{key:22s} {system:10s} {_fmt(s['decode_tok_s'], '10.1f')} {_fmt(s['prefill_tok_s'], '12.0f')} "
+                print(f"{key:22s} {system:13s} {_fmt(s['decode_tok_s'], '10.1f')} {_fmt(s['prefill_tok_s'], '12.0f')} "
                       f"{_fmt(mb, '8.1f')} {_fmt(s['ceiling_fraction'], '8.0%')}  decode {s['decode_runs']} "
                       f"prefill {s['prefill_runs']} bw~{s['bw_gb_s_median']:.1f}")
-        o, l = e.get("ours_summary"), e.get("llama_summary")
-        if o and l:
-            ratios = [f"{what} {o[k] / l[k]:.2f}" for what, k in (("decode", "decode_tok_s"), ("prefill", "prefill_tok_s"))
-                      if o[k] and l[k]]
-            print(f"{'':22s} ours/llama: {', '.join(ratios)}")
+        l = e.get("llama_summary")
+        for system in SYSTEMS[1:]:
+            o = e.get(system + "_summary")
+            if o and l:
+                ratios = [f"{what} {o[k] / l[k]:.2f}" for what, k in (("decode", "decode_tok_s"), ("prefill", "prefill_tok_s"))
+                          if o[k] and l[k]]
+                print(f"{'':22s} {system}/llama: {', '.join(ratios)}")
 
 
 if __name__ == "__main__":
