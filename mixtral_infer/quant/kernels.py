@@ -46,8 +46,9 @@ INT4_DEQUANTIZE_ROWS = 1024  # CPU int4, where float32 multiplies faster: readin
 
 # One expert of stacked weights, the expert a 0-d tensor (compiled code's routing): these ops
 # read it and call the CPU kernel on that expert's views, where a gather would copy the expert's
-# weights first (2 experts x 3 matrices per layer per token; mixtral-bench int4 compiled 48 ->
-# see README). Declared with torch.library.Library: the dispatcher calls the function directly.
+# weights first (2 experts x 3 matrices per layer per token; mixtral-bench int4 compiled decode
+# 48 -> 72 tokens/s, bench/llamacpp/results_decode_compiled*.json). Declared with
+# torch.library.Library, as fast.cpu_packed's op: the dispatcher calls the function directly.
 _LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
 _LIBRARY.define("int8_expert_mm(Tensor x, Tensor values, Tensor scales, Tensor expert) -> Tensor")
 _LIBRARY.define("int4_expert_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor expert) -> Tensor")
