@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 
@@ -135,6 +136,15 @@ def test_a_packed_weight_leaves_the_table_with_its_last_holder():
     del expert
     gc.collect()
     assert handle not in _MATRICES
+
+
+def test_a_copied_packed_model_shares_the_matrices_and_outlives_the_original():
+    model = pack_model(random_model(tiny_args(moe=True)).to(torch.bfloat16))
+    expected = generate(PROMPTS, model, max_tokens=4)
+    copied = copy.deepcopy(model)
+    del model
+    gc.collect()
+    assert generate(PROMPTS, copied, max_tokens=4) == expected
 
 
 def test_unpack_model_gives_parameters_back():

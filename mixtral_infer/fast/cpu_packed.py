@@ -61,6 +61,9 @@ class _Matrices:
         _MATRICES[self.handle] = matrices
         weakref.finalize(self, _MATRICES.pop, self.handle, None)
 
+    def __deepcopy__(self, memo) -> "_Matrices":
+        return self  # packed matrices are never written: a copied model shares them
+
 
 class PackedWeight:
     """A weight ``(..., OUT, IN)`` held as one oneDNN-layout matrix per leading index (expert).
