@@ -24,18 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_vs_transformers as b  # noqa: E402
+from bench_decode_modes import decode_seconds  # noqa: E402  (first new token to last)
 
-from mixtral_infer import generate, load_model  # noqa: E402
+from mixtral_infer import load_model  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size  # noqa: E402
 from mixtral_infer.serve.sizing import weight_bytes  # noqa: E402
-
-
-def generated_seconds(model, prompts, mode: str) -> float:
-    """Seconds from the first new token of ``generate(decode=mode)`` to its last (NEW_TOKENS - 1 steps)."""
-    first = []
-    generate(prompts, model, max_tokens=b.NEW_TOKENS, decode=mode, prompt_logprobs=False,
-             on_token=lambda i, t: first or first.append(time.perf_counter()))  # fmt: skip
-    return time.perf_counter() - first[0]
 
 
 def main():
@@ -61,9 +54,9 @@ def main():
     elif "decode" in cli.what:
         prompts = b.random_prompts(1, b.PROMPT_LEN, vocab, seed=1001)
         start = time.perf_counter()
-        generated_seconds(model, prompts, cli.decode)  # warm-up (compiles)
+        decode_seconds(model, prompts, cli.decode, b.NEW_TOKENS)  # warm-up (compiles)
         out["compile_s"] = time.perf_counter() - start
-        out["decode_s"] = generated_seconds(model, prompts, cli.decode)
+        out["decode_s"] = decode_seconds(model, prompts, cli.decode, b.NEW_TOKENS)
         out["decode_tok_s"] = (b.NEW_TOKENS - 1) / out["decode_s"]
     out["decode"] = cli.decode
     if "prefill" in cli.what:

@@ -65,6 +65,11 @@ class _Matrices:
         return self  # packed matrices are never written: a copied model shares them
 
 
+def _matrix(handle: int, expert) -> torch.Tensor:
+    """The oneDNN matrix of table entry ``handle``: its only one, or expert ``expert``'s (int or 0-d tensor)."""
+    return _MATRICES[handle][0 if expert is None else int(expert)]
+
+
 class PackedWeight:
     """A weight ``(..., OUT, IN)`` held as one oneDNN-layout matrix per leading index (expert).
 
@@ -77,8 +82,7 @@ class PackedWeight:
 
     @property
     def matrices(self) -> List[torch.Tensor]:
-        matrices = _MATRICES[self.handle]
-        return matrices if self.expert is None else [matrices[int(self.expert)]]
+        return _MATRICES[self.handle] if self.expert is None else [_matrix(self.handle, self.expert)]
 
     @property
     def device(self) -> torch.device:
@@ -130,8 +134,7 @@ _LIBRARY.define("packed_linear(Tensor x, int handle, Tensor? expert, int out_fea
 
 def _packed_linear_op(x: torch.Tensor, handle: int, expert: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
     """``packed_linear`` as compiled code calls it: the weight by its handle (and expert)."""
-    matrices = _MATRICES[handle]
-    return _onednn_linear(x, matrices[0 if expert is None else int(expert)])
+    return _onednn_linear(x, _matrix(handle, expert))
 
 
 _LIBRARY.impl("packed_linear", _packed_linear_op, "CPU")
@@ -151,7 +154,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         if isinstance(expert, int):
             expert = torch.tensor(expert)
         return torch.ops.mixtral_infer.packed_linear(x, weight.handle, expert, weight.shape[0])
-    return _onednn_linear(x, weight.matrices[0])
+    return _onednn_linear(x, _matrix(weight.handle, weight.expert))
 
 
 class PackedParameter(nn.Module, PackedWeight):
