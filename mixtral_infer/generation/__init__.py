@@ -3,8 +3,9 @@
 ``generate`` (prefill in chunks, then decode), ``sampling`` (temperature, top-p, top-k on the
 device), ``settings`` (checks every setting before any heavy work) and ``chat`` (the instruct
 format and a conversation's state). The static-shaped CUDA decode step is in ``mixtral_infer.fast``.
+
+Nothing is imported here (the function is ``mixtral_infer.generate``, or
+``mixtral_infer.generation.generate.generate``): ``fast.decode_step`` uses
+``generation.sampling`` and ``generate`` uses ``fast``, so importing ``generate`` with the
+package made an import cycle for whoever imported ``fast`` first (the serving engine's process).
 """
-
-from mixtral_infer.generation.generate import generate
-
-__all__ = ["generate"]

@@ -5,9 +5,19 @@
 metadata), ``xformers_bias`` (the masks), ``rope``, ``moe`` (top-k experts), ``linear`` (the one
 matmul every weight goes through) and ``parallel`` (which share of each weight a rank holds).
 Nothing here reads files: loading lives in ``mixtral_infer.checkpoint``.
+
+Its names are imported when first used (``__getattr__``): ``fast`` modules that the model's
+parts use import ``model.xformers_bias``, which would otherwise import the whole model first.
 """
 
-from mixtral_infer.model.moe import MoeArgs, MoeLayer
-from mixtral_infer.model.transformer import ModelArgs, Transformer
+import importlib
 
-__all__ = ["ModelArgs", "MoeArgs", "MoeLayer", "Transformer"]
+_HOMES = {"ModelArgs": "transformer", "Transformer": "transformer", "MoeArgs": "moe", "MoeLayer": "moe"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
