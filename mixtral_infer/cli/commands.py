@@ -17,6 +17,7 @@ its quoted text.
 """
 
 import difflib
+import functools
 import inspect
 import json
 import re
@@ -529,10 +530,15 @@ def serve(
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every)
     check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
-    model, tokenizer = load(model_path, 1, device, dtype)
+    from mixtral_infer.checkpoint.loading import open_checkpoint
+    from mixtral_infer.tokenizer import Tokenizer
+
+    folder = model_folder(model_path)
+    open_checkpoint(folder)  # the configuration and file headers: a bad folder is said before the engine starts
+    tokenizer = Tokenizer.from_folder(folder)  # this process turns requests into tokens; the engine's loads the model
     name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
     run_server(
-        model, tokenizer, model_name=str(name), host=str(host), port=int(port), max_rows=max_rows,
+        functools.partial(load, model_path, 1, device, dtype), tokenizer, model_name=str(name), host=str(host), port=int(port), max_rows=max_rows,
         memory_fraction=memory_fraction, max_queue=int(max_queue), prefill_tokens=int(prefill_tokens),
         max_model_len=max_model_len, decode=decode, admit_every=int(admit_every), shutdown_timeout=float(shutdown_timeout),
     )  # fmt: skip

@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,6 +27,9 @@ from mixtral_infer.serve.metrics import ServeMetrics
 from mixtral_infer.serve.protocol import BadRequest, ParsedRequest, error_body, parse_chat, parse_completion, read_body
 from mixtral_infer.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from mixtral_infer.serve.engine_process import EngineProcess
+
 RETRY_AFTER_SECONDS = 1
 DEFAULT_CHAT_TOKENS = 512  # an answer's length when a chat request gives no max_tokens (and a window allows it)
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
@@ -34,8 +37,9 @@ DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that i
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
 
-def make_app(engine: Engine, tokenizer: Tokenizer, model_name: str, metrics: ServeMetrics, on_ready=None) -> FastAPI:
-    """The app over a built engine; the engine's thread starts and stops with the app."""
+def make_app(engine: "Engine | EngineProcess", tokenizer: Tokenizer, model_name: str, metrics: ServeMetrics, on_ready=None) -> FastAPI:
+    """The app over a built engine (in this process, or an ``EngineProcess``), which starts and
+    stops with the app."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -25,7 +25,8 @@ probability and so turns the same uniform into another token.
 
 The engine runs in its own thread (``start``); ``submit`` and ``cancel`` may be called
 from any thread. Each request reports to its ``sink`` (called in the engine's thread)
-a ``TokenEvent`` per generated token and one ``Finished`` at the end.
+a ``TokenEvent`` per generated token and one ``Finished`` at the end. The server runs the
+engine in a process of its own (``engine_process``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ from mixtral_infer.tokenizer import Tokenizer
 
 class QueueFull(GenerationError):
     """Every row is busy and the queue holds ``max_queue`` requests: try again later."""
+
+    @classmethod
+    def of(cls, rows: int, waiting: int) -> "QueueFull":
+        return cls(f"all {rows} rows are busy and {waiting} requests are waiting")
 
 
 class ShuttingDown(GenerationError):
@@ -91,6 +96,20 @@ class Finished:
 
 
 Event = TokenEvent | Finished
+
+
+def check_request(prompt: Sequence[int], settings: RequestSettings, vocab_size: int, max_model_len: Optional[int]) -> None:
+    """``GenerationError`` for a request that can never run: an empty prompt, token ids outside
+    the vocabulary, or (a model without a window) more tokens than a row holds."""
+    if not prompt:
+        raise GenerationError("the prompt is empty: give at least one token")
+    if max_model_len is not None and len(prompt) + settings.max_tokens > max_model_len:
+        raise GenerationError(
+            f"the prompt ({len(prompt)} tokens) plus max_tokens={settings.max_tokens} exceeds this model's limit of "
+            f"{max_model_len} tokens per sequence (it has no sliding window): shorten the prompt or lower max_tokens"
+        )
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise GenerationError(f"the prompt holds token ids outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(eq=False)
@@ -142,6 +161,7 @@ class Engine:
         decode: str = "auto",
         admit_every: int = 1,
         metrics=None,
+        after_step: Optional[Callable[[], None]] = None,
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
             raise GenerationError(f"rows={rows} and prefill_tokens={prefill_tokens} must be >= 1, max_queue={max_queue} >= 0")
@@ -153,6 +173,7 @@ class Engine:
         self.max_model_len = None if window is not None else max_model_len
         self.mode = decode_mode(decode, model)
         self.metrics = metrics
+        self.after_step = after_step  # called in the engine's thread after every step (it sent its events)
         self.cache = model.make_cache(rows, max_seqlen=window if window is not None else max_model_len)
         self.cache.start_sequences(rows)
         self.slots: List[Optional[Request]] = [None] * rows
@@ -173,15 +194,7 @@ class Engine:
 
     def submit(self, prompt: List[int], settings: RequestSettings, sink: Callable[[Event], None]) -> Request:
         """Queue a request; ``QueueFull`` when the queue is full, ``GenerationError`` when it can never run."""
-        if not prompt:
-            raise GenerationError("the prompt is empty: give at least one token")
-        if self.max_model_len is not None and len(prompt) + settings.max_tokens > self.max_model_len:
-            raise GenerationError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens={settings.max_tokens} exceeds this model's limit of "
-                f"{self.max_model_len} tokens per sequence (it has no sliding window): shorten the prompt or lower max_tokens"
-            )
-        if any(not 0 <= t < self._vocab for t in prompt):
-            raise GenerationError(f"the prompt holds token ids outside the vocabulary [0, {self._vocab})")
+        check_request(prompt, settings, self._vocab, self.max_model_len)
         request = Request(next(self.ids), list(prompt), settings, sink, time.perf_counter())
         if settings.temperature > 0:
             seed = settings.seed if settings.seed is not None else random.randrange(2**63)
@@ -193,7 +206,7 @@ class Engine:
                 raise ShuttingDown("the server is shutting down")
             free = self.slots.count(None) - sum(1 for r in self.queue if not r.cancelled)
             if free <= 0 and len(self.queue) >= self.max_queue:
-                raise QueueFull(f"all {self.rows} rows are busy and {len(self.queue)} requests are waiting")
+                raise QueueFull.of(self.rows, len(self.queue))
             self.queue.append(request)
             self.lock.notify()
         self._gauges()
@@ -256,6 +269,8 @@ class Engine:
                 self.step()
             except Exception as error:  # a broken step fails its requests, not the server
                 self._fail_all(f"{type(error).__name__}: {error}")
+            if self.after_step is not None:
+                self.after_step()
 
     def _fail_all(self, message: str) -> None:
         with self.lock:
@@ -323,7 +338,7 @@ class Engine:
         self.cache.tokens_seen[row] = 0  # the row's slots count as empty: nothing in them is visible
         self.admitted += 1
         if self.metrics is not None:
-            self.metrics.queue_wait.observe(time.perf_counter() - request.arrival)
+            self.metrics.queue_waited(time.perf_counter() - request.arrival)
 
     def _plan(self) -> Tuple[List[int], List[List[int]], List[Request]]:
         """This step's tokens per row, the tokens themselves (row order), and the requests that
@@ -404,7 +419,7 @@ class Engine:
             if request.first_token_at is None:
                 request.first_token_at = now
                 if self.metrics is not None:
-                    self.metrics.time_to_first_token.observe(now - request.arrival)
+                    self.metrics.first_token(now - request.arrival)
             if token == self.tokenizer.eos_id and not request.settings.ignore_eos:
                 self._finish(request, "stop")
                 continue
@@ -443,8 +458,8 @@ class Engine:
     def _gauges(self) -> None:
         if self.metrics is not None:
             with self.lock:
-                self.metrics.queue_length.set(len(self.queue))
-                self.metrics.running.set(len(self.running))
+                queued, running = len(self.queue), len(self.running)
+            self.metrics.gauges(queued, running)
 
 
 def sample_rows(

@@ -48,6 +48,19 @@ class ServeMetrics:
         self._recent_total = 0  # the sum of their tokens, kept as they come and go
         self._lock = threading.Lock()
 
+    # What the engine reports (in the engine's process, ``engine_process.RecordedMetrics`` records
+    # these calls and this process replays them).
+
+    def queue_waited(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def gauges(self, queued: int, running: int) -> None:
+        self.queue_length.set(queued)
+        self.running.set(running)
+
     def generated_tokens(self, n: int) -> None:
         self.generated.inc(n)
         now = time.monotonic()

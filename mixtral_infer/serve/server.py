@@ -16,7 +16,6 @@ from typing import Callable, Optional
 
 from mixtral_infer.errors import GenerationError, MixtralInferError
 from mixtral_infer.generation.settings import as_int
-from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.tokenizer import Tokenizer
 
 try:
@@ -26,9 +25,7 @@ try:
 except ImportError as error:  # pragma: no cover - the serve extra is part of the test set-up
     raise MixtralInferError(f"serve needs the serve extra ({error.name} is missing): pip install -e '.[serve]'") from None
 
-from mixtral_infer.serve.engine import Engine
-from mixtral_infer.serve.metrics import ServeMetrics
-from mixtral_infer.serve.sizing import plan_rows
+from mixtral_infer.serve.engine_process import EngineProcess, Load
 
 
 def check_serve_options(
@@ -55,7 +52,7 @@ def check_serve_options(
 class _Server(uvicorn.Server):
     """uvicorn's server, which also tells the engine to take no new requests when asked to stop."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_timeout: float, log: Callable[[str], None]):
+    def __init__(self, config: uvicorn.Config, engine: EngineProcess, shutdown_timeout: float, log: Callable[[str], None]):
         super().__init__(config)
         self.engine, self.shutdown_timeout, self.log = engine, shutdown_timeout, log
 
@@ -76,7 +73,7 @@ class _Server(uvicorn.Server):
 
 
 def run_server(
-    model: Transformer,
+    load: Load,
     tokenizer: Tokenizer,
     *,
     model_name: str,
@@ -92,41 +89,46 @@ def run_server(
     shutdown_timeout: float = 30.0,
     log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
 ) -> None:
-    """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on."""
-    plan = plan_rows(
-        model, prefill_tokens=prefill_tokens, max_rows=max_rows, memory_fraction=memory_fraction, max_model_len=max_model_len
-    )
-    log(f"sizing: {plan.describe()}")
-    metrics = ServeMetrics(plan.rows)
-    engine = Engine(
-        model, tokenizer, plan.rows, max_queue=max_queue, prefill_tokens=prefill_tokens, max_model_len=max_model_len,
-        decode=decode, admit_every=admit_every, metrics=metrics,
-    )  # fmt: skip
+    """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on.
+
+    ``load() -> (model, tokenizer)`` runs in the engine's own process (``engine_process``);
+    this process keeps ``tokenizer`` for the requests' text.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind((host, port))  # before the model is loaded: a port in use is said at once
     except OSError as error:
         raise MixtralInferError(f"cannot listen on {host}:{port}: {error.strerror}") from None
-    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
-    address = f"http://{host}:{sock.getsockname()[1]}"
-
-    def ready() -> None:
-        log(
-            f"serving {model_name} on {address} (decode {engine.mode}, {plan.rows} rows, queue {max_queue}, "
-            f"{prefill_tokens} prefill tokens per step)"
-        )
-
-    app = make_app(engine, tokenizer, model_name, metrics, on_ready=ready)
-    # uvicorn's own limit is a backstop: the engine cancels what is left at shutdown_timeout.
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 10, lifespan="on")
-    server = _Server(config, engine, shutdown_timeout, log)
-    # uvicorn raises the signal that stopped it again once it has shut down; with this handler
-    # in place that ends the process normally (exit 0) instead of by the signal.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    engine = EngineProcess(
+        load,
+        plan=dict(prefill_tokens=prefill_tokens, max_rows=max_rows, memory_fraction=memory_fraction, max_model_len=max_model_len),
+        engine=dict(prefill_tokens=prefill_tokens, max_model_len=max_model_len, decode=decode, admit_every=admit_every),
+        max_queue=max_queue,
+    )
     try:
-        server.run(sockets=[sock])
+        log(f"sizing: {engine.plan}")
+        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+        address = f"http://{host}:{sock.getsockname()[1]}"
+
+        def ready() -> None:
+            log(
+                f"serving {model_name} on {address} (decode {engine.mode}, {engine.rows} rows, queue {max_queue}, "
+                f"{prefill_tokens} prefill tokens per step)"
+            )
+
+        app = make_app(engine, tokenizer, model_name, engine.metrics, on_ready=ready)
+        # uvicorn's own limit is a backstop: the engine cancels what is left at shutdown_timeout.
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 10, lifespan="on")
+        server = _Server(config, engine, shutdown_timeout, log)
+        # uvicorn raises the signal that stopped it again once it has shut down; with this handler
+        # in place that ends the process normally (exit 0) instead of by the signal.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        engine.kill()
     log("stopped")

@@ -1,0 +1,305 @@
+"""The serving engine in a process of its own, behind the ``Engine``'s interface.
+
+Why a process: the engine's steps and the server's per-token work (a JSON chunk and a socket
+write per token per client) are both Python, and in one process they take turns on one
+interpreter lock, so together they use one core. Measured on this package's 2-core CPU with
+tiny-mixtral, 384 streamed requests from 32 clients: the engine in the server's own thread
+delivered 0.66x what it does alone in a process without HTTP; in a process of its own, see
+``EngineProcess``. vLLM runs its engine core apart from its API server for the same reason.
+
+::
+
+    server process (HTTP, JSON, SSE)                     engine process (the model)
+    EngineProcess.submit -- ("submit", id, prompt, settings) --> Engine.submit
+    EngineProcess.cancel -- ("cancel", id) ---------------------> Engine.cancel
+    reader thread <---- ("step", events, metric calls, stats) -- after every engine step
+
+- **Admission happens in the server process**: it knows which requests are outstanding
+  (submitted, no ``Finished`` yet), so a full queue (``QueueFull``) or a prompt that can never
+  run (``GenerationError``) is refused without a round trip. The engine's own queue is unbounded.
+- **One message per engine step** carries that step's events for all rows, so the pipe costs
+  one write and one read per step, not one per token.
+- **Metrics**: the engine's calls on its ``metrics`` are recorded in its process
+  (``RecordedMetrics``) and replayed here on the ``ServeMetrics`` that ``/metrics`` shows.
+- **Lifetime**: the engine process ignores SIGINT and SIGTERM (the server decides when to stop:
+  it drains, then sends "shutdown"), and it exits when the pipe closes, so it never outlives
+  the server. If it dies, every request still outstanding ends with an error and the engine
+  reports ``draining`` (``/health`` answers 503).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import multiprocessing
+import signal
+import sys
+import threading
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from mixtral_infer.errors import GenerationError, MixtralInferError
+from mixtral_infer.serve.engine import Engine, Event, Finished, QueueFull, RequestSettings, ShuttingDown, check_request
+from mixtral_infer.serve.metrics import ServeMetrics
+from mixtral_infer.serve.sizing import plan_rows
+
+Load = Callable[[], Tuple[Any, Any]]  # () -> (model, tokenizer), called in the engine process
+
+
+class EngineProcess:
+    """Starts the engine process, waits until its model is loaded and its rows planned, then
+    stands for the ``Engine`` in the server: ``start``, ``submit``, ``cancel``, ``stats``,
+    ``drain``, ``cancel_all``, ``shutdown``, and the attributes ``rows``, ``mode``,
+    ``max_model_len``, ``draining``. ``metrics`` is the ``ServeMetrics`` it keeps up to date.
+
+    ``load`` must be picklable (a module-level function, or a ``functools.partial`` of one):
+    the process is spawned, not forked, so it loads the model itself. ``plan`` holds the
+    keyword arguments of ``sizing.plan_rows``, ``engine`` those of ``Engine`` (not ``rows``).
+
+    Measured (``bench/bench_serve.py``, tiny-mixtral, 384 streamed requests from 32 clients, 2 cores):
+    see the README's serving table.
+    """
+
+    def __init__(self, load: Load, *, plan: Dict[str, Any], engine: Dict[str, Any], max_queue: int):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=run_engine, args=(child, load, plan, engine), name="mixtral_infer-engine", daemon=True
+        )
+        self.process.start()
+        child.close()
+        atexit.register(self.kill)  # before multiprocessing's own exit handler, which would wait for it
+        try:
+            message = self.conn.recv()  # ("ready", info) once the model is loaded, or ("failed", why)
+        except EOFError:
+            self.kill()
+            raise MixtralInferError(f"the engine process exited (code {self.process.exitcode}) while loading the model") from None
+        except BaseException:
+            self.kill()
+            raise
+        if message[0] == "failed":
+            self.kill()
+            raise MixtralInferError(message[1])
+        info = message[1]
+        self.rows: int = info["rows"]
+        self.mode: str = info["mode"]
+        self.max_model_len: Optional[int] = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self.plan: str = info["plan"]
+        self._stats: Dict[str, int] = info["stats"]
+        self.max_queue = max_queue
+        self.metrics = ServeMetrics(self.rows)
+        self.sinks: Dict[int, Tuple[Callable[[Event], None], int]] = {}  # outstanding: id -> (sink, prompt tokens)
+        self.ids = itertools.count()
+        self.lock = threading.Lock()  # guards sinks, draining and the pipe's sending end
+        self.draining = False
+        self.reader: Optional[threading.Thread] = None
+
+    # ---- the Engine's interface ---------------------------------------------------------
+
+    def start(self) -> None:
+        self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self.reader.start()
+
+    def submit(self, prompt: List[int], settings: RequestSettings, sink: Callable[[Event], None]) -> int:
+        """Send a request to the engine; its handle is an id. Raises as ``Engine.submit`` does."""
+        check_request(prompt, settings, self.vocab_size, self.max_model_len)
+        with self.lock:
+            if self.draining:
+                raise ShuttingDown("the server is shutting down" if self.process.is_alive() else "the engine process has stopped")
+            if len(self.sinks) >= self.rows + self.max_queue:
+                raise QueueFull.of(self.rows, len(self.sinks) - self.rows)
+            request_id = next(self.ids)
+            self.sinks[request_id] = (sink, len(prompt))
+            try:
+                self.conn.send(("submit", request_id, list(prompt), settings))
+            except OSError:
+                del self.sinks[request_id]
+                raise ShuttingDown("the engine process has stopped") from None
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        with self.lock:
+            if request_id in self.sinks:  # else it has finished: nothing to do
+                self._send(("cancel", request_id))
+
+    def stats(self) -> Dict[str, int]:
+        """The engine's counts after its last step (``Engine.stats``)."""
+        return dict(self._stats)
+
+    def drain(self) -> None:
+        """Take no new requests (refused here; the engine goes on with what it has)."""
+        with self.lock:
+            self.draining = True
+
+    def cancel_all(self) -> None:
+        with self.lock:
+            self._send(("cancel_all",))
+
+    def shutdown(self, cancel: bool = True, timeout: float = 30.0) -> None:
+        """Stop the engine (cancelling what is left when ``cancel``) and wait for its process."""
+        with self.lock:
+            self.draining = True
+            self._send(("shutdown", cancel))
+        self.process.join(timeout)
+        if self.reader is not None:
+            self.reader.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        """End the engine process now (it ignores SIGTERM) and close the pipe."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+    # ---- the reader thread ----------------------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:  # the engine process is gone; the reader fails what is outstanding
+            pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "stopped":
+                break
+            _, events, calls, stats = message
+            self._stats = stats
+            for name, args in calls:
+                getattr(self.metrics, name)(*args)
+            deliveries = []
+            with self.lock:
+                for request_id, event in events:
+                    entry = self.sinks.pop(request_id, None) if isinstance(event, Finished) else self.sinks.get(request_id)
+                    if entry is not None:
+                        deliveries.append((entry[0], event))
+            for sink, event in deliveries:
+                sink(event)
+        with self.lock:
+            left, self.sinks = self.sinks, {}
+            self.draining = True
+        for sink, prompt_tokens in left.values():
+            sink(Finished("error", "", prompt_tokens, 0, error="the engine process stopped"))
+
+
+# ---- the engine process ---------------------------------------------------------------------
+
+
+class RecordedMetrics:
+    """Stands for ``ServeMetrics`` in the engine process: each call the engine makes is
+    recorded as ``(name, args)`` and replayed in the server process."""
+
+    ENGINE_CALLS = frozenset({"queue_waited", "first_token", "generated_tokens", "finished", "gauges"})
+
+    def __init__(self):
+        self.calls: List[Tuple[str, tuple]] = []
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        if name not in RecordedMetrics.ENGINE_CALLS:
+            raise AttributeError(name)
+
+        def record(*args) -> None:
+            with self.lock:
+                self.calls.append((name, args))
+
+        return record
+
+    def take(self) -> List[Tuple[str, tuple]]:
+        with self.lock:
+            calls, self.calls = self.calls, []
+        return calls
+
+
+class Outbox:
+    """The engine process's sending end: events and metric calls gathered during a step, sent
+    as one message by ``flush`` (the engine's ``after_step``)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.events: List[Tuple[int, Event]] = []
+        self.metrics = RecordedMetrics()
+        self.lock = threading.Lock()  # the engine's thread and the command loop both send
+        self.engine: Optional[Engine] = None
+
+    def sink(self, request_id: int, requests: Dict[int, Any]) -> Callable[[Event], None]:
+        def put(event: Event) -> None:
+            if isinstance(event, Finished):
+                requests.pop(request_id, None)
+            self.events.append((request_id, event))
+
+        return put
+
+    def flush(self) -> None:
+        with self.lock:
+            events, self.events = self.events, []
+            self.send(("step", events, self.metrics.take(), self.engine.stats()))
+
+    def send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:  # the server has gone; the command loop sees the pipe closed and stops
+            pass
+
+
+def run_engine(conn, load: Load, plan: Dict[str, Any], engine_options: Dict[str, Any]) -> None:
+    """The engine process: load, plan the rows, report ready, then run the engine's thread and
+    take commands until "shutdown" or until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server handles it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    outbox = Outbox(conn)
+    try:
+        model, tokenizer = load()
+        rows = plan_rows(model, **plan)
+        engine = Engine(
+            model, tokenizer, rows.rows, max_queue=sys.maxsize, metrics=outbox.metrics, after_step=outbox.flush,
+            **engine_options,
+        )  # fmt: skip
+    except Exception as error:
+        if not isinstance(error, MixtralInferError):
+            traceback.print_exc()
+        message = str(error) if isinstance(error, MixtralInferError) else f"{type(error).__name__}: {error}"
+        outbox.send(("failed", message))
+        return
+    outbox.engine = engine
+    info = {
+        "rows": rows.rows, "mode": engine.mode, "max_model_len": engine.max_model_len,
+        "vocab_size": model.args.vocab_size, "plan": rows.describe(), "stats": engine.stats(),
+    }  # fmt: skip
+    outbox.send(("ready", info))
+    engine.start()
+    requests: Dict[int, Any] = {}  # id -> the engine's Request, until it finishes
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the server has gone
+            message = ("shutdown", True)
+        kind = message[0]
+        if kind == "submit":
+            _, request_id, prompt, settings = message
+            try:
+                request = engine.submit(prompt, settings, outbox.sink(request_id, requests))
+            except GenerationError as error:  # checked by the server first; kept for safety
+                outbox.events.append((request_id, Finished("error", "", len(prompt), 0, error=str(error))))
+                outbox.flush()
+                continue
+            requests[request_id] = request
+            if request.done:  # it finished before it was filed here: its sink found nothing to remove
+                requests.pop(request_id, None)
+        elif kind == "cancel":
+            request = requests.get(message[1])
+            if request is not None:
+                engine.cancel(request)
+        elif kind == "cancel_all":
+            engine.cancel_all()
+        elif kind == "shutdown":
+            engine.shutdown(cancel=message[1])
+            outbox.flush()
+            outbox.send(("stopped",))
+            return
