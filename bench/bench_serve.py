@@ -23,7 +23,7 @@ TTFT: arrival to first token; latency: arrival to last token; throughput: genera
 the time from the first arrival to the last token. The static and sequential modes stream through
 ``on_token``, so their TTFT and latency are measured the same way, without HTTP's cost.
 
-``--repeat R`` runs every mode R times, the in-process modes in alternation, and reports each
+``--repeat R`` runs every mode R times, all modes in alternation, and reports each
 mode's median run (by throughput) with all R throughputs: on a shared virtual machine one run
 of the same work varies by up to 30%.
 
@@ -225,6 +225,19 @@ def idle_ttft(port: int, requests: List[Dict], n: int = 8) -> float:
     return statistics.median(times)
 
 
+def server_side_means(port: int) -> Dict[str, float]:
+    """Means of the server's own histograms (time to first token, queue wait, latency)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    connection.request("GET", "/metrics")
+    metrics = connection.getresponse().read().decode()
+    means = {}
+    for name in ("time_to_first_token_seconds", "queue_wait_seconds", "request_latency_seconds"):
+        total = float(re.search(rf"mixtral_infer_{name}_sum (\S+)", metrics).group(1))
+        count = float(re.search(rf"mixtral_infer_{name}_count (\S+)", metrics).group(1))
+        means[name + "_mean"] = total / count
+    return means
+
+
 # ---- static batches and one at a time, in process ------------------------------------------
 
 
@@ -329,33 +342,7 @@ def main() -> None:
         "repeat": args.repeat, "load_average_before": load_before, "modes": [],
     }  # fmt: skip
     modes = args.modes.split(",")
-    if "continuous" in modes:
-        process, port, lines = start_server(args.model, args.clients, args.prefill_tokens)
-        try:
-            stream_one(port, requests[0], time.perf_counter())  # warm-up
-            results["idle_ttft_s"] = idle_ttft(port, requests)
-            print(f"idle server TTFT (median of 8): {results['idle_ttft_s'] * 1e3:.0f} ms", flush=True)
-            runs = [run_clients(requests, args.clients, port) for _ in range(args.repeat)]
-            summary, records = median_run("continuous", runs)
-            results["modes"].append(summary)
-            late = [r["sent"] - r["arrival"] for r in records]
-            from_sent = [r["first"] - r["sent"] for r in records]
-            results["continuous_send_delay_p50_s"] = percentile(late, 50)
-            results["continuous_ttft_from_send_p50_s"] = percentile(from_sent, 50)
-            print(f"  sent after arrival p50 {percentile(late, 50) * 1e3:.0f} ms; TTFT from sending p50 {percentile(from_sent, 50) * 1e3:.0f} ms")
-            connection = http.client.HTTPConnection("127.0.0.1", port)
-            connection.request("GET", "/metrics")
-            metrics = connection.getresponse().read().decode()
-            server_side = {}
-            for name in ("time_to_first_token_seconds", "queue_wait_seconds", "request_latency_seconds"):
-                total = float(re.search(rf"mixtral_infer_{name}_sum (\S+)", metrics).group(1))
-                count = float(re.search(rf"mixtral_infer_{name}_count (\S+)", metrics).group(1))
-                server_side[name + "_mean"] = total / count
-            results["server_side"] = server_side
-            print("server side (mean, all requests incl. warm-up):", {k: round(v, 4) for k, v in server_side.items()})
-        finally:
-            process.terminate()
-            process.wait(60)
+    in_process, process = {}, None
     if {"engine", "engine-grouped", "static", "sequential"} & set(modes):
         model = load_model(args.model, dtype=torch.float32, device="cpu", max_batch_size=args.clients)
         tokenizer = Tokenizer.from_folder(args.model)
@@ -368,13 +355,34 @@ def main() -> None:
             "static": lambda: run_generate_batches(model, tokenizer, requests, args.clients),
             "sequential": lambda: run_generate_batches(model, tokenizer, requests, 1),
         }
-        chosen = [mode for mode in in_process if mode in modes]
-        runs: Dict[str, list] = {mode: [] for mode in chosen}
+    try:
+        runners = {mode: in_process[mode] for mode in in_process if mode in modes}
+        if "continuous" in modes:
+            process, port, lines = start_server(args.model, args.clients, args.prefill_tokens)
+            stream_one(port, requests[0], time.perf_counter())  # warm-up
+            results["idle_ttft_s"] = idle_ttft(port, requests)
+            print(f"idle server TTFT (median of 8): {results['idle_ttft_s'] * 1e3:.0f} ms", flush=True)
+            runners = {"continuous": lambda: run_clients(requests, args.clients, port), **runners}
+        runs: Dict[str, list] = {mode: [] for mode in runners}
         for _ in range(args.repeat):  # alternating, so a noisy stretch of time hits every mode
-            for mode in chosen:
-                runs[mode].append(in_process[mode]())
-        for mode in chosen:
-            results["modes"].append(median_run(mode, runs[mode])[0])
+            for mode, runner in runners.items():
+                runs[mode].append(runner())
+        for mode in runners:
+            summary, records = median_run(mode, runs[mode])
+            results["modes"].append(summary)
+            if mode == "continuous":
+                late = [r["sent"] - r["arrival"] for r in records]
+                from_sent = [r["first"] - r["sent"] for r in records]
+                results["continuous_send_delay_p50_s"] = percentile(late, 50)
+                results["continuous_ttft_from_send_p50_s"] = percentile(from_sent, 50)
+                print(f"  sent after arrival p50 {percentile(late, 50) * 1e3:.0f} ms; TTFT from sending p50 {percentile(from_sent, 50) * 1e3:.0f} ms")
+        if process is not None:
+            results["server_side"] = server_side_means(port)
+            print("server side (mean, all requests incl. warm-up):", {k: round(v, 4) for k, v in results["server_side"].items()})
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(60)
     results["load_average_after"] = os.getloadavg()
     by_mode = {m["mode"]: m for m in results["modes"]}
     if {"engine", "static", "sequential"} <= set(by_mode):
