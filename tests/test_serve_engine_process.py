@@ -6,8 +6,11 @@ what happens when the engine process fails to load, dies, is sent signals, or lo
 import functools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from mixtral_infer.serve.engine import Engine, Finished, QueueFull, RequestSetti
 from mixtral_infer.serve.engine_process import EngineProcess
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_shipped(name: str):
@@ -159,8 +163,34 @@ def test_a_model_that_fails_to_load_is_one_error_and_no_process():
     assert not isinstance(caught.value, CheckpointError)  # the message crossed the process boundary, not the object
 
 
-def test_the_engine_process_ends_when_its_server_goes_away():
-    engine = start("tiny-mistral")
-    engine.conn.close()  # as when the server process is killed
-    engine.process.join(30)
-    assert engine.process.exitcode == 0
+def test_the_engine_process_ends_when_its_server_is_killed():
+    """The server process dies without a word (SIGKILL): the engine's end of the pipe closes, and
+    the engine process exits instead of holding the model's memory."""
+    script = (
+        "import functools, sys, time\n"
+        "from mixtral_infer.cli.commands import load\n"
+        "from mixtral_infer.serve.engine_process import EngineProcess\n"
+        "engine = EngineProcess(functools.partial(load, 'tiny-mistral', 1, 'cpu', 'float32'),\n"
+        "                       plan=dict(max_rows=2, prefill_tokens=16), engine=dict(decode='eager'), max_queue=1)\n"
+        "engine.start()\n"
+        "print(engine.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        engine_pid = int(server.stdout.readline())
+        assert alive(engine_pid)
+        server.kill()
+        server.wait()
+        assert wait_for(lambda: not alive(engine_pid))
+    finally:
+        server.kill()
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie waiting for its new parent to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

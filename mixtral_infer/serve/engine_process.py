@@ -3,9 +3,10 @@
 Why a process: the engine's steps and the server's per-token work (a JSON chunk and a socket
 write per token per client) are both Python, and in one process they take turns on one
 interpreter lock, so together they use one core. Measured on this package's 2-core CPU with
-tiny-mixtral, 384 streamed requests from 32 clients: the engine in the server's own thread
-delivered 0.66x what it does alone in a process without HTTP; in a process of its own, see
-``EngineProcess``. vLLM runs its engine core apart from its API server for the same reason.
+tiny-mixtral, 384 streamed requests from 32 clients (``bench/bench_serve.py``): with the engine
+in a thread of the server, HTTP delivered 0.55-0.66x what the same engine makes alone without
+HTTP; with the engine in a process of its own, 0.92x (2975 against 3246 tok/s). vLLM runs its
+engine core apart from its API server for the same reason.
 
 ::
 
@@ -53,11 +54,9 @@ class EngineProcess:
     ``max_model_len``, ``draining``. ``metrics`` is the ``ServeMetrics`` it keeps up to date.
 
     ``load`` must be picklable (a module-level function, or a ``functools.partial`` of one):
-    the process is spawned, not forked, so it loads the model itself. ``plan`` holds the
-    keyword arguments of ``sizing.plan_rows``, ``engine`` those of ``Engine`` (not ``rows``).
-
-    Measured (``bench/bench_serve.py``, tiny-mixtral, 384 streamed requests from 32 clients, 2 cores):
-    see the README's serving table.
+    the process is spawned, not forked (a forked copy of a process that has run OpenMP or CUDA
+    is not safe), so it loads the model itself. ``plan`` holds the keyword arguments of
+    ``sizing.plan_rows``, ``engine`` those of ``Engine`` (not ``rows``).
     """
 
     def __init__(self, load: Load, *, plan: Dict[str, Any], engine: Dict[str, Any], max_queue: int):
@@ -232,9 +231,13 @@ class Outbox:
         def put(event: Event) -> None:
             if isinstance(event, Finished):
                 requests.pop(request_id, None)
-            self.events.append((request_id, event))
+            self.put(request_id, event)
 
         return put
+
+    def put(self, request_id: int, event: Event) -> None:
+        with self.lock:  # never into a list that flush has already taken
+            self.events.append((request_id, event))
 
     def flush(self) -> None:
         with self.lock:
@@ -286,7 +289,7 @@ def run_engine(conn, load: Load, plan: Dict[str, Any], engine_options: Dict[str,
             try:
                 request = engine.submit(prompt, settings, outbox.sink(request_id, requests))
             except GenerationError as error:  # checked by the server first; kept for safety
-                outbox.events.append((request_id, Finished("error", "", len(prompt), 0, error=str(error))))
+                outbox.put(request_id, Finished("error", "", len(prompt), 0, error=str(error)))
                 outbox.flush()
                 continue
             requests[request_id] = request
