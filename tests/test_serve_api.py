@@ -18,7 +18,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from conftest import random_model, tiny_args
+from conftest import random_model, tiny_args, wait_for
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.generation.chat import Conversation
@@ -88,15 +88,6 @@ def sse_events(response):
         line = line.decode().strip()
         if line.startswith("data: "):
             yield "[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: ") :])
-
-
-def wait_for(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread is faster, far faster on a busy machine

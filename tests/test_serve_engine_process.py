@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_for
 
 from mixtral_infer import Tokenizer, load_model
 from mixtral_infer.errors import CheckpointError, GenerationError, MixtralInferError
@@ -53,15 +53,6 @@ def start(name: str = "tiny-mixtral", rows: int = 3, max_queue: int = 2) -> Engi
     )  # fmt: skip
     engine.start()
     return engine
-
-
-def wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 JOBS = [  # ragged prompts, greedy and seeded sampling, a stop string, logprobs
