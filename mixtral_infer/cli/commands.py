@@ -538,9 +538,10 @@ def serve(
     tokenizer = Tokenizer.from_folder(folder)  # this process turns requests into tokens; the engine's loads the model
     name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
     run_server(
-        functools.partial(load, model_path, 1, device, dtype), tokenizer, model_name=str(name), host=str(host), port=int(port), max_rows=max_rows,
-        memory_fraction=memory_fraction, max_queue=int(max_queue), prefill_tokens=int(prefill_tokens),
-        max_model_len=max_model_len, decode=decode, admit_every=int(admit_every), shutdown_timeout=float(shutdown_timeout),
+        functools.partial(load, model_path, 1, device, dtype), tokenizer, model_name=str(name), host=str(host),
+        port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
+        prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=int(admit_every),
+        shutdown_timeout=float(shutdown_timeout),
     )  # fmt: skip
 
 

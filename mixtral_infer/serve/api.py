@@ -37,7 +37,9 @@ DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that i
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
 
-def make_app(engine: "Engine | EngineProcess", tokenizer: Tokenizer, model_name: str, metrics: ServeMetrics, on_ready=None) -> FastAPI:
+def make_app(
+    engine: "Engine | EngineProcess", tokenizer: Tokenizer, model_name: str, metrics: ServeMetrics, on_ready=None
+) -> FastAPI:
     """The app over a built engine (in this process, or an ``EngineProcess``), which starts and
     stops with the app."""
 

@@ -1,4 +1,5 @@
-"""``python main.py serve``: size the rows, build the engine and the app, run uvicorn.
+"""``python main.py serve``: start the engine's process (it loads the model and sizes the rows:
+``engine_process``), build the app over it, run uvicorn.
 
 Shutdown (SIGTERM or Ctrl-C): the server stops accepting connections and the engine takes
 no new requests (503 on connections still open); requests already running or queued go on
