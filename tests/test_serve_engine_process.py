@@ -98,7 +98,7 @@ def test_the_engine_process_gives_the_tokens_of_the_engine_in_this_process():
     assert not engine.process.is_alive() and engine.process.exitcode == 0
 
 
-def test_admission_in_the_server_process_cancel_stats_and_metrics():
+def test_admission_in_the_server_process_cancel_stats_and_metrics(capfd):
     engine = start(rows=3, max_queue=2)
     try:
         endless = RequestSettings(max_tokens=10**6, ignore_eos=True)
@@ -122,9 +122,15 @@ def test_admission_in_the_server_process_cancel_stats_and_metrics():
         assert 'mixtral_infer_requests_total{finish_reason="cancelled"} 5.0' in exposition
         assert "mixtral_infer_running_sequences 0.0" in exposition
         assert "mixtral_infer_queue_wait_seconds_count 3.0" in exposition
+
+        def broken(event):
+            raise RuntimeError("a listener's bug")
+
+        engine.submit([1, 1029], RequestSettings(max_tokens=3), broken)  # its events reach nobody...
         done = Collector()
-        engine.submit([1, 1029], RequestSettings(max_tokens=3), done)  # a row is free again
+        engine.submit([1, 1029], RequestSettings(max_tokens=3), done)  # ...and stop no one else's
         assert done.done.wait(30) and done.events[-1].reason == "length"
+        assert "a listener's bug" in capfd.readouterr().err
     finally:
         engine.shutdown()
 

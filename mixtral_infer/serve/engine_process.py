@@ -179,12 +179,19 @@ class EngineProcess:
                     if entry is not None:
                         deliveries.append((entry[0], event))
             for sink, event in deliveries:
-                sink(event)
+                self._deliver(sink, event)
         with self.lock:
             left, self.sinks = self.sinks, {}
             self.draining = True
         for sink, prompt_tokens in left.values():
-            sink(Finished("error", "", prompt_tokens, 0, error="the engine process stopped"))
+            self._deliver(sink, Finished("error", "", prompt_tokens, 0, error="the engine process stopped"))
+
+    @staticmethod
+    def _deliver(sink: Callable[[Event], None], event: Event) -> None:
+        try:
+            sink(event)
+        except Exception:  # one broken listener must not stop the events of every other request
+            traceback.print_exc()
 
 
 # ---- the engine process ---------------------------------------------------------------------
