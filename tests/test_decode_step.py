@@ -159,3 +159,29 @@ def test_decode_mode_choices():
     assert decode_mode("static", model) == "static"
     with pytest.raises(GenerationError, match="decode='fast' must be one of auto, eager, static, compiled"):
         decode_mode("fast", model)
+
+
+def test_guards_are_skipped_only_within_one_loop_after_two_checked_steps(monkeypatch):
+    """From the third compiled step of a loop on, dynamo runs only the guards that tell its graphs
+    apart (``GUARDED_STEPS``); the caller's on_token keeps every guard, and a model edited
+    between two calls is seen by the next call's checked steps."""
+    from mixtral_infer.fast import decode_loop
+
+    model = random_model(tiny_args(moe=True, max_batch_size=2), seed=29)
+    prompts = random_prompts([5, 2 * WINDOW + 3], model.args.vocab_size, seed=7)
+    schedule, in_callback = [], []
+    checked = decode_loop.guards_checked
+    monkeypatch.setattr(decode_loop, "guards_checked", lambda ok: schedule.append(ok) or checked(ok))
+
+    def on_token(index, token):
+        in_callback.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+
+    before = generate(prompts, model, decode="compiled", max_tokens=6, on_token=on_token)
+    assert schedule == [True, True, False, False, False]  # steps 2..6: the first token comes from the prompt's pass
+    assert len(in_callback) == 12 and not any(in_callback)
+    assert_same(generate(prompts, model, decode="eager", max_tokens=6), before)
+
+    model.output.weight = torch.nn.Parameter(-model.output.weight.detach())  # a new object, not an in-place edit
+    after = generate(prompts, model, decode="compiled", max_tokens=6)
+    assert after[0] != before[0]
+    assert_same(generate(prompts, model, decode="eager", max_tokens=6), after)
