@@ -37,10 +37,12 @@ TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
 # Compiled steps of one loop that run with dynamo's guards checked in full. From the next one on,
 # the loop passes the same model, cache and sampling tensors, and the step's own outputs (same
 # shapes, dtypes and strides), so every guard would pass: checking them cost 0.7 ms a step on
-# mistral-bench and more on mixtral-bench, which reads four times the weights (2-core CPU:
-# mixtral-bench bfloat16 decode 30.9 -> 34.2 tok/s, medians of 4). The first step's inputs come
-# from eager code and the second's from the graph, so both are checked; a model edited between
-# two generate() calls (quantize_model, unpack_model) is caught there and recompiled.
+# mistral-bench and more on mixtral-bench, which reads four times the weights (2-core CPU,
+# alternating A/B runs: mixtral-bench bfloat16 decode 28.9 -> 31.8 and 27.6 -> 32.4 tok/s). The
+# first step's inputs come from eager code and the second's from the graph, so both are checked;
+# a model edited between two generate() calls (quantize_model, unpack_model) is caught there and
+# recompiled. (Had a later step needed a recompile, torch raises rather than run a stale graph:
+# seen with GUARDED_STEPS = 0.) Not measured on CUDA: no GPU was lent.
 GUARDED_STEPS = 2
 
 
