@@ -92,6 +92,7 @@ class EngineProcess:
         self.ids = itertools.count()
         self.lock = threading.Lock()  # guards sinks, draining and the pipe's sending end
         self.draining = False
+        self.stopped = False  # the pipe from the engine process has closed: it has exited
         self.reader: Optional[threading.Thread] = None
 
     # ---- the Engine's interface ---------------------------------------------------------
@@ -105,7 +106,7 @@ class EngineProcess:
         check_request(prompt, settings, self.vocab_size, self.max_model_len)
         with self.lock:
             if self.draining:
-                raise ShuttingDown("the server is shutting down" if self.process.is_alive() else "the engine process has stopped")
+                raise ShuttingDown("the engine process has stopped" if self.stopped else "the server is shutting down")
             if len(self.sinks) >= self.rows + self.max_queue:
                 raise QueueFull.of(self.rows, len(self.sinks) - self.rows)
             request_id = next(self.ids)
@@ -182,7 +183,7 @@ class EngineProcess:
                 self._deliver(sink, event)
         with self.lock:
             left, self.sinks = self.sinks, {}
-            self.draining = True
+            self.draining = self.stopped = True
         for sink, prompt_tokens in left.values():
             self._deliver(sink, Finished("error", "", prompt_tokens, 0, error="the engine process stopped"))
 
