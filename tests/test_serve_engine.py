@@ -6,6 +6,7 @@ from conftest import random_model, tiny_args
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast.decode_loop import GUARDED_STEPS
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.generation.settings import kv_cache_bytes
 from mixtral_infer.serve import sizing
@@ -102,7 +103,7 @@ def mixed_solo(tiny):
     return [solo(model, tokenizer, prompt, settings) for prompt, settings in mixed_requests(tokenizer)]
 
 
-@pytest.mark.parametrize("decode", ["eager", "static"])
+@pytest.mark.parametrize("decode", ["eager", "static", "compiled"])
 def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
     """8 requests on 3 rows, a small prefill budget (prompts read over several steps: decoding
     rows and prompt chunks share forward passes), greedy,
@@ -129,6 +130,8 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
         assert recorder.finished(i).reason == "length"
         assert recorder.text(i) == " " * tokenizer.id_to_piece(tokens[0]).startswith("\u2581") + tokenizer.decode(tokens)
     assert engine.stats() == {"rows": 3, "rows_free": 3, "running": 0, "queued": 0, "admitted": 8, "steps": engine.steps}
+    if decode == "compiled":  # later decode-only steps ran with dynamo's guards skipped (decode_loop.GUARDED_STEPS)
+        assert engine._decode_calls > GUARDED_STEPS
 
 
 def test_seeded_request_does_not_depend_on_its_batch_mates(tiny):

@@ -42,6 +42,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.fast.decode_step import decode_logits, supports_static_decode
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling, sample
@@ -187,6 +188,7 @@ class Engine:
         self.stopped = False
         self.thread: Optional[threading.Thread] = None
         self._decode_step = None
+        self._decode_calls = 0
         self.admit_every, self.last_admission = admit_every, 0
         self._vocab = model.args.vocab_size
 
@@ -376,9 +378,13 @@ class Engine:
             self._decode_step = self._make_decode_step()
         if device.type == "cuda" and self.mode == "compiled":
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self._decode_step(
-            self.cache.cache_k, self.cache.cache_v, tokens.to(device), positions.to(device), alive.to(device)
-        )  # (R, V)
+        self._decode_calls += 1
+        # Every call passes the same cache tensors and fresh (R,) tensors of one dtype: after the
+        # first calls, dynamo's per-weight guards would pass (as in generate's decode loop).
+        with guards_checked(self.mode != "compiled" or self._decode_calls <= GUARDED_STEPS):
+            logits = self._decode_step(
+                self.cache.cache_k, self.cache.cache_v, tokens.to(device), positions.to(device), alive.to(device)
+            )  # (R, V)
         for request in sampled:
             self.cache.tokens_seen[request.row] += 1
         return logits[torch.tensor([r.row for r in sampled], device=device)]  # (N, V), a copy
