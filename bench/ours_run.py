@@ -46,13 +46,12 @@ def main():
     if cli.quantize is None:
         out["decode_bytes_b1"] = b.decode_bytes(model, 1)["bytes"]
     vocab = model.args.vocab_size
+    prompts = b.random_prompts(1, b.PROMPT_LEN, vocab, seed=1001)
     if "decode" in cli.what and cli.decode == "loop":
-        prompts = b.random_prompts(1, b.PROMPT_LEN, vocab, seed=1001)
         b.ours_decode(model, prompts, 16)  # warm-up
         out["decode_s"], _ = b.ours_decode(model, prompts, b.NEW_TOKENS)
         out["decode_tok_s"] = b.NEW_TOKENS / out["decode_s"]
     elif "decode" in cli.what:
-        prompts = b.random_prompts(1, b.PROMPT_LEN, vocab, seed=1001)
         start = time.perf_counter()
         decode_seconds(model, prompts, cli.decode, b.NEW_TOKENS)  # warm-up (compiles)
         out["compile_s"] = time.perf_counter() - start
