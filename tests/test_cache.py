@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mixtral_infer import RotatingBufferCache, interleave_list, unrotate
-from mixtral_infer.model.cache import build_input_metadata, kv_gather
+from mixtral_infer.model.cache import build_input_metadata, kv_gather, split_mixed
 from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
     BlockDiagonalCausalLocalAttentionMask,
@@ -153,3 +153,22 @@ def test_interleave_kv_of_many_sequences_gathers_the_same_keys():
     expected = [p for seen, n in zip(first, second) if n for p in range(max(0, seen - window), seen + n)]
     assert key[:, 0, 0].long().tolist() == expected
     assert torch.equal(key, value)
+
+
+def test_split_mixed_docstring_example():
+    cpu = torch.device("cpu")
+    assert split_mixed([1, 0, 5, 1], cpu) == ([1, 0, 0, 1], [0, 0, 5, 0])
+    assert split_mixed([1, 1], cpu) is None and split_mixed([4, 2], cpu) is None
+    assert split_mixed([1, 0, 5, 1], torch.device("cuda")) is None  # one part: the ragged kernels take it whole
+
+
+def test_a_mixed_pass_has_a_decoding_part_and_a_prompt_part():
+    """Sequences 0 and 3 decode, 2 reads a 3-token prompt, 1 sits out: flat rows [0 | 1 2 3 | 4]."""
+    metadata = build_input_metadata([1, 0, 3, 1], [9, 5, 0, 2], cache_size=4, sliding_window=4, device=torch.device("cpu"))
+    (decode_rows, decode), (prompt_rows, prompt) = metadata.parts
+    assert decode_rows.tolist() == [0, 4] and decode.decoding and decode.chunk_lengths == [1, 0, 0, 1]
+    kv_lengths = decode.mask.k_seqinfo.seqlen_py
+    assert (kv_lengths[0], kv_lengths[3]) == (4, 3)  # each over its own buffer
+    assert prompt_rows.tolist() == [1, 2, 3] and not prompt.decoding and prompt.chunk_lengths == [0, 0, 3, 0]
+    assert prompt.parts is None and metadata.mask is None
+    assert metadata.positions.tolist() == [9, 0, 1, 2, 2]

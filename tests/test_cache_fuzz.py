@@ -4,20 +4,24 @@ Random windows, batch sizes, ragged prompts (sequences sit chunks out once their
 prompt is done), chunk sizes and decode steps. After every step:
 
 * each sequence's unrotated cache equals the last ``min(W, length)`` keys of its history;
-* attention through the cache (as the model does it) equals dense masked attention
-  over the full history, with every unused cache slot holding NaN.
+* attention through the cache (``Attention.attend``, as the model does it) equals dense
+  masked attention over the full history, with every unused cache slot holding NaN; a step
+  that mixes one-token sequences with longer chunks attends in two parts or in one
+  (``split_mixed``: off CUDA and on it).
 """
 
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixtral_infer import RotatingBufferCache, unrotate
-from mixtral_infer.model.attention import torch_attention
+from mixtral_infer.model import cache as cache_module
+from mixtral_infer.model.transformer import Attention
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 4
 
@@ -49,9 +53,14 @@ def scenarios(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(scenarios(), st.integers(0, 2**31 - 1))
-def test_rotating_cache_matches_full_history(scenario, seed):
+@given(scenarios(), st.integers(0, 2**31 - 1), st.booleans())
+def test_rotating_cache_matches_full_history(scenario, seed, split):
     window, prompt_lengths, chunk_size, participation = scenario
+    with mock.patch.object(cache_module, "split_mixed", cache_module.split_mixed if split else lambda *_: None):
+        check_against_full_history(window, prompt_lengths, chunk_size, participation, seed)
+
+
+def check_against_full_history(window, prompt_lengths, chunk_size, participation, seed):
     batch = len(prompt_lengths)
     generator = torch.Generator().manual_seed(seed)
     cache = RotatingBufferCache(1, batch, window, N_KV_HEADS, HEAD_DIM, sliding_window=window)
@@ -75,14 +84,7 @@ def test_rotating_cache_matches_full_history(scenario, seed):
         xv = torch.randn(total, N_KV_HEADS, HEAD_DIM, generator=generator)
 
         metadata = cache.get_input_metadata(seqlens)
-        view = cache.get_view(0, metadata)
-        if view.decoding:
-            view.update(xk, xv)
-            key, value = view.key, view.value
-        else:
-            key, value = view.interleave_kv(xk, xv)
-            view.update(xk, xv)
-        out = torch_attention(q, key, value, view.mask)
+        out = Attention.attend(q, xk, xv, cache.get_view(0, metadata), None)
         cache.advance(seqlens)
 
         offset = 0

@@ -9,8 +9,8 @@ else the same result is computed with ``scaled_dot_product_attention``:
   sequence's (q_len, kv_len) causal / sliding-window mask, never a dense mask
   over the whole batch; a sequence much longer than the window in tiles of
   queries, each over only the keys it can see (``window_tiles``); the sequences
-  that bring a single query (the decoding rows of a serving step that also reads
-  prompts) together in one batched call (``single_query_keys``);
+  that bring a single query (one-token prompts) together in one batched call
+  (``single_query_keys``);
 * the padded-keys bias (decoding): one batched SDPA call, each sequence's single
   query against its own cache buffer, with a per-sequence key length.
 

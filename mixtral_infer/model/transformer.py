@@ -162,20 +162,33 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n_tokens = x.shape[0]
         xq, xk, xv = self.project(x, rotary)
-
-        if cache is None:
-            key, value = xk, xv
-        elif cache.decoding:
-            cache.update(xk, xv)
-            key, value = cache.key, cache.value  # (B*S, H_kv, Dh)
-            mask = cache.mask
-        else:
-            key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), H_kv, Dh)
-            cache.update(xk, xv)
-            mask = cache.mask
-        out = attention(xq, key, value, mask)  # (T, H, Dh)
+        out = self.attend(xq, xk, xv, cache, mask)  # (T, H, Dh)
         out = linear(out.reshape(n_tokens, self.n_heads * self.head_dim), self.wo.weight)  # (T, D)
         return self.parallel.all_reduce(out)
+
+    @staticmethod
+    def attend(
+        xq: torch.Tensor,  # (T, H, Dh)
+        xk: torch.Tensor,  # (T, H_kv, Dh)
+        xv: torch.Tensor,
+        cache: Optional[CacheView],
+        mask,
+    ) -> torch.Tensor:
+        """Each query over the keys it sees, writing the chunk's keys and values to the cache: ``(T, H, Dh)``."""
+        if cache is None:
+            return attention(xq, xk, xv, mask)
+        parts = cache.parts
+        if parts is not None:  # one-token sequences beside prompt chunks: each part as its own kind of pass
+            out = torch.empty_like(xq)
+            for rows, view in parts:
+                out[rows] = Attention.attend(xq[rows], xk[rows], xv[rows], view, None)
+            return out
+        if cache.decoding:
+            cache.update(xk, xv)
+            return attention(xq, cache.key, cache.value, cache.mask)  # keys (B*S, H_kv, Dh)
+        key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), H_kv, Dh)
+        cache.update(xk, xv)
+        return attention(xq, key, value, cache.mask)
 
 
 class FeedForward(nn.Module):
