@@ -25,7 +25,18 @@ the time from the first arrival to the last token. The static and sequential mod
 
 ``--repeat R`` runs every mode R times, all modes in alternation, and reports each
 mode's median run (by throughput) with all R throughputs: on a shared virtual machine one run
-of the same work varies by up to 30%.
+of the same work varies by up to 30%. The ratios between modes are also given as the median of
+each round's ratio (``paired``): the modes of one round run back to back, in the same stretch
+of the machine's noise.
+
+``--shape mistral-7b`` (or ``mixtral-8x7b``, the shapes of ``bench_gpu.py``) serves a model of that
+shape with random weights built on ``--device`` in ``--dtype``, nothing downloaded: the engine,
+static and sequential modes, in process (the server needs a model folder). Its tokenizer is
+tiny-mixtral's, with token ids beyond its vocabulary folded into it for detokenization, so every
+generated token is still turned into text. On a GPU::
+
+    python bench/bench_serve.py --shape mistral-7b --device cuda --dtype bfloat16 --requests 256 \
+        --rate 10000 --modes engine,engine-grouped,static,sequential --repeat 3 --out bench/results_serve_gpu.json
 
 With N close to the number of clients, throughput is dominated by the last batch draining (the
 longest request of the last group runs alone): ``--requests 384`` (12 per client) measures the
@@ -66,6 +77,42 @@ TEXT = (
     "If his offering be a burnt sacrifice of the herd, let him offer a male without blemish: he shall offer it of his "
     "own voluntary will at the door of the tabernacle of the congregation before the LORD."
 ).split()
+
+
+class FoldedTokenizer(Tokenizer):
+    """A tokenizer for a model with a larger vocabulary than its own: ids beyond it are folded
+    into it when decoding (``--shape``: random weights generate any of 32000 ids)."""
+
+    def decode(self, ids: List[int]) -> str:
+        return super().decode([i % self.n_words for i in ids])
+
+    def id_to_piece(self, token_id: int) -> str:
+        return super().id_to_piece(token_id % self.n_words)
+
+
+def random_model(shape: str, layers, clients: int, device: str, dtype: torch.dtype):
+    """``bench_gpu``'s shape with random weights, built on the device (RMSNorm weights near 1)."""
+    from bench_gpu import model_args
+
+    from mixtral_infer import Transformer
+
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Transformer(model_args(shape, layers, clients))
+    finally:
+        torch.set_default_dtype(default_dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.8, 1.2)
+            elif name.startswith("tok_embeddings"):
+                param.normal_(0.0, 1.0)
+            elif param.dim() >= 2:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+    return model.eval()
 
 
 def make_requests(n: int, rate: float, seed: int) -> List[Dict]:
@@ -317,9 +364,29 @@ def run_engine_in_process(
     return records
 
 
+def paired_ratios(throughputs: Dict[str, List[float]]) -> Dict[str, float]:
+    """``{"engine/static": x, ...}``: for each pair of a batching mode and a baseline, the median
+    over rounds of that round's throughput ratio.
+
+    >>> paired_ratios({"engine": [300, 200], "static": [100, 200]})
+    {'engine/static': 2.0}
+    """
+    ratios = {}
+    for mode in ("continuous", "engine", "engine-grouped"):
+        for base in ("static", "sequential"):
+            if mode in throughputs and base in throughputs:
+                pairs = zip(throughputs[mode], throughputs[base])
+                ratios[f"{mode}/{base}"] = statistics.median(a / b for a, b in pairs)
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-mixtral")
+    parser.add_argument("--shape", default=None, help="mistral-7b or mixtral-8x7b: random weights of that shape")
+    parser.add_argument("--layers", type=int, default=None, help="with --shape: this many layers")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--rate", type=float, default=40.0, help="Poisson arrival rate, requests per second")
@@ -329,23 +396,33 @@ def main() -> None:
     parser.add_argument("--admit-every", type=int, default=8, help="engine-grouped: steps between prompt groups")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
     parser.add_argument("--repeat", type=int, default=1, help="runs per mode; the median run is reported")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default: 1 on CUDA, which compiles)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    modes = args.modes.split(",")
+    if args.shape is not None and "continuous" in modes:
+        parser.error("--shape serves random weights in process: leave 'continuous' out of --modes (the server needs a folder)")
 
     requests = make_requests(args.requests, args.rate, args.seed)
     load_before = os.getloadavg()
     results = {
-        "model": args.model, "requests": args.requests, "clients": args.clients, "rate_per_s": args.rate,
+        "model": args.shape or args.model, "layers": args.layers, "device": args.device, "dtype": args.dtype,
+        "requests": args.requests, "clients": args.clients, "rate_per_s": args.rate,
         "max_tokens": "16..64 (uniform)", "prompt_words": "3..45 (uniform)",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),
         "repeat": args.repeat, "load_average_before": load_before, "modes": [],
     }  # fmt: skip
-    modes = args.modes.split(",")
     in_process, process = {}, None
     if {"engine", "engine-grouped", "static", "sequential"} & set(modes):
-        model = load_model(args.model, dtype=torch.float32, device="cpu", max_batch_size=args.clients)
-        tokenizer = Tokenizer.from_folder(args.model)
+        dtype = getattr(torch, args.dtype)
+        if args.shape is not None:
+            model = random_model(args.shape, args.layers, args.clients, args.device, dtype)
+            tokenizer = FoldedTokenizer.from_folder("tiny-mixtral")
+        else:
+            model = load_model(args.model, dtype=dtype, device=args.device, max_batch_size=args.clients)
+            tokenizer = Tokenizer.from_folder(args.model)
         generate([tokenizer.encode("warm up")], model, max_tokens=4)
         in_process = {
             "engine": lambda: run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens),
@@ -363,13 +440,19 @@ def main() -> None:
             results["idle_ttft_s"] = idle_ttft(port, requests)
             print(f"idle server TTFT (median of 8): {results['idle_ttft_s'] * 1e3:.0f} ms", flush=True)
             runners = {"continuous": lambda: run_clients(requests, args.clients, port), **runners}
+        warmup = args.warmup if args.warmup is not None else int(args.device.startswith("cuda"))
+        for _ in range(warmup):  # compiles every shape the timed rounds use
+            for mode, runner in runners.items():
+                runner()
         runs: Dict[str, list] = {mode: [] for mode in runners}
+        throughputs: Dict[str, List[float]] = {}
         for _ in range(args.repeat):  # alternating, so a noisy stretch of time hits every mode
             for mode, runner in runners.items():
                 runs[mode].append(runner())
         for mode in runners:
             summary, records = median_run(mode, runs[mode])
             results["modes"].append(summary)
+            throughputs[mode] = summary["throughput_runs_tok_s"]
             if mode == "continuous":
                 late = [r["sent"] - r["arrival"] for r in records]
                 from_sent = [r["first"] - r["sent"] for r in records]
@@ -384,6 +467,9 @@ def main() -> None:
             process.terminate()
             process.wait(60)
     results["load_average_after"] = os.getloadavg()
+    results["paired"] = paired_ratios(throughputs)
+    for name, ratio in results["paired"].items():
+        print(f"paired (median of the rounds' ratios): {name} {ratio:.2f}x")
     by_mode = {m["mode"]: m for m in results["modes"]}
     if {"engine", "static", "sequential"} <= set(by_mode):
         e = by_mode["engine"]["throughput_tok_s"]
