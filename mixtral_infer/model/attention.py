@@ -97,10 +97,10 @@ def local_causal_mask(q_len: int, kv_len: int, window: Optional[int], device: to
     return allowed
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA on (T, H, Dh) layouts; returns (T_q, H, Dh)."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """SDPA on (T, H, Dh) layouts; returns (T_q, H, Dh). ``mask`` None: plain causal (square)."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, enable_gqa=True
     )  # (H, T_q, Dh)
     return out.transpose(0, 1)
 
@@ -165,7 +165,9 @@ def _per_block_attention(
         if not bottom_right and q_len != kv_len:
             raise NotImplementedError("top-left causal blocks must be square")
         for q_from, q_to, k_from, k_to in window_tiles(q_len, kv_len, window):
-            mask = local_causal_mask(q_to - q_from, k_to - k_from, window, q.device)
+            square = q_to - q_from == k_to - k_from and (window is None or k_to - k_from <= window)
+            # A square tile the window does not cut is plain causal: SDPA's own mask, none built.
+            mask = None if square else local_causal_mask(q_to - q_from, k_to - k_from, window, q.device)
             out[q_start + q_from : q_start + q_to] = _sdpa(
                 q[q_start + q_from : q_start + q_to], k[k_start + k_from : k_start + k_to],
                 v[k_start + k_from : k_start + k_to], mask,
