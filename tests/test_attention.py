@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mixtral_infer.model.attention import single_query_keys, torch_attention, window_tiles
+from mixtral_infer.model.attention import _single_query_attention, single_query_gather, single_query_keys, torch_attention, window_tiles
 from mixtral_infer.model.cache import build_input_metadata
 from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
@@ -72,6 +72,23 @@ def test_long_blocks_run_in_query_tiles_with_the_same_result(window):
 def test_single_query_keys_docstring_example():
     assert single_query_keys([(0, 5), (5, 6), (6, 40)], window=8) == ([0, 5, 32], [5, 1, 8])
     assert single_query_keys([(0, 5), (5, 6), (6, 40)], window=None) == ([0, 5, 6], [5, 1, 34])
+
+
+def test_single_query_gather_docstring_example():
+    index, mask, longest = single_query_gather(((0, 3), (3, 4)), None, torch.device("cpu"))
+    assert index.tolist() == [0, 1, 2, 3, 3, 3] and longest == 3
+    assert mask[:, 0, 0].tolist() == [[True, True, True], [True, False, False]]
+    assert single_query_gather(((0, 3), (3, 6)), None, torch.device("cpu"))[1] is None  # nothing padded
+
+
+def test_a_gather_made_under_inference_mode_serves_a_pass_with_gradients():
+    ranges = [(0, 2), (2, 7)]
+    with torch.inference_mode():
+        single_query_gather(tuple(ranges), None, torch.device("cpu"))  # cached here
+    k = torch.randn(7, 1, 4, requires_grad=True)
+    out = _single_query_attention(torch.randn(2, 2, 4), k, torch.randn(7, 1, 4), ranges, None)
+    out.sum().backward()
+    assert k.grad is not None and torch.isfinite(k.grad).all()
 
 
 @pytest.mark.parametrize("window", [None, 3, 6])

@@ -187,6 +187,29 @@ def single_query_keys(key_ranges: list[tuple[int, int]], window: Optional[int]) 
     return starts, [end - first for first, (_, end) in zip(starts, key_ranges)]
 
 
+@functools.lru_cache(maxsize=16)
+def single_query_gather(
+    key_ranges: tuple[tuple[int, int], ...], window: Optional[int], device: torch.device
+) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
+    """The rows of k that ``_single_query_attention`` reads ``(N*L,)``, the mask of the padding
+    ``(N, 1, 1, L)`` (None when every query sees L keys), and L, the most keys a query sees.
+
+    Every layer of a pass asks for the same ones, so they are made once (cached; never written;
+    made as normal tensors even under ``inference_mode``, so a later pass with gradients can use them).
+    Blocks ``[0, 3)`` and ``[3, 4)``: query 0 reads rows 0 1 2, query 1 reads row 3 then repeats it::
+
+        index = [0, 1, 2, 3, 3, 3], mask = [[T, T, T], [T, F, F]], L = 3
+    """
+    starts, lengths = single_query_keys(list(key_ranges), window)
+    longest = max(lengths)
+    with torch.inference_mode(False):
+        offsets = torch.arange(longest, device=device)  # (L,)
+        start, length = torch.tensor([starts, lengths], device=device)[:, :, None]  # (N, 1) each
+        index = (start + torch.minimum(offsets, length - 1)).view(-1)  # (N*L,)
+        mask = (offsets < length)[:, None, None, :] if min(lengths) < longest else None  # (N, 1, 1, L)
+    return index, mask, longest
+
+
 def _single_query_attention(
     q: torch.Tensor,  # (N, H, Dh): one query per block
     k: torch.Tensor,  # (T_k, H_kv, Dh)
@@ -197,13 +220,8 @@ def _single_query_attention(
     """One batched SDPA: query n against the keys it sees (``single_query_keys``), padded to the
     longest. A padded slot repeats its block's last key and is masked out, so it reads only that
     block's own keys (a NaN elsewhere in the batch cannot leak in)."""
-    starts, lengths = single_query_keys(key_ranges, window)
-    longest = max(lengths)
-    offsets = torch.arange(longest, device=k.device)  # (L,)
-    start, length = torch.tensor([starts, lengths], device=k.device)[:, :, None]  # (N, 1) each
-    index = (start + torch.minimum(offsets, length - 1)).view(-1)  # (N*L,)
-    mask = (offsets < length)[:, None, None, :] if min(lengths) < longest else None  # (N, 1, 1, L)
-    shape = (len(starts), longest, *k.shape[1:])  # (N, L, H_kv, Dh)
+    index, mask, longest = single_query_gather(tuple(key_ranges), window, k.device)
+    shape = (len(key_ranges), longest, *k.shape[1:])  # (N, L, H_kv, Dh)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :],  # (N, H, 1, Dh)
         k.index_select(0, index).view(shape).transpose(1, 2),  # (N, H_kv, L, Dh)
