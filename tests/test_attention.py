@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from mixtral_infer.model.attention import _single_query_attention, single_query_gather, single_query_keys, torch_attention, window_tiles
+from mixtral_infer.model.attention import (
+    _single_query_attention,
+    single_query_gather,
+    single_query_keys,
+    torch_attention,
+    window_tiles,
+)
 from mixtral_infer.model.cache import build_input_metadata
 from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
