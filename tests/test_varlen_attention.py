@@ -36,7 +36,8 @@ def biases(device=CPU):
     yield "causal from bottom right", bottom_right.make_causal_from_bottomright()
     yield "local 4 from bottom right", bottom_right.make_local_attention_from_bottomright(4)
     for chunk, seen, window in [(3, 10, 4), (4, 4, 4), (9, 6, 4), (1, 0, 4), (6, 0, 4)]:  # chunk <, = and > the window
-        metadata = build_input_metadata([chunk, 2], [seen, 1], cache_size=window, sliding_window=window, device=device)
+        # split=False: the one-part bias a CUDA pass attends with (on CPU a one-token chunk beside others splits)
+        metadata = build_input_metadata([chunk, 2], [seen, 1], window, window, device, split=False)
         yield f"cache: chunk {chunk} after {seen}, window {window}", metadata.mask
     first = build_input_metadata([6, 2], [0, 0], cache_size=4, sliding_window=4, device=device)
     yield "cache: first chunk, window 4", first.mask
