@@ -314,8 +314,8 @@ class CacheView:
         return [(rows, CacheView(self.cache_k, self.cache_v, part)) for rows, part in self.metadata.parts]
 
     @property
-    def mask(self) -> AttentionBias:
-        return self.metadata.mask
+    def mask(self) -> Optional[AttentionBias]:
+        return self.metadata.mask  # None when the pass attends in parts
 
     def update(self, xk: torch.Tensor, xv: torch.Tensor) -> None:
         """Write the chunk's keys/values (T, H_kv, Dh) into their slots (only the last S of each sequence)."""
