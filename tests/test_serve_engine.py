@@ -10,7 +10,7 @@ from mixtral_infer.fast.decode_loop import GUARDED_STEPS
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.generation.settings import kv_cache_bytes
 from mixtral_infer.serve import sizing
-from mixtral_infer.serve.engine import Engine, Finished, QueueFull, RequestSettings, TokenEvent, sample_rows
+from mixtral_infer.serve.engine import NOT_FINITE, Engine, Finished, QueueFull, RequestSettings, TokenEvent, sample_rows
 
 PROMPTS = [
     "In the beginning",
@@ -204,6 +204,41 @@ def test_prompts_join_in_groups_with_admit_every(tiny):
         engine.step()
         running.append(engine.stats()["running"])
     assert running == [1, 1, 2]  # steps 1 and 2 decode alone; step 3 admits the waiting prompt
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_nan_logits_fail_their_request_alone_and_its_row_is_cleared(tiny, decode):
+    """At the 4th step one request's pass goes wrong (NaN in its logits and in its cache row): it
+    ends with an error after 3 tokens, its batch mate gets all its solo tokens, and the request
+    that reuses its row too (the static step reads a row's unwritten slots under a mask, where a
+    NaN left behind would spoil every sum)."""
+    model, tokenizer = tiny
+    settings = RequestSettings(max_tokens=8, temperature=0)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    expected = [solo(model, tokenizer, prompt, settings)[0] for prompt in prompts]
+    engine = Engine(model, tokenizer, rows=2, decode=decode)
+    recorder = Recorder()
+    broken = engine.submit(prompts[0], settings, recorder.sink(0))
+    engine.submit(prompts[1], settings, recorder.sink(1))
+    forward = engine._forward
+
+    def breaking_forward(seqlens, chunks, sampled, *rest):
+        logits = forward(seqlens, chunks, sampled, *rest)
+        if engine.steps == 3:
+            engine.cache.cache_k[:, broken.row] = float("nan")
+            engine.cache.cache_v[:, broken.row] = float("nan")
+            logits[sampled.index(broken)] = float("nan")
+        return logits
+
+    engine._forward = breaking_forward
+    for _ in range(4):
+        engine.step()
+    assert recorder.finished(0).reason == "error" and recorder.finished(0).error == NOT_FINITE
+    assert recorder.tokens(0) == expected[0][:3] and engine.stats()["rows_free"] == 1
+    engine.submit(prompts[2], settings, recorder.sink(2))  # takes the broken request's row
+    run(engine)
+    assert recorder.tokens(1) == expected[1] and recorder.tokens(2) == expected[2]
+    assert recorder.finished(2).reason == "length"
 
 
 def test_queue_bound(tiny):

@@ -52,6 +52,12 @@ from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.tokenizer import Tokenizer
 
 
+NOT_FINITE = (
+    "the model produced NaN or inf logits for this request: its weights may be broken, or its activations "
+    "overflow this dtype (float16 does first; try bfloat16 or float32)"
+)
+
+
 class QueueFull(GenerationError):
     """Every row is busy and the queue holds ``max_queue`` requests: try again later."""
 
@@ -281,6 +287,13 @@ class Engine:
             self.queue.clear()
         for request in failed:
             self._finish(request, "error", error=message)
+        self._clear_rows(slice(None))  # a step that broke off may have left anything in the cache
+
+    def _clear_rows(self, rows) -> None:
+        """Zero these rows of the cache. A row's next request never sees slots it has not written, but
+        the static decode step reads them under a mask, and a NaN there would still spoil its sums."""
+        self.cache.cache_k[:, rows] = 0
+        self.cache.cache_v[:, rows] = 0
 
     @torch.inference_mode()
     def step(self) -> bool:
@@ -408,9 +421,20 @@ class Engine:
         return torch.compile(step, fullgraph=True, dynamic=False, options=options)
 
     def _choose(self, sampled: List[Request], logits: torch.Tensor) -> None:
-        """Sample every row's next token, then hand each to its request."""
-        if not torch.isfinite(logits).all():
-            raise GenerationError("the model produced NaN or inf logits: the weights may be broken")
+        """Sample every row's next token, then hand each to its request.
+
+        A request whose logits hold NaN or inf ends with an error, and its row of the cache is
+        cleared; the other rows go on (their logits do not depend on it)."""
+        finite = torch.isfinite(logits).all(dim=-1)  # (N,)
+        if not finite.all():
+            finite = finite.tolist()
+            for request in [r for r, ok in zip(sampled, finite) if not ok]:
+                self._clear_rows(request.row)
+                self._finish(request, "error", error=NOT_FINITE)
+            keep = [i for i, ok in enumerate(finite) if ok]
+            sampled, logits = [sampled[i] for i in keep], logits[torch.tensor(keep, device=logits.device)]
+            if not sampled:
+                return
         tokens = sample_rows(logits, [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
         chosen, top = None, None
         if any(r.settings.logprobs is not None for r in sampled):  # else skip a softmax over (N, V)
