@@ -51,7 +51,6 @@ from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.tokenizer import Tokenizer
 
-
 NOT_FINITE = (
     "the model produced NaN or inf logits for this request: its weights may be broken, or its activations "
     "overflow this dtype (float16 does first; try bfloat16 or float32)"
