@@ -331,7 +331,12 @@ def run_engine_in_process(
     """Continuous batching without HTTP: the engine's thread, requests submitted at their arrivals."""
     from mixtral_infer.serve.engine import Engine, Finished, RequestSettings
 
-    engine = Engine(model, tokenizer, rows=clients, prefill_tokens=prefill_tokens, max_queue=len(requests), admit_every=admit_every)
+    # A model without a window (Mixtral 8x7B) sizes its rows by the longest request: prompt + max_tokens.
+    longest = max(len(tokenizer.encode(r["prompt"])) + r["max_tokens"] for r in requests)
+    engine = Engine(
+        model, tokenizer, rows=clients, prefill_tokens=prefill_tokens, max_queue=len(requests), admit_every=admit_every,
+        max_model_len=None if model.args.sliding_window is not None else longest,
+    )  # fmt: skip
     engine.start()
     slots = threading.Semaphore(clients)
     records: List[Dict] = []
