@@ -144,3 +144,6 @@ def test_streaming_decodes_each_token_a_bounded_number_of_times():
     assert "".join(shown) == tokenizer.decode_continuation(ids)
     assert len(ids) > 400
     assert sum(decoded) <= 2 * 4 * len(ids)  # two decodes per token of at most the tokens since the last piece (+ a character's bytes)
+    # The last piece shown is decoded again at every push (2 calls per token); a one-token piece's
+    # text comes from the per-tokenizer cache after its first time: here 812 calls for 641 tokens.
+    assert len(decoded) <= 1.3 * len(ids)
