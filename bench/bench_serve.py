@@ -4,8 +4,9 @@ generate() and against one request at a time, on the same Poisson arrivals.
 N requests with ragged prompts and ragged max_tokens arrive as a Poisson process; at most
 ``--clients`` are in flight at once (a request that arrives when all clients are busy waits
 for one, and its wait counts in its latency). Every request generates exactly its max_tokens
-(EOS ignored) and every token is turned into text as it arrives (``TextStream``, as the server
-streams it), so all modes do the same work.
+(EOS ignored) and each of those tokens is turned into text as it arrives (``TextStream``, as the
+server streams it), so all modes do the same work apart from their batching (a static batch's rows
+run on to its longest request, and what they compute past their own max_tokens is dropped unread).
 
 - **continuous**: ``main.py serve`` in a subprocess (``--max-rows`` = clients), streamed over
   HTTP on 127.0.0.1 by one thread per client.
@@ -312,6 +313,8 @@ def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int)
         texts = [TextStream(tokenizer, leading_space=True) for _ in batch]
 
         def on_token(i, token, batch=batch, firsts=firsts, lasts=lasts, counts=counts, texts=texts):
+            if counts[i] == batch[i]["max_tokens"]:
+                return  # the row runs on for the batch's longest request; a server would stream nothing more
             texts[i].push(token)
             counts[i] += 1
             t = time.perf_counter() - start
