@@ -98,11 +98,18 @@ def local_causal_mask(q_len: int, kv_len: int, window: Optional[int], device: to
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """SDPA on (T, H, Dh) layouts; returns (T_q, H, Dh). ``mask`` None: plain causal (square)."""
+    """SDPA on (T, H, Dh) layouts; returns (T_q, H, Dh). ``mask`` None: plain causal (square).
+
+    The inputs get a batch dimension of 1: given 3-D tensors, SDPA on CPU takes its math path
+    (the scores materialized, mask and all), where 4-D ones take its flash kernel. Measured on the
+    2-core Xeon, 16 heads of 64 over 4 KV heads: 256 queries x 511 keys with a mask 9.95 -> 3.40 ms
+    in float32, 10.5 -> 5.1 ms in bfloat16; a 31-token prompt, causal, 0.19 -> 0.08 ms.
+    """
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None, enable_gqa=True
-    )  # (H, T_q, Dh)
-    return out.transpose(0, 1)
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+    )  # (1, H, T_q, Dh)  # fmt: skip
+    return out[0].transpose(0, 1)
 
 
 def _block_diagonal_attention(
