@@ -103,6 +103,63 @@ def test_int4_prefill_reads_its_layout_back_where_float32_is_faster(monkeypatch)
     assert calls == [128, 80, 80]
 
 
+def test_tinygemm_bytes_worked_example():
+    """The plain layout's input 2j moves to the high nibble (kernels.tinygemm_bytes' docstring)."""
+    plain = torch.tensor([[95, 137]], dtype=torch.uint8)  # inputs [15, 5, 9, 8] (test_int4_worked_example)
+    assert kernels.tinygemm_bytes(plain).tolist() == [[245, 152]]  # 15 << 4 | 5, 9 << 4 | 8
+
+
+def test_cuda_inner_k_tiles():
+    assert [kernels.cuda_inner_k_tiles(n) for n in (4096, 14336, 256, 64, 96, 40)] == [8, 8, 8, 4, 2, None]
+
+
+def test_tinygemm_layout_hands_cuda_the_weight_with_input_2j_high():
+    """What ``prepare`` gives CUDA's ``_convert_weight_to_int4pack`` (not on this machine): each expert's
+    (OUT, IN/2) bytes, read as tinygemm reads them (input 2j in the high nibble, ``(n - 8) * scale
+    + zero`` with the scales of ``scales_and_zeros``), are the weight itself."""
+    weight = quantize(torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(3)), INT4, torch.bfloat16)
+    handed = []
+
+    def convert(matrix, tiles):  # stands in for the CUDA op: records what it gets, returns its shape
+        handed.append((matrix.clone(), tiles))
+        return torch.zeros(matrix.shape[0] // 8, matrix.shape[1] * 2 // (16 * tiles), 32, tiles // 2, dtype=torch.int32)
+
+    packed, scales_and_zeros = kernels.tinygemm_layout(weight, convert)
+    assert packed.shape == (2, 8, 2, 32, 4) and packed.dtype == torch.int32
+    assert scales_and_zeros.shape == (2, 256 // 32, 64, 2) and scales_and_zeros.dtype == torch.bfloat16
+    for expert, (matrix, tiles) in enumerate(handed):
+        assert tiles == 8 and matrix.dtype == torch.uint8 and matrix.is_contiguous()
+        n = torch.stack([matrix >> 4, matrix & 15], dim=-1).flatten(-2).float()  # (OUT, IN): 2j high, 2j + 1 low
+        scale, zero = scales_and_zeros[expert].float().transpose(0, 1).repeat_interleave(32, dim=1).unbind(-1)  # (OUT, IN)
+        torch.testing.assert_close((n - 8) * scale + zero, weight[expert].dequantize(), rtol=0, atol=0)
+    assert kernels.int4_layout(QuantizedWeight(INT4, weight.values, weight.scales, 256, (packed, scales_and_zeros))) == "cuda"
+
+
+def test_a_layout_made_for_the_other_device_is_not_read():
+    """A model moved between devices keeps its kernel layout: CPU bfloat16 activations on a weight
+    holding tinygemm's int32 tiles (and its plain values) take the reference path, not the CPU kernel."""
+    weight = quantize(torch.randn(64, 128), INT4, torch.bfloat16)
+    tiles = torch.zeros(8, 1, 32, 4, dtype=torch.int32)  # tinygemm's shape for (64, 128); never read
+    moved = QuantizedWeight(INT4, weight.values, weight.scales, 128, (tiles, kernels._scales_and_zeros(weight)))
+    assert kernels.int4_layout(moved) == "cuda" and kernels.int4_layout(prepare(weight, keep_values=True)) == "cpu"
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    torch.testing.assert_close(quantized_linear(x, moved), reference_linear(x, weight))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tinygemm (_weight_int4pack_mm) runs on CUDA only; no GPU here")
+def test_cuda_int4_kernel_equals_the_dequantize_reference():
+    """On CUDA, int4 bfloat16 weights get tinygemm's layout; few rows take its kernel, many dequantize."""
+    g = torch.Generator().manual_seed(5)
+    weight = prepare(quantize(torch.randn(2, 96, 256, generator=g).cuda(), INT4, torch.bfloat16))
+    assert kernels.int4_layout(weight) == "cuda" and weight.values is not None
+    for rows in (1, 8, kernels.CUDA_INT4_DEQUANTIZE_ROWS + 1):
+        x = torch.randn(rows, 256, generator=g).to("cuda", torch.bfloat16)
+        for expert in (1, torch.tensor(1, device="cuda")):  # views, and compiled code's gathered copy
+            got = linear(x, weight[expert]).float()
+            expected = x.float() @ weight[1].dequantize().T
+            assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+
+
 def test_float32_activations_take_the_reference_path():
     weight = prepare(quantize(torch.randn(32, 64), INT4, torch.float32))
     x = torch.randn(3, 64)

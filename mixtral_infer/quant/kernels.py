@@ -17,12 +17,24 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   ``INT4_DEQUANTIZE_ROWS`` rows on: 1024 rows 59 vs 111 ms, 2048 rows 107 vs 222 ms (512: even).
 * Both CPU kernels are vectorised for bfloat16 activations only (float32: 10-50x slower),
   so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
-* **CUDA**: int8 as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
-  conversion fuses into the product); int4 dequantizes first. Not measured: no GPU was lent
-  to the session that wrote this (``bench/bench_gpu.py`` has the rows).
+* **CUDA int8**: as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
+  conversion fuses into the product).
+* **CUDA int4**: tinygemm, ``torch.ops.aten._weight_int4pack_mm`` on the layout made by
+  ``_convert_weight_to_int4pack`` (gpt-fast's and torchao's int4 kernel), for bfloat16 chunks of
+  fewer than ``CUDA_INT4_DEQUANTIZE_ROWS`` rows. It is made for few rows: on an A6000 (torchao's
+  HQQ README) a 4096 x 4096 product takes 0.04 ms for 16 rows but 2.2 ms for 1024, where
+  dequantizing and a bfloat16 product cost a fraction of that; so a CUDA int4 weight keeps its
+  plain values beside the kernel layout (1 byte per weight in all, as int8) and prompt chunks
+  dequantize. The CUDA ops exist only there: this machine tests the layout handed to them
+  (``tinygemm_layout``), a CUDA test the product itself.
+
+Not measured on CUDA: no GPU was lent to the sessions that wrote this (``bench/bench_gpu.py``
+has the rows; ``CUDA_INT4_DEQUANTIZE_ROWS`` is the public numbers' guess until then).
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +50,15 @@ def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 def uses_cpu_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
+
+
+def int4_layout(weight: QuantizedWeight) -> Optional[str]:
+    """Which kernel's layout ``weight.packed`` holds: ``"cpu"`` (bytes, as the plain values),
+    ``"cuda"`` (tinygemm's int32 tiles) or None. A model moved between devices keeps its layout,
+    which the other device's kernel must not read."""
+    if weight.packed is None:
+        return None
+    return "cuda" if weight.packed[0].dtype == torch.int32 else "cpu"
 
 
 DEQUANTIZE_ROWS = 512  # CPU int8: from this many rows on, dequantize + F.linear is faster (module docstring)
@@ -86,7 +107,7 @@ def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
     x = x.contiguous()
     if weight.scheme.name == "int8" and weight.values is not None:
         return torch.ops.mixtral_infer.int8_expert_mm(x, weight.values, weight.scales, weight.expert)
-    if weight.scheme.name == "int4" and weight.packed is not None:
+    if weight.scheme.name == "int4" and int4_layout(weight) == "cpu":
         packed, scales_and_zeros = weight.packed
         return torch.ops.mixtral_infer.int4_expert_mm(x, packed, weight.scheme.group_size, scales_and_zeros, weight.expert)
     return None
@@ -107,13 +128,17 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
             return reference_linear(x, weight)
         if weight.scheme.name == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
-        if weight.packed is not None and x.shape[0] >= INT4_DEQUANTIZE_ROWS and should_upcast(x) and weight.shape[-2] % INT4_BLOCK == 0:
+        cpu_layout = int4_layout(weight) == "cpu"
+        if cpu_layout and x.shape[0] >= INT4_DEQUANTIZE_ROWS and should_upcast(x) and weight.shape[-2] % INT4_BLOCK == 0:
             return upcast_linear(x, dequantize_int4_kernel_layout(weight))
-        if weight.packed is not None:
+        if cpu_layout:
             packed, scales_and_zeros = weight.packed
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, weight.scheme.group_size, scales_and_zeros)
     elif x.device.type == "cuda" and weight.scheme.name == "int8":
         return F.linear(x, weight.values.to(x.dtype)) * weight.scales.to(x.dtype)
+    elif x.device.type == "cuda" and int4_layout(weight) == "cuda" and x.dtype == weight.dtype and x.shape[0] < CUDA_INT4_DEQUANTIZE_ROWS:
+        packed, scales_and_zeros = weight.packed
+        return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, weight.scheme.group_size, scales_and_zeros)
     return reference_linear(x, weight)
 
 
@@ -143,18 +168,27 @@ def dequantize_int4_kernel_layout(weight: QuantizedWeight) -> torch.Tensor:
 def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:
     """Give ``weight`` the layout its device's kernel reads; drop the plain values unless ``keep_values``.
 
-    Only CPU int4 has a layout of its own: per expert (``(OUT, IN/2)`` matrix),
-    ``_convert_weight_to_int4pack_for_cpu`` of the unsigned nibbles, and the scales as
-    ``(IN/G, OUT, 2)`` pairs ``[scale, 0]`` (the kernel computes ``(n - 8) * scale + zero``).
-    Its rows must come in multiples of 16, and its activations in bfloat16 (the scales'
-    dtype); other weights keep the plain layout and take the reference path.
+    Only int4 in bfloat16 has layouts of their own, one per device (the kernels take the scales'
+    dtype as their activations'; other weights keep the plain layout and take the reference path).
+    Both kernels take the scales as ``(IN/G, OUT, 2)`` pairs ``[scale, 0]`` (they compute
+    ``(n - 8) * scale + zero``).
+
+    * CPU, rows in multiples of 16: per expert (``(OUT, IN/2)`` matrix),
+      ``_convert_weight_to_int4pack_for_cpu`` of the unsigned nibbles.
+    * CUDA, rows in multiples of 8 and inputs of 32: ``tinygemm_layout``. The plain values stay
+      (module docstring: prompt chunks dequantize).
     """
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.scheme.name != "int4" or weight.shape[-2] % 16:
+    if weight.dtype != torch.bfloat16 or weight.scheme.name != "int4":
+        return weight
+    if weight.device.type == "cuda":
+        if weight.shape[-2] % 8 == 0 and cuda_inner_k_tiles(weight.in_features) is not None:
+            weight.packed = tinygemm_layout(weight, torch.ops.aten._convert_weight_to_int4pack)
+        return weight
+    if weight.device.type != "cpu" or weight.shape[-2] % 16:
         return weight
     # Without keep_values the kernel layout overwrites the plain one: no new memory for the weight.
     packed = weight.values.clone() if keep_values else weight.values  # (..., OUT, IN/2)
-    scales_and_zeros = torch.zeros(*weight.scales.shape[:-2], weight.scales.shape[-1], weight.scales.shape[-2], 2, dtype=weight.dtype)
-    scales_and_zeros[..., 0] = weight.scales.transpose(-1, -2)  # (..., IN/G, OUT, 2): [scale, 0]
+    scales_and_zeros = _scales_and_zeros(weight)
     rows = ROWS_PER_CONVERSION
     for matrix in packed.view(-1, *packed.shape[-2:]):  # one expert (OUT, IN/2) at a time, in place
         for start in range(0, matrix.shape[0], rows):  # the layout is blocked by 64 rows: slices convert alike
@@ -165,3 +199,39 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
     if not keep_values:
         weight.values = None
     return weight
+
+
+def _scales_and_zeros(weight: QuantizedWeight) -> torch.Tensor:
+    """The int4 kernels' scales: ``(..., IN/G, OUT, 2)`` pairs ``[scale, 0]`` of ``scales (..., OUT, IN/G)``."""
+    scales = weight.scales.transpose(-1, -2)  # (..., IN/G, OUT)
+    return torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
+
+
+CUDA_INT4_DEQUANTIZE_ROWS = 64  # CUDA int4: from this many rows on, dequantize + F.linear (module docstring)
+
+
+def cuda_inner_k_tiles(in_features: int) -> Optional[int]:
+    """The widest tiling along the inputs that tinygemm's layout takes for ``in_features``: it reads
+    16 x ``tiles`` inputs per step (gpt-fast uses 8). None when even 2 tiles do not divide them."""
+    return next((tiles for tiles in (8, 4, 2) if in_features % (16 * tiles) == 0), None)
+
+
+def tinygemm_bytes(values: torch.Tensor) -> torch.Tensor:
+    """Plain int4 bytes ``(..., OUT, IN/2)`` in the order ``_convert_weight_to_int4pack`` reads them.
+
+    The plain layout keeps input 2j in a byte's low nibble and 2j + 1 in its high one; tinygemm
+    (like gpt-fast's and torchao's packing, ``q[:, ::2] << 4 | q[:, 1::2]``) wants input 2j high.
+    Byte 95 = 15 | 5 << 4 (inputs [15, 5]) becomes 15 << 4 | 5 = 245.
+    """
+    return (values << 4) | (values >> 4)  # uint8: the shifted-out nibbles drop
+
+
+def tinygemm_layout(weight: QuantizedWeight, convert: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple:
+    """``(packed, scales_and_zeros)`` for ``_weight_int4pack_mm``: ``convert`` (CUDA's
+    ``_convert_weight_to_int4pack``) of each expert's ``tinygemm_bytes`` with ``cuda_inner_k_tiles``
+    of the inputs, stacked as the experts are; the scales as the CPU kernel takes them."""
+    tiles = cuda_inner_k_tiles(weight.in_features)
+    plain = tinygemm_bytes(weight.values)  # (..., OUT, IN/2)
+    matrices = [convert(matrix.contiguous(), tiles) for matrix in plain.view(-1, *plain.shape[-2:])]
+    packed = torch.stack(matrices).view(*plain.shape[:-2], *matrices[0].shape)  # (..., <tinygemm's tiles>)
+    return packed, _scales_and_zeros(weight)
