@@ -103,7 +103,7 @@ def mixed_solo(tiny):
     return [solo(model, tokenizer, prompt, settings) for prompt, settings in mixed_requests(tokenizer)]
 
 
-@pytest.mark.parametrize("decode", ["eager", "static", "compiled"])
+@pytest.mark.parametrize("decode", ["eager", "static", "compiled", "auto"])
 def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
     """8 requests on 3 rows, a small prefill budget (prompts read over several steps: decoding
     rows and prompt chunks share forward passes), greedy,
@@ -117,6 +117,10 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
     """
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode)
+    choices = []
+    if decode == "auto":  # on CPU each decode-only step picks the static step or the eager pass
+        cheaper = engine._static_step_is_cheaper
+        engine._static_step_is_cheaper = lambda sampled: choices.append(cheaper(sampled)) or choices[-1]
     recorder = Recorder()
     for i, (prompt, settings) in enumerate(mixed_requests(tokenizer)):
         engine.submit(prompt, settings, recorder.sink(i))
@@ -132,6 +136,21 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
     assert engine.stats() == {"rows": 3, "rows_free": 3, "running": 0, "queued": 0, "admitted": 8, "steps": engine.steps}
     if decode == "compiled":  # later decode-only steps ran with dynamo's guards skipped (decode_loop.GUARDED_STEPS)
         assert engine._decode_calls > GUARDED_STEPS
+    if decode == "auto":  # both kinds of step ran
+        assert True in choices and False in choices and engine._decode_calls == choices.count(True)
+
+
+def test_auto_picks_the_static_step_when_it_reads_less():
+    """``Engine._static_step_is_cheaper``'s example: R = 4 rows of S = 8 slots, 3 rows running."""
+    model = random_model(tiny_args(sliding_window=8))
+    engine = Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=4, decode="auto")
+    assert engine.mode == "eager" and engine.choose_per_step and engine.cache.cache_size == 8
+    running = [type("Request", (), {"row": row})() for row in range(3)]  # rows 0-2 decode, row 3 is free
+    engine.cache.tokens_seen[:] = [2, 3, 4, 0]
+    assert not engine._static_step_is_cheaper(running)  # L = 5: 4 * 8 = 32 > 2 * 3 * 5
+    engine.cache.tokens_seen[:] = [2, 3, 8, 0]
+    assert engine._static_step_is_cheaper(running)  # L = 8 (a full row): 32 <= 48
+    assert not Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=4, decode="eager").choose_per_step
 
 
 def test_seeded_request_does_not_depend_on_its_batch_mates(tiny):
@@ -206,7 +225,7 @@ def test_prompts_join_in_groups_with_admit_every(tiny):
     assert running == [1, 1, 2]  # steps 1 and 2 decode alone; step 3 admits the waiting prompt
 
 
-@pytest.mark.parametrize("decode", ["eager", "static"])
+@pytest.mark.parametrize("decode", ["eager", "static", "auto"])
 def test_nan_logits_fail_their_request_alone_and_its_row_is_cleared(tiny, decode):
     """At the 4th step one request's pass goes wrong (NaN in its logits and in its cache row): it
     ends with an error after 3 tokens, its batch mate gets all its solo tokens, and the request
