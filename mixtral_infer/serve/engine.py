@@ -149,7 +149,7 @@ class Engine:
     ``eager`` (``Transformer.forward``), ``static`` (``decode_logits`` of the static decode
     step, op by op), ``compiled`` (that step through ``torch.compile``; a CUDA graph on CUDA),
     ``auto`` (compiled on CUDA; on CPU, per step, static or eager, whichever reads less:
-    ``static_step_is_cheaper``). All give the same tokens.
+    ``_static_step_is_cheaper``). All give the same tokens.
 
     A step that both decodes and reads prompts is one forward pass over the ragged batch: the
     weights are read once. Off CUDA its attention runs in two parts, the decoding rows over
@@ -416,7 +416,7 @@ class Engine:
         and a gathered key costs about ``GATHER_COST`` keys read in place. So the static step
         when ``R * S <= GATHER_COST * N * L``. Measured, one layer at the Mistral-7B shape
         (bfloat16, 2 threads, 32 rows, S = 4096): in place 99 ms whatever the lengths; gathered
-        12 / 54 / 111 / 226 ms for L = 256 / 1024 / 2048 / 4096 (even at L of about 1850).
+        12 / 54 / 111 / 226 ms for L = 256 / 1024 / 2048 / 4096 (break-even near L = 1850).
         tiny-mixtral (S = 32) serving 384 requests: a decode-only pass 5.29 -> 4.37 ms.
 
         Example, R = 4 rows, S = 8, 3 rows running: at 2, 3 and 4 tokens seen (L = 5, as the new
