@@ -1,5 +1,5 @@
 """Quantizing while loading, quantized folders (convert --quantize), their errors, the command line,
-the peak memory of a quantized load, and tensor parallelism with each rank quantizing its share."""
+the peak memory of a quantized load, and tensor parallelism with each rank quantizing (or reading) its share."""
 
 from __future__ import annotations
 
@@ -68,13 +68,14 @@ def test_quantized_folder_errors(model_folder, tmp_path):
         convert(folder, tmp_path / "again")
     with pytest.raises(CheckpointError, match="--quantize writes the Mistral layout .*: use --to mistral"):
         convert(model_folder, tmp_path / "hf", to="hf", quantize="int8")
-    with pytest.raises(ConfigError, match="a quantized folder loads in one process"):
-        load_model(folder, parallel=Parallel(tensor_parallel=2, rank=0))
+    q4 = convert(model_folder, tmp_path / "q4", quantize="int4")
+    with pytest.raises(ConfigError, match="hidden_dim / tensor_parallel=2 = 48 inputs is not a multiple of the int4 group size 32"):
+        load_model(q4, parallel=Parallel(tensor_parallel=2, rank=0))  # a rank's share of w2 would split a group
     with pytest.raises(ConfigError, match="dim = 64 inputs is not a multiple of the int4 group size 128"):
         load_model(model_folder, quantize="int4-128")
     with pytest.raises(ConfigError, match="hidden_dim / tensor_parallel=2 = 48 inputs is not a multiple of the int4 group size 32"):
         load_model(model_folder, quantize="int4", parallel=Parallel(tensor_parallel=2, rank=0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "q8"]  # nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "q4", "q8"]  # nothing half-written
 
 
 def test_a_quantized_folder_missing_scales_is_refused(model_folder, tmp_path):
@@ -151,15 +152,17 @@ def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_f
     assert peak <= 1.2 * held, f"peak {peak / 1e6:.0f} MB for a quantized model of {held / 1e6:.0f} MB"
 
 
-def parallel_worker(rank, world_size, port, folder, out_path):
+def parallel_worker(rank, world_size, port, loads, out_path):
+    """Loads each ``(folder, quantize)`` of ``loads`` as this rank and saves its logits."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
         parallel = Parallel(tensor_parallel=world_size, rank=rank)
-        model = load_model(folder, max_batch_size=1, dtype=torch.float32, parallel=parallel, quantize="int4")
-        torch.save(logits(model), f"{out_path}.{rank}")
+        for index, (folder, quantize) in enumerate(loads):
+            model = load_model(folder, max_batch_size=1, dtype=torch.float32, parallel=parallel, quantize=quantize)
+            torch.save(logits(model), f"{out_path}.{index}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -168,11 +171,19 @@ def parallel_worker(rank, world_size, port, folder, out_path):
 def test_tensor_parallel_ranks_quantize_their_own_share(tmp_path, moe):
     """2 gloo ranks, int4 groups of 32: each rank quantizes its rows, its half of wo's and w2's inputs
     (64 of 128), or its experts, from the float checkpoint; the groups fall alike, so the logits
-    equal one process's int4 model (float32 activations: the reference path)."""
+    equal one process's int4 model (float32 activations: the reference path). Each rank also reads
+    its share of int8 and int4 folders (``checkpoint.quantized.stored_select``): = one process."""
     args = dataclasses.replace(tiny_args(moe=moe, max_batch_size=1), hidden_dim=128)
     save_consolidated(random_model(args, seed=9), tmp_path / "model")
     out_path = tmp_path / "logits"
-    mp.start_processes(parallel_worker, args=(2, free_port(), str(tmp_path / "model"), str(out_path)), nprocs=2, start_method="spawn")
-    expected = logits(load_model(tmp_path / "model", dtype=torch.float32, quantize="int4"))
-    for rank in range(2):
-        torch.testing.assert_close(torch.load(f"{out_path}.{rank}"), expected, atol=1e-5, rtol=1e-5)
+    loads = [(str(tmp_path / "model"), "int4")]
+    for scheme in ("int8", "int4"):  # and the folders convert --quantize writes, each rank reading its share
+        loads.append((str(convert(tmp_path / "model", tmp_path / scheme, quantize=scheme)), None))
+    mp.start_processes(parallel_worker, args=(2, free_port(), loads, str(out_path)), nprocs=2, start_method="spawn")
+    for index, (folder, quantize) in enumerate(loads):
+        # A folder's int8 scales span whole rows, so a rank's share of wo's and w2's inputs keeps its
+        # rows' scales: the ranks' sum is one process's int8 model (quantizing on load, each rank
+        # would scale its half rows on its own).
+        expected = logits(load_model(folder, dtype=torch.float32, quantize=quantize))
+        for rank in range(2):
+            torch.testing.assert_close(torch.load(f"{out_path}.{index}.{rank}"), expected, atol=1e-5, rtol=1e-5)

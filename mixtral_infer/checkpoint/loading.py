@@ -41,6 +41,7 @@ from mixtral_infer.checkpoint.quantized import (
     quantize_published,
     scheme_from_params,
     stack,
+    stored_select,
 )
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
@@ -399,18 +400,18 @@ def load_model(
     checkpoint.args = ModelArgs.checked({**vars(checkpoint.args), "max_batch_size": max_batch_size}, "load_model")
     parallel.check(checkpoint.args)
     stored = checkpoint.quantization
-    if stored is not None and parallel.world_size > 1:
-        raise ConfigError(f"{checkpoint.folder}: a quantized folder loads in one process; with parallel=, load its float original with quantize=")
     if scheme is not None and stored is not None:
         raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized ({stored.name}) already; load without quantize=")
-    if scheme is not None:
-        check_quantizable(checkpoint.args, scheme, parallel.tensor_parallel)
+    if scheme is not None or stored is not None:
+        check_quantizable(checkpoint.args, scheme or stored, parallel.tensor_parallel)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(checkpoint, device, scheme)
     tokenizer = find_tokenizer(checkpoint.folder)
     if tokenizer is not None:
         check_tokenizer_vocab(tokenizer, checkpoint.args)  # before any weight is read
     select = None if parallel == Parallel() else lambda name: parallel.select(name, checkpoint.args)
+    if select is not None and stored is not None:
+        select = stored_select(select, stored)  # a quantized folder's integers and scales
     tensors = checkpoint.published_tensors(progress, select)
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
     return pack_model(model) if pack else model

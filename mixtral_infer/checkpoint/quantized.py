@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from mixtral_infer.checkpoint.weight_shapes import check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.model.parallel import Selection
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.model import is_quantized_published, scales_name, stored_shapes
@@ -111,6 +112,35 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
         name = sorted(waiting)[0]
         missing = scales_name(name) if name.endswith(".weight") else name[: -len("scales")] + "weight"
         raise CheckpointError(f"{source}: {name} has no partner: {missing} is missing")
+
+
+def stored_select(select: Callable[[str], Optional[Selection]], scheme: QuantScheme) -> Callable[[str], Optional[Selection]]:
+    """A rank's share of a quantized folder's tensors, from ``select``, the share of the float weights.
+
+    Rows (output units) are cut alike in the integers and the scales. Columns (inputs: ``wo`` and
+    ``w2`` under tensor parallelism) are elements of int8 integers, bytes of int4 ones (two inputs
+    each), groups of int4 scales, and none of int8 scales: one scale per output row, computed over
+    the whole row, so each rank's share of a row keeps it (and the model equals the one-process one).
+    Example, int4 groups of 32, a rank keeping inputs 2048:4096 of ``wo``: integers columns
+    1024:2048, scales columns 64:128.
+    """
+
+    def pick(name: str) -> Optional[Selection]:
+        weight_name = name[: -len("scales")] + "weight" if name.endswith(".scales") else name
+        if not is_quantized_published(weight_name):
+            return select(name)
+        part = select(weight_name)
+        if part is None or part.columns is None:
+            return part
+        columns = part.columns
+        if name.endswith(".scales"):
+            per = scheme.group_size
+            return Selection(part.rows, None if per is None else slice(columns.start // per, columns.stop // per))
+        if scheme.name == "int4":
+            return Selection(part.rows, slice(columns.start // 2, columns.stop // 2))
+        return part
+
+    return pick
 
 
 def check_stored_shape(name: str, shape: Tuple[int, ...], args: ModelArgs, scheme: QuantScheme, source: str) -> None:
