@@ -16,6 +16,13 @@ run on to its longest request, and what they compute past their own max_tokens i
   requests that have arrived (up to ``--clients``) form the next; a batch runs until its longest
   request is done (as a server without continuous batching does).
 - **sequential**: in this process, one ``generate()`` per request, in arrival order.
+- **engine-grouped** (``--admit-every K``): the engine with prompts admitted in groups.
+- **static-compiled**: static batches through ``generate(decode="compiled")``: the baseline with
+  the same compiled decode step as ``--decode compiled`` gives the engine and the server.
+
+``--decode`` is the server's and the engine's (default ``auto``: compiled on CUDA; on CPU the
+static step or ``Transformer.forward`` per step); the static and sequential modes keep
+``generate()``'s default.
 
 All modes run with ``--threads`` torch threads (default 1: on a shared machine, a second
 thread that waits for a busy core slows small matrix products down by up to 20x).
@@ -65,7 +72,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -176,9 +183,9 @@ def median_run(name: str, runs: List[List[Dict]]) -> tuple[Dict, List[Dict]]:
 # ---- continuous batching: the server -----------------------------------------------------
 
 
-def start_server(model: str, rows: int, prefill_tokens: int):
+def start_server(model: str, rows: int, prefill_tokens: int, decode: str = "auto"):
     command = [sys.executable, "main.py", "serve", model, "--port", "0", "--dtype", "float32", "--max-rows", str(rows),
-               "--prefill-tokens", str(prefill_tokens)]  # fmt: skip
+               "--prefill-tokens", str(prefill_tokens), "--decode", decode]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same threads as this process
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
     lines = []
@@ -296,8 +303,9 @@ def server_side_means(port: int) -> Dict[str, float]:
 # ---- static batches and one at a time, in process ------------------------------------------
 
 
-def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int) -> List[Dict]:
-    """Batches of the requests that have arrived when the previous batch ends (up to max_batch)."""
+def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int, decode: str = "auto") -> List[Dict]:
+    """Batches of the requests that have arrived when the previous batch ends (up to max_batch),
+    each through ``generate(..., decode=decode)``."""
     pending, records = list(requests), []
     start = time.perf_counter()
     while pending:
@@ -324,7 +332,7 @@ def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int)
 
         generate(
             [tokenizer.encode(r["prompt"]) for r in batch], model, max_tokens=max(r["max_tokens"] for r in batch),
-            temperature=0.0, on_token=on_token, prompt_logprobs=False,
+            temperature=0.0, on_token=on_token, prompt_logprobs=False, decode=decode,
         )  # fmt: skip
         for i, request in enumerate(batch):
             records.append({**request, "first": firsts[i], "done": lasts[i], "tokens": request["max_tokens"]})
@@ -332,7 +340,8 @@ def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int)
 
 
 def run_engine_in_process(
-    model, tokenizer, requests: List[Dict], clients: int, prefill_tokens: int, admit_every: int = 1
+    model, tokenizer, requests: List[Dict], clients: int, prefill_tokens: int, admit_every: Optional[int] = None,
+    decode: str = "auto",
 ) -> List[Dict]:
     """Continuous batching without HTTP: the engine's thread, requests submitted at their arrivals."""
     from mixtral_infer.serve.engine import Engine, Finished, RequestSettings
@@ -341,7 +350,7 @@ def run_engine_in_process(
     longest = max(len(tokenizer.encode(r["prompt"])) + r["max_tokens"] for r in requests)
     engine = Engine(
         model, tokenizer, rows=clients, prefill_tokens=prefill_tokens, max_queue=len(requests), admit_every=admit_every,
-        max_model_len=None if model.args.sliding_window is not None else longest,
+        decode=decode, max_model_len=None if model.args.sliding_window is not None else longest,
     )  # fmt: skip
     engine.start()
     slots = threading.Semaphore(clients)
@@ -388,7 +397,7 @@ def paired_ratios(throughputs: Dict[str, List[float]]) -> Dict[str, float]:
     """
     ratios = {}
     for mode in ("continuous", "engine", "engine-grouped"):
-        for base in ("static", "sequential"):
+        for base in ("static", "static-compiled", "sequential"):
             if mode in throughputs and base in throughputs:
                 pairs = zip(throughputs[mode], throughputs[base])
                 ratios[f"{mode}/{base}"] = statistics.median(a / b for a, b in pairs)
@@ -407,11 +416,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40.0, help="Poisson arrival rate, requests per second")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="continuous,engine,static,sequential")
+    parser.add_argument("--modes", default="continuous,engine,static,sequential", help="also engine-grouped, static-compiled")
+    parser.add_argument("--decode", default="auto", help="the server's and the engine's --decode (static: generate's default)")
     parser.add_argument("--admit-every", type=int, default=8, help="engine-grouped: steps between prompt groups")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
     parser.add_argument("--repeat", type=int, default=1, help="runs per mode; the median run is reported")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default: 1 on CUDA, which compiles)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default: 1 where a mode compiles)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -427,10 +437,10 @@ def main() -> None:
         "max_tokens": "16..64 (uniform)", "prompt_words": "3..45 (uniform)",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
         + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),
-        "repeat": args.repeat, "load_average_before": load_before, "modes": [],
+        "decode": args.decode, "repeat": args.repeat, "load_average_before": load_before, "modes": [],
     }  # fmt: skip
     in_process, process = {}, None
-    if {"engine", "engine-grouped", "static", "sequential"} & set(modes):
+    if {"engine", "engine-grouped", "static", "static-compiled", "sequential"} & set(modes):
         dtype = getattr(torch, args.dtype)
         if args.shape is not None:
             model = random_model(args.shape, args.layers, args.clients, args.device, dtype)
@@ -440,22 +450,24 @@ def main() -> None:
             tokenizer = Tokenizer.from_folder(args.model)
         generate([tokenizer.encode("warm up")], model, max_tokens=4)
         in_process = {
-            "engine": lambda: run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens),
+            "engine": lambda: run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens, decode=args.decode),
             "engine-grouped": lambda: run_engine_in_process(
-                model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every
+                model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every, args.decode
             ),
             "static": lambda: run_generate_batches(model, tokenizer, requests, args.clients),
+            "static-compiled": lambda: run_generate_batches(model, tokenizer, requests, args.clients, decode="compiled"),
             "sequential": lambda: run_generate_batches(model, tokenizer, requests, 1),
         }
     try:
         runners = {mode: in_process[mode] for mode in in_process if mode in modes}
         if "continuous" in modes:
-            process, port, lines = start_server(args.model, args.clients, args.prefill_tokens)
+            process, port, lines = start_server(args.model, args.clients, args.prefill_tokens, args.decode)
             stream_one(port, requests[0], time.perf_counter())  # warm-up
             results["idle_ttft_s"] = idle_ttft(port, requests)
             print(f"idle server TTFT (median of 8): {results['idle_ttft_s'] * 1e3:.0f} ms", flush=True)
             runners = {"continuous": lambda: run_clients(requests, args.clients, port), **runners}
-        warmup = args.warmup if args.warmup is not None else int(args.device.startswith("cuda"))
+        compiles = args.device.startswith("cuda") or args.decode == "compiled" or "static-compiled" in modes
+        warmup = args.warmup if args.warmup is not None else int(compiles)
         for _ in range(warmup):  # compiles every shape the timed rounds use
             for mode, runner in runners.items():
                 runner()

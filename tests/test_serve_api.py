@@ -320,5 +320,7 @@ def test_serve_options_are_checked_before_loading(capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "error: --memory-fraction 2 must be a number in (0, 1]"
     assert commands.main(["serve", "--max-rows", "0"]) == 1
     assert capsys.readouterr().err.strip() == "error: --max-rows 0 must be an integer >= 1"
+    assert commands.main(["serve", "--admit-every", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --admit-every 0 must be an integer >= 1"
     assert commands.main(["serve", "--max_row", "4"]) == 1
     assert "did you mean --max_rows?" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from mixtral_infer.fast.decode_loop import GUARDED_STEPS
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.generation.settings import kv_cache_bytes
 from mixtral_infer.serve import sizing
-from mixtral_infer.serve.engine import NOT_FINITE, Engine, Finished, QueueFull, RequestSettings, TokenEvent, sample_rows
+from mixtral_infer.serve.engine import ADMIT_EVERY_COMPILED, NOT_FINITE, Engine, Finished, QueueFull, RequestSettings, TokenEvent, sample_rows
 
 PROMPTS = [
     "In the beginning",
@@ -223,6 +223,33 @@ def test_prompts_join_in_groups_with_admit_every(tiny):
         engine.step()
         running.append(engine.stats()["running"])
     assert running == [1, 1, 2]  # steps 1 and 2 decode alone; step 3 admits the waiting prompt
+
+
+def test_warm_up_compiles_the_decode_step_and_leaves_the_cache(tiny):
+    """A compiled engine compiles before its first request; the cache is as it was, and requests then
+    get their solo tokens."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=2, decode="compiled")
+    engine.cache.cache_k.normal_()  # anything: warm-up must not write it
+    before = engine.cache.cache_k.clone(), engine.cache.cache_v.clone()
+    engine.warm_up()
+    assert engine._decode_step is not None and engine._decode_calls == 1
+    assert torch.equal(engine.cache.cache_k, before[0]) and torch.equal(engine.cache.cache_v, before[1])
+    settings = RequestSettings(max_tokens=6, temperature=0)
+    prompt = tokenizer.encode(PROMPTS[0])
+    recorder = Recorder()
+    engine.submit(prompt, settings, recorder.sink(0))
+    run(engine)
+    assert recorder.tokens(0) == solo(model, tokenizer, prompt, settings)[0]
+    Engine(model, tokenizer, rows=2, decode="eager").warm_up()  # nothing to compile: a no-op
+
+
+def test_admit_every_defaults_to_groups_where_decode_steps_are_compiled(tiny):
+    """A compiled decode step is much cheaper than a pass that reads a prompt: prompts join in groups."""
+    model, tokenizer = tiny
+    assert Engine(model, tokenizer, rows=2, decode="compiled").admit_every == ADMIT_EVERY_COMPILED > 1
+    assert Engine(model, tokenizer, rows=2, decode="auto").admit_every == 1  # on CPU: eager or the static step
+    assert Engine(model, tokenizer, rows=2, decode="compiled", admit_every=1).admit_every == 1
 
 
 @pytest.mark.parametrize("decode", ["eager", "static", "auto"])

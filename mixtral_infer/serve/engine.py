@@ -58,6 +58,7 @@ NOT_FINITE = (
 
 
 GATHER_COST = 2  # a key gathered for attention costs about two read in place (Engine._static_step_is_cheaper)
+ADMIT_EVERY_COMPILED = 6  # admit_every's default where decode-only steps run compiled (Engine._admit_now)
 
 
 class QueueFull(GenerationError):
@@ -170,7 +171,7 @@ class Engine:
         prefill_tokens: int = 512,
         max_model_len: Optional[int] = None,
         decode: str = "auto",
-        admit_every: int = 1,
+        admit_every: Optional[int] = None,
         metrics=None,
         after_step: Optional[Callable[[], None]] = None,
     ):
@@ -200,6 +201,8 @@ class Engine:
         self.thread: Optional[threading.Thread] = None
         self._decode_step = None
         self._decode_calls = 0
+        if admit_every is None:  # _admit_now's docstring
+            admit_every = ADMIT_EVERY_COMPILED if self.mode == "compiled" else 1
         self.admit_every, self.last_admission = admit_every, 0
         self._vocab = model.args.vocab_size
 
@@ -342,6 +345,13 @@ class Engine:
         ``max_waiting_tokens``, prompts join a running batch in groups, when the batch has
         decoded k steps since the last group or when free rows outnumber the running ones, so
         fewer steps pay for a prompt's pass. An idle engine admits at once.
+
+        Default: ``ADMIT_EVERY_COMPILED`` where decode-only steps run compiled, else 1. A step that
+        reads prompts runs ``Transformer.forward`` eagerly, so the cheaper the compiled decode
+        steps, the more grouping saves. Measured on tiny-mixtral, 384 requests at once on 32 rows,
+        5 alternating rounds in process: compiled 4522 tok/s at k = 1, 4808 at k = 6; eager
+        (``auto`` on CPU) gains 1-2% at k = 3-6. Below capacity free rows outnumber running ones,
+        so prompts still join at once there.
         """
         if not self.queue or None not in self.slots:
             return False
@@ -428,6 +438,22 @@ class Engine:
         slots = self.cache.cache_size
         longest = max(min(self.cache.tokens_seen[r.row] + 1, slots) for r in sampled)
         return self.rows * slots <= GATHER_COST * len(sampled) * longest
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the decode step now (``compiled``), before requests arrive, which would otherwise
+        wait for it: seconds on a tiny model, more on large ones. Every row sits out (``alive``
+        false), so the cache is left as it was."""
+        if self.mode != "compiled":
+            return
+        if self._decode_step is None:
+            self._decode_step = self._make_decode_step()
+        device = self.model.device
+        zeros = torch.zeros(self.rows, dtype=torch.long, device=device)  # (R,) tokens, then positions
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        self._decode_calls += 1  # with every guard checked, as the first calls are (_decode_only)
+        self._decode_step(self.cache.cache_k, self.cache.cache_v, zeros, zeros.clone(), torch.zeros_like(zeros, dtype=torch.bool))
 
     def _make_decode_step(self):
         model = self.model

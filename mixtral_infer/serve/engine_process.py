@@ -272,6 +272,7 @@ def run_engine(conn, load: Load, plan: Dict[str, Any], engine_options: Dict[str,
             model, tokenizer, rows.rows, max_queue=sys.maxsize, metrics=outbox.metrics, after_step=outbox.flush,
             **engine_options,
         )  # fmt: skip
+        engine.warm_up()  # a compiled decode step is compiled before the server says it is ready
     except Exception as error:
         if not isinstance(error, MixtralInferError):
             traceback.print_exc()

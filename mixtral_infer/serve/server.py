@@ -31,15 +31,15 @@ from mixtral_infer.serve.engine_process import EngineProcess, Load
 
 def check_serve_options(
     port: object, max_rows: object, memory_fraction: object, max_queue: object, prefill_tokens: object,
-    max_model_len: object, shutdown_timeout: object, admit_every: object = 1,
+    max_model_len: object, shutdown_timeout: object, admit_every: object = None,
 ) -> None:
     """Every option of ``serve``, checked before the model is loaded."""
     if as_int(port) is None or not 0 <= as_int(port) < 65536:
         raise GenerationError(f"--port {port!r} must be an integer in [0, 65535] (0: any free port)")
-    for name, value, least in (("max_rows", max_rows, 1), ("max_model_len", max_model_len, 1)):
+    for name, value, least in (("max_rows", max_rows, 1), ("max_model_len", max_model_len, 1), ("admit_every", admit_every, 1)):
         if value is not None and (as_int(value) is None or as_int(value) < least):
             raise GenerationError(f"--{name.replace('_', '-')} {value!r} must be an integer >= {least}")
-    for name, value, least in (("max_queue", max_queue, 0), ("prefill_tokens", prefill_tokens, 1), ("admit_every", admit_every, 1)):
+    for name, value, least in (("max_queue", max_queue, 0), ("prefill_tokens", prefill_tokens, 1)):
         if as_int(value) is None or as_int(value) < least:
             raise GenerationError(f"--{name.replace('_', '-')} {value!r} must be an integer >= {least}")
     if memory_fraction is not None and (
@@ -86,7 +86,7 @@ def run_server(
     prefill_tokens: int = 512,
     max_model_len: Optional[int] = None,
     decode: str = "auto",
-    admit_every: int = 1,
+    admit_every: Optional[int] = None,
     shutdown_timeout: float = 30.0,
     log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
 ) -> None:
