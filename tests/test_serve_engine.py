@@ -10,7 +10,16 @@ from mixtral_infer.fast.decode_loop import GUARDED_STEPS
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.generation.settings import kv_cache_bytes
 from mixtral_infer.serve import sizing
-from mixtral_infer.serve.engine import ADMIT_EVERY_COMPILED, NOT_FINITE, Engine, Finished, QueueFull, RequestSettings, TokenEvent, sample_rows
+from mixtral_infer.serve.engine import (
+    ADMIT_EVERY_COMPILED,
+    NOT_FINITE,
+    Engine,
+    Finished,
+    QueueFull,
+    RequestSettings,
+    TokenEvent,
+    sample_rows,
+)
 
 PROMPTS = [
     "In the beginning",
