@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -126,6 +127,9 @@ class Terminal:
         env = {**os.environ, "TERM": "xterm", "OMP_NUM_THREADS": "1"}
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a session of its own, the pty as its terminal
+            # As a shell starts a foreground job: Ctrl-C interrupts. (A suite started in the
+            # background by a non-interactive shell ignores SIGINT, and a child would inherit that.)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execve(sys.executable, [sys.executable, str(REPO / "main.py"), *args], env)
         self.seen = ""
 
