@@ -152,14 +152,14 @@ def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_f
     assert peak <= 1.2 * held, f"peak {peak / 1e6:.0f} MB for a quantized model of {held / 1e6:.0f} MB"
 
 
-def parallel_worker(rank, world_size, port, loads, out_path):
+def parallel_worker(rank, world_size, port, loads, out_path, kind="tensor"):
     """Loads each ``(folder, quantize)`` of ``loads`` as this rank and saves its logits."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
-        parallel = Parallel(tensor_parallel=world_size, rank=rank)
+        parallel = Parallel(**{"tensor_parallel" if kind == "tensor" else "num_pipeline_ranks": world_size}, rank=rank)
         for index, (folder, quantize) in enumerate(loads):
             model = load_model(folder, max_batch_size=1, dtype=torch.float32, parallel=parallel, quantize=quantize)
             torch.save(logits(model), f"{out_path}.{index}.{rank}")
@@ -187,3 +187,15 @@ def test_tensor_parallel_ranks_quantize_their_own_share(tmp_path, moe):
         expected = logits(load_model(folder, dtype=torch.float32, quantize=quantize))
         for rank in range(2):
             torch.testing.assert_close(torch.load(f"{out_path}.{index}.{rank}"), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_pipeline_stages_read_their_layers_of_a_quantized_folder(tmp_path):
+    """2 gloo pipeline stages, each reading its layers' integers and scales of an int4 folder (and
+    the first the embeddings, the last the output matrix): the logits are one process's."""
+    save_consolidated(random_model(tiny_args(moe=True, max_batch_size=1), seed=4), tmp_path / "model")
+    folder = str(convert(tmp_path / "model", tmp_path / "int4", quantize="int4"))
+    out_path = tmp_path / "logits"
+    mp.start_processes(parallel_worker, args=(2, free_port(), [(folder, None)], str(out_path), "pipeline"), nprocs=2, start_method="spawn")
+    expected = logits(load_model(folder, dtype=torch.float32))
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(f"{out_path}.0.{rank}"), expected, atol=1e-5, rtol=1e-5)
