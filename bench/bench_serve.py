@@ -44,10 +44,13 @@ tiny-mixtral's, with token ids beyond its vocabulary folded into it for detokeni
 generated token is still turned into text. On a GPU::
 
     python bench/bench_serve.py --shape mistral-7b --device cuda --dtype bfloat16 --requests 128 \
-        --rate 10000 --modes engine,engine-grouped,static,sequential --repeat 3 --out bench/results_serve_gpu.json
+        --rate 10000 --modes engine,engine-grouped,static,sequential --repeat 3 --admit-every 1 --out bench/results_serve_gpu.json
 
 (at an expected ~150 tok/s one at a time, the sequential mode's 128 requests of 16-64 tokens take
-about 35 s a round: warm-up and 3 rounds fit the device's 10 minutes per command).
+about 35 s a round: warm-up and 3 rounds fit the device's 10 minutes per command). On CUDA
+``auto`` is compiled everywhere: ``static`` is already the like-for-like baseline, and the
+engine admits prompts every 6 steps by default, so ``engine-grouped`` with ``--admit-every 1``
+measures what that grouping buys there.
 
 With N close to the number of clients, throughput is dominated by the last batch draining (the
 longest request of the last group runs alone): ``--requests 384`` (12 per client) measures the
