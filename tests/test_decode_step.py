@@ -11,6 +11,7 @@ from mixtral_infer import GenerationError, generate
 from mixtral_infer.fast.decode_loop import step_compiler
 from mixtral_infer.fast.decode_step import (
     StepCompiler,
+    decode_logits,
     make_decode_step,
     moe_one_token,
     slot_bucket,
@@ -126,6 +127,20 @@ def test_a_finished_row_leaves_its_cache_and_position_alone():
     assert not torch.equal(cache.cache_k[:, 0, 3], before_k[:, 0, 3])  # row 0 wrote slot 3
     torch.testing.assert_close(cache.cache_k[:, 1], before_k[:, 1], atol=0, rtol=0)  # row 1 wrote nothing
     torch.testing.assert_close(cache.cache_v[:, 1], before_v[:, 1], atol=0, rtol=0)
+
+
+def test_decode_logits_with_grouped_experts_equals_the_one_token_moe():
+    """``grouped_moe`` (the engine's per-step static step on CPU) changes how the experts run, not the result."""
+    model = random_model(tiny_args(moe=True, max_batch_size=4), seed=26)
+    cache = model.make_cache(4)
+    cache.start_sequences(4)
+    cache.cache_k.normal_()
+    cache.cache_v.normal_()
+    args = (torch.tensor([5, 6, 7, 8]), torch.tensor([3, 9, 0, 12]), torch.tensor([True, True, False, True]))
+    with torch.no_grad():
+        one_token = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *args)
+        grouped = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *args, grouped_moe=True)
+    torch.testing.assert_close(grouped, one_token, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 8])
