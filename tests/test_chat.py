@@ -147,3 +147,9 @@ def test_streaming_decodes_each_token_a_bounded_number_of_times():
     # The last piece shown is decoded again at every push (2 calls per token); a one-token piece's
     # text comes from the per-tokenizer cache after its first time: here 812 calls for 641 tokens.
     assert len(decoded) <= 1.3 * len(ids)
+
+    class Unhashable(Counting):
+        __hash__ = None  # cannot be a weak key: the stream keeps its own cache
+
+    stream = TextStream(Unhashable(), leading_space=True)
+    assert "".join([stream.push(token) for token in ids] + [stream.finish()]) == tokenizer.decode_continuation(ids)

@@ -45,7 +45,10 @@ class TextStream:
         self.pieces: List[str] = []  # what was emitted
         self.start = 0  # decodes begin at this token: the first one of the last piece shown
         self.shown = 0  # tokens[:shown] are fully shown
-        self._one_token_text = _ONE_TOKEN_TEXT.setdefault(tokenizer, {})
+        try:
+            self._one_token_text = _ONE_TOKEN_TEXT.setdefault(tokenizer, {})
+        except TypeError:  # a tokenizer that cannot be a weak key (unhashable): this stream's own cache
+            self._one_token_text = {}
 
     def _decode(self, end: int) -> str:
         tokens = self.tokens[self.start : end]
