@@ -427,7 +427,7 @@ class Engine:
         when ``R * S <= GATHER_COST * N * L``. Measured, one layer at the Mistral-7B shape
         (bfloat16, 2 threads, 32 rows, S = 4096): in place 99 ms whatever the lengths; gathered
         12 / 54 / 111 / 226 ms for L = 256 / 1024 / 2048 / 4096 (break-even near L = 1850).
-        tiny-mixtral (S = 32) serving 384 requests: a decode-only pass 5.29 -> 4.37 ms.
+        tiny-mixtral (S = 32) serving 384 requests: a decode-only pass 5.3 -> 4.4 ms.
 
         Example, R = 4 rows, S = 8, 3 rows running: at 2, 3 and 4 tokens seen (L = 5, as the new
         token counts), 32 > 2 * 3 * 5 = 30: eager; at 2, 3 and 8 (L = 8), 32 <= 48: static.
