@@ -36,6 +36,7 @@ import multiprocessing
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -272,7 +273,11 @@ def run_engine(conn, load: Load, plan: Dict[str, Any], engine_options: Dict[str,
             model, tokenizer, rows.rows, max_queue=sys.maxsize, metrics=outbox.metrics, after_step=outbox.flush,
             **engine_options,
         )  # fmt: skip
-        engine.warm_up()  # a compiled decode step is compiled before the server says it is ready
+        if engine.mode == "compiled":  # compiled before the server says it is ready, not at the first request
+            started = time.perf_counter()
+            print(f"compiling the decode step for {rows.rows} rows (once, before serving)...", file=sys.stderr, flush=True)
+            engine.warm_up()
+            print(f"compiled in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
     except Exception as error:
         if not isinstance(error, MixtralInferError):
             traceback.print_exc()
