@@ -402,6 +402,14 @@ class Engine:
         tokens = torch.tensor(tokens, dtype=torch.long)  # (R,)
         alive = torch.tensor(alive, dtype=torch.bool)  # (R,)
         positions = torch.tensor(self.cache.tokens_seen, dtype=torch.long)
+        logits = self._call_decode_step(tokens, positions, alive)  # (R, V)
+        for request in sampled:
+            self.cache.tokens_seen[request.row] += 1
+        return logits[torch.tensor([r.row for r in sampled], device=device)]  # (N, V), a copy
+
+    def _call_decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """The decode step (made on first use) over all R rows, inputs ``(R,)`` on the host: logits ``(R, V)``."""
+        device = self.model.device
         if self._decode_step is None:
             self._decode_step = self._make_decode_step()
         if device.type == "cuda" and self.mode == "compiled":
@@ -410,12 +418,9 @@ class Engine:
         # Every call passes the same cache tensors and fresh (R,) tensors of one dtype: after the
         # first calls, dynamo's per-weight guards would pass (as in generate's decode loop).
         with guards_checked(self.mode != "compiled" or self._decode_calls <= GUARDED_STEPS):
-            logits = self._decode_step(
+            return self._decode_step(
                 self.cache.cache_k, self.cache.cache_v, tokens.to(device), positions.to(device), alive.to(device)
             )  # (R, V)
-        for request in sampled:
-            self.cache.tokens_seen[request.row] += 1
-        return logits[torch.tensor([r.row for r in sampled], device=device)]  # (N, V), a copy
 
     def _static_step_is_cheaper(self, sampled: List[Request]) -> bool:
         """Whether this decode-only step reads less through the static step than through
@@ -448,14 +453,8 @@ class Engine:
         false), so the cache is left as it was."""
         if self.mode != "compiled":
             return
-        if self._decode_step is None:
-            self._decode_step = self._make_decode_step()
-        device = self.model.device
-        zeros = torch.zeros(self.rows, dtype=torch.long, device=device)  # (R,) tokens, then positions
-        if device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        self._decode_calls += 1  # with every guard checked, as the first calls are (_decode_only)
-        self._decode_step(self.cache.cache_k, self.cache.cache_v, zeros, zeros.clone(), torch.zeros_like(zeros, dtype=torch.bool))
+        zeros = torch.zeros(self.rows, dtype=torch.long)  # (R,) tokens, then positions
+        self._call_decode_step(zeros, zeros.clone(), torch.zeros_like(zeros, dtype=torch.bool))
 
     def _make_decode_step(self):
         model = self.model
