@@ -105,8 +105,10 @@ class FoldedTokenizer(Tokenizer):
 
 
 def random_model(shape: str, layers, clients: int, device: str, dtype: torch.dtype):
-    """``bench_gpu``'s shape with random weights, built on the device (RMSNorm weights near 1)."""
+    """``bench_gpu``'s shape with random weights, built on the device (``bench_vs_transformers``'
+    initialisation: RMSNorm weights near 1)."""
     from bench_gpu import model_args
+    from bench_vs_transformers import _init_
 
     from mixtral_infer import Transformer
 
@@ -120,12 +122,7 @@ def random_model(shape: str, layers, clients: int, device: str, dtype: torch.dty
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.8, 1.2)
-            elif name.startswith("tok_embeddings"):
-                param.normal_(0.0, 1.0)
-            elif param.dim() >= 2:
-                param.normal_(0.0, param.shape[-1] ** -0.5)
+            _init_(name, param)
     return model.eval()
 
 
