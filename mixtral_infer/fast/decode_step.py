@@ -68,12 +68,25 @@ def attend_one_token(
 ) -> torch.Tensor:
     batch = x.shape[0]
     xq, xk, xv = attention.project(x, rotary)  # (B, H, Dh), (B, H_kv, Dh), (B, H_kv, Dh)
+    out = attend_in_place(xq, xk, xv, cache_k, cache_v, slots, alive, visible)  # (B, H, Dh)
+    return linear(out.reshape(batch, attention.n_heads * attention.head_dim), attention.wo.weight)  # (B, D)
 
-    rows = torch.arange(batch, device=x.device)
+
+def attend_in_place(
+    xq: torch.Tensor,  # (B, H, Dh)
+    xk: torch.Tensor,  # (B, H_kv, Dh)
+    xv: torch.Tensor,  # (B, H_kv, Dh)
+    cache_k: torch.Tensor,  # (B, S, H_kv, Dh)
+    cache_v: torch.Tensor,  # (B, S, H_kv, Dh)
+    slots: torch.Tensor,  # (B,)
+    alive: torch.Tensor,  # (B,) bool
+    visible: torch.Tensor,  # (B, S) bool
+) -> torch.Tensor:
+    """Write each alive row's key and value to its slot, then its query over its row's buffer: ``(B, H, Dh)``."""
+    rows = torch.arange(xq.shape[0], device=xq.device)
     keep = alive[:, None, None]  # (B, 1, 1)
     cache_k[rows, slots] = torch.where(keep, xk, cache_k[rows, slots])
     cache_v[rows, slots] = torch.where(keep, xv, cache_v[rows, slots])
-
     out = F.scaled_dot_product_attention(
         xq[:, :, None, :],  # (B, H, 1, Dh)
         cache_k.transpose(1, 2),  # (B, H_kv, S, Dh)
@@ -81,7 +94,7 @@ def attend_one_token(
         attn_mask=visible[:, None, None, :],  # (B, 1, 1, S)
         enable_gqa=True,
     )  # (B, H, 1, Dh)
-    return linear(out.reshape(batch, attention.n_heads * attention.head_dim), attention.wo.weight)  # (B, D)
+    return out[:, :, 0]
 
 
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:

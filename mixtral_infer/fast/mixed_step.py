@@ -1,0 +1,222 @@
+"""The static mixed step: every decoding row's next token and a chunk of prompt tokens in one
+pass of fixed shapes.
+
+A continuous-batching engine (``serve.engine``) mostly decodes, but about half its steps also
+read a prompt: a new request takes the row another one freed. ``decode_one_token`` covers only
+the first kind of step. The second ran ``Transformer.forward``, whose metadata, masks and
+ragged gathers are built on the host at every step; on a small model on CPU, and on a GPU at any
+size, the host is what that pass waits for. This step reads the prompts in fixed shapes, so it
+compiles (``Engine(decode="compiled")``) as the decode step does.
+
+**The chunk** holds C prompt tokens of up to K prompts (segments), packed (``PromptChunk``):
+
+* ``tokens``, ``positions``, ``segment``, ``valid`` ``(C,)``: token t is a token of segment
+  ``segment[t]`` at position ``positions[t]``; padding tokens are not ``valid``;
+* ``rows``, ``starts``, ``last`` ``(K,)``: each segment's cache row, the tokens that row had seen
+  before this chunk, and the index in the chunk of the segment's last token (its logits choose
+  the prompt's first new token when the prompt ends in this chunk).
+
+A compiled step pads C and K to fixed sizes (``pack_chunk``); the data decides the rest.
+
+**Attention** (``chunk_visibility``): a chunk token sees the cached slots of its own segment's row
+and the chunk's tokens of its own segment up to itself, within the window: K * S + C keys under
+a mask. Slot j of a row that has seen s tokens holds position ``s - 1 - ((s - 1 - j) mod S)``, the
+latest position that is j modulo S, when it is not negative.
+
+**Writes** (``chunk_writes``): after the layer's attention has read the old slots, each chunk
+token's key and value go to slot ``position % S`` of its row. A chunk longer than S writes some
+slots twice, and the later token must win; so each token writes the value of the latest token of
+its segment that shares its slot, and tokens that collide write the same value in whatever order
+the writes land. A padding token repeats the write of the last valid token.
+
+Worked example, S = 4, window 4, C = 6, K = 2. Segment 0 is row 1, which has seen 6 tokens (its
+slots hold positions [4, 5, 2, 3]), and reads 3 tokens at positions 6, 7, 8; segment 1 is row 0,
+new, and reads 2 tokens at 0, 1; one padding token::
+
+    segment  [0, 0, 0, 1, 1, -]     positions [6, 7, 8, 0, 1, -]
+    position 6 sees cached positions 3, 4, 5 (slots 3, 0, 1; position 2 is out of its window)
+               and itself; position 8 sees cached position 5 and chunk positions 6, 7, 8
+    writes   row 1: slots 2, 3, 0 <- positions 6, 7, 8; row 0: slots 0, 1 <- positions 0, 1
+
+The decoding rows attend in place over their own buffers, as in ``decode_one_token``; a row
+that reads a prompt sits out of that part (``alive`` false), so it writes there only what its slot held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from mixtral_infer.fast.decode_step import attend_in_place, moe_one_token, slots_and_visibility
+from mixtral_infer.model.linear import linear
+from mixtral_infer.model.moe import MoeLayer
+from mixtral_infer.model.rope import rotary_angles
+from mixtral_infer.model.transformer import Transformer
+
+
+@dataclass
+class PromptChunk:
+    """Prompt tokens of up to K rows, packed into C (see the module docstring)."""
+
+    tokens: torch.Tensor  # (C,) long
+    positions: torch.Tensor  # (C,) long
+    segment: torch.Tensor  # (C,) long, in [0, K)
+    valid: torch.Tensor  # (C,) bool
+    rows: torch.Tensor  # (K,) long
+    starts: torch.Tensor  # (K,) long: tokens the row had seen before this chunk
+    last: torch.Tensor  # (K,) long: the chunk index of the segment's last token
+
+
+def pack_chunk(
+    pieces: Sequence[Tuple[int, int, Sequence[int]]],  # (row, tokens seen before, tokens) per prompt
+    size: Optional[int] = None,
+    segments: Optional[int] = None,
+    device: torch.device | str = "cpu",
+) -> PromptChunk:
+    """The pieces packed in order, padded to ``size`` tokens and ``segments`` segments (None: no
+    padding). A padding segment points at row 0 and holds no token; a padding token is segment 0's.
+
+    >>> chunk = pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])], size=6, segments=3)
+    >>> chunk.positions.tolist(), chunk.segment.tolist(), chunk.last.tolist()
+    ([6, 7, 8, 0, 1, 0], [0, 0, 0, 1, 1, 0], [2, 4, 0])
+    """
+    tokens: List[int] = []
+    positions: List[int] = []
+    segment: List[int] = []
+    last: List[int] = []
+    for index, (_, start, piece) in enumerate(pieces):
+        if not piece:
+            raise ValueError("a prompt piece of a chunk holds no token")
+        tokens.extend(piece)
+        positions.extend(range(start, start + len(piece)))
+        segment.extend([index] * len(piece))
+        last.append(len(tokens) - 1)
+    n_valid, n_pieces = len(tokens), len(pieces)
+    size = n_valid if size is None else size
+    segments = n_pieces if segments is None else segments
+    if n_valid > size or n_pieces > segments or n_valid == 0:
+        raise ValueError(f"{n_valid} tokens of {n_pieces} prompts do not fit a chunk of {size} tokens, {segments} segments")
+    pad, pad_segments = size - n_valid, segments - n_pieces
+
+    def tensor(values, dtype=torch.long):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return PromptChunk(
+        tokens=tensor(tokens + [0] * pad),
+        positions=tensor(positions + [0] * pad),
+        segment=tensor(segment + [0] * pad),
+        valid=tensor([True] * n_valid + [False] * pad, torch.bool),
+        rows=tensor([row for row, _, _ in pieces] + [0] * pad_segments),
+        starts=tensor([start for _, start, _ in pieces] + [0] * pad_segments),
+        last=tensor(last + [0] * pad_segments),
+    )
+
+
+def cached_positions(starts: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """The position each slot of a row holds ``(K, S)`` after the row has seen ``starts`` tokens;
+    negative where the slot was never written. ``starts`` [6, 0, 2], S = 4:
+    ``[[4, 5, 2, 3], [-4, -3, -2, -1], [0, 1, -2, -1]]``."""
+    before = starts[:, None] - 1  # (K, 1) the latest position seen
+    slot = torch.arange(n_slots, device=starts.device)[None, :]  # (1, S)
+    return before - torch.remainder(before - slot, n_slots)  # (K, S)
+
+
+def chunk_visibility(chunk: PromptChunk, n_slots: int, window: Optional[int]) -> torch.Tensor:
+    """Which keys each chunk token sees, ``(C, K * S + C)`` bool: the K rows' slots, then the chunk.
+
+    A padding token sees itself alone, so that no row of scores is empty (its output is unused).
+    """
+    n_tokens, n_segments = chunk.tokens.shape[0], chunk.rows.shape[0]
+    device = chunk.tokens.device
+    query = chunk.positions[:, None]  # (C, 1)
+    slot_position = cached_positions(chunk.starts, n_slots)  # (K, S)
+    own_row = chunk.segment[:, None] == torch.arange(n_segments, device=device)[None, :]  # (C, K)
+    cached = (own_row & chunk.valid[:, None])[:, :, None] & (slot_position >= 0)[None]  # (C, K, S)
+    same = (chunk.segment[:, None] == chunk.segment[None, :]) & chunk.valid[None, :]  # (C, C)
+    in_chunk = same & (chunk.positions[None, :] <= query)  # (C, C)
+    if window is not None:
+        cached &= (query[:, :, None] - slot_position[None]) < window
+        in_chunk &= (query - chunk.positions[None, :]) < window
+    in_chunk |= torch.eye(n_tokens, dtype=torch.bool, device=device)
+    return torch.cat([cached.reshape(n_tokens, n_segments * n_slots), in_chunk], dim=1)
+
+
+def chunk_writes(chunk: PromptChunk, n_slots: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each chunk token writes and whose key it writes: ``(rows, slots, source)``, each ``(C,)``.
+
+    One segment at row 2, new, 6 tokens, S = 4: positions 0..5 go to slots 0, 1, 2, 3, 0, 1;
+    tokens 0 and 4 both write token 4's key to slot 0, tokens 1 and 5 token 5's to slot 1:
+    source ``[4, 5, 2, 3, 4, 5]``. The chunk must hold at least one valid token.
+    """
+    n_tokens = chunk.tokens.shape[0]
+    index = torch.arange(n_tokens, device=chunk.tokens.device)
+    slot = chunk.positions % n_slots  # (C,)
+    shares = (chunk.segment[:, None] == chunk.segment[None, :]) & (slot[:, None] == slot[None, :]) & chunk.valid[None, :]
+    source = torch.where(shares, index[None, :], -1).amax(dim=1)  # (C,) the latest token sharing t's row and slot
+    last_valid = torch.where(chunk.valid, index, -1).amax()
+    source = torch.where(chunk.valid, source, last_valid)
+    return chunk.rows[chunk.segment[source]], slot[source], source
+
+
+def attend_chunk(
+    xq: torch.Tensor,  # (C, H, Dh)
+    xk: torch.Tensor,  # (C, H_kv, Dh)
+    xv: torch.Tensor,  # (C, H_kv, Dh)
+    cache_k: torch.Tensor,  # (R, S, H_kv, Dh) one layer's buffers
+    cache_v: torch.Tensor,  # (R, S, H_kv, Dh)
+    chunk: PromptChunk,
+    visible: torch.Tensor,  # (C, K * S + C) bool: chunk_visibility
+    writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
+) -> torch.Tensor:
+    """Each chunk token over its row's slots and its prompt's chunk tokens; then writes the chunk: ``(C, H, Dh)``."""
+    keys = torch.cat([cache_k[chunk.rows].flatten(0, 1), xk])  # (K*S + C, H_kv, Dh)
+    values = torch.cat([cache_v[chunk.rows].flatten(0, 1), xv])
+    out = F.scaled_dot_product_attention(
+        xq.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],  # (1, H, C, Dh), (1, H_kv, K*S + C, Dh)
+        attn_mask=visible, enable_gqa=True,
+    )[0].transpose(0, 1)  # (C, H, Dh)  # fmt: skip
+    rows, slots, source = writes
+    cache_k[rows, slots] = xk[source]
+    cache_v[rows, slots] = xv[source]
+    return out
+
+
+def mixed_logits(
+    model: Transformer,
+    cache_k: torch.Tensor,  # (L, R, S, H_kv, Dh) the whole cache
+    cache_v: torch.Tensor,  # (L, R, S, H_kv, Dh)
+    tokens: torch.Tensor,  # (R,) each row's last token
+    positions: torch.Tensor,  # (R,) the position each takes
+    alive: torch.Tensor,  # (R,) bool: the row decodes now (rows in the chunk do not)
+    chunk: PromptChunk,
+    grouped_moe: bool = False,
+) -> torch.Tensor:
+    """Float logits ``(R + K, V)``: each row's next token, then each segment's after its last chunk token.
+
+    Writes the alive rows' new keys and the chunk's. ``grouped_moe`` as in ``decode_logits``.
+    """
+    n_rows, n_tokens = tokens.shape[0], chunk.tokens.shape[0]
+    n_slots = cache_k.shape[2]
+    slots, visible = slots_and_visibility(positions, n_slots)  # (R,), (R, S)
+    chunk_visible = chunk_visibility(chunk, n_slots, model.args.sliding_window)  # (C, K*S + C)
+    writes = chunk_writes(chunk, n_slots)
+    rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
+
+    h = model.tok_embeddings(torch.cat([tokens, chunk.tokens]))  # (R + C, D)
+    for index, layer in enumerate(model.layers.values()):
+        attention = layer.attention
+        xq, xk, xv = attention.project(layer.attention_norm(h), rotary)  # (R + C, H, Dh), (R + C, H_kv, Dh) x2
+        decoded = attend_in_place(
+            xq[:n_rows], xk[:n_rows], xv[:n_rows], cache_k[index, :n_rows], cache_v[index, :n_rows], slots, alive, visible
+        )  # (R, H, Dh)
+        read = attend_chunk(xq[n_rows:], xk[n_rows:], xv[n_rows:], cache_k[index], cache_v[index], chunk, chunk_visible, writes)
+        out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
+        h = h + linear(out, attention.wo.weight)  # (R + C, D)
+        x = layer.ffn_norm(h)
+        moe = isinstance(layer.feed_forward, MoeLayer) and not grouped_moe
+        h = h + (moe_one_token(layer.feed_forward, x) if moe else layer.feed_forward(x))
+    ends = torch.cat([torch.arange(n_rows, device=h.device), n_rows + chunk.last])  # (R + K,)
+    return linear(model.norm(h[ends]), model.output.weight).float()  # (R + K, V)
