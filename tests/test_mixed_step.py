@@ -8,7 +8,14 @@ import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
 
-from mixtral_infer.fast.mixed_step import cached_positions, chunk_visibility, chunk_writes, mixed_logits, pack_chunk
+from mixtral_infer.fast.mixed_step import (
+    cached_positions,
+    chunk_visibility,
+    chunk_writes,
+    mixed_logits,
+    pack_chunk,
+    segment_layout,
+)
 
 ROWS = 6
 
@@ -17,15 +24,15 @@ def test_worked_example_of_visibility_and_writes():
     """The module docstring's example: S = 4, window 4; row 1 at 6 reads 3 tokens, row 0 new reads 2."""
     chunk = pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])], size=6, segments=2)
     assert cached_positions(chunk.starts, 4).tolist() == [[4, 5, 2, 3], [-4, -3, -2, -1]]
-    visible = chunk_visibility(chunk, 4, window=4)  # (6, 2 * 4 + 6)
-    seen = [[j for j in range(14) if visible[t, j]] for t in range(6)]
-    # keys 0-3: row 1's slots; 4-7: row 0's; 8-13: the chunk's tokens
-    assert seen[0] == [0, 1, 3, 8]  # position 6: cached 4, 5, 3 (slot 2 holds 2: out of the window), itself
-    assert seen[1] == [0, 1, 8, 9]  # position 7: cached 4, 5 (7 - 3 = 4 is out of the window), chunk 6, 7
-    assert seen[2] == [1, 8, 9, 10]  # position 8: cached 5, chunk 6, 7, 8
-    assert seen[3] == [11]  # segment 1, position 0: itself
-    assert seen[4] == [11, 12]
-    assert seen[5] == [13]  # padding: itself only
+    assert segment_layout(chunk).tolist() == [0, 1, 2, 0, 1, 5]
+    visible = chunk_visibility(chunk, 4, window=4)  # (2 segments, 6 places, 4 slots + 6 chunk places)
+    seen = [[[j for j in range(10) if visible[k, i, j]] for i in range(6)] for k in range(2)]
+    # keys 0-3: the segment's row's slots; 4-9: its places in the chunk
+    assert seen[0][0] == [0, 1, 3, 4]  # position 6: cached 4, 5, 3 (slot 2 holds 2: out of the window), itself
+    assert seen[0][1] == [0, 1, 4, 5]  # position 7: cached 4, 5 (7 - 3 = 4 is out of the window), chunk 6, 7
+    assert seen[0][2] == [1, 4, 5, 6]  # position 8: cached 5, chunk 6, 7, 8
+    assert seen[1][0] == [4] and seen[1][1] == [4, 5]  # segment 1: positions 0, 1, nothing cached
+    assert seen[0][5] == [9] and seen[1][3] == [7]  # places without a token: their own place only
     rows, slots, source = chunk_writes(chunk, 4)
     assert rows[:5].tolist() == [1, 1, 1, 0, 0] and slots[:5].tolist() == [2, 3, 0, 0, 1]
     assert source.tolist() == [0, 1, 2, 3, 4, 4]  # the padding token repeats the last valid write
@@ -114,3 +121,20 @@ def test_the_mixed_step_compiles_with_fullgraph_and_equals_eager():
         got = compiled(model, cache.cache_k, cache.cache_v, *inputs, chunk)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache.cache_k, expected_k, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_never_reads_another_prompts_keys():
+    """A NaN in one prompt's row (a pass that went wrong) reaches neither the other prompt of its
+    chunk nor the decoding rows: they get the logits they get beside a clean row."""
+    model = random_model(tiny_args(moe=True, max_batch_size=4), seed=33)
+    cache = model.make_cache(4)
+    cache.start_sequences(4)
+    with torch.no_grad():
+        fill(model, cache, [5, 3, 2, 1], torch.Generator().manual_seed(1))
+        inputs = (torch.tensor([7, 0, 0, 9]), torch.tensor([5, 3, 2, 1]), torch.tensor([True, False, False, True]))
+        chunk = pack_chunk([(1, 3, [4, 5, 6]), (2, 2, [8, 9])], size=8, segments=3)
+        clean = mixed_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs, chunk)
+        cache.cache_k[:, 1], cache.cache_v[:, 1] = float("nan"), float("nan")
+        broken = mixed_logits(model, cache.cache_k, cache.cache_v, *inputs, chunk)
+    assert broken[4].isnan().all()  # row 1's prompt
+    torch.testing.assert_close(broken[[0, 3, 5]], clean[[0, 3, 5]])  # the decoding rows, row 2's prompt

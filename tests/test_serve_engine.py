@@ -18,6 +18,8 @@ from mixtral_infer.serve.engine import (
     QueueFull,
     RequestSettings,
     TokenEvent,
+    finite_rows,
+    mixed_chunk_sizes,
     sample_rows,
 )
 
@@ -112,7 +114,7 @@ def mixed_solo(tiny):
     return [solo(model, tokenizer, prompt, settings) for prompt, settings in mixed_requests(tokenizer)]
 
 
-@pytest.mark.parametrize("decode", ["eager", "static", "compiled", "auto"])
+@pytest.mark.parametrize("decode", ["eager", "static", "compiled", "compiled-prompts", "auto"])
 def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
     """8 requests on 3 rows, a small prefill budget (prompts read over several steps: decoding
     rows and prompt chunks share forward passes), greedy,
@@ -123,13 +125,17 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
     only where its uniform number is not within that noise of a boundary of the cumulative
     probabilities; a low temperature (or top-k) keeps the near-zero tail, where neighbouring
     boundaries are that close, out of reach of the draws.
+
+    ``compiled-prompts``: the steps that read prompts compile too (``compile_prompts``, CUDA's default).
     """
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode)
+    compile_prompts = decode == "compiled-prompts"
+    decode = "compiled" if compile_prompts else decode
+    engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode, compile_prompts=compile_prompts)
     choices = []
     if decode == "auto":  # on CPU each decode-only step picks the static step or the eager pass
         cheaper = engine._static_step_is_cheaper
-        engine._static_step_is_cheaper = lambda sampled: choices.append(cheaper(sampled)) or choices[-1]
+        engine._static_step_is_cheaper = lambda seqlens: choices.append(cheaper(seqlens)) or choices[-1]
     recorder = Recorder()
     for i, (prompt, settings) in enumerate(mixed_requests(tokenizer)):
         engine.submit(prompt, settings, recorder.sink(i))
@@ -143,10 +149,15 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
         assert recorder.finished(i).reason == "length"
         assert recorder.text(i) == " " * tokenizer.id_to_piece(tokens[0]).startswith("\u2581") + tokenizer.decode(tokens)
     assert engine.stats() == {"rows": 3, "rows_free": 3, "running": 0, "queued": 0, "admitted": 8, "steps": engine.steps}
-    if decode == "compiled":  # later decode-only steps ran with dynamo's guards skipped (decode_loop.GUARDED_STEPS)
-        assert engine._decode_calls > GUARDED_STEPS
+    if decode == "compiled":  # later steps ran with dynamo's guards skipped (decode_loop.GUARDED_STEPS)
+        assert engine._step_calls["decode"] > GUARDED_STEPS
+    if compile_prompts:  # the prompts were read in chunks padded to 7 tokens
+        assert set(engine._step_calls) == {"decode", ("mixed", 7)} and engine._step_calls["mixed", 7] > GUARDED_STEPS
+    elif decode != "eager":  # every step that read a prompt (auto: some) ran the mixed step, unpadded
+        assert engine._step_calls["mixed", None] > (3 if decode != "auto" else 0)
     if decode == "auto":  # both kinds of step ran
-        assert True in choices and False in choices and engine._decode_calls == choices.count(True)
+        assert True in choices and False in choices
+        assert engine._step_calls["decode"] + engine._step_calls["mixed", None] == choices.count(True)
 
 
 def test_auto_picks_the_static_step_when_it_reads_less():
@@ -154,11 +165,16 @@ def test_auto_picks_the_static_step_when_it_reads_less():
     model = random_model(tiny_args(sliding_window=8))
     engine = Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=4, decode="auto")
     assert engine.mode == "eager" and engine.choose_per_step and engine.cache.cache_size == 8
-    running = [type("Request", (), {"row": row})() for row in range(3)]  # rows 0-2 decode, row 3 is free
+    engine.running = [type("Request", (), {"row": row, "next_token": 1})() for row in range(3)]  # rows 0-2 decode
     engine.cache.tokens_seen[:] = [2, 3, 4, 0]
-    assert not engine._static_step_is_cheaper(running)  # L = 5: 4 * 8 = 32 > 2 * 3 * 5
+    assert not engine._static_step_is_cheaper([1, 1, 1, 0])  # L = 5: 4 * 8 = 32 > 2 * 3 * 5
     engine.cache.tokens_seen[:] = [2, 3, 8, 0]
-    assert engine._static_step_is_cheaper(running)  # L = 8 (a full row): 32 <= 48
+    assert engine._static_step_is_cheaper([1, 1, 1, 0])  # L = 8 (a full row): 32 <= 48
+    engine.running.append(type("Request", (), {"row": 3, "next_token": None})())  # row 3 reads a fresh prompt
+    assert engine._static_step_is_cheaper([1, 1, 1, 4])  # 32 + 4 * (8 + 4) = 80 <= 2 * (24 + 4 * 4)
+    engine.cache.tokens_seen[:] = [2, 3, 4, 0]
+    assert not engine._static_step_is_cheaper([1, 1, 1, 4])  # 80 > 2 * (3 * 5 + 16) = 62
+
     assert not Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=4, decode="eager").choose_per_step
 
 
@@ -238,11 +254,11 @@ def test_warm_up_compiles_the_decode_step_and_leaves_the_cache(tiny):
     """A compiled engine compiles before its first request; the cache is as it was, and requests then
     get their solo tokens."""
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer, rows=2, decode="compiled")
+    engine = Engine(model, tokenizer, rows=2, prefill_tokens=7, decode="compiled", compile_prompts=True)
     engine.cache.cache_k.normal_()  # anything: warm-up must not write it
     before = engine.cache.cache_k.clone(), engine.cache.cache_v.clone()
     engine.warm_up()
-    assert engine._decode_step is not None and engine._decode_calls == 1
+    assert engine._step_calls == {"decode": 1, ("mixed", 7): 1}
     assert torch.equal(engine.cache.cache_k, before[0]) and torch.equal(engine.cache.cache_v, before[1])
     settings = RequestSettings(max_tokens=6, temperature=0)
     prompt = tokenizer.encode(PROMPTS[0])
@@ -259,6 +275,7 @@ def test_admit_every_defaults_to_groups_where_decode_steps_are_compiled(tiny):
     assert Engine(model, tokenizer, rows=2, decode="compiled").admit_every == ADMIT_EVERY_COMPILED > 1
     assert Engine(model, tokenizer, rows=2, decode="auto").admit_every == 1  # on CPU: eager or the static step
     assert Engine(model, tokenizer, rows=2, decode="compiled", admit_every=1).admit_every == 1
+    assert Engine(model, tokenizer, rows=2, decode="compiled", compile_prompts=True).admit_every == 1
 
 
 @pytest.mark.parametrize("decode", ["eager", "static", "auto"])
@@ -372,3 +389,23 @@ def test_sizing_docstring_example():
     row = kv_cache_bytes(args, 1, 4096, torch.bfloat16, Parallel())
     assert row == 512 * 2**20
     assert int((72e9 - 14.5e9 - 1e9) // row) == 105
+
+
+def test_finite_rows_finds_nan_and_inf_anywhere():
+    logits = torch.randn(5, 7)
+    logits[1, 3], logits[2, 0], logits[3, 6] = float("nan"), float("inf"), -float("inf")
+    assert finite_rows(logits).tolist() == [True, False, False, False, True]
+    assert finite_rows(logits).tolist() == torch.isfinite(logits).all(dim=-1).tolist()
+
+
+def test_mixed_chunk_sizes_docstring_example():
+    assert mixed_chunk_sizes(512) == [16, 64, 256, 512]
+    assert mixed_chunk_sizes(7) == [7]
+    assert mixed_chunk_sizes(64) == [16, 64]
+
+
+def test_compile_prompts_needs_a_compiled_decode_step(tiny):
+    model, tokenizer = tiny
+    with pytest.raises(GenerationError, match="compile_prompts needs decode='compiled'"):
+        Engine(model, tokenizer, rows=2, decode="static", compile_prompts=True)
+    assert not Engine(model, tokenizer, rows=2, decode="compiled").compile_prompts  # on CPU, by default

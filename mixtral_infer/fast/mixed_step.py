@@ -19,9 +19,11 @@ compiles (``Engine(decode="compiled")``) as the decode step does.
 A compiled step pads C and K to fixed sizes (``pack_chunk``); the data decides the rest.
 
 **Attention** (``chunk_visibility``): a chunk token sees the cached slots of its own segment's row
-and the chunk's tokens of its own segment up to itself, within the window: K * S + C keys under
-a mask. Slot j of a row that has seen s tokens holds position ``s - 1 - ((s - 1 - j) mod S)``, the
-latest position that is j modulo S, when it is not negative.
+and the chunk's tokens of its own segment up to itself, within the window. Each segment attends
+as one line of a batch of K (``segment_layout``): its row's S slots and its own chunk tokens,
+``S + C`` keys under a mask, so one prompt never reads another's keys. Slot j of a row that has
+seen s tokens holds position ``s - 1 - ((s - 1 - j) mod S)``, the latest position that is j
+modulo S, when it is not negative.
 
 **Writes** (``chunk_writes``): after the layer's attention has read the old slots, each chunk
 token's key and value go to slot ``position % S`` of its row. A chunk longer than S writes some
@@ -33,7 +35,7 @@ Worked example, S = 4, window 4, C = 6, K = 2. Segment 0 is row 1, which has see
 slots hold positions [4, 5, 2, 3]), and reads 3 tokens at positions 6, 7, 8; segment 1 is row 0,
 new, and reads 2 tokens at 0, 1; one padding token::
 
-    segment  [0, 0, 0, 1, 1, -]     positions [6, 7, 8, 0, 1, -]
+    segment  [0, 0, 0, 1, 1, -]     positions [6, 7, 8, 0, 1, -]     place in the segment [0, 1, 2, 0, 1, 5]
     position 6 sees cached positions 3, 4, 5 (slots 3, 0, 1; position 2 is out of its window)
                and itself; position 8 sees cached position 5 and chunk positions 6, 7, 8
     writes   row 1: slots 2, 3, 0 <- positions 6, 7, 8; row 0: slots 0, 1 <- positions 0, 1
@@ -124,24 +126,36 @@ def cached_positions(starts: torch.Tensor, n_slots: int) -> torch.Tensor:
     return before - torch.remainder(before - slot, n_slots)  # (K, S)
 
 
-def chunk_visibility(chunk: PromptChunk, n_slots: int, window: Optional[int]) -> torch.Tensor:
-    """Which keys each chunk token sees, ``(C, K * S + C)`` bool: the K rows' slots, then the chunk.
+def segment_layout(chunk: PromptChunk) -> torch.Tensor:
+    """Each chunk token's index within its segment ``(C,)``: the chunk laid out as ``(K, C)``,
+    one line per segment. ``segment`` [0, 0, 0, 1, 1, 0] (the last a padding token): [0, 1, 2, 0, 1, 5]."""
+    index = torch.arange(chunk.tokens.shape[0], device=chunk.tokens.device)
+    first = torch.full_like(chunk.rows, chunk.tokens.shape[0]).scatter_reduce(0, chunk.segment, index, "amin")  # (K,)
+    return index - first[chunk.segment]
 
-    A padding token sees itself alone, so that no row of scores is empty (its output is unused).
+
+def chunk_visibility(chunk: PromptChunk, n_slots: int, window: Optional[int]) -> torch.Tensor:
+    """Which keys each line of the ``(K, C)`` layout sees, ``(K, C, S + C)`` bool: its row's S
+    slots, then its segment's chunk tokens (``segment_layout``).
+
+    A place of the layout that holds no token sees its own (zero) key, so that no row of
+    scores is empty; its output is never read.
     """
     n_tokens, n_segments = chunk.tokens.shape[0], chunk.rows.shape[0]
     device = chunk.tokens.device
-    query = chunk.positions[:, None]  # (C, 1)
-    slot_position = cached_positions(chunk.starts, n_slots)  # (K, S)
-    own_row = chunk.segment[:, None] == torch.arange(n_segments, device=device)[None, :]  # (C, K)
-    cached = (own_row & chunk.valid[:, None])[:, :, None] & (slot_position >= 0)[None]  # (C, K, S)
-    same = (chunk.segment[:, None] == chunk.segment[None, :]) & chunk.valid[None, :]  # (C, C)
-    in_chunk = same & (chunk.positions[None, :] <= query)  # (C, C)
+    place = segment_layout(chunk)  # (C,)
+    layout = (n_segments, n_tokens)
+    position = torch.zeros(layout, dtype=torch.long, device=device).index_put((chunk.segment, place), chunk.positions)
+    valid = torch.zeros(layout, dtype=torch.bool, device=device).index_put((chunk.segment, place), chunk.valid)
+    query = position[:, :, None]  # (K, C, 1)
+    slot_position = cached_positions(chunk.starts, n_slots)[:, None, :]  # (K, 1, S)
+    cached = valid[:, :, None] & (slot_position >= 0)  # (K, C, S)
+    in_chunk = valid[:, :, None] & valid[:, None, :] & (position[:, None, :] <= query)  # (K, C, C)
     if window is not None:
-        cached &= (query[:, :, None] - slot_position[None]) < window
-        in_chunk &= (query - chunk.positions[None, :]) < window
+        cached &= (query - slot_position) < window
+        in_chunk &= (query - position[:, None, :]) < window
     in_chunk |= torch.eye(n_tokens, dtype=torch.bool, device=device)
-    return torch.cat([cached.reshape(n_tokens, n_segments * n_slots), in_chunk], dim=1)
+    return torch.cat([cached, in_chunk], dim=2)
 
 
 def chunk_writes(chunk: PromptChunk, n_slots: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,20 +182,30 @@ def attend_chunk(
     cache_k: torch.Tensor,  # (R, S, H_kv, Dh) one layer's buffers
     cache_v: torch.Tensor,  # (R, S, H_kv, Dh)
     chunk: PromptChunk,
-    visible: torch.Tensor,  # (C, K * S + C) bool: chunk_visibility
+    place: torch.Tensor,  # (C,) segment_layout
+    visible: torch.Tensor,  # (K, C, S + C) bool: chunk_visibility
     writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
 ) -> torch.Tensor:
-    """Each chunk token over its row's slots and its prompt's chunk tokens; then writes the chunk: ``(C, H, Dh)``."""
-    keys = torch.cat([cache_k[chunk.rows].flatten(0, 1), xk])  # (K*S + C, H_kv, Dh)
-    values = torch.cat([cache_v[chunk.rows].flatten(0, 1), xv])
+    """Each chunk token over its row's slots and its prompt's chunk tokens; then writes the chunk: ``(C, H, Dh)``.
+
+    Each segment attends in its own line of the ``(K, C)`` layout, as a batch of K: a prompt never
+    reads another's keys, not even under a mask, so a NaN in one cannot spread to the others."""
+    n_segments, n_tokens = chunk.rows.shape[0], xq.shape[0]
+    where = (chunk.segment, place)
+
+    def laid_out(x: torch.Tensor) -> torch.Tensor:  # (C, H', Dh) -> (K, C, H', Dh), zeros where no token
+        return x.new_zeros((n_segments, n_tokens) + x.shape[1:]).index_put(where, x)
+
+    keys = torch.cat([cache_k[chunk.rows], laid_out(xk)], dim=1)  # (K, S + C, H_kv, Dh)
+    values = torch.cat([cache_v[chunk.rows], laid_out(xv)], dim=1)
     out = F.scaled_dot_product_attention(
-        xq.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],  # (1, H, C, Dh), (1, H_kv, K*S + C, Dh)
-        attn_mask=visible, enable_gqa=True,
-    )[0].transpose(0, 1)  # (C, H, Dh)  # fmt: skip
+        laid_out(xq).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # (K, H, C, Dh), (K, H_kv, S + C, Dh)
+        attn_mask=visible[:, None], enable_gqa=True,  # (K, 1, C, S + C)
+    )  # (K, H, C, Dh)  # fmt: skip
     rows, slots, source = writes
     cache_k[rows, slots] = xk[source]
     cache_v[rows, slots] = xv[source]
-    return out
+    return out.transpose(1, 2)[where]  # (C, H, Dh)
 
 
 def mixed_logits(
@@ -201,7 +225,8 @@ def mixed_logits(
     n_rows, n_tokens = tokens.shape[0], chunk.tokens.shape[0]
     n_slots = cache_k.shape[2]
     slots, visible = slots_and_visibility(positions, n_slots)  # (R,), (R, S)
-    chunk_visible = chunk_visibility(chunk, n_slots, model.args.sliding_window)  # (C, K*S + C)
+    place = segment_layout(chunk)  # (C,)
+    chunk_visible = chunk_visibility(chunk, n_slots, model.args.sliding_window)  # (K, C, S + C)
     writes = chunk_writes(chunk, n_slots)
     rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
 
@@ -212,7 +237,9 @@ def mixed_logits(
         decoded = attend_in_place(
             xq[:n_rows], xk[:n_rows], xv[:n_rows], cache_k[index, :n_rows], cache_v[index, :n_rows], slots, alive, visible
         )  # (R, H, Dh)
-        read = attend_chunk(xq[n_rows:], xk[n_rows:], xv[n_rows:], cache_k[index], cache_v[index], chunk, chunk_visible, writes)
+        read = attend_chunk(
+            xq[n_rows:], xk[n_rows:], xv[n_rows:], cache_k[index], cache_v[index], chunk, place, chunk_visible, writes
+        )  # (C, H, Dh)
         out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
         h = h + linear(out, attention.wo.weight)  # (R + C, D)
         x = layer.ffn_norm(h)

@@ -44,6 +44,7 @@ import torch
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.fast.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.fast.decode_step import decode_logits, supports_static_decode
+from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling, sample
 from mixtral_infer.generation.text_stream import TextStream
@@ -59,6 +60,8 @@ NOT_FINITE = (
 
 GATHER_COST = 2  # a key gathered for attention costs about two read in place (Engine._static_step_is_cheaper)
 ADMIT_EVERY_COMPILED = 6  # admit_every's default where decode-only steps run compiled (Engine._admit_now)
+MIXED_SEGMENTS = 4  # prompts one compiled mixed step reads at most (Engine._mixed)
+MIXED_CHUNKS = (16, 64, 256)  # a compiled mixed step's chunk sizes, beside prefill_tokens (mixed_chunk_sizes)
 
 
 class QueueFull(GenerationError):
@@ -152,13 +155,17 @@ class Engine:
     ``auto`` (compiled on CUDA; on CPU, per step, static or eager, whichever reads less:
     ``_static_step_is_cheaper``). All give the same tokens.
 
-    A step that both decodes and reads prompts is one forward pass over the ragged batch: the
-    weights are read once. Off CUDA its attention runs in two parts, the decoding rows over
-    their own buffers as in a decode step and the prompts over their own caches
-    (``cache.split_mixed``); CUDA's ragged kernels take it whole. Measured on tiny-mixtral,
-    32 rows, 384 ragged requests in process: 3483 tok/s, against 3295 with such a step run as two
-    passes (decoding rows, then prompts); before the CPU attention batched the decoding rows, one
-    pass was the slower, at 0.74x.
+    A step that both decodes and reads prompts is one forward pass: the weights are read once.
+    Where decode-only steps are static, it is the static mixed step (``fast.mixed_step``): the
+    decoding rows attend in place, the prompt chunks over their rows' slots, in fixed shapes.
+    ``compile_prompts`` (default: on CUDA, with ``compiled``) compiles it for a few chunk sizes
+    (``mixed_chunk_sizes``; at most ``MIXED_SEGMENTS`` prompts a step), as gpt-fast compiles its
+    decode step; on CUDA the eager pass is bound by the host. Off CUDA it runs op by op with its
+    experts grouped: compiled, its padded chunks and every-expert-on-every-token MoE cost more on
+    CPU than they save (tiny-mixtral, 384 requests in process: 3800 tok/s against 4600-4900).
+    Otherwise it is ``Transformer.forward`` over the ragged batch, whose attention runs in two
+    parts off CUDA, the decoding rows over their own buffers and the prompts over their own caches
+    (``cache.split_mixed``).
     """
 
     def __init__(
@@ -172,6 +179,7 @@ class Engine:
         max_model_len: Optional[int] = None,
         decode: str = "auto",
         admit_every: Optional[int] = None,
+        compile_prompts: Optional[bool] = None,
         metrics=None,
         after_step: Optional[Callable[[], None]] = None,
     ):
@@ -199,10 +207,19 @@ class Engine:
         self.draining = False
         self.stopped = False
         self.thread: Optional[threading.Thread] = None
-        self._decode_step = None
-        self._decode_calls = 0
+        self._steps: Dict[object, Callable[..., torch.Tensor]] = {}  # "decode" or a chunk size -> its step
+        self._step_calls: Dict[object, int] = collections.Counter()
+        # Steps that read prompts run mixed_logits wherever decode-only steps run the static step;
+        # compiled (compile_prompts), for a few padded chunk sizes; see the class docstring.
+        if compile_prompts is None:
+            compile_prompts = self.mode == "compiled" and model.device.type == "cuda"
+        if compile_prompts and self.mode != "compiled":
+            raise GenerationError("compile_prompts needs decode='compiled' (or 'auto' on CUDA)")
+        self.compile_prompts = compile_prompts
+        self.chunk_sizes = mixed_chunk_sizes(prefill_tokens) if compile_prompts else None
+        self.max_segments = min(MIXED_SEGMENTS, rows) if compile_prompts else rows
         if admit_every is None:  # _admit_now's docstring
-            admit_every = ADMIT_EVERY_COMPILED if self.mode == "compiled" else 1
+            admit_every = ADMIT_EVERY_COMPILED if self.mode == "compiled" and not compile_prompts else 1
         self.admit_every, self.last_admission = admit_every, 0
         self._vocab = model.args.vocab_size
 
@@ -331,8 +348,11 @@ class Engine:
         self, seqlens: List[int], chunks: List[List[int]], sampled: List[Request], decode_only: bool
     ) -> torch.Tensor:
         """Logits ``(len(sampled), V)`` after feeding each row its first ``seqlens[row]`` tokens of ``chunks``."""
-        if decode_only and (self.mode != "eager" or (self.choose_per_step and self._static_step_is_cheaper(sampled))):
+        static = self.mode != "eager" or (self.choose_per_step and self._static_step_is_cheaper(seqlens))
+        if decode_only and static:
             return self._decode_only(sampled)
+        if static:
+            return self._mixed(seqlens, chunks, sampled)
         tokens = [t for row, chunk in enumerate(chunks) if seqlens[row] for t in chunk]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)  # (T,)
         ends = list(itertools.accumulate(seqlens))  # each row's end in the flat batch
@@ -346,12 +366,15 @@ class Engine:
         decoded k steps since the last group or when free rows outnumber the running ones, so
         fewer steps pay for a prompt's pass. An idle engine admits at once.
 
-        Default: ``ADMIT_EVERY_COMPILED`` where decode-only steps run compiled, else 1. A step that
-        reads prompts runs ``Transformer.forward`` eagerly, so the cheaper the compiled decode
-        steps, the more grouping saves. Measured on tiny-mixtral, 384 requests at once on 32 rows,
-        5 alternating rounds in process: compiled 4522 tok/s at k = 1, 4808 at k = 6; eager
-        (``auto`` on CPU) gains 1-2% at k = 3-6. Below capacity free rows outnumber running ones,
-        so prompts still join at once there.
+        Default: ``ADMIT_EVERY_COMPILED`` where decode-only steps run compiled and the steps that
+        read prompts do not (``compiled`` on CPU), else 1. A step that reads prompts then runs op by
+        op, so the cheaper the compiled decode steps, the more grouping saves. Measured on
+        tiny-mixtral, 384 requests at once on 32 rows, 5 alternating rounds in process: compiled
+        4522 tok/s at k = 1, 4808 at k = 6; eager (``auto`` on CPU) gains 1-2% at k = 3-6. Where
+        prompts are read by a compiled step too (``compile_prompts``, CUDA), such a step costs
+        about what a decode step costs, and grouping would only delay first tokens (not measured:
+        no GPU was lent). Below capacity free rows outnumber running ones, so prompts still join at
+        once there.
         """
         if not self.queue or None not in self.slots:
             return False
@@ -375,13 +398,14 @@ class Engine:
         sample a token after it (in row order: the order of their rows in the flat batch)."""
         seqlens = [0] * self.rows
         chunks: List[List[int]] = [[] for _ in range(self.rows)]
-        budget = self.prefill_tokens
+        budget, segments = self.prefill_tokens, self.max_segments
         for request in self.running:  # admission order: the oldest prompt reads first
             if request.next_token is not None:
                 chunks[request.row] = [request.next_token]
-            elif budget > 0:
+            elif budget > 0 and segments > 0:
                 chunks[request.row] = request.prompt[request.fed : request.fed + budget]
                 budget -= len(chunks[request.row])
+                segments -= 1
             seqlens[request.row] = len(chunks[request.row])
         sampled = []
         for row, request in enumerate(self.slots):
@@ -407,35 +431,73 @@ class Engine:
             self.cache.tokens_seen[request.row] += 1
         return logits[torch.tensor([r.row for r in sampled], device=device)]  # (N, V), a copy
 
-    def _call_decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
-        """The decode step (made on first use) over all R rows, inputs ``(R,)`` on the host: logits ``(R, V)``."""
+    def _mixed(self, seqlens: List[int], chunks: List[List[int]], sampled: List[Request]) -> torch.Tensor:
+        """A step that reads prompts: the decoding rows and the prompt chunks through ``mixed_logits``,
+        the chunks padded to the next of ``chunk_sizes`` when compiled. Logits ``(N, V)``."""
         device = self.model.device
-        if self._decode_step is None:
-            self._decode_step = self._make_decode_step()
+        tokens, alive = [0] * self.rows, [False] * self.rows
+        pieces = []  # (row, tokens seen, chunk) of each prompt read now, in row order
+        for row, request in enumerate(self.slots):
+            if request is None or not seqlens[row]:
+                continue
+            if request.next_token is not None:
+                tokens[row], alive[row] = request.next_token, True
+            else:
+                pieces.append((row, self.cache.tokens_seen[row], chunks[row]))
+        size = None
+        if self.chunk_sizes is not None:
+            read = sum(len(chunk) for _, _, chunk in pieces)
+            size = next(c for c in self.chunk_sizes if c >= read)
+        chunk = pack_chunk(pieces, size, self.max_segments if size is not None else None, device)
+        positions = torch.tensor(self.cache.tokens_seen, dtype=torch.long)  # (R,)
+        logits = self._call_step(  # (R + K, V)
+            ("mixed", size), torch.tensor(tokens, dtype=torch.long), positions, torch.tensor(alive, dtype=torch.bool), chunk
+        )
+        for row, n in enumerate(seqlens):
+            self.cache.tokens_seen[row] += n
+        segment = {row: index for index, (row, _, _) in enumerate(pieces)}
+        picked = [r.row if r.next_token is not None else self.rows + segment[r.row] for r in sampled]
+        return logits[torch.tensor(picked, dtype=torch.long, device=device)]  # (N, V), a copy
+
+    def _call_decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """The decode step over all R rows, inputs ``(R,)`` on the host: logits ``(R, V)``."""
+        return self._call_step("decode", tokens, positions, alive)
+
+    def _call_step(self, key, tokens: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor, chunk=None) -> torch.Tensor:
+        """The decode step (key "decode") or the mixed step of a chunk size (key: the size), made on
+        first use; inputs on the host but the chunk, already on the device."""
+        device = self.model.device
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = self._make_step(mixed=chunk is not None)
         if device.type == "cuda" and self.mode == "compiled":
             torch.compiler.cudagraph_mark_step_begin()
-        self._decode_calls += 1
-        # Every call passes the same cache tensors and fresh (R,) tensors of one dtype: after the
-        # first calls, dynamo's per-weight guards would pass (as in generate's decode loop).
-        with guards_checked(self.mode != "compiled" or self._decode_calls <= GUARDED_STEPS):
-            return self._decode_step(
-                self.cache.cache_k, self.cache.cache_v, tokens.to(device), positions.to(device), alive.to(device)
-            )  # (R, V)
+        self._step_calls[key] += 1
+        inputs = [self.cache.cache_k, self.cache.cache_v, tokens.to(device), positions.to(device), alive.to(device)]
+        # Every call passes the same cache tensors and fresh inputs of the same shapes and dtypes:
+        # after the first calls, dynamo's per-weight guards would pass (as in generate's decode loop).
+        with guards_checked(self.mode != "compiled" or self._step_calls[key] <= GUARDED_STEPS):
+            return step(*inputs, *([chunk] if chunk is not None else []))
 
-    def _static_step_is_cheaper(self, sampled: List[Request]) -> bool:
-        """Whether this decode-only step reads less through the static step than through
-        ``Transformer.forward`` (``decode="auto"`` off CUDA).
+    def _static_step_is_cheaper(self, seqlens: List[int]) -> bool:
+        """Whether this step reads fewer keys through the static step (``decode_logits``, or
+        ``mixed_logits`` when it reads prompts) than through ``Transformer.forward`` (``decode="auto"``
+        off CUDA).
 
-        The static step attends in place, over all S slots of all R rows under a mask. The eager
-        pass gathers each running row's keys, padded to the longest row's count L (N * L keys),
-        and a gathered key costs about ``GATHER_COST`` keys read in place. So the static step
-        when ``R * S <= GATHER_COST * N * L``. Measured, one layer at the Mistral-7B shape
-        (bfloat16, 2 threads, 32 rows, S = 4096): in place 99 ms whatever the lengths; gathered
-        12 / 54 / 111 / 226 ms for L = 256 / 1024 / 2048 / 4096 (break-even near L = 1850).
-        tiny-mixtral (S = 32) serving 384 requests: a decode-only pass 5.3 -> 4.4 ms.
+        The static step attends in place: each of the R rows over its S slots under a mask
+        (``R * S``), and the K prompts of a chunk of C tokens as a batch of K lines of C queries,
+        each over its row's S slots and the chunk (``K * C * (S + C)``). The eager pass gathers each decoding row's keys,
+        padded to the longest row's count L (``N * L``), and each prompt's cached keys and chunk
+        (``n * (cached + n)`` for a chunk of n); a gathered key costs about ``GATHER_COST`` keys read
+        in place. Measured, one layer at the Mistral-7B shape (bfloat16, 2 threads, 32 rows, S =
+        4096), decoding: in place 99 ms whatever the lengths; gathered 12 / 54 / 111 / 226 ms for
+        L = 256 / 1024 / 2048 / 4096 (break-even near L = 1850). tiny-mixtral (S = 32) serving 384
+        requests: a decode-only pass 5.3 -> 4.4 ms, a pass that reads prompts 7.7 -> 7.3 ms.
 
-        Example, R = 4 rows, S = 8, 3 rows running: at 2, 3 and 4 tokens seen (L = 5, as the new
-        token counts), 32 > 2 * 3 * 5 = 30: eager; at 2, 3 and 8 (L = 8), 32 <= 48: static.
+        Example, R = 4 rows, S = 8, 3 rows decoding: at 2, 3 and 4 tokens seen (L = 5, as the new
+        token counts), 32 > 2 * 3 * 5 = 30: eager; at 2, 3 and 8 (L = 8), 32 <= 48: static. With
+        row 3 also reading a fresh 4-token prompt: static 32 + 4 * (8 + 4) = 80, eager 2 * (24 +
+        4 * 4) = 80: static.
 
         The static step reads unwritten slots under its mask, so they must hold finite numbers:
         the cache starts zeroed, and a row whose logits went non-finite is zeroed (``_choose``).
@@ -443,29 +505,50 @@ class Engine:
         static step's own MoE computes every expert on every row, 1.2-2.7x slower on CPU.
         """
         slots = self.cache.cache_size
-        longest = max(min(self.cache.tokens_seen[r.row] + 1, slots) for r in sampled)
-        return self.rows * slots <= GATHER_COST * len(sampled) * longest
+        seen = self.cache.tokens_seen
+        decoding = [r.row for r in self.running if r.next_token is not None and seqlens[r.row]]
+        prompts = [(min(seen[r.row], slots), seqlens[r.row]) for r in self.running if r.next_token is None and seqlens[r.row]]
+        chunk = sum(n for _, n in prompts)
+        static = self.rows * slots + len(prompts) * chunk * (slots + chunk)
+        longest = max((min(seen[row] + 1, slots) for row in decoding), default=0)
+        gathered = len(decoding) * longest + sum(n * (cached + n) for cached, n in prompts)
+        return static <= GATHER_COST * gathered
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile the decode step now (``compiled``), before requests arrive, which would otherwise
-        wait for it: seconds on a tiny model, more on large ones. Every row sits out (``alive``
-        false), so the cache is left as it was."""
+        """Compile the decode step and the mixed step of every chunk size now (``compiled``), before
+        requests arrive, which would otherwise wait for them: seconds each on a tiny model, more on
+        large ones. Every row sits out of the decode step (``alive`` false), and the one slot the
+        mixed steps' one-token chunk writes is put back, so the cache is left as it was."""
         if self.mode != "compiled":
             return
         zeros = torch.zeros(self.rows, dtype=torch.long)  # (R,) tokens, then positions
-        self._call_decode_step(zeros, zeros.clone(), torch.zeros_like(zeros, dtype=torch.bool))
+        idle = torch.zeros_like(zeros, dtype=torch.bool)
+        self._call_decode_step(zeros, zeros.clone(), idle)
+        if not self.compile_prompts:
+            return
+        held_k, held_v = self.cache.cache_k[:, 0, 0].clone(), self.cache.cache_v[:, 0, 0].clone()
+        for size in self.chunk_sizes:
+            chunk = pack_chunk([(0, 0, [0])], size, self.max_segments, self.model.device)  # writes row 0's slot 0
+            self._call_step(("mixed", size), zeros, zeros.clone(), idle, chunk)
+        self.cache.cache_k[:, 0, 0], self.cache.cache_v[:, 0, 0] = held_k, held_v
 
-    def _make_decode_step(self):
+    def _make_step(self, mixed: bool):
         model = self.model
-        # Chosen per step by auto (mode eager): the static step's attention, the eager pass's grouped
-        # experts (decode_logits' grouped_moe), so that only the attention differs from the eager pass.
-        grouped_moe = self.mode == "eager"
+        compiled = self.mode == "compiled" and (self.compile_prompts or not mixed)
+        # Uncompiled, the experts run grouped (decode_logits' grouped_moe), as in the eager pass: every
+        # expert on every token is the slower on CPU; so for decode-only steps chosen per step by auto
+        # (mode eager), and for the steps that read prompts unless they compile.
+        grouped_moe = self.mode == "eager" or (mixed and not compiled)
 
-        def step(cache_k, cache_v, tokens, positions, alive):
+        def decode_step(cache_k, cache_v, tokens, positions, alive):
             return decode_logits(model, cache_k, cache_v, tokens, positions, alive, grouped_moe)
 
-        if self.mode != "compiled":  # static, or eager choosing the static step (_static_step_is_cheaper)
+        def mixed_step(cache_k, cache_v, tokens, positions, alive, chunk):
+            return mixed_logits(model, cache_k, cache_v, tokens, positions, alive, chunk, grouped_moe)
+
+        step = mixed_step if mixed else decode_step
+        if not compiled:
             return step
         if not supports_static_decode(model):  # pragma: no cover - decode_mode refuses it first
             raise GenerationError("the static decode step needs the whole model in one process")
@@ -481,7 +564,7 @@ class Engine:
 
         A request whose logits hold NaN or inf ends with an error, and its row of the cache is
         cleared; the other rows go on (their logits do not depend on it)."""
-        finite = torch.isfinite(logits).all(dim=-1)  # (N,)
+        finite = finite_rows(logits)  # (N,)
         if not finite.all():
             finite = finite.tolist()
             for request in [r for r, ok in zip(sampled, finite) if not ok]:
@@ -549,6 +632,21 @@ class Engine:
             self.metrics.gauges(queued, running)
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Which rows of ``logits`` ``(N, V)`` hold no NaN or inf ``(N,)``: their largest and smallest
+    values are finite (NaN propagates through both). On CPU ``isfinite(logits).all(-1)`` costs
+    5.6x more: 32 x 2000 float32 logits, 165 against 29 us; 32 x 32000, 2.8 against 0.30 ms."""
+    return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
+
+
+def mixed_chunk_sizes(prefill_tokens: int) -> List[int]:
+    """The chunk sizes of a compiled engine's mixed steps: ``MIXED_CHUNKS`` below ``prefill_tokens``,
+    then ``prefill_tokens``. A step pads its prompt tokens to the first that holds them, so a few
+    compiled graphs cover every step. ``mixed_chunk_sizes(512) == [16, 64, 256, 512]``,
+    ``mixed_chunk_sizes(7) == [7]``."""
+    return [size for size in MIXED_CHUNKS if size < prefill_tokens] + [prefill_tokens]
+
+
 def sample_rows(
     logits: torch.Tensor,  # (N, V) float
     settings: Sequence[RequestSettings],
@@ -561,7 +659,9 @@ def sample_rows(
     uniform number.
     """
     vocab = logits.shape[-1]
-    tokens = torch.argmax(logits, dim=-1)  # (N,) the greedy rows' tokens
+    # The greedy rows' tokens: max's indices are argmax's (the first of equal maxima), and on CPU
+    # they come 1.6x faster (32 x 2000 float32 logits: 68 against 112 us; 32 x 32000: 1.07 against 1.79 ms).
+    tokens = logits.max(dim=-1).indices  # (N,)
     groups: Dict[bool, List[int]] = {False: [], True: []}  # filtered -> rows
     for index, s in enumerate(settings):
         if s.temperature > 0:
