@@ -18,7 +18,7 @@ from conftest import wait_for
 from mixtral_infer import Tokenizer, load_model
 from mixtral_infer.errors import CheckpointError, GenerationError, MixtralInferError
 from mixtral_infer.serve.engine import Engine, Finished, QueueFull, RequestSettings, ShuttingDown, TokenEvent
-from mixtral_infer.serve.engine_process import EngineProcess
+from mixtral_infer.serve.engine_process import ENGINE_SWITCH_INTERVAL_S, EngineProcess
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +32,10 @@ def load_shipped(name: str):
 
 def failing_load():
     raise CheckpointError("consolidated.safetensors: not a safetensors file (header too short)")
+
+
+def switch_interval_load():
+    raise MixtralInferError(f"switch interval {sys.getswitchinterval()}")
 
 
 class Collector:
@@ -166,7 +170,7 @@ def test_the_engine_process_ends_when_its_server_is_killed():
     script = (
         "import functools, sys, time\n"
         "from mixtral_infer.cli.commands import load\n"
-        "from mixtral_infer.serve.engine_process import EngineProcess\n"
+        "from mixtral_infer.serve.engine_process import ENGINE_SWITCH_INTERVAL_S, EngineProcess\n"
         "engine = EngineProcess(functools.partial(load, 'tiny-mistral', 1, 'cpu', 'float32'),\n"
         "                       plan=dict(max_rows=2, prefill_tokens=16), engine=dict(decode='eager'), max_queue=1)\n"
         "engine.start()\n"
@@ -191,3 +195,9 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_engine_process_switches_threads_often():
+    """Requests arriving mid-step are unpickled without waiting out Python's default 5 ms."""
+    with pytest.raises(MixtralInferError, match=f"switch interval {ENGINE_SWITCH_INTERVAL_S}$"):
+        EngineProcess(switch_interval_load, plan={}, engine={}, max_queue=1)
