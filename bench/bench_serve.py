@@ -239,16 +239,36 @@ def stream_one(port: int, request: Dict, clock_start: float) -> Dict:
     return record
 
 
-async def stream_async(port: int, request: Dict, clock_start: float) -> Dict:
+class Connections:
+    """Open HTTP/1.1 connections to the server, kept alive between requests as the ``openai``
+    client's pool keeps them: a request takes an idle one or opens one, and gives it back once
+    its response has ended."""
+
+    def __init__(self, port: int):
+        self.port, self.idle = port, []
+
+    async def take(self):
+        return self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
+
+    def give_back(self, connection) -> None:
+        self.idle.append(connection)
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+
+
+async def stream_async(connections: Connections, request: Dict, clock_start: float) -> Dict:
     """``stream_one`` on asyncio streams: one thread for all clients, so the load generator
     itself stays light beside the server on 2 cores. The SSE lines are read as they come (the
-    chunked encoding's size lines are skipped with the rest)."""
+    chunked encoding's size lines are skipped with the rest) up to ``[DONE]``, then the body's
+    last (empty) chunk, and the connection goes back to the pool."""
     body = completion_body(request)
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await connections.take()
     sent = time.perf_counter() - clock_start
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     await writer.drain()
     times = StreamTimes(clock_start)
@@ -256,7 +276,10 @@ async def stream_async(port: int, request: Dict, clock_start: float) -> Dict:
         if times.feed(line):
             break
     record = times.record(request, sent=sent)
-    writer.close()
+    while await reader.readline() != b"0\r\n":  # the end of [DONE]'s chunk, then the last chunk: "0", ""
+        pass
+    await reader.readline()
+    connections.give_back((reader, writer))
     return record
 
 
@@ -265,14 +288,18 @@ def run_clients(requests: List[Dict], clients: int, port: int) -> List[Dict]:
 
     async def replay():
         slots = asyncio.Semaphore(clients)
+        connections = Connections(port)
         start = time.perf_counter()
 
         async def one(request):
             await asyncio.sleep(max(0.0, request["arrival"] - (time.perf_counter() - start)))
             async with slots:
-                return await stream_async(port, request, start)
+                return await stream_async(connections, request, start)
 
-        return await asyncio.gather(*(one(r) for r in requests))
+        try:
+            return await asyncio.gather(*(one(r) for r in requests))
+        finally:
+            connections.close()
 
     return asyncio.run(replay())
 
