@@ -12,6 +12,7 @@ from mixtral_infer.generation.settings import kv_cache_bytes
 from mixtral_infer.serve import sizing
 from mixtral_infer.serve.engine import (
     ADMIT_EVERY_COMPILED,
+    MIXED_MOE_TOKENS,
     NOT_FINITE,
     Engine,
     Finished,
@@ -402,6 +403,18 @@ def test_mixed_chunk_sizes_docstring_example():
     assert mixed_chunk_sizes(512) == [16, 64, 256, 512]
     assert mixed_chunk_sizes(7) == [7]
     assert mixed_chunk_sizes(64) == [16, 64]
+    assert mixed_chunk_sizes(512, cap=64) == [16, 64]
+
+
+def test_a_compiled_mixture_of_experts_reads_at_most_moe_tokens_a_step(tiny):
+    """Every expert on every token: the compiled mixed step of an MoE reads small chunks."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=4, prefill_tokens=512, decode="compiled", compile_prompts=True)
+    assert engine.chunk_sizes == [16, MIXED_MOE_TOKENS] and engine.step_budget == MIXED_MOE_TOKENS
+    engine.submit(list(range(1, 150)), RequestSettings(max_tokens=1), Recorder().sink(0))
+    engine._admit(engine.queue.popleft(), 0)
+    seqlens, _, sampled = engine._plan()  # the first step's plan: 64 of the prompt's 149 tokens
+    assert seqlens == [MIXED_MOE_TOKENS, 0, 0, 0] and not sampled
 
 
 def test_compile_prompts_needs_a_compiled_decode_step(tiny):
