@@ -44,13 +44,17 @@ tiny-mixtral's, with token ids beyond its vocabulary folded into it for detokeni
 generated token is still turned into text. On a GPU::
 
     python bench/bench_serve.py --shape mistral-7b --device cuda --dtype bfloat16 --requests 128 \
-        --rate 10000 --modes engine,engine-grouped,static,sequential --repeat 3 --admit-every 1 --out bench/results_serve_gpu.json
+        --rate 10000 --modes engine,static,sequential --repeat 3 --out bench/results_serve_gpu.json
+    python bench/bench_serve.py --shape mistral-7b --device cuda --dtype bfloat16 --requests 128 \
+        --rate 10000 --modes engine,engine-grouped --compile-prompts off --admit-every 1 --repeat 3 \
+        --out bench/results_serve_gpu_prompts_eager.json
 
 (at an expected ~150 tok/s one at a time, the sequential mode's 128 requests of 16-64 tokens take
 about 35 s a round: warm-up and 3 rounds fit the device's 10 minutes per command). On CUDA
-``auto`` is compiled everywhere: ``static`` is already the like-for-like baseline, and the
-engine admits prompts every 6 steps by default, so ``engine-grouped`` with ``--admit-every 1``
-measures what that grouping buys there.
+``auto`` is compiled everywhere, so ``static`` is already the like-for-like baseline; the engine
+also compiles its steps that read prompts (``Engine``'s ``compile_prompts``) and admits prompts
+at every step. The second command measures what that buys: those steps op by op, prompts
+admitted every 6 steps (``engine``) or at every step (``engine-grouped`` with ``--admit-every 1``).
 
 With N close to the number of clients, throughput is dominated by the last batch draining (the
 longest request of the last group runs alone): ``--requests 384`` (12 per client) measures the
@@ -368,7 +372,7 @@ def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int,
 
 def run_engine_in_process(
     model, tokenizer, requests: List[Dict], clients: int, prefill_tokens: int, admit_every: Optional[int] = None,
-    decode: str = "auto",
+    decode: str = "auto", compile_prompts: Optional[bool] = None,
 ) -> List[Dict]:
     """Continuous batching without HTTP: the engine's thread, requests submitted at their arrivals."""
     from mixtral_infer.serve.engine import Engine, Finished, RequestSettings
@@ -377,7 +381,8 @@ def run_engine_in_process(
     longest = max(len(tokenizer.encode(r["prompt"])) + r["max_tokens"] for r in requests)
     engine = Engine(
         model, tokenizer, rows=clients, prefill_tokens=prefill_tokens, max_queue=len(requests), admit_every=admit_every,
-        decode=decode, max_model_len=None if model.args.sliding_window is not None else longest,
+        decode=decode, compile_prompts=compile_prompts,
+        max_model_len=None if model.args.sliding_window is not None else longest,
     )  # fmt: skip
     engine.start()
     slots = threading.Semaphore(clients)
@@ -446,6 +451,8 @@ def main() -> None:
     parser.add_argument("--modes", default="continuous,engine,static,sequential", help="also engine-grouped, static-compiled")
     parser.add_argument("--decode", default="auto", help="the server's and the engine's --decode (static: generate's default)")
     parser.add_argument("--admit-every", type=int, default=8, help="engine-grouped: steps between prompt groups")
+    parser.add_argument("--compile-prompts", default="auto", choices=["auto", "on", "off"],
+                        help="the in-process engine's compile_prompts (auto: on CUDA with a compiled decode step)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
     parser.add_argument("--repeat", type=int, default=1, help="runs per mode; the median run is reported")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default: 1 where a mode compiles)")
@@ -464,7 +471,7 @@ def main() -> None:
         "max_tokens": "16..64 (uniform)", "prompt_words": "3..45 (uniform)",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
         + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),
-        "decode": args.decode, "repeat": args.repeat, "load_average_before": load_before, "modes": [],
+        "decode": args.decode, "compile_prompts": args.compile_prompts, "repeat": args.repeat, "load_average_before": load_before, "modes": [],
     }  # fmt: skip
     in_process, process = {}, None
     if {"engine", "engine-grouped", "static", "static-compiled", "sequential"} & set(modes):
@@ -476,10 +483,13 @@ def main() -> None:
             model = load_model(args.model, dtype=dtype, device=args.device, max_batch_size=args.clients)
             tokenizer = Tokenizer.from_folder(args.model)
         generate([tokenizer.encode("warm up")], model, max_tokens=4)
+        compile_prompts = {"auto": None, "on": True, "off": False}[args.compile_prompts]
         in_process = {
-            "engine": lambda: run_engine_in_process(model, tokenizer, requests, args.clients, args.prefill_tokens, decode=args.decode),
+            "engine": lambda: run_engine_in_process(
+                model, tokenizer, requests, args.clients, args.prefill_tokens, None, args.decode, compile_prompts
+            ),
             "engine-grouped": lambda: run_engine_in_process(
-                model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every, args.decode
+                model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every, args.decode, compile_prompts
             ),
             "static": lambda: run_generate_batches(model, tokenizer, requests, args.clients),
             "static-compiled": lambda: run_generate_batches(model, tokenizer, requests, args.clients, decode="compiled"),
