@@ -20,8 +20,9 @@ A compiled step pads C and K to fixed sizes (``pack_chunk``); the data decides t
 
 **Attention** (``chunk_visibility``): a chunk token sees the cached slots of its own segment's row
 and the chunk's tokens of its own segment up to itself, within the window. Each segment attends
-as one line of a batch of K (``segment_layout``): its row's S slots and its own chunk tokens,
-``S + C`` keys under a mask, so one prompt never reads another's keys. Slot j of a row that has
+as one line of P places in a batch of K (``segment_layout``; P is the longest piece, or C when
+padded): its row's S slots and its own chunk tokens, ``S + P`` keys under a mask, so one prompt
+never reads another's keys. Slot j of a row that has
 seen s tokens holds position ``s - 1 - ((s - 1 - j) mod S)``, the latest position that is j
 modulo S, when it is not negative.
 
@@ -70,6 +71,7 @@ class PromptChunk:
     rows: torch.Tensor  # (K,) long
     starts: torch.Tensor  # (K,) long: tokens the row had seen before this chunk
     last: torch.Tensor  # (K,) long: the chunk index of the segment's last token
+    line: int  # P, the places of a segment's line in the (K, P) layout: at least its longest piece
 
 
 def pack_chunk(
@@ -80,10 +82,13 @@ def pack_chunk(
 ) -> PromptChunk:
     """The pieces packed in order, padded to ``size`` tokens and ``segments`` segments (None: no
     padding). A padding segment points at row 0 and holds no token; a padding token is segment 0's.
+    The layout's lines hold ``size`` places when padded (a fixed shape), else the longest piece.
 
     >>> chunk = pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])], size=6, segments=3)
-    >>> chunk.positions.tolist(), chunk.segment.tolist(), chunk.last.tolist()
-    ([6, 7, 8, 0, 1, 0], [0, 0, 0, 1, 1, 0], [2, 4, 0])
+    >>> chunk.positions.tolist(), chunk.segment.tolist(), chunk.last.tolist(), chunk.line
+    ([6, 7, 8, 0, 1, 0], [0, 0, 0, 1, 1, 0], [2, 4, 0], 6)
+    >>> pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])]).line
+    3
     """
     tokens: List[int] = []
     positions: List[int] = []
@@ -97,6 +102,7 @@ def pack_chunk(
         segment.extend([index] * len(piece))
         last.append(len(tokens) - 1)
     n_valid, n_pieces = len(tokens), len(pieces)
+    line = max(len(piece) for _, _, piece in pieces) if size is None else size
     size = n_valid if size is None else size
     segments = n_pieces if segments is None else segments
     if n_valid > size or n_pieces > segments or n_valid == 0:
@@ -114,6 +120,7 @@ def pack_chunk(
         rows=tensor([row for row, _, _ in pieces] + [0] * pad_segments),
         starts=tensor([start for _, start, _ in pieces] + [0] * pad_segments),
         last=tensor(last + [0] * pad_segments),
+        line=line,
     )
 
 
@@ -127,7 +134,7 @@ def cached_positions(starts: torch.Tensor, n_slots: int) -> torch.Tensor:
 
 
 def segment_layout(chunk: PromptChunk) -> torch.Tensor:
-    """Each chunk token's index within its segment ``(C,)``: the chunk laid out as ``(K, C)``,
+    """Each chunk token's index within its segment ``(C,)``: its place in the ``(K, P)`` layout,
     one line per segment. ``segment`` [0, 0, 0, 1, 1, 0] (the last a padding token): [0, 1, 2, 0, 1, 5]."""
     index = torch.arange(chunk.tokens.shape[0], device=chunk.tokens.device)
     first = torch.full_like(chunk.rows, chunk.tokens.shape[0]).scatter_reduce(0, chunk.segment, index, "amin")  # (K,)
@@ -135,26 +142,26 @@ def segment_layout(chunk: PromptChunk) -> torch.Tensor:
 
 
 def chunk_visibility(chunk: PromptChunk, n_slots: int, window: Optional[int]) -> torch.Tensor:
-    """Which keys each line of the ``(K, C)`` layout sees, ``(K, C, S + C)`` bool: its row's S
+    """Which keys each place of the ``(K, P)`` layout sees, ``(K, P, S + P)`` bool: its row's S
     slots, then its segment's chunk tokens (``segment_layout``).
 
     A place of the layout that holds no token sees its own (zero) key, so that no row of
     scores is empty; its output is never read.
     """
-    n_tokens, n_segments = chunk.tokens.shape[0], chunk.rows.shape[0]
+    n_places, n_segments = chunk.line, chunk.rows.shape[0]
     device = chunk.tokens.device
     place = segment_layout(chunk)  # (C,)
-    layout = (n_segments, n_tokens)
+    layout = (n_segments, n_places)
     position = torch.zeros(layout, dtype=torch.long, device=device).index_put((chunk.segment, place), chunk.positions)
     valid = torch.zeros(layout, dtype=torch.bool, device=device).index_put((chunk.segment, place), chunk.valid)
-    query = position[:, :, None]  # (K, C, 1)
+    query = position[:, :, None]  # (K, P, 1)
     slot_position = cached_positions(chunk.starts, n_slots)[:, None, :]  # (K, 1, S)
-    cached = valid[:, :, None] & (slot_position >= 0)  # (K, C, S)
-    in_chunk = valid[:, :, None] & valid[:, None, :] & (position[:, None, :] <= query)  # (K, C, C)
+    cached = valid[:, :, None] & (slot_position >= 0)  # (K, P, S)
+    in_chunk = valid[:, :, None] & valid[:, None, :] & (position[:, None, :] <= query)  # (K, P, P)
     if window is not None:
         cached &= (query - slot_position) < window
         in_chunk &= (query - position[:, None, :]) < window
-    in_chunk |= torch.eye(n_tokens, dtype=torch.bool, device=device)
+    in_chunk |= torch.eye(n_places, dtype=torch.bool, device=device)
     return torch.cat([cached, in_chunk], dim=2)
 
 
@@ -183,25 +190,25 @@ def attend_chunk(
     cache_v: torch.Tensor,  # (R, S, H_kv, Dh)
     chunk: PromptChunk,
     place: torch.Tensor,  # (C,) segment_layout
-    visible: torch.Tensor,  # (K, C, S + C) bool: chunk_visibility
+    visible: torch.Tensor,  # (K, P, S + P) bool: chunk_visibility
     writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
 ) -> torch.Tensor:
     """Each chunk token over its row's slots and its prompt's chunk tokens; then writes the chunk: ``(C, H, Dh)``.
 
-    Each segment attends in its own line of the ``(K, C)`` layout, as a batch of K: a prompt never
+    Each segment attends in its own line of the ``(K, P)`` layout, as a batch of K: a prompt never
     reads another's keys, not even under a mask, so a NaN in one cannot spread to the others."""
-    n_segments, n_tokens = chunk.rows.shape[0], xq.shape[0]
+    layout = (chunk.rows.shape[0], chunk.line)  # (K, P)
     where = (chunk.segment, place)
 
-    def laid_out(x: torch.Tensor) -> torch.Tensor:  # (C, H', Dh) -> (K, C, H', Dh), zeros where no token
-        return x.new_zeros((n_segments, n_tokens) + x.shape[1:]).index_put(where, x)
+    def laid_out(x: torch.Tensor) -> torch.Tensor:  # (C, H', Dh) -> (K, P, H', Dh), zeros where no token
+        return x.new_zeros(layout + x.shape[1:]).index_put(where, x)
 
-    keys = torch.cat([cache_k[chunk.rows], laid_out(xk)], dim=1)  # (K, S + C, H_kv, Dh)
+    keys = torch.cat([cache_k[chunk.rows], laid_out(xk)], dim=1)  # (K, S + P, H_kv, Dh)
     values = torch.cat([cache_v[chunk.rows], laid_out(xv)], dim=1)
     out = F.scaled_dot_product_attention(
-        laid_out(xq).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # (K, H, C, Dh), (K, H_kv, S + C, Dh)
-        attn_mask=visible[:, None], enable_gqa=True,  # (K, 1, C, S + C)
-    )  # (K, H, C, Dh)  # fmt: skip
+        laid_out(xq).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # (K, H, P, Dh), (K, H_kv, S + P, Dh)
+        attn_mask=visible[:, None], enable_gqa=True,  # (K, 1, P, S + P)
+    )  # (K, H, P, Dh)  # fmt: skip
     rows, slots, source = writes
     cache_k[rows, slots] = xk[source]
     cache_v[rows, slots] = xv[source]
@@ -226,7 +233,7 @@ def mixed_logits(
     n_slots = cache_k.shape[2]
     slots, visible = slots_and_visibility(positions, n_slots)  # (R,), (R, S)
     place = segment_layout(chunk)  # (C,)
-    chunk_visible = chunk_visibility(chunk, n_slots, model.args.sliding_window)  # (K, C, S + C)
+    chunk_visible = chunk_visibility(chunk, n_slots, model.args.sliding_window)  # (K, P, S + P)
     writes = chunk_writes(chunk, n_slots)
     rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
 

@@ -467,8 +467,8 @@ class Engine:
         return self._call_step("decode", tokens, positions, alive)
 
     def _call_step(self, key, tokens: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor, chunk=None) -> torch.Tensor:
-        """The decode step (key "decode") or the mixed step of a chunk size (key: the size), made on
-        first use; inputs on the host but the chunk, already on the device."""
+        """The decode step (key "decode") or the mixed step of a chunk size (key ("mixed", size), None
+        when unpadded), made on first use; inputs on the host but the chunk, already on the device."""
         device = self.model.device
         step = self._steps.get(key)
         if step is None:
@@ -488,11 +488,11 @@ class Engine:
         off CUDA).
 
         The static step attends in place: each of the R rows over its S slots under a mask
-        (``R * S``), and the K prompts of a chunk of C tokens as a batch of K lines of C queries,
-        each over its row's S slots and the chunk (``K * C * (S + C)``). The eager pass gathers each decoding row's keys,
-        padded to the longest row's count L (``N * L``), and each prompt's cached keys and chunk
-        (``n * (cached + n)`` for a chunk of n); a gathered key costs about ``GATHER_COST`` keys read
-        in place. Measured, one layer at the Mistral-7B shape (bfloat16, 2 threads, 32 rows, S =
+        (``R * S``), and the K prompts read now as a batch of K lines of P queries (P the longest
+        prompt chunk), each over its row's S slots and its line (``K * P * (S + P)``). The eager
+        pass gathers each decoding row's keys, padded to the longest row's count L (``N * L``), and
+        each prompt's cached keys and chunk (``n * (cached + n)`` for a chunk of n); a gathered key
+        costs about ``GATHER_COST`` keys read in place. Measured, one layer at the Mistral-7B shape (bfloat16, 2 threads, 32 rows, S =
         4096), decoding: in place 99 ms whatever the lengths; gathered 12 / 54 / 111 / 226 ms for
         L = 256 / 1024 / 2048 / 4096 (break-even near L = 1850). tiny-mixtral (S = 32) serving 384
         requests: a decode-only pass 5.3 -> 4.4 ms, a pass that reads prompts 7.7 -> 7.3 ms.
@@ -511,8 +511,8 @@ class Engine:
         seen = self.cache.tokens_seen
         decoding = [r.row for r in self.running if r.next_token is not None and seqlens[r.row]]
         prompts = [(min(seen[r.row], slots), seqlens[r.row]) for r in self.running if r.next_token is None and seqlens[r.row]]
-        chunk = sum(n for _, n in prompts)
-        static = self.rows * slots + len(prompts) * chunk * (slots + chunk)
+        line = max((n for _, n in prompts), default=0)
+        static = self.rows * slots + len(prompts) * line * (slots + line)
         longest = max((min(seen[row] + 1, slots) for row in decoding), default=0)
         gathered = len(decoding) * longest + sum(n * (cached + n) for cached, n in prompts)
         return static <= GATHER_COST * gathered
@@ -649,11 +649,11 @@ def mixed_chunk_sizes(prefill_tokens: int, cap: Optional[int] = None) -> List[in
     512]``, ``mixed_chunk_sizes(7) == [7]``, ``mixed_chunk_sizes(512, cap=64) == [16, 64]``.
 
     The cap is for a mixture of experts (``MIXED_MOE_TOKENS``): the compiled step runs every expert on
-    every token, which stays bound by reading the weights only for a few dozen tokens. Mixtral 8x7B,
-    where top-2 of 8 reads each weight for a quarter of the tokens: every expert on T tokens is
-    about 90 GFLOP a token, T = 96 (32 rows and 64 prompt tokens) about 8.6 TFLOP, some 12 ms on an
-    H200 (~700 TFLOP/s), under the 19 ms of reading its 93 GB (~4.8 TB/s); T = 288 would take 37 ms.
-    Arithmetic, not measured: no GPU was lent.
+    every token, which stays bound by reading the weights only for a few dozen tokens. Mixtral 8x7B:
+    every expert on a token is about 90 GFLOP (top-2 would be a quarter of it); T = 96 tokens (32
+    rows and 64 prompt tokens) about 8.6 TFLOP, some 12 ms on an H200 (~700 TFLOP/s), under the 19 ms
+    of reading its 93 GB (~4.8 TB/s); T = 288 would take 37 ms. Arithmetic, not measured: no GPU
+    was lent.
     """
     budget = prefill_tokens if cap is None else min(prefill_tokens, cap)
     return [size for size in MIXED_CHUNKS if size < budget] + [budget]
