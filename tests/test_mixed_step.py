@@ -39,6 +39,13 @@ def test_worked_example_of_visibility_and_writes():
     assert source.tolist() == [0, 1, 2, 3, 4, 4]  # the padding token repeats the last valid write
 
 
+def test_pack_chunk_docstring_example():
+    chunk = pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])], size=6, segments=3)
+    assert chunk.tokens.tolist() == [11, 12, 13, 21, 22, 0] and chunk.valid.tolist() == [True] * 5 + [False]
+    assert chunk.positions.tolist() == [6, 7, 8, 0, 1, 0] and chunk.segment.tolist() == [0, 0, 0, 1, 1, 0]
+    assert chunk.rows.tolist() == [1, 0, 0] and chunk.starts.tolist() == [6, 0, 0] and chunk.last.tolist() == [2, 4, 0]
+
+
 def test_chunk_longer_than_the_buffer_writes_each_slot_with_its_latest_token():
     chunk = pack_chunk([(2, 0, [1, 2, 3, 4, 5, 6])])
     rows, slots, source = chunk_writes(chunk, 4)
