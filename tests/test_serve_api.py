@@ -22,6 +22,7 @@ from conftest import random_model, tiny_args, wait_for
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.generation.chat import Conversation
+from mixtral_infer.serve.api import ChatFormat, CompletionFormat, sse
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = (
@@ -324,3 +325,11 @@ def test_serve_options_are_checked_before_loading(capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "error: --admit-every 0 must be an integer >= 1"
     assert commands.main(["serve", "--max_row", "4"]) == 1
     assert "did you mean --max_rows?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", [CompletionFormat, ChatFormat])
+def test_a_token_event_from_the_template_equals_the_encoded_chunk(fmt):
+    """``text_sse`` encodes only the text; the event must be byte for byte ``sse(chunk(...))``."""
+    formatted = fmt("tiny", Tokenizer.from_folder("tiny-mixtral"))
+    for text in ["", " word", ' "quoted" \\ back', "\n\t", "é", "\u2028", "😀", "\ue000text\ue000"]:
+        assert formatted.text_sse(text) == sse(formatted.chunk(text, None, None))
