@@ -187,9 +187,9 @@ def median_run(name: str, runs: List[List[Dict]]) -> tuple[Dict, List[Dict]]:
 # ---- continuous batching: the server -----------------------------------------------------
 
 
-def start_server(model: str, rows: int, prefill_tokens: int, decode: str = "auto"):
+def start_server(model: str, rows: int, prefill_tokens: int, decode: str = "auto", pin_cpus: bool = False):
     command = [sys.executable, "main.py", "serve", model, "--port", "0", "--dtype", "float32", "--max-rows", str(rows),
-               "--prefill-tokens", str(prefill_tokens), "--decode", decode]  # fmt: skip
+               "--prefill-tokens", str(prefill_tokens), "--decode", decode] + ["--pin-cpus"] * pin_cpus  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same threads as this process
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
     lines = []
@@ -287,8 +287,16 @@ async def stream_async(connections: Connections, request: Dict, clock_start: flo
     return record
 
 
-def run_clients(requests: List[Dict], clients: int, port: int) -> List[Dict]:
-    """Replay the arrivals with at most ``clients`` requests in flight."""
+def run_clients(requests: List[Dict], clients: int, port: int, cpus: Optional[List[int]] = None) -> List[Dict]:
+    """Replay the arrivals with at most ``clients`` requests in flight; on ``cpus`` if given (with
+    ``--pin-cpus``: the server's, as if the clients ran on another machine, off the engine's CPUs)."""
+    if cpus is not None:
+        everywhere = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)  # this thread, which runs every client
+        try:
+            return run_clients(requests, clients, port)
+        finally:
+            os.sched_setaffinity(0, everywhere)
 
     async def replay():
         slots = asyncio.Semaphore(clients)
@@ -454,6 +462,7 @@ def main() -> None:
     parser.add_argument("--compile-prompts", default="auto", choices=["auto", "on", "off"],
                         help="the in-process engine's compile_prompts (auto: on CUDA with a compiled decode step)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
+    parser.add_argument("--pin-cpus", action="store_true", help="serve --pin-cpus, and the clients on the server's CPU")
     parser.add_argument("--repeat", type=int, default=1, help="runs per mode; the median run is reported")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default: 1 where a mode compiles)")
     parser.add_argument("--out", default=None)
@@ -471,7 +480,7 @@ def main() -> None:
         "max_tokens": "16..64 (uniform)", "prompt_words": "3..45 (uniform)",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
         + (f", {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""),
-        "decode": args.decode, "compile_prompts": args.compile_prompts, "repeat": args.repeat, "load_average_before": load_before, "modes": [],
+        "decode": args.decode, "compile_prompts": args.compile_prompts, "pin_cpus": args.pin_cpus, "repeat": args.repeat, "load_average_before": load_before, "modes": [],
     }  # fmt: skip
     in_process, process = {}, None
     if {"engine", "engine-grouped", "static", "static-compiled", "sequential"} & set(modes):
@@ -498,11 +507,15 @@ def main() -> None:
     try:
         runners = {mode: in_process[mode] for mode in in_process if mode in modes}
         if "continuous" in modes:
-            process, port, lines = start_server(args.model, args.clients, args.prefill_tokens, args.decode)
+            process, port, lines = start_server(args.model, args.clients, args.prefill_tokens, args.decode, args.pin_cpus)
             stream_one(port, requests[0], time.perf_counter())  # warm-up
             results["idle_ttft_s"] = idle_ttft(port, requests)
             print(f"idle server TTFT (median of 8): {results['idle_ttft_s'] * 1e3:.0f} ms", flush=True)
-            runners = {"continuous": lambda: run_clients(requests, args.clients, port), **runners}
+            from mixtral_infer.serve.engine_process import split_cpus
+
+            split = split_cpus(sorted(os.sched_getaffinity(0))) if args.pin_cpus else None
+            client_cpus = split[0] if split is not None else None
+            runners = {"continuous": lambda: run_clients(requests, args.clients, port, client_cpus), **runners}
         compiles = args.device.startswith("cuda") or args.decode == "compiled" or "static-compiled" in modes
         warmup = args.warmup if args.warmup is not None else int(compiles)
         for _ in range(warmup):  # compiles every shape the timed rounds use

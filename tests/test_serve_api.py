@@ -96,8 +96,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thr
 
 @pytest.fixture(scope="module")
 def server():
-    # 4 rows for 32 clients, prompts read 24 tokens per step: ragged prefill across steps and rows reused.
-    server = Server("--max-rows", "4", "--prefill-tokens", "24", "--max-queue", "64")
+    # 4 rows for 32 clients, prompts read 24 tokens per step: ragged prefill across steps and rows reused;
+    # the engine's process and the server's on CPUs of their own.
+    server = Server("--max-rows", "4", "--prefill-tokens", "24", "--max-queue", "64", "--pin-cpus")
     yield server
     server.stop()
 
@@ -333,3 +334,13 @@ def test_a_token_event_from_the_template_equals_the_encoded_chunk(fmt):
     formatted = fmt("tiny", Tokenizer.from_folder("tiny-mixtral"))
     for text in ["", " word", ' "quoted" \\ back', "\n\t", "é", "\u2028", "😀", "\ue000text\ue000"]:
         assert formatted.text_sse(text) == sse(formatted.chunk(text, None, None))
+
+
+def test_the_server_says_how_it_pinned_its_processes(server):
+    cpus = sorted(os.sched_getaffinity(0))
+    said = "".join(server.lines)
+    if len(cpus) >= 2:
+        rest = ",".join(map(str, cpus[1:]))
+        assert f"pinned: the server on CPU {cpus[0]}, the engine on CPU{'s' * (len(cpus) > 2)} {rest}\n" in said
+    else:
+        assert "--pin-cpus: this process may use one CPU only" in said

@@ -18,7 +18,7 @@ from conftest import wait_for
 from mixtral_infer import Tokenizer, load_model
 from mixtral_infer.errors import CheckpointError, GenerationError, MixtralInferError
 from mixtral_infer.serve.engine import Engine, Finished, QueueFull, RequestSettings, ShuttingDown, TokenEvent
-from mixtral_infer.serve.engine_process import ENGINE_SWITCH_INTERVAL_S, EngineProcess
+from mixtral_infer.serve.engine_process import ENGINE_SWITCH_INTERVAL_S, EngineProcess, split_cpus
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +36,10 @@ def failing_load():
 
 def switch_interval_load():
     raise MixtralInferError(f"switch interval {sys.getswitchinterval()}")
+
+
+def affinity_load():
+    raise MixtralInferError(f"cpus {sorted(os.sched_getaffinity(0))} threads {torch.get_num_threads()}")
 
 
 class Collector:
@@ -170,7 +174,7 @@ def test_the_engine_process_ends_when_its_server_is_killed():
     script = (
         "import functools, sys, time\n"
         "from mixtral_infer.cli.commands import load\n"
-        "from mixtral_infer.serve.engine_process import ENGINE_SWITCH_INTERVAL_S, EngineProcess\n"
+        "from mixtral_infer.serve.engine_process import EngineProcess\n"
         "engine = EngineProcess(functools.partial(load, 'tiny-mistral', 1, 'cpu', 'float32'),\n"
         "                       plan=dict(max_rows=2, prefill_tokens=16), engine=dict(decode='eager'), max_queue=1)\n"
         "engine.start()\n"
@@ -201,3 +205,17 @@ def test_the_engine_process_switches_threads_often():
     """Requests arriving mid-step are unpickled without waiting out Python's default 5 ms."""
     with pytest.raises(MixtralInferError, match=f"switch interval {ENGINE_SWITCH_INTERVAL_S}$"):
         EngineProcess(switch_interval_load, plan={}, engine={}, max_queue=1)
+
+
+def test_split_cpus_docstring_example():
+    assert split_cpus([0, 1]) == ([0], [1])
+    assert split_cpus([2, 3, 5]) == ([2], [3, 5])
+    assert split_cpus([4]) is None
+
+
+def test_the_engine_process_pins_itself_and_its_threads_to_its_cpus(monkeypatch):
+    """One CPU of the test's: the engine's process runs there alone, with one torch thread."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # more threads than CPUs: cut down to one
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    with pytest.raises(MixtralInferError, match=rf"^cpus \[{cpu}\] threads 1$"):
+        EngineProcess(affinity_load, plan={}, engine={}, max_queue=1, engine_cpus=[cpu])

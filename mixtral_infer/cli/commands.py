@@ -502,6 +502,7 @@ def serve(
     served_model_name: str = None,
     shutdown_timeout: float = 30.0,
     admit_every: int = None,
+    pin_cpus: bool = False,
 ) -> None:
     """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
 
@@ -523,7 +524,8 @@ def serve(
         decode: auto, eager, static or compiled, as for demo: how steps where every row decodes run.
         served_model_name: the model name clients send and /v1/models lists; default: the folder's name.
         shutdown_timeout: seconds running requests may take to finish after SIGTERM before they are cancelled.
-        admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token); default 1, or 6 where decode steps run compiled (auto on CUDA).
+        admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token); default 1, or 6 where decode steps run compiled and the steps that read prompts do not (--decode compiled on CPU).
+        pin_cpus: run the engine's process on all but one of the CPUs this server may use, and the server's own process (HTTP, JSON) on that one, so that neither interrupts the other.
     """
     check_decode(decode)
     from mixtral_infer.serve.server import check_serve_options, run_server
@@ -541,7 +543,7 @@ def serve(
         functools.partial(load, model_path, 1, device, dtype), tokenizer, model_name=str(name), host=str(host),
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
         prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=None if admit_every is None else int(admit_every),
-        shutdown_timeout=float(shutdown_timeout),
+        shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus),
     )  # fmt: skip
 
 

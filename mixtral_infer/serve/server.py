@@ -9,6 +9,7 @@ for up to ``shutdown_timeout`` seconds, then those left are cancelled (their str
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -26,7 +27,7 @@ try:
 except ImportError as error:  # pragma: no cover - the serve extra is part of the test set-up
     raise MixtralInferError(f"serve needs the serve extra ({error.name} is missing): pip install -e '.[serve]'") from None
 
-from mixtral_infer.serve.engine_process import EngineProcess, Load
+from mixtral_infer.serve.engine_process import EngineProcess, Load, split_cpus
 
 
 def check_serve_options(
@@ -88,6 +89,7 @@ def run_server(
     decode: str = "auto",
     admit_every: Optional[int] = None,
     shutdown_timeout: float = 30.0,
+    pin_cpus: bool = False,
     log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
 ) -> None:
     """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on.
@@ -102,12 +104,18 @@ def run_server(
         sock.bind((host, port))  # before the model is loaded: a port in use is said at once
     except OSError as error:
         raise MixtralInferError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    cpus = split_cpus(sorted(os.sched_getaffinity(0))) if pin_cpus and hasattr(os, "sched_getaffinity") else None
+    if pin_cpus and cpus is None:
+        log("--pin-cpus: this process may use one CPU only (or the system cannot pin): nothing pinned")
     engine = EngineProcess(
         load,
         plan=dict(prefill_tokens=prefill_tokens, max_rows=max_rows, memory_fraction=memory_fraction, max_model_len=max_model_len),
         engine=dict(prefill_tokens=prefill_tokens, max_model_len=max_model_len, decode=decode, admit_every=admit_every),
-        max_queue=max_queue,
+        max_queue=max_queue, engine_cpus=cpus[1] if cpus is not None else None,
     )
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus[0])  # this thread, and the threads it starts from now on (uvicorn's, the reader)
+        log(f"pinned: the server on CPU {cpus[0][0]}, the engine on CPU{'s' * (len(cpus[1]) > 1)} {','.join(map(str, cpus[1]))}")
     try:
         log(f"sizing: {engine.plan}")
         sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
