@@ -26,6 +26,7 @@ from mixtral_infer.model.parallel import Selection
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.model import is_quantized_published, scales_name, stored_shapes
+from mixtral_infer.quant.model import weight_name as weight_name_of  # weight_name is a local name here
 from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight, QuantScheme, quantize
 
 PARAMS_KEY = "quantization"
@@ -91,7 +92,7 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
     """The inverse of ``to_stored``: each ``X.weight`` with its ``X.scales`` as one QuantizedWeight."""
     waiting: Dict[str, torch.Tensor] = {}  # name -> the half of a pair that came first
     for name, tensor in tensors:
-        weight_name = name[: -len("scales")] + "weight" if name.endswith(".scales") else name
+        weight_name = weight_name_of(name)
         if not is_quantized_published(weight_name):
             yield name, tensor
             continue
@@ -110,7 +111,7 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
         yield weight_name, weight
     if waiting:
         name = sorted(waiting)[0]
-        missing = scales_name(name) if name.endswith(".weight") else name[: -len("scales")] + "weight"
+        missing = scales_name(name) if name.endswith(".weight") else weight_name_of(name)
         raise CheckpointError(f"{source}: {name} has no partner: {missing} is missing")
 
 
@@ -126,7 +127,7 @@ def stored_select(select: Callable[[str], Optional[Selection]], scheme: QuantSch
     """
 
     def pick(name: str) -> Optional[Selection]:
-        weight_name = name[: -len("scales")] + "weight" if name.endswith(".scales") else name
+        weight_name = weight_name_of(name)
         if not is_quantized_published(weight_name):
             return select(name)
         part = select(weight_name)
@@ -145,7 +146,7 @@ def stored_select(select: Callable[[str], Optional[Selection]], scheme: QuantSch
 
 def check_stored_shape(name: str, shape: Tuple[int, ...], args: ModelArgs, scheme: QuantScheme, source: str) -> None:
     """The shape check of ``weight_shapes`` for a quantized folder: integers and scales of each weight."""
-    weight_name = name[: -len("scales")] + "weight" if name.endswith(".scales") else name
+    weight_name = weight_name_of(name)
     expected = published_shape(weight_name, args)
     if expected is not None and is_quantized_published(weight_name):
         values_shape, scales_shape = stored_shapes(weight_name, expected, scheme)

@@ -48,6 +48,12 @@ def scales_name(published_weight_name: str) -> str:
     return published_weight_name[: -len("weight")] + "scales"
 
 
+def weight_name(published_name: str) -> str:
+    """The weight a tensor of a quantized folder belongs to: ``layers.0.attention.wq.scales`` ->
+    ``layers.0.attention.wq.weight``; any other name is its own."""
+    return published_name[: -len("scales")] + "weight" if published_name.endswith(".scales") else published_name
+
+
 def stored_shapes(name: str, shape: Tuple[int, ...], scheme: QuantScheme) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """Shapes of the integers and the scales of published float weight ``name`` of ``shape`` (OUT, IN)."""
     scheme.check_shape(name, shape)
