@@ -470,16 +470,18 @@ class Engine:
         """The decode step (key "decode") or the mixed step of a chunk size (key ("mixed", size), None
         when unpadded), made on first use; inputs on the host but the chunk, already on the device."""
         device = self.model.device
+        mixed = chunk is not None
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = self._make_step(mixed=chunk is not None)
-        if device.type == "cuda" and self.mode == "compiled":
+            step = self._steps[key] = self._make_step(mixed)
+        compiled = self._compiles(mixed)
+        if device.type == "cuda" and compiled:
             torch.compiler.cudagraph_mark_step_begin()
         self._step_calls[key] += 1
         inputs = [self.cache.cache_k, self.cache.cache_v, tokens.to(device), positions.to(device), alive.to(device)]
         # Every call passes the same cache tensors and fresh inputs of the same shapes and dtypes:
         # after the first calls, dynamo's per-weight guards would pass (as in generate's decode loop).
-        with guards_checked(self.mode != "compiled" or self._step_calls[key] <= GUARDED_STEPS):
+        with guards_checked(not compiled or self._step_calls[key] <= GUARDED_STEPS):
             return step(*inputs, *([chunk] if chunk is not None else []))
 
     def _static_step_is_cheaper(self, seqlens: List[int]) -> bool:
@@ -536,9 +538,13 @@ class Engine:
             self._call_step(("mixed", size), zeros, zeros.clone(), idle, chunk)
         self.cache.cache_k[:, 0, 0], self.cache.cache_v[:, 0, 0] = held_k, held_v
 
+    def _compiles(self, mixed: bool) -> bool:
+        """Whether the decode step (or, ``mixed``, the step that reads prompts) runs compiled."""
+        return self.mode == "compiled" and (self.compile_prompts or not mixed)
+
     def _make_step(self, mixed: bool):
         model = self.model
-        compiled = self.mode == "compiled" and (self.compile_prompts or not mixed)
+        compiled = self._compiles(mixed)
         # Uncompiled, the experts run grouped (decode_logits' grouped_moe), as in the eager pass: every
         # expert on every token is the slower on CPU; so for decode-only steps chosen per step by auto
         # (mode eager), and for the steps that read prompts unless they compile.
