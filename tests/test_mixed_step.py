@@ -14,7 +14,6 @@ from mixtral_infer.fast.mixed_step import (
     chunk_writes,
     mixed_logits,
     pack_chunk,
-    segment_layout,
 )
 
 ROWS = 6
@@ -24,7 +23,7 @@ def test_worked_example_of_visibility_and_writes():
     """The module docstring's example: S = 4, window 4; row 1 at 6 reads 3 tokens, row 0 new reads 2."""
     chunk = pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])], size=6, segments=2)
     assert cached_positions(chunk.starts, 4).tolist() == [[4, 5, 2, 3], [-4, -3, -2, -1]]
-    assert segment_layout(chunk).tolist() == [0, 1, 2, 0, 1, 5]
+    assert chunk.place.tolist() == [0, 1, 2, 0, 1, 5]
     assert chunk.line == 6 and pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])]).line == 3  # padded: C places
     visible = chunk_visibility(chunk, 4, window=4)  # (2 segments, 6 places, 4 slots + 6 chunk places)
     seen = [[[j for j in range(10) if visible[k, i, j]] for i in range(6)] for k in range(2)]

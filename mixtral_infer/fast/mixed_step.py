@@ -20,7 +20,7 @@ A compiled step pads C and K to fixed sizes (``pack_chunk``); the data decides t
 
 **Attention** (``chunk_visibility``): a chunk token sees the cached slots of its own segment's row
 and the chunk's tokens of its own segment up to itself, within the window. Each segment attends
-as one line of P places in a batch of K (``segment_layout``; P is the longest piece, or C when
+as one line of P places in a batch of K (``PromptChunk.place``; P is the longest piece, or C when
 padded): its row's S slots and its own chunk tokens, ``S + P`` keys under a mask, so one prompt
 never reads another's keys. Slot j of a row that has
 seen s tokens holds position ``s - 1 - ((s - 1 - j) mod S)``, the latest position that is j
@@ -67,6 +67,7 @@ class PromptChunk:
     tokens: torch.Tensor  # (C,) long
     positions: torch.Tensor  # (C,) long
     segment: torch.Tensor  # (C,) long, in [0, K)
+    place: torch.Tensor  # (C,) long: the token's index within its segment, its place in the (K, P) layout
     valid: torch.Tensor  # (C,) bool
     rows: torch.Tensor  # (K,) long
     starts: torch.Tensor  # (K,) long: tokens the row had seen before this chunk
@@ -87,12 +88,15 @@ def pack_chunk(
     >>> chunk = pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])], size=6, segments=3)
     >>> chunk.positions.tolist(), chunk.segment.tolist(), chunk.last.tolist(), chunk.line
     ([6, 7, 8, 0, 1, 0], [0, 0, 0, 1, 1, 0], [2, 4, 0], 6)
+    >>> chunk.place.tolist()  # the padding token is segment 0's, at its own index
+    [0, 1, 2, 0, 1, 5]
     >>> pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])]).line
     3
     """
     tokens: List[int] = []
     positions: List[int] = []
     segment: List[int] = []
+    place: List[int] = []
     last: List[int] = []
     for index, (_, start, piece) in enumerate(pieces):
         if not piece:
@@ -100,6 +104,7 @@ def pack_chunk(
         tokens.extend(piece)
         positions.extend(range(start, start + len(piece)))
         segment.extend([index] * len(piece))
+        place.extend(range(len(piece)))
         last.append(len(tokens) - 1)
     n_valid, n_pieces = len(tokens), len(pieces)
     line = max(len(piece) for _, _, piece in pieces) if size is None else size
@@ -116,6 +121,7 @@ def pack_chunk(
         tokens=tensor(tokens + [0] * pad),
         positions=tensor(positions + [0] * pad),
         segment=tensor(segment + [0] * pad),
+        place=tensor(place + list(range(n_valid, size))),  # segment 0 starts at 0: a padding token's index
         valid=tensor([True] * n_valid + [False] * pad, torch.bool),
         rows=tensor([row for row, _, _ in pieces] + [0] * pad_segments),
         starts=tensor([start for _, start, _ in pieces] + [0] * pad_segments),
@@ -133,27 +139,19 @@ def cached_positions(starts: torch.Tensor, n_slots: int) -> torch.Tensor:
     return before - torch.remainder(before - slot, n_slots)  # (K, S)
 
 
-def segment_layout(chunk: PromptChunk) -> torch.Tensor:
-    """Each chunk token's index within its segment ``(C,)``: its place in the ``(K, P)`` layout,
-    one line per segment. ``segment`` [0, 0, 0, 1, 1, 0] (the last a padding token): [0, 1, 2, 0, 1, 5]."""
-    index = torch.arange(chunk.tokens.shape[0], device=chunk.tokens.device)
-    first = torch.full_like(chunk.rows, chunk.tokens.shape[0]).scatter_reduce(0, chunk.segment, index, "amin")  # (K,)
-    return index - first[chunk.segment]
-
-
 def chunk_visibility(chunk: PromptChunk, n_slots: int, window: Optional[int]) -> torch.Tensor:
     """Which keys each place of the ``(K, P)`` layout sees, ``(K, P, S + P)`` bool: its row's S
-    slots, then its segment's chunk tokens (``segment_layout``).
+    slots, then its segment's chunk tokens (``PromptChunk.place``).
 
     A place of the layout that holds no token sees its own (zero) key, so that no row of
     scores is empty; its output is never read.
     """
     n_places, n_segments = chunk.line, chunk.rows.shape[0]
     device = chunk.tokens.device
-    place = segment_layout(chunk)  # (C,)
+    where = (chunk.segment, chunk.place)
     layout = (n_segments, n_places)
-    position = torch.zeros(layout, dtype=torch.long, device=device).index_put((chunk.segment, place), chunk.positions)
-    valid = torch.zeros(layout, dtype=torch.bool, device=device).index_put((chunk.segment, place), chunk.valid)
+    position = torch.zeros(layout, dtype=torch.long, device=device).index_put(where, chunk.positions)
+    valid = torch.zeros(layout, dtype=torch.bool, device=device).index_put(where, chunk.valid)
     query = position[:, :, None]  # (K, P, 1)
     slot_position = cached_positions(chunk.starts, n_slots)[:, None, :]  # (K, 1, S)
     cached = valid[:, :, None] & (slot_position >= 0)  # (K, P, S)
@@ -189,7 +187,6 @@ def attend_chunk(
     cache_k: torch.Tensor,  # (R, S, H_kv, Dh) one layer's buffers
     cache_v: torch.Tensor,  # (R, S, H_kv, Dh)
     chunk: PromptChunk,
-    place: torch.Tensor,  # (C,) segment_layout
     visible: torch.Tensor,  # (K, P, S + P) bool: chunk_visibility
     writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
 ) -> torch.Tensor:
@@ -198,7 +195,7 @@ def attend_chunk(
     Each segment attends in its own line of the ``(K, P)`` layout, as a batch of K: a prompt never
     reads another's keys, not even under a mask, so a NaN in one cannot spread to the others."""
     layout = (chunk.rows.shape[0], chunk.line)  # (K, P)
-    where = (chunk.segment, place)
+    where = (chunk.segment, chunk.place)
 
     def laid_out(x: torch.Tensor) -> torch.Tensor:  # (C, H', Dh) -> (K, P, H', Dh), zeros where no token
         return x.new_zeros(layout + x.shape[1:]).index_put(where, x)
@@ -232,7 +229,6 @@ def mixed_logits(
     n_rows, n_tokens = tokens.shape[0], chunk.tokens.shape[0]
     n_slots = cache_k.shape[2]
     slots, visible = slots_and_visibility(positions, n_slots)  # (R,), (R, S)
-    place = segment_layout(chunk)  # (C,)
     chunk_visible = chunk_visibility(chunk, n_slots, model.args.sliding_window)  # (K, P, S + P)
     writes = chunk_writes(chunk, n_slots)
     rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
@@ -245,7 +241,7 @@ def mixed_logits(
             xq[:n_rows], xk[:n_rows], xv[:n_rows], cache_k[index, :n_rows], cache_v[index, :n_rows], slots, alive, visible
         )  # (R, H, Dh)
         read = attend_chunk(
-            xq[n_rows:], xk[n_rows:], xv[n_rows:], cache_k[index], cache_v[index], chunk, place, chunk_visible, writes
+            xq[n_rows:], xk[n_rows:], xv[n_rows:], cache_k[index], cache_v[index], chunk, chunk_visible, writes
         )  # (C, H, Dh)
         out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
         h = h + linear(out, attention.wo.weight)  # (R + C, D)
