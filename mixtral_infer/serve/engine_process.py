@@ -41,6 +41,8 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from mixtral_infer.errors import GenerationError, MixtralInferError
 from mixtral_infer.serve.engine import Engine, Event, Finished, QueueFull, RequestSettings, ShuttingDown, check_request
 from mixtral_infer.serve.metrics import ServeMetrics
@@ -289,8 +291,6 @@ def run_engine(
     """The engine process: pin itself to ``cpus`` (if given), load, plan the rows, report ready,
     then run the engine's thread and take commands until "shutdown" or until the pipe closes."""
     if cpus is not None:
-        import torch
-
         os.sched_setaffinity(0, cpus)  # before any thread starts: they inherit it
         torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))  # two threads on one CPU wait on each other
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server handles it
