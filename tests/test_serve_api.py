@@ -234,7 +234,7 @@ def test_bad_requests_through_the_openai_client(server):
 
 
 def test_full_queue_is_a_429_with_retry_after():
-    server = Server("--max-rows", "1", "--max-queue", "1", model="tiny-mistral")
+    server = Server("--max-rows", "1", "--max-queue", "1", "--decode", "static", model="tiny-mistral")  # not compiled: quicker
     try:
         long = {"prompt": "In the beginning", "max_tokens": 5000, "ignore_eos": True}
         first, first_response = server.open_stream("/v1/completions", long)
@@ -256,7 +256,7 @@ def test_full_queue_is_a_429_with_retry_after():
 
 
 def test_sigterm_finishes_running_requests_then_cancels_at_the_timeout():
-    server = Server("--max-rows", "2", "--shutdown-timeout", "5", model="tiny-mistral")
+    server = Server("--max-rows", "2", "--shutdown-timeout", "5", "--decode", "static", model="tiny-mistral")
     try:
         short, short_response = server.open_stream("/v1/completions", {"prompt": "In the beginning", "max_tokens": 8, "ignore_eos": True})
         endless, endless_response = server.open_stream("/v1/completions", {"prompt": "Blessed are", "max_tokens": 10**6, "ignore_eos": True})
@@ -336,9 +336,14 @@ def test_a_token_event_from_the_template_equals_the_encoded_chunk(fmt):
         assert formatted.text_sse(text) == sse(formatted.chunk(text, None, None))
 
 
-def test_the_server_says_how_it_pinned_its_processes(server):
+def test_the_server_says_how_it_pinned_its_processes_and_compiled_its_decode_step(server):
+    """The default ``--decode auto`` on CPU: the decode step compiled before serving, and each step
+    chooses it or the eager pass."""
     cpus = sorted(os.sched_getaffinity(0))
     said = "".join(server.lines)
+    assert "compiling the decode step for 4 rows (once, before serving)...\n" in said
+    assert re.search(r"\ncompiled in \d+\.\ds\n", said)
+    assert re.search(r"\nserving tiny-mixtral on http://127\.0\.0\.1:\d+ \(decode compiled or eager, per step, 4 rows", said)
     if len(cpus) >= 2:
         rest = ",".join(map(str, cpus[1:]))
         assert f"pinned: the server on CPU {cpus[0]}, the engine on CPU{'s' * (len(cpus) > 2)} {rest}\n" in said

@@ -115,8 +115,21 @@ def mixed_solo(tiny):
     return [solo(model, tokenizer, prompt, settings) for prompt, settings in mixed_requests(tokenizer)]
 
 
-@pytest.mark.parametrize("decode", ["eager", "static", "compiled", "compiled-prompts", "auto"])
-def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
+def no_cpp_compiler(monkeypatch):
+    """``torch.compile`` as it behaves on a machine without a C++ compiler: the compiled function
+    fails on its first call, before it runs anything."""
+
+    def compile(fn, **options):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("CppCompileError: C++ compile error\nCommand: g++ ... (no such file)")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", compile)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static", "compiled", "compiled-prompts", "auto", "auto-uncompiled"])
+def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode, monkeypatch, capsys):
     """8 requests on 3 rows, a small prefill budget (prompts read over several steps: decoding
     rows and prompt chunks share forward passes), greedy,
     seeded top-k and seeded plain-temperature sampling in one batch: each gets exactly what
@@ -128,13 +141,28 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
     boundaries are that close, out of reach of the draws.
 
     ``compiled-prompts``: the steps that read prompts compile too (``compile_prompts``, CUDA's default).
+    ``auto``: on CPU each step picks the static step, compiled, or the eager pass. ``auto-uncompiled``:
+    the same where compiling fails (no C++ compiler): the steps run uncompiled, after a warning.
     """
     model, tokenizer = tiny
     compile_prompts = decode == "compiled-prompts"
-    decode = "compiled" if compile_prompts else decode
+    uncompiled = decode == "auto-uncompiled"
+    if uncompiled:
+        no_cpp_compiler(monkeypatch)
+    decode = "compiled" if compile_prompts else "auto" if uncompiled else decode
     engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode, compile_prompts=compile_prompts)
     choices = []
-    if decode == "auto":  # on CPU each decode-only step picks the static step or the eager pass
+    if decode == "auto":  # on CPU each step picks the static step or the eager pass
+        assert engine.mode == "compiled" and engine.choose_per_step and engine.admit_every == ADMIT_EVERY_COMPILED
+        engine.warm_up()  # as the server does before it serves: compiles, or falls back
+        assert engine.mode == ("eager" if uncompiled else "compiled") and engine.choose_per_step
+        assert engine.admit_every == (1 if uncompiled else ADMIT_EVERY_COMPILED)
+        warning = capsys.readouterr().err
+        assert warning == (
+            "warning: could not compile the decode step (RuntimeError: CppCompileError: C++ compile error); "
+            "serving with the uncompiled steps\n" if uncompiled else ""
+        )
+        assert engine._step_calls == {"decode": 1}  # warm_up's call, with every row sitting out
         cheaper = engine._static_step_is_cheaper
         engine._static_step_is_cheaper = lambda seqlens: choices.append(cheaper(seqlens)) or choices[-1]
     recorder = Recorder()
@@ -158,14 +186,14 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode):
         assert engine._step_calls["mixed", None] > (3 if decode != "auto" else 0)
     if decode == "auto":  # both kinds of step ran
         assert True in choices and False in choices
-        assert engine._step_calls["decode"] + engine._step_calls["mixed", None] == choices.count(True)
+        assert engine._step_calls["decode"] - 1 + engine._step_calls["mixed", None] == choices.count(True)
 
 
 def test_auto_picks_the_static_step_when_it_reads_less():
     """``Engine._static_step_is_cheaper``'s example: R = 4 rows of S = 8 slots, 3 rows running."""
     model = random_model(tiny_args(sliding_window=8))
     engine = Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=4, decode="auto")
-    assert engine.mode == "eager" and engine.choose_per_step and engine.cache.cache_size == 8
+    assert engine.mode == "compiled" and engine.choose_per_step and engine.cache.cache_size == 8
     engine.running = [type("Request", (), {"row": row, "next_token": 1})() for row in range(3)]  # rows 0-2 decode
     engine.cache.tokens_seen[:] = [2, 3, 4, 0]
     assert not engine._static_step_is_cheaper([1, 1, 1, 0])  # L = 5: 4 * 8 = 32 > 2 * 3 * 5
@@ -274,7 +302,8 @@ def test_admit_every_defaults_to_groups_where_decode_steps_are_compiled(tiny):
     """A compiled decode step is much cheaper than a pass that reads a prompt: prompts join in groups."""
     model, tokenizer = tiny
     assert Engine(model, tokenizer, rows=2, decode="compiled").admit_every == ADMIT_EVERY_COMPILED > 1
-    assert Engine(model, tokenizer, rows=2, decode="auto").admit_every == 1  # on CPU: eager or the static step
+    assert Engine(model, tokenizer, rows=2, decode="auto").admit_every == ADMIT_EVERY_COMPILED  # compiled on CPU too
+    assert Engine(model, tokenizer, rows=2, decode="static").admit_every == 1
     assert Engine(model, tokenizer, rows=2, decode="compiled", admit_every=1).admit_every == 1
     assert Engine(model, tokenizer, rows=2, decode="compiled", compile_prompts=True).admit_every == 1
 

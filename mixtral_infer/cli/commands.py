@@ -521,10 +521,10 @@ def serve(
         max_model_len: tokens per sequence (prompt + answer) for a model without a sliding window.
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
-        decode: auto, eager, static or compiled, as for demo: how steps where every row decodes run.
+        decode: how steps where every row decodes run, all alike in result: auto (the default: the static step compiled before serving, and on cpu chosen per step against the eager pass; uncompiled if compiling fails), eager, static or compiled.
         served_model_name: the model name clients send and /v1/models lists; default: the folder's name.
         shutdown_timeout: seconds running requests may take to finish after SIGTERM before they are cancelled.
-        admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token); default 1, or 6 where decode steps run compiled and the steps that read prompts do not (--decode compiled on CPU).
+        admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token); default 1, or 6 where decode steps run compiled and the steps that read prompts do not (auto and compiled on cpu).
         pin_cpus: run the engine's process on all but one of the CPUs this server may use, and the server's own process (HTTP, JSON) on that one, so that neither interrupts the other.
     """
     check_decode(decode)

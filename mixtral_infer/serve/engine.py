@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import itertools
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -153,8 +154,13 @@ class Engine:
     ``decode``: how a step in which every row decodes one token runs, as in ``generate``:
     ``eager`` (``Transformer.forward``), ``static`` (``decode_logits`` of the static decode
     step, op by op), ``compiled`` (that step through ``torch.compile``; a CUDA graph on CUDA),
-    ``auto`` (compiled on CUDA; on CPU, per step, static or eager, whichever reads less:
-    ``_static_step_is_cheaper``). All give the same tokens.
+    ``auto`` (compiled on CUDA and CPU; on CPU, per step, the compiled step or the eager pass,
+    whichever reads less: ``_static_step_is_cheaper``). All give the same tokens. Unlike
+    ``generate``'s ``auto``, which decodes eagerly on CPU because a compilation there costs more
+    than a short generation, a server compiles once (``warm_up``, before it serves): tiny-mixtral,
+    384 requests over HTTP, 1.40-1.44x static batching against 1.23-1.31x with the uncompiled
+    static step (``bench/bench_serve.py``, alternating runs). Where compiling fails (a CPU
+    without a C++ compiler), ``auto`` goes on with the uncompiled steps after a warning.
 
     A step that both decodes and reads prompts is one forward pass: the weights are read once.
     Where decode-only steps are static, it is the static mixed step (``fast.mixed_step``): the
@@ -193,7 +199,15 @@ class Engine:
         self.rows, self.max_queue, self.prefill_tokens = rows, max_queue, prefill_tokens
         self.max_model_len = None if window is not None else max_model_len
         self.mode = decode_mode(decode, model)
-        self.choose_per_step = decode == "auto" and self.mode == "eager" and supports_static_decode(model)
+        # auto compiles on CPU too (generate's auto does not: there a compilation costs more than a
+        # short generation; a server compiles once, in warm_up), and off CUDA still chooses per step
+        # between the static step and Transformer.forward (_static_step_is_cheaper). If compiling
+        # fails (no C++ compiler), auto falls back to the uncompiled steps (_compile_failed).
+        static = supports_static_decode(model)
+        if decode == "auto" and static and model.device.type == "cpu":
+            self.mode = "compiled"
+        self.choose_per_step = decode == "auto" and static and model.device.type != "cuda"
+        self.may_fall_back = decode == "auto" and self.mode == "compiled"
         self.metrics = metrics
         self.after_step = after_step  # called in the engine's thread after every step (it sent its events)
         self.cache = model.make_cache(rows, max_seqlen=window if window is not None else max_model_len)
@@ -215,16 +229,31 @@ class Engine:
         if compile_prompts is None:
             compile_prompts = self.mode == "compiled" and model.device.type == "cuda"
         if compile_prompts and self.mode != "compiled":
-            raise GenerationError("compile_prompts needs decode='compiled' (or 'auto' on CUDA)")
-        self.compile_prompts = compile_prompts
-        moe_cap = MIXED_MOE_TOKENS if model.args.moe is not None else None
-        self.chunk_sizes = mixed_chunk_sizes(prefill_tokens, moe_cap) if compile_prompts else None
-        self.max_segments = min(MIXED_SEGMENTS, rows) if compile_prompts else rows
-        self.step_budget = self.chunk_sizes[-1] if compile_prompts else prefill_tokens  # prompt tokens a step reads
-        if admit_every is None:  # _admit_now's docstring
-            admit_every = ADMIT_EVERY_COMPILED if self.mode == "compiled" and not compile_prompts else 1
-        self.admit_every, self.last_admission = admit_every, 0
+            raise GenerationError("compile_prompts needs decode='compiled' (or 'auto' on CPU and CUDA)")
+        self._set_prompt_steps(compile_prompts)
+        self.admit_every_given = admit_every is not None
+        self.admit_every = admit_every if admit_every is not None else self._default_admit_every()
+        self.last_admission = 0
         self._vocab = model.args.vocab_size
+
+    def _set_prompt_steps(self, compile_prompts: bool) -> None:
+        """Whether steps that read prompts compile, and so their chunk sizes, prompts and tokens per step."""
+        self.compile_prompts = compile_prompts
+        moe_cap = MIXED_MOE_TOKENS if self.model.args.moe is not None else None
+        self.chunk_sizes = mixed_chunk_sizes(self.prefill_tokens, moe_cap) if compile_prompts else None
+        self.max_segments = min(MIXED_SEGMENTS, self.rows) if compile_prompts else self.rows
+        self.step_budget = self.chunk_sizes[-1] if compile_prompts else self.prefill_tokens  # prompt tokens a step reads
+
+    def describe_decode(self) -> str:
+        """How steps run, for the server's log: ``"compiled"``, or with the per-step choice
+        ``"compiled or eager, per step"`` (``"static or eager, per step"`` uncompiled)."""
+        if not self.choose_per_step:
+            return self.mode
+        return f"{'compiled' if self.mode == 'compiled' else 'static'} or eager, per step"
+
+    def _default_admit_every(self) -> int:
+        """``admit_every``'s default: see ``_admit_now``."""
+        return ADMIT_EVERY_COMPILED if self.mode == "compiled" and not self.compile_prompts else 1
 
     # ---- called from any thread ----------------------------------------------------------
 
@@ -351,7 +380,7 @@ class Engine:
         self, seqlens: List[int], chunks: List[List[int]], sampled: List[Request], decode_only: bool
     ) -> torch.Tensor:
         """Logits ``(len(sampled), V)`` after feeding each row its first ``seqlens[row]`` tokens of ``chunks``."""
-        static = self.mode != "eager" or (self.choose_per_step and self._static_step_is_cheaper(seqlens))
+        static = self._static_step_is_cheaper(seqlens) if self.choose_per_step else self.mode != "eager"
         if decode_only and static:
             return self._decode_only(sampled)
         if static:
@@ -370,7 +399,7 @@ class Engine:
         fewer steps pay for a prompt's pass. An idle engine admits at once.
 
         Default: ``ADMIT_EVERY_COMPILED`` where decode-only steps run compiled and the steps that
-        read prompts do not (``compiled`` on CPU), else 1. A step that reads prompts then runs op by
+        read prompts do not (``compiled`` and ``auto`` on CPU), else 1. A step that reads prompts then runs op by
         op, so the cheaper the compiled decode steps, the more grouping saves. Measured on
         tiny-mixtral, 384 requests at once on 32 rows, 5 alternating rounds in process: compiled
         4522 tok/s at k = 1, 4808 at k = 6; eager (``auto`` on CPU) gains 1-2% at k = 3-6. Where
@@ -482,7 +511,30 @@ class Engine:
         # Every call passes the same cache tensors and fresh inputs of the same shapes and dtypes:
         # after the first calls, dynamo's per-weight guards would pass (as in generate's decode loop).
         with guards_checked(not compiled or self._step_calls[key] <= GUARDED_STEPS):
-            return step(*inputs, *([chunk] if chunk is not None else []))
+            try:
+                return step(*inputs, *([chunk] if chunk is not None else []))
+            except Exception as error:  # a first call compiles: it fails before the step writes anything
+                if not (compiled and self.may_fall_back and self._step_calls[key] == 1):
+                    raise
+                self._compile_failed(error)
+        return self._call_step(key, tokens, positions, alive, chunk)
+
+    def _compile_failed(self, error: Exception) -> None:
+        """``decode="auto"``: compiling a step failed (on CPU, most often for want of a C++
+        compiler). Say so in one line and go on with the uncompiled steps, as ``eager`` with the
+        per-step choice off CUDA: the same tokens, more slowly."""
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(
+            f"warning: could not compile the decode step ({type(error).__name__}: {reason[:200]}); "
+            "serving with the uncompiled steps",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        self.mode, self.may_fall_back = "eager", False
+        self._set_prompt_steps(False)
+        if not self.admit_every_given:
+            self.admit_every = self._default_admit_every()
+        self._steps.clear()
+        self._step_calls.clear()
 
     def _static_step_is_cheaper(self, seqlens: List[int]) -> bool:
         """Whether this step reads fewer keys through the static step (``decode_logits``, or

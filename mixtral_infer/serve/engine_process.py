@@ -311,7 +311,8 @@ def run_engine(
             started = time.perf_counter()
             print(f"compiling the decode step for {rows.rows} rows (once, before serving)...", file=sys.stderr, flush=True)
             engine.warm_up()
-            print(f"compiled in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+            if engine.mode == "compiled":  # else it said why not (Engine._compile_failed)
+                print(f"compiled in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
     except Exception as error:
         if not isinstance(error, MixtralInferError):
             traceback.print_exc()
@@ -320,7 +321,7 @@ def run_engine(
         return
     outbox.engine = engine
     info = {
-        "rows": rows.rows, "mode": engine.mode, "max_model_len": engine.max_model_len,
+        "rows": rows.rows, "mode": engine.describe_decode(), "max_model_len": engine.max_model_len,
         "vocab_size": model.args.vocab_size, "plan": rows.describe(), "stats": engine.stats(),
     }  # fmt: skip
     outbox.send(("ready", info))
