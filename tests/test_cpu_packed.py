@@ -19,11 +19,13 @@ from mixtral_infer.fast.cpu_packed import (
     is_packed,
     pack,
     pack_model,
+    pack_side_by_side,
     packed_numel,
+    side_by_side,
     unpack_model,
 )
 from mixtral_infer.fast.decode_step import _quantized_moe_one_token, decode_logits
-from mixtral_infer.model.linear import linear
+from mixtral_infer.model.linear import linear, linears
 from mixtral_infer.serve.sizing import weight_bytes
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -52,6 +54,41 @@ def test_stacked_experts_are_indexed_by_int_or_tensor():
         linear(x, packed)
 
 
+def test_side_by_side_worked_example():
+    """``pack_side_by_side``'s docstring, scaled down by 16: wq (64, 64), wk and wv (16, 64) -> one
+    (96, 64) matrix, rows [0, 64), [64, 80), [80, 96); ``linears`` multiplies it once, and each
+    block alone, its dense weight and the state equal the plain weights bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.randn(out, 64, generator=g).bfloat16() for out in (64, 16, 16)]
+    blocks = pack_side_by_side(plain)
+    assert [b.rows for b in blocks] == [(0, 64), (64, 80), (80, 96)] and len({b.handle for b in blocks}) == 1
+    assert side_by_side(blocks).shape == (96, 64) and side_by_side(blocks).rows is None
+    for rows in (1, 3, 33):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        expected = [F.linear(x, w) for w in plain]
+        for got in (linears(x, *blocks), [linear(x, b) for b in blocks]):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(b.dense(), w) for b, w in zip(blocks, plain))
+    # Not the whole matrix in order: each block is multiplied on its own
+    assert side_by_side(blocks[::-1]) is None and side_by_side(blocks[:2]) is None and side_by_side([pack(plain[0])]) is None
+    assert side_by_side(plain) is None
+
+
+def test_side_by_side_experts():
+    """Stacked experts w1 and w3 (E, I, D), packed side by side: one product per expert, by int or
+    tensor; two different experts are not one product."""
+    g = torch.Generator().manual_seed(1)
+    w1, w3 = torch.randn(2, 4, 48, 32, generator=g).bfloat16()  # (E, I, D) each
+    p1, p3 = pack_side_by_side([w1, w3])
+    x = torch.randn(2, 32, generator=g).bfloat16()
+    for e in (0, 3, torch.tensor(2)):
+        assert side_by_side([p1[e], p3[e]]) is not None
+        gate, up = linears(x, p1[e], p3[e])
+        assert torch.equal(gate, F.linear(x, w1[int(e)])) and torch.equal(up, F.linear(x, w3[int(e)]))
+    assert side_by_side([p1[0], p3[1]]) is None
+    assert torch.equal(p1.dense(), w1) and torch.equal(p3.dense(), w3)
+
+
 @pytest.fixture(scope="module")
 def models():
     """The same bfloat16 MoE model, plain and packed."""
@@ -65,6 +102,11 @@ def test_pack_model_replaces_the_decoding_matrices_only(models):
     assert isinstance(packed.layers["0"].attention.wq.weight, PackedParameter)
     assert isinstance(packed.layers["0"].feed_forward.w1, PackedParameter)
     assert isinstance(packed.output.weight, PackedParameter)
+    for layer in packed.layers.values():  # wq wk wv in one matrix, w1 w3 too (dims 64, 2 x 16, 2 x 16)
+        attention, moe = layer.attention, layer.feed_forward
+        assert [w.weight.rows for w in (attention.wq, attention.wk, attention.wv)] == [(0, 64), (64, 96), (96, 128)]
+        assert attention.wq.weight.handle == attention.wv.weight.handle != attention.wo.weight.handle
+        assert (moe.w1.rows, moe.w3.rows, moe.w2.rows) == ((0, 96), (96, 192), None) and moe.w1.handle == moe.w3.handle
     kept = {name for name, _ in packed.named_parameters()}
     assert kept and all("norm" in name or "embeddings" in name or "gate" in name for name in kept)
     assert packed_numel(packed) + sum(p.numel() for p in packed.parameters()) == sum(p.numel() for p in plain.parameters())
@@ -107,7 +149,8 @@ def test_the_static_moe_step_equals_its_plain_loop(models):
 def test_the_compiled_step_reads_packed_weights_through_the_op(models, batch):
     """torch.compile(fullgraph=True) cannot trace oneDNN's opaque tensors: compiled code multiplies
     through ``mixtral_infer::packed_linear`` instead, by handle, with the expert as a tensor (batch 1,
-    2 of 4 experts gathered) or an int (batch 2, every expert). One step's logits equal the step op by op."""
+    2 of 4 experts gathered) or an int (batch 2, every expert). One step's logits equal the step op by
+    op; weights packed side by side take one call."""
     _, packed = models
     cache = packed.make_cache(batch)
     cache.start_sequences(batch)
@@ -121,7 +164,7 @@ def test_the_compiled_step_reads_packed_weights_through_the_op(models, batch):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             logits = compiled(*[t.clone() for t in inputs])  # clones made alike: no recompilation
     torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)  # bfloat16: fused ops round less often
-    per_layer = 4 + 3 * (2 if batch == 1 else 4)  # wq wk wv wo, then w1 w3 w2 of 2 gathered (or all 4) experts
+    per_layer = 2 + 2 * (2 if batch == 1 else 4)  # wq+wk+wv, wo, then w1+w3, w2 of 2 gathered (or all 4) experts
     op = "mixtral_infer::packed_linear"
     calls = [e for e in profile.events() if e.name == op and (e.cpu_parent is None or e.cpu_parent.name != op)]
     assert len(calls) == packed.args.n_layers * per_layer + 1  # + the output matrix

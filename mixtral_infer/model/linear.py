@@ -34,10 +34,12 @@ model's code has one call per matmul whatever the format. A bfloat16/float16 pro
 prefill size is computed in float32 on CPUs that multiply float32 faster (``fast.cpu_upcast``).
 """
 
+from typing import List
+
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
+from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear, side_by_side
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.quant.kernels import quantized_linear
@@ -49,6 +51,18 @@ split_few_rows = None  # True / False forces the bmm blocks on / off; None: on f
 
 def _split_few_rows() -> bool:
     return cpu_info().vendor == "AuthenticAMD" if split_few_rows is None else split_few_rows
+
+
+def linears(x: torch.Tensor, *weights) -> List[torch.Tensor]:
+    """``[linear(x, w) for w in weights]``. Weights packed side by side (``cpu_packed.pack_model``
+    packs ``wq wk wv`` as one matrix, and ``w1 w3``) are multiplied in one product, then split:
+    one call instead of three reads the weights faster (gpt-fast's fused ``wqkv``; one bfloat16
+    mistral-bench layer's wq wk wv w1 w3 for one row, 16 layers in turn on the 2-core Xeon: 0.89
+    ms one by one, 0.79 ms side by side)."""
+    whole = side_by_side(weights)
+    if whole is None:
+        return [linear(x, weight) for weight in weights]
+    return list(linear(x, whole).split([weight.shape[-2] for weight in weights], dim=-1))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeight) -> torch.Tensor:

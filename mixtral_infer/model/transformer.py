@@ -23,7 +23,7 @@ from torch import nn
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.model.attention import attention
 from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_attention_bias
-from mixtral_infer.model.linear import linear
+from mixtral_infer.model.linear import linear, linears
 from mixtral_infer.model.moe import MoeArgs, MoeLayer
 from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.rope import apply_rotary, rotary_angles
@@ -148,9 +148,10 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``(T, H, Dh)``, keys and values ``(T, H_kv, Dh)`` of x ``(T, D)``, q and k rotated."""
         n_tokens = x.shape[0]
-        xq = linear(x, self.wq.weight).reshape(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
-        xk = linear(x, self.wk.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
-        xv = linear(x, self.wv.weight).reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
+        xq, xk, xv = linears(x, self.wq.weight, self.wk.weight, self.wv.weight)
+        xq = xq.reshape(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
+        xk = xk.reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
+        xv = xv.reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
         return apply_rotary(xq, *rotary), apply_rotary(xk, *rotary), xv
 
     def forward(
@@ -203,7 +204,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, local_hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.silu(linear(x, self.w1.weight)) * linear(x, self.w3.weight)  # (T, I)
+        gate, up = linears(x, self.w1.weight, self.w3.weight)  # (T, I) each
+        hidden = F.silu(gate) * up  # (T, I)
         return self.parallel.all_reduce(linear(hidden, self.w2.weight))
 
 
