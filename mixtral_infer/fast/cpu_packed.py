@@ -135,9 +135,13 @@ def can_pack(tensor: torch.Tensor) -> bool:
 
 def pack(tensor: torch.Tensor) -> PackedWeight:
     """``tensor`` (OUT, IN) or stacked experts (E, OUT, IN), reordered once for few-row products."""
-    matrices = [tensor] if tensor.dim() == 2 else list(tensor.unbind(0))
+    return _pack_matrices([tensor] if tensor.dim() == 2 else list(tensor.unbind(0)), tensor.shape, tensor.dtype)
+
+
+def _pack_matrices(matrices, shape: torch.Size, dtype: torch.dtype) -> PackedWeight:
+    """One oneDNN matrix per item of ``matrices`` (an iterable of (OUT, IN) tensors, read one by one)."""
     packed = [torch.ops.mkldnn._reorder_linear_weight(matrix.contiguous(), 1) for matrix in matrices]
-    return PackedWeight(_Matrices(packed, tensor.shape[-2]), tensor.shape, tensor.dtype)
+    return PackedWeight(_Matrices(packed, shape[-2]), shape, dtype)
 
 
 def pack_side_by_side(tensors: Sequence[torch.Tensor]) -> List[PackedWeight]:
@@ -145,7 +149,13 @@ def pack_side_by_side(tensors: Sequence[torch.Tensor]) -> List[PackedWeight]:
     as one matrix of their rows stacked: ``linears`` then multiplies them in one product.
     Example: wq (1024, 1024), wk and wv (256, 1024) -> one (1536, 1024) matrix, blocks of rows
     [0, 1024), [1024, 1280), [1280, 1536)."""
-    whole = pack(torch.cat(list(tensors), dim=-2))
+    first = tensors[0]
+    shape = torch.Size((*first.shape[:-2], sum(t.shape[-2] for t in tensors), first.shape[-1]))
+    if first.dim() == 2:
+        whole = _pack_matrices([torch.cat(list(tensors))], shape, first.dtype)
+    else:  # expert by expert: one expert's rows are copied at a time, not all of them
+        joined = (torch.cat([t[e] for t in tensors]) for e in range(first.shape[0]))
+        whole = _pack_matrices(joined, shape, first.dtype)
     blocks, start = [], 0
     for tensor in tensors:
         stop = start + tensor.shape[-2]
@@ -232,7 +242,8 @@ def pack_model(model: nn.Module) -> nn.Module:
         if name not in packable:  # packed beside an earlier one
             continue
         group = [n for n in _side_by_side_names(name) if n in packable]
-        if len(group) < 2 or any(params[n].shape[:-2] != params[name].shape[:-2] or params[n].shape[-1] != params[name].shape[-1] for n in group):
+        other_dims = {(params[n].shape[:-2], params[n].shape[-1]) for n in group}  # all but OUT must agree
+        if len(group) < 2 or len(other_dims) > 1:
             group = [name]
         weights = pack_side_by_side([params[n].data for n in group]) if len(group) > 1 else [pack(params[name].data)]
         for n, weight in zip(group, weights):
