@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.model.cache import RotatingBufferCache
-from mixtral_infer.model.linear import linear, linears
+from mixtral_infer.model.linear import linear
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Attention, Transformer
@@ -131,11 +131,7 @@ def _quantized_moe_one_token(moe: MoeLayer, x: torch.Tensor, experts: torch.Tens
     """
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
-
-    def expert(e, rows: torch.Tensor) -> torch.Tensor:  # e: an int or a 0-d tensor; rows (N, D) -> (N, D)
-        gate, up = linears(rows, moe.w1[e], moe.w3[e])  # (N, I) each
-        return linear(F.silu(gate) * up, moe.w2[e])
-
+    expert = moe.expert  # e: an int, or a 0-d tensor the kernels' ops read; rows (N, D) -> (N, D)
     if batch * k < n_experts:
         out = [sum(expert(experts[b, j], x[b : b + 1]) * weights[b, j] for j in range(k)) for b in range(batch)]
         return torch.cat(out)  # (B, D)

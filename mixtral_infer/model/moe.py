@@ -48,8 +48,8 @@ class MoeLayer(nn.Module):
         weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
         return experts, weights
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of this rank's e-th expert on x ``(N, D)``."""
+    def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of this rank's e-th expert on x ``(N, D)`` (``e`` a 0-d tensor in compiled code)."""
         gate, up = linears(x, self.w1[e], self.w3[e])  # (N, I) each
         return linear(F.silu(gate) * up, self.w2[e])
 
