@@ -45,7 +45,7 @@ from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.linear import linear
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
-from mixtral_infer.model.transformer import Attention, Transformer
+from mixtral_infer.model.transformer import Attention, Transformer, TransformerBlock
 from mixtral_infer.quant.weights import QuantizedWeight
 
 StepOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -175,10 +175,16 @@ def decode_logits(
             layer.attention, layer.attention_norm(h), rotary,
             cache_k[index, :batch], cache_v[index, :batch], slots, alive, visible,
         )  # fmt: skip
-        x = layer.ffn_norm(h)
-        moe = isinstance(layer.feed_forward, MoeLayer) and not grouped_moe
-        h = h + (moe_one_token(layer.feed_forward, x) if moe else layer.feed_forward(x))
+        h = h + feed_forward_rows(layer, h, grouped_moe)
     return linear(model.norm(h), model.output.weight).float()  # (B, V)
+
+
+def feed_forward_rows(layer: TransformerBlock, h: torch.Tensor, grouped_moe: bool) -> torch.Tensor:
+    """A block's feed-forward on rows ``h (B, D)`` of one token each, in static shapes
+    (``moe_one_token``) unless ``grouped_moe`` or the block is dense: ``(B, D)``."""
+    x = layer.ffn_norm(h)
+    moe = isinstance(layer.feed_forward, MoeLayer) and not grouped_moe
+    return moe_one_token(layer.feed_forward, x) if moe else layer.feed_forward(x)
 
 
 def choose_tokens(

@@ -53,9 +53,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.decode_step import attend_in_place, moe_one_token, slots_and_visibility
+from mixtral_infer.fast.decode_step import attend_in_place, feed_forward_rows, slots_and_visibility
 from mixtral_infer.model.linear import linear
-from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Transformer
 
@@ -245,8 +244,6 @@ def mixed_logits(
         )  # (C, H, Dh)
         out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
         h = h + linear(out, attention.wo.weight)  # (R + C, D)
-        x = layer.ffn_norm(h)
-        moe = isinstance(layer.feed_forward, MoeLayer) and not grouped_moe
-        h = h + (moe_one_token(layer.feed_forward, x) if moe else layer.feed_forward(x))
+        h = h + feed_forward_rows(layer, h, grouped_moe)
     ends = torch.cat([torch.arange(n_rows, device=h.device), n_rows + chunk.last])  # (R + K,)
     return linear(model.norm(h[ends]), model.output.weight).float()  # (R + K, V)
