@@ -44,7 +44,7 @@ import torch
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.fast.decode_loop import GUARDED_STEPS, guards_checked
-from mixtral_infer.fast.decode_step import decode_logits, supports_static_decode
+from mixtral_infer.fast.decode_step import decode_logits, finite_rows, supports_static_decode
 from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling, sample
@@ -691,13 +691,6 @@ class Engine:
             with self.lock:
                 queued, running = len(self.queue), len(self.running)
             self.metrics.gauges(queued, running)
-
-
-def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Which rows of ``logits`` ``(N, V)`` hold no NaN or inf ``(N,)``: their largest and smallest
-    values are finite (NaN propagates through both). On CPU ``isfinite(logits).all(-1)`` costs
-    5.6x more: 32 x 2000 float32 logits, 165 against 29 us; 32 x 32000, 2.8 against 0.30 ms."""
-    return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
 
 
 def mixed_chunk_sizes(prefill_tokens: int, cap: Optional[int] = None) -> List[int]:
