@@ -1,11 +1,13 @@
 """What this machine's CPU is and can do, read once from the operating system.
 
-Two decisions depend on it, each measured where it is made:
+Three decisions depend on it, each measured where it is made:
 
 * ``model.linear``: whether few-row float32 matmuls are split into one block per thread
   (MKL's few-row path runs on one core on AMD CPUs and on every core on Intel ones);
 * ``checkpoint.compute_dtype``: whether a bfloat16 or float16 checkpoint computes in its own
-  dtype (the CPU has native arithmetic for it) or in float32.
+  dtype (the CPU has native arithmetic for it) or in float32;
+* ``quant.int8_activations``: how many levels int8 activations get (8-bit dot products that
+  cannot overflow, VNNI, or 7-bit ones).
 
 Linux: ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``). macOS: ``sysctl``. Elsewhere the
 CPU is treated as having no native 16-bit arithmetic and an unknown vendor.
@@ -28,6 +30,7 @@ import torch
 
 # Instruction-set flags that give native arithmetic in a 16-bit float type.
 X86_NATIVE = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+X86_INT8_DOT = ("avx512_vnni", "avx_vnni", "amx_int8")  # 8-bit dot products summed into 32 bits (no 16-bit saturation)
 ARM_NATIVE = {torch.bfloat16: ("bf16",), torch.float16: ("fphp", "asimdhp")}
 MACOS_NATIVE = {torch.bfloat16: "hw.optional.arm.FEAT_BF16", torch.float16: "hw.optional.arm.FEAT_FP16"}
 
@@ -36,6 +39,7 @@ MACOS_NATIVE = {torch.bfloat16: "hw.optional.arm.FEAT_BF16", torch.float16: "hw.
 class CpuInfo:
     vendor: str = ""  # "GenuineIntel", "AuthenticAMD", "" when unknown
     native: FrozenSet[torch.dtype] = field(default_factory=frozenset)  # 16-bit float types with native arithmetic
+    int8_dot: bool = False  # x86 VNNI/AMX: u8 x s8 products summed in 32 bits
 
 
 def parse_cpuinfo(text: str) -> CpuInfo:
@@ -50,7 +54,7 @@ def parse_cpuinfo(text: str) -> CpuInfo:
     else:
         flags, table = set(fields.get("Features", "").split()), ARM_NATIVE
     native = frozenset(dtype for dtype, names in table.items() if flags & set(names))
-    return CpuInfo(vendor=fields.get("vendor_id", ""), native=native)
+    return CpuInfo(vendor=fields.get("vendor_id", ""), native=native, int8_dot=bool(flags & set(X86_INT8_DOT)))
 
 
 def _macos_cpu() -> CpuInfo:

@@ -172,7 +172,7 @@ def test_scheme_names_and_errors():
     assert QuantScheme.parse("int4-128") == QuantScheme("int4", 128)
     assert QuantScheme.parse({"scheme": "int8"}) == INT8
     assert QuantScheme.parse("int4").to_params() == {"scheme": "int4", "group_size": 32}
-    with pytest.raises(ConfigError, match="quantize='int3': expected one of int8, int4"):
+    with pytest.raises(ConfigError, match="quantize=.int3.: expected one of int8, w8a8, int4"):
         QuantScheme.parse("int3")
     with pytest.raises(ConfigError, match=r"int4 group_size=48: expected one of \(32, 64, 128, 256\)"):
         QuantScheme.parse("int4-48")

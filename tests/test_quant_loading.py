@@ -35,27 +35,32 @@ def logits(model, seed=1):
         return model(ids, seqlens=[20])
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+STORED_SCHEMES = {"int8": {"scheme": "int8"}, "w8a8": {"scheme": "int8", "activations": "int8"}, "int4": {"scheme": "int4", "group_size": 32}}
+
+
+@pytest.mark.parametrize("scheme", STORED_SCHEMES)
 def test_a_quantized_folder_loads_as_quantizing_on_load_does(model_folder, tmp_path, scheme):
-    """convert --quantize writes integers and scales; loading them gives the model load_model(quantize=)
-    gives, logit for logit, in bfloat16 (the kernels) and float32 (the reference path)."""
+    """convert --quantize writes integers and scales (w8a8: int8's, and its activations in params.json);
+    loading them gives the model load_model(quantize=) gives, logit for logit, in bfloat16 (the
+    kernels) and float32 (the reference path)."""
     folder = convert(model_folder, tmp_path / "quantized", quantize=scheme)
     params = json.loads((folder / "params.json").read_text())
-    assert params["quantization"] == ({"scheme": "int8"} if scheme == "int8" else {"scheme": "int4", "group_size": 32})
+    assert params["quantization"] == STORED_SCHEMES[scheme]
     entries = {e.name: e for e in read_header(folder / "consolidated.safetensors")}
     wq, scales = entries["layers.0.attention.wq.weight"], entries["layers.0.attention.wq.scales"]
-    if scheme == "int8":
+    if scheme != "int4":
         assert (wq.dtype, wq.shape, scales.shape) == (torch.int8, (64, 64), (64,))
     else:  # two values per byte, one scale per 32 inputs
         assert (wq.dtype, wq.shape, scales.shape) == (torch.uint8, (64, 32), (64, 2))
     assert scales.dtype == torch.bfloat16
-    assert entries["layers.0.feed_forward.experts.3.w2.weight"].shape == ((64, 96) if scheme == "int8" else (64, 48))
+    assert entries["layers.0.feed_forward.experts.3.w2.weight"].shape == ((64, 48) if scheme == "int4" else (64, 96))
     assert entries["tok_embeddings.weight"].dtype == entries["layers.0.feed_forward.gate.weight"].dtype == torch.float32
     assert "layers.0.feed_forward.gate.scales" not in entries and "norm.scales" not in entries
     for dtype in (torch.bfloat16, torch.float32):
         stored = load_model(folder, dtype=dtype)
         on_load = load_model(model_folder, dtype=dtype, quantize=scheme)
         assert isinstance(stored.layers["1"].feed_forward.w1, QuantizedWeight)
+        assert (stored.layers["1"].feed_forward.w1.prepacked is not None) == (scheme == "w8a8" and dtype == torch.bfloat16)
         assert torch.equal(logits(stored), logits(on_load))
     assert load_model(folder).dtype == torch.bfloat16  # the kernels' dtype, unless dtype= says otherwise
 
@@ -101,13 +106,14 @@ def test_demo_quantize_on_the_command_line():
     assert result.returncode == 0, result.stderr
     assert "weights int4 (groups of 32)" in result.stderr and "And the LORD spake unto Moses" in result.stdout
     refused = run("demo", "--quantize", "int3")
-    assert refused.returncode == 1 and refused.stderr.strip() == "error: quantize='int3': expected one of int8, int4"
+    assert refused.returncode == 1 and refused.stderr.strip() == "error: quantize='int3': expected one of int8, w8a8, int4 or int4-<group size>"
 
 
 PEAK_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from mixtral_infer import load_model
+    from mixtral_infer.serve.sizing import weight_bytes
 
     def rss_kib(field):
         for line in open("/proc/self/status"):
@@ -117,7 +123,7 @@ PEAK_SCRIPT = textwrap.dedent(
     torch.ones(1) @ torch.ones(1)  # let torch allocate what it allocates once
     before = rss_kib("VmRSS")
     model = load_model(sys.argv[1], device="cpu", quantize=sys.argv[2])
-    held = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    held = weight_bytes(model)  # parameters, buffers (integers, scales) and fbgemm's matrices (w8a8)
     print((rss_kib("VmHWM") - before) * 1024, held)
     """
 )
@@ -138,7 +144,7 @@ def large_bfloat16_folder(tmp_path_factory):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
 def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_folder, scheme):
     """Peak resident memory of a fresh process loading with quantize= stays within 1.2x what the
     quantized model holds (bfloat16 checkpoint: 2.0x the int8 model, 2.9x the int4 one)."""
@@ -148,7 +154,7 @@ def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_f
     )  # fmt: skip
     peak, held = map(int, result.stdout.split())
     checkpoint = (large_bfloat16_folder / "consolidated.safetensors").stat().st_size
-    assert held < checkpoint / (1.9 if scheme == "int8" else 2.5)
+    assert held < checkpoint / (2.5 if scheme == "int4" else 1.9)
     assert peak <= 1.2 * held, f"peak {peak / 1e6:.0f} MB for a quantized model of {held / 1e6:.0f} MB"
 
 

@@ -24,6 +24,7 @@ from mixtral_infer.checkpoint.weight_shapes import check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.parallel import Selection
 from mixtral_infer.model.transformer import ModelArgs
+from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.model import is_quantized_published, scales_name, stored_shapes
 from mixtral_infer.quant.model import weight_name as weight_name_of  # weight_name is a local name here
@@ -163,7 +164,9 @@ def stack(parts: List) -> torch.Tensor | QuantizedWeight:
     first = parts[0]
     values = None if first.values is None else torch.stack([p.values for p in parts])
     packed = None if first.packed is None else tuple(torch.stack(ts) for ts in zip(*(p.packed for p in parts)))
-    return QuantizedWeight(first.scheme, values, torch.stack([p.scales for p in parts]), first.in_features, packed)
+    prepacked = None if first.prepacked is None else int8_activations.stack([p.prepacked for p in parts])
+    scales = torch.stack([p.scales for p in parts])
+    return QuantizedWeight(first.scheme, values, scales, first.in_features, packed, prepacked=prepacked)
 
 
 def scheme_from_params(params: dict, source: str) -> Optional[QuantScheme]:

@@ -276,7 +276,7 @@ def demo(
         tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step through torch.compile).
-        quantize: int8, int4 or int4-128: weight-only quantization while loading; computes in bfloat16 unless --dtype says otherwise.
+        quantize: int8, int4 or int4-128: weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
     check_quantize(quantize)
@@ -348,7 +348,7 @@ def interactive(
         tensor_parallel: under torchrun, cut each layer across N processes; rank 0 reads the input and shares each line.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager, static or compiled.
-        quantize: int8, int4 or int4-128: weight-only quantization while loading; computes in bfloat16 unless --dtype says otherwise.
+        quantize: int8, int4 or int4-128: weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
     check_quantize(quantize)
@@ -464,7 +464,7 @@ def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_siz
         to: mistral (params.json + consolidated.safetensors) or hf (config.json + sharded model.safetensors, with the tokenizer files transformers reads); default: the layout SRC is not in.
         dtype: float32, bfloat16 or float16; default: as stored.
         max_shard_size: largest shard of a Hugging Face folder, e.g. 5GB or 500MB.
-        quantize: int8, int4 or int4-128: write a quantized Mistral folder (integers + scales) that loads without quantizing again.
+        quantize: int8, w8a8, int4 or int4-128: write a quantized Mistral folder (integers + scales) that loads without quantizing again.
     """
     from mixtral_infer.checkpoint.convert import convert as convert_folder
 

@@ -47,34 +47,51 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from mixtral_infer.quant.model import is_quantized, replace_parameter
-
 PACKED_DTYPES = (torch.bfloat16,)  # what pack_model packs (module docstring: float16 is slower packed)
 
-_MATRICES: Dict[int, List[torch.Tensor]] = {}  # handle -> oneDNN matrices, one per expert
+_MATRICES: Dict[int, List] = {}  # handle -> packed matrices, one per expert
+_MULTIPLY: Dict[int, Callable] = {}  # handle -> multiply(x, matrix): the library call that reads them
 _handles = itertools.count()
 
 
-class _Matrices:
-    """Owns one table entry: it leaves the table when no PackedWeight refers to it any more."""
+def _onednn_linear(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, matrix, None, "none", [], "")
 
-    def __init__(self, matrices: List[torch.Tensor], out_features: int):
+
+def _onednn_plain(matrix: torch.Tensor) -> torch.Tensor:
+    return matrix.to_dense()
+
+
+class _Matrices:
+    """Owns one table entry: it leaves the table when no PackedWeight refers to it any more.
+
+    ``multiply(x, matrix)`` and ``plain(matrix)`` (the ``(OUT, IN)`` tensor it was packed from) say
+    which library's layout the matrices are in: oneDNN's (this module) or another CPU library's
+    (``quant.int8_activations`` packs int8 weights for fbgemm the same way)."""
+
+    def __init__(self, matrices: List, out_features: int, multiply: Callable = _onednn_linear, plain: Callable = _onednn_plain):
         self.handle = next(_handles)
         self.out_features = out_features  # of each matrix: the rows of all the weights packed side by side
-        _MATRICES[self.handle] = matrices
-        weakref.finalize(self, _MATRICES.pop, self.handle, None)
+        self.plain = plain
+        _MATRICES[self.handle], _MULTIPLY[self.handle] = matrices, multiply
+        weakref.finalize(self, _forget, self.handle)
 
     def __deepcopy__(self, memo) -> "_Matrices":
         return self  # packed matrices are never written: a copied model shares them
 
 
+def _forget(handle: int) -> None:
+    _MATRICES.pop(handle, None)
+    _MULTIPLY.pop(handle, None)
+
+
 def _matrix(handle: int, expert) -> torch.Tensor:
-    """The oneDNN matrix of table entry ``handle``: its only one, or expert ``expert``'s (int or 0-d tensor)."""
+    """The packed matrix of table entry ``handle``: its only one, or expert ``expert``'s (int or 0-d tensor)."""
     return _MATRICES[handle][0 if expert is None else int(expert)]
 
 
@@ -118,7 +135,7 @@ class PackedWeight:
 
     def dense(self) -> torch.Tensor:
         """The plain weight ``(..., OUT, IN)``."""
-        plain = [matrix.to_dense() for matrix in self.matrices]
+        plain = [self.owner.plain(matrix) for matrix in self.matrices]
         if self.rows is not None:
             plain = [matrix[self.rows[0] : self.rows[1]].contiguous() for matrix in plain]
         return torch.stack(plain) if len(self.shape) == 3 else plain[0]
@@ -178,10 +195,6 @@ def side_by_side(weights: Sequence) -> Optional[PackedWeight]:
     return first.whole()
 
 
-def _onednn_linear(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, matrix, None, "none", [], "")
-
-
 # Declared with torch.library.Library rather than the custom_op decorator: the dispatcher calls
 # the function directly, 2 us per call instead of 15-25 (57 calls per mistral-bench step).
 _LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
@@ -190,7 +203,7 @@ _LIBRARY.define("packed_linear(Tensor x, int handle, Tensor? expert, int out_fea
 
 def _packed_linear_op(x: torch.Tensor, handle: int, expert: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
     """``packed_linear`` as compiled code calls it: the weight by its handle (and expert)."""
-    return _onednn_linear(x, _matrix(handle, expert))
+    return _MULTIPLY[handle](x, _matrix(handle, expert))
 
 
 _LIBRARY.impl("packed_linear", _packed_linear_op, "CPU")
@@ -211,7 +224,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
             expert = torch.tensor(expert)
         out = torch.ops.mixtral_infer.packed_linear(x, weight.handle, expert, weight.owner.out_features)
     else:
-        out = _onednn_linear(x, _matrix(weight.handle, weight.expert))
+        out = _MULTIPLY[weight.handle](x, _matrix(weight.handle, weight.expert))
     # A block of rows packed with others: their product too, of which its columns (linears takes them all at once)
     return out if weight.rows is None else out[..., weight.rows[0] : weight.rows[1]]
 
@@ -236,6 +249,7 @@ def _plain_in_state_dict(module: PackedParameter, state_dict: dict, prefix: str,
 def pack_model(model: nn.Module) -> nn.Module:
     """Pack, in place, the float matrices that decoding reads (those ``quant.model`` would quantize):
     ``wq wk wv`` side by side, as are ``w1 w3`` (``SIDE_BY_SIDE``), the others one by one."""
+    from mixtral_infer.quant.model import is_quantized, replace_parameter  # here: quant's kernels import this module
     params = dict(model.named_parameters())
     packable = {name for name, param in params.items() if is_quantized(name) and can_pack(param)}
     for name in sorted(packable):
@@ -267,6 +281,7 @@ def _side_by_side_names(name: str) -> List[str]:
 
 def unpack_model(model: nn.Module) -> nn.Module:
     """Plain ``nn.Parameter``s again, in place: for code that edits weights or compiles the model."""
+    from mixtral_infer.quant.model import replace_parameter  # here: quant's kernels import this module
     for name, module in list(model.named_modules()):
         if isinstance(module, PackedParameter):
             replace_parameter(model, name, nn.Parameter(module.dense(), requires_grad=False))

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
+from mixtral_infer.quant import int8_activations
+from mixtral_infer.quant.int8_activations import int8_activations_linear
 from mixtral_infer.quant.weights import QuantizedWeight
 
 
@@ -115,6 +117,8 @@ def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
+    if weight.prepacked is not None and uses_cpu_kernel(x, weight) and x.shape[0] < DEQUANTIZE_ROWS:
+        return int8_activations_linear(x, weight.prepacked)  # w8a8 (quant.int8_activations)
     if weight.expert is not None:
         out = expert_kernel_linear(x, weight)
         if out is not None:
@@ -168,7 +172,10 @@ def dequantize_int4_kernel_layout(weight: QuantizedWeight) -> torch.Tensor:
 def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:
     """Give ``weight`` the layout its device's kernel reads; drop the plain values unless ``keep_values``.
 
-    Only int4 in bfloat16 has layouts of their own, one per device (the kernels take the scales'
+    w8a8 (``scheme.activations``) on CPU in bfloat16: fbgemm's packed matrices
+    (``quant.int8_activations``), which replace the plain integers.
+
+    Otherwise only int4 in bfloat16 has layouts of their own, one per device (the kernels take the scales'
     dtype as their activations'; other weights keep the plain layout and take the reference path).
     Both kernels take the scales as ``(IN/G, OUT, 2)`` pairs ``[scale, 0]`` (they compute
     ``(n - 8) * scale + zero``).
@@ -178,6 +185,11 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
     * CUDA, rows in multiples of 8 and inputs of 32: ``tinygemm_layout``. The plain values stay
       (module docstring: prompt chunks dequantize).
     """
+    if weight.scheme.activations == "int8" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        if int8_activations.available():  # else the weight-only int8 kernel (w8a8 is x86's fbgemm)
+            weight.prepacked = int8_activations.pack(weight.values, weight.scales)
+            weight.values = None  # fbgemm's matrices hold the integers (QuantizedWeight.integers)
+        return weight
     if weight.dtype != torch.bfloat16 or weight.scheme.name != "int4":
         return weight
     if weight.device.type == "cuda":

@@ -40,33 +40,48 @@ DEFAULT_INT4_GROUP_SIZE = 32
 SCALE_DTYPE = torch.bfloat16  # scales are bfloat16 numbers, whatever dtype holds them
 
 
+CHOICES = "int8, w8a8, int4 or int4-<group size>"  # what quantize= takes, for messages
+W8A8 = "w8a8"  # int8 weights, and int8 activations in CPU few-row products (quant.int8_activations)
+
+
 @dataclass(frozen=True)
 class QuantScheme:
-    """How a model's weights are quantized: ``int8``, or ``int4`` with ``group_size`` inputs per scale."""
+    """How a model's weights are quantized: ``int8``, or ``int4`` with ``group_size`` inputs per scale.
+
+    ``activations="int8"`` (``quantize="w8a8"``): int8 weights as ``int8``'s, multiplied on CPU
+    with the activations quantized to int8 too, row by row, at run time
+    (``quant.int8_activations``); the weights, and so a folder's tensors, are ``int8``'s."""
 
     name: str
     group_size: Optional[int] = None
+    activations: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.name not in SCHEMES:
-            raise ConfigError(f"quantize={self.name!r}: expected one of {', '.join(SCHEMES)}")
+            raise ConfigError(f"quantize={self.name!r}: expected one of {CHOICES}")
         if self.name == "int8" and self.group_size is not None:
             raise ConfigError("int8 has one scale per output row: give no group_size")
         if self.name == "int4" and self.group_size not in INT4_GROUP_SIZES:
             raise ConfigError(f"int4 group_size={self.group_size!r}: expected one of {INT4_GROUP_SIZES}")
+        if self.activations not in (None, "int8") or (self.activations and self.name != "int8"):
+            raise ConfigError(f"activations={self.activations!r}: only int8 weights take int8 activations (quantize='w8a8')")
 
     @classmethod
     def parse(cls, value: "str | QuantScheme | dict | None") -> Optional["QuantScheme"]:
-        """``"int8"``, ``"int4"`` (group 32), ``"int4-128"``, a dict from params.json, or None."""
+        """``"int8"``, ``"w8a8"``, ``"int4"`` (group 32), ``"int4-128"``, a dict from params.json, or None."""
         if value is None or isinstance(value, QuantScheme):
             return value
         if isinstance(value, dict):
-            unknown = set(value) - {"scheme", "group_size"}
+            unknown = set(value) - {"scheme", "group_size", "activations"}
             if unknown or "scheme" not in value:
-                raise ConfigError(f"quantization={value!r}: expected {{'scheme': 'int8'|'int4', 'group_size': int}}")
-            return cls(value["scheme"], value.get("group_size"))
+                raise ConfigError(
+                    f"quantization={value!r}: expected {{'scheme': 'int8'|'int4', 'group_size': int, 'activations': 'int8'}}"
+                )
+            return cls(value["scheme"], value.get("group_size"), value.get("activations"))
         if not isinstance(value, str):
-            raise ConfigError(f"quantize={value!r}: expected one of {', '.join(SCHEMES)}")
+            raise ConfigError(f"quantize={value!r}: expected one of {CHOICES}")
+        if value == W8A8:
+            return cls("int8", activations="int8")
         name, _, group = value.partition("-")
         if name == "int4":
             if group and not group.isdigit():
@@ -78,11 +93,14 @@ class QuantScheme:
 
     @property
     def label(self) -> str:
-        """``int8``, ``int4 (groups of 32)``."""
+        """``int8``, ``w8a8 (int8 activations)``, ``int4 (groups of 32)``."""
+        if self.activations:
+            return f"{W8A8} (int8 activations)"
         return self.name if self.group_size is None else f"{self.name} (groups of {self.group_size})"
 
     def to_params(self) -> dict:
-        return {"scheme": self.name} if self.group_size is None else {"scheme": self.name, "group_size": self.group_size}
+        params = {"scheme": self.name, "group_size": self.group_size, "activations": self.activations}
+        return {key: value for key, value in params.items() if value is not None}
 
     def check_shape(self, name: str, shape: tuple) -> None:
         if self.group_size is not None and shape[-1] % self.group_size:
@@ -107,13 +125,16 @@ class QuantizedWeight:
     """
 
     expert: Optional[torch.Tensor] = None  # see the docstring; QuantizedParameter never has one
+    prepacked = None  # w8a8 on CPU: a fast.cpu_packed.PackedWeight in fbgemm's layout (quant.int8_activations)
 
     def __init__(self, scheme: QuantScheme, values: Optional[torch.Tensor], scales: torch.Tensor, in_features: int,
-                 packed: Optional[tuple] = None, expert: Optional[torch.Tensor] = None):  # fmt: skip
+                 packed: Optional[tuple] = None, expert: Optional[torch.Tensor] = None, prepacked=None):  # fmt: skip
         self.scheme, self.in_features = scheme, in_features
         self.values, self.scales, self.packed = values, scales, packed
         if expert is not None:
             self.expert = expert
+        if prepacked is not None:
+            self.prepacked = prepacked
 
     @property
     def shape(self) -> torch.Size:
@@ -133,13 +154,14 @@ class QuantizedWeight:
         or on CPU the stacked weights with ``expert = index`` (class docstring)."""
         if self.expert is not None:
             raise IndexError("this weight is already one expert")
+        prepacked = None if self.prepacked is None else self.prepacked[index]
         if isinstance(index, torch.Tensor):
             if self.device.type == "cpu":
-                return QuantizedWeight(self.scheme, self.values, self.scales, self.in_features, self.packed, expert=index)
+                return QuantizedWeight(self.scheme, self.values, self.scales, self.in_features, self.packed, index, prepacked)
             return self._gathered(index)
         packed = None if self.packed is None else tuple(t[index] for t in self.packed)
         values = None if self.values is None else self.values[index]
-        return QuantizedWeight(self.scheme, values, self.scales[index], self.in_features, packed)
+        return QuantizedWeight(self.scheme, values, self.scales[index], self.in_features, packed, prepacked=prepacked)
 
     def resolved(self) -> "QuantizedWeight":
         """This weight with its own tensors: ``self``, or the gathered copy of its ``expert``."""
@@ -153,6 +175,8 @@ class QuantizedWeight:
             return t[index.reshape(1)][0]
 
         values = None if self.values is None else pick(self.values)
+        if values is None and self.prepacked is not None:  # int8 weights held only by fbgemm
+            values = self.prepacked.dense() if self.prepacked.expert is not None else self.prepacked[index].dense()
         packed = None if self.packed is None else tuple(pick(t) for t in self.packed)
         return QuantizedWeight(self.scheme, values, pick(self.scales), self.in_features, packed)
 
@@ -160,6 +184,8 @@ class QuantizedWeight:
         """The signed integers ``(..., OUT, IN)``: int8 as stored, int4 unpacked to [-8, 7]."""
         if self.expert is not None:
             return self.resolved().integers()
+        if self.values is None and self.prepacked is not None:
+            return self.prepacked.dense()  # fbgemm's matrices give their integers back
         if self.values is None:
             raise RuntimeError("this weight holds only its kernel layout; quantize again to get the integers")
         if self.scheme.name == "int8":
@@ -191,6 +217,7 @@ class QuantizedParameter(nn.Module, QuantizedWeight):
         kernel_values, kernel_scales = weight.packed or (None, None)
         self.register_buffer("kernel_values", kernel_values, persistent=False)
         self.register_buffer("kernel_scales", kernel_scales, persistent=False)
+        self.prepacked = weight.prepacked
 
     @property
     def packed(self) -> Optional[tuple]:

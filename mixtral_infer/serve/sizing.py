@@ -29,6 +29,7 @@ from mixtral_infer.generation.settings import (
     proc_kb_field,
 )
 from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.quant.weights import QuantizedParameter
 
 DEFAULT_MEMORY_FRACTION = 0.9
 DEFAULT_ROW_CAP = 64  # rows made from a budget are at most this many unless --max-rows says otherwise
@@ -96,10 +97,11 @@ def measure_step_peak(model: Transformer, n_tokens: int, slots: int) -> Optional
 
 
 def weight_bytes(model: Transformer) -> int:
-    """Bytes the model's weights take: parameters, buffers (quantized weights' integers and scales)
-    and matrices packed for oneDNN (``fast.cpu_packed``)."""
+    """Bytes the model's weights take: parameters, buffers (quantized weights' integers and scales),
+    matrices packed for oneDNN (``fast.cpu_packed``) and w8a8's int8 matrices packed for fbgemm."""
     plain = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return plain + packed_numel(model) * model.dtype.itemsize
+    fbgemm = sum(m.prepacked.numel() for m in model.modules() if isinstance(m, QuantizedParameter) and m.prepacked is not None)
+    return plain + packed_numel(model) * model.dtype.itemsize + fbgemm  # fbgemm's: a byte per weight
 
 
 def plan_rows(

@@ -1,0 +1,151 @@
+"""w8a8: int8 weights times int8 activations through fbgemm (``quant.int8_activations``), against
+its readable reference, row by row, and in models on every decode path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import WINDOW, random_model, tiny_args
+from test_model import random_prompts
+
+from mixtral_infer import generate
+from mixtral_infer.errors import ConfigError
+from mixtral_infer.fast.decode_step import moe_one_token
+from mixtral_infer.hardware import CpuInfo
+from mixtral_infer.quant import int8_activations
+from mixtral_infer.quant.int8_activations import int8_activations_linear, reference_linear
+from mixtral_infer.quant.kernels import DEQUANTIZE_ROWS, prepare, quantized_linear
+from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.quant.weights import QuantizedParameter, QuantScheme, quantize
+from mixtral_infer.serve.sizing import weight_bytes
+
+W8A8 = QuantScheme.parse("w8a8")
+pytestmark = pytest.mark.skipif(not int8_activations.available(), reason="fbgemm (x86 PyTorch builds) is not in this PyTorch")
+
+
+def w8a8_weight(shape, seed=0):
+    return prepare(quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)), W8A8, torch.bfloat16))
+
+
+def test_worked_example():
+    """The module docstring's: x = [0.5, -0.25], weight rows [2, -3] (scale 0.01) and [1, 1] (0.02)."""
+    integers, scales = torch.tensor([[2, -3], [1, 1]], dtype=torch.int8), torch.tensor([0.01, 0.02])
+    expected = torch.tensor([[446 * 0.01, 63 * 0.02]]) * 0.5 / 127
+    x = torch.tensor([[0.5, -0.25]])
+    torch.testing.assert_close(int8_activations_linear(x, int8_activations.pack(integers, scales)), expected)
+    torch.testing.assert_close(reference_linear(x, integers, scales), expected)
+
+
+def test_scheme():
+    assert W8A8 == QuantScheme("int8", activations="int8") and W8A8.label == "w8a8 (int8 activations)"
+    assert W8A8.to_params() == {"scheme": "int8", "activations": "int8"}
+    assert QuantScheme.parse(W8A8.to_params()) == W8A8  # as a folder's params.json records it
+    with pytest.raises(ConfigError, match="only int8 weights take int8 activations"):
+        QuantScheme.parse({"scheme": "int4", "group_size": 32, "activations": "int8"})
+    with pytest.raises(ConfigError, match="expected one of int8, w8a8, int4"):
+        QuantScheme.parse("w4a4")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
+def test_kernel_equals_the_reference_for_every_expert(rows):
+    """Stacked experts, each picked by an int and by a tensor (compiled code's routing): fbgemm's
+    product equals quantizing each row and multiplying the integers, to float32 rounding."""
+    stacked = w8a8_weight((3, 96, 256), seed=rows)  # (E, OUT, IN)
+    assert stacked.values is None and stacked.prepacked is not None  # fbgemm holds the integers
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(100 + rows))
+    for e in range(3):
+        expected = reference_linear(x, stacked.integers()[e], stacked.scales[e])
+        for expert in (stacked[e], stacked[torch.tensor(e)]):
+            torch.testing.assert_close(int8_activations_linear(x, expert.prepacked), expected, atol=1e-5, rtol=1e-5)
+            bfloat16 = quantized_linear(x.bfloat16(), expert)
+            torch.testing.assert_close(bfloat16.float(), reference_linear(x.bfloat16(), stacked.integers()[e], stacked.scales[e]).float())
+
+
+def test_the_integers_are_int8s():
+    """fbgemm's matrices give back the integers quantize() chose for int8, and the same dequantized weight."""
+    w = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    w8a8, int8 = prepare(quantize(w, W8A8, torch.bfloat16)), quantize(w, QuantScheme.parse("int8"), torch.bfloat16)
+    assert torch.equal(w8a8.integers(), int8.values) and torch.equal(w8a8[1].integers(), int8.values[1])
+    assert torch.equal(w8a8.dequantize(), int8.dequantize()) and torch.equal(w8a8[torch.tensor(1)].dequantize(), int8.dequantize()[1])
+
+
+def test_each_row_is_quantized_on_its_own():
+    """Rows of very different sizes in one batch: each row's result is what it gives alone, bit for bit
+    (fbgemm's one range per call is pinned by the range row), and as exact as the reference's."""
+    weight = w8a8_weight((64, 128), seed=2)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(3)) * torch.tensor([[1e3], [1.0], [1e-3], [0.0]])
+    together = int8_activations_linear(x, weight.prepacked)
+    for i in range(4):
+        assert torch.equal(together[i : i + 1], int8_activations_linear(x[i : i + 1], weight.prepacked))
+    assert torch.equal(together[3], torch.zeros(64))
+    torch.testing.assert_close(together, reference_linear(x, weight.integers(), weight.scales), atol=0, rtol=1e-5)
+
+
+def test_seven_bit_rows_where_8_bit_dot_products_saturate(monkeypatch):
+    """Without VNNI/AMX (``int8_dot``) fbgemm's pair sums would saturate: 63 levels, and the reference agrees."""
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5))
+    eight_bits = w8a8_weight((64, 128), seed=4)
+    monkeypatch.setattr(int8_activations, "cpu_info", lambda: CpuInfo(int8_dot=False))
+    assert int8_activations.levels() == 63
+    seven_bits = w8a8_weight((64, 128), seed=4)
+    got = int8_activations_linear(x, seven_bits.prepacked)
+    torch.testing.assert_close(got, reference_linear(x, seven_bits.integers(), seven_bits.scales, 63), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, int8_activations_linear(x, eight_bits.prepacked), atol=1e-5, rtol=1e-5)  # 127 levels differ
+
+
+def test_prompt_sized_products_multiply_weight_only():
+    """From DEQUANTIZE_ROWS rows on, activations stay unquantized, as int8's do."""
+    weight = w8a8_weight((32, 64), seed=6)
+    x = torch.randn(DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    expected = x.float() @ weight.dequantize().T  # what int8 computes there (in float32 where that is faster)
+    error = (quantized_linear(x, weight).float() - expected).abs().max()  # bfloat16 rounding of the result
+    quantized_rows = reference_linear(x.float(), weight.integers(), weight.scales)
+    assert error < (quantized_rows - expected).abs().max() / 2  # activations quantized would be further off
+
+
+def test_a_w8a8_model_holds_its_integers_in_fbgemm_and_counts_them():
+    model = quantize_model(random_model(tiny_args(moe=True)).to(torch.bfloat16), "w8a8")
+    int8 = quantize_model(random_model(tiny_args(moe=True)).to(torch.bfloat16), "int8")
+    weights = [m for m in model.modules() if isinstance(m, QuantizedParameter)]
+    assert weights and all(w.prepacked is not None and w.values is None for w in weights)
+    assert weight_bytes(model) == weight_bytes(int8)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_static_and_compiled_decode_equal_eager(moe):
+    """Past the window: the static step (batch 1 and 3) and the compiled one (batch 1: fbgemm through
+    the packed weights' op, experts picked in place) choose eager decoding's tokens. (Compiled code
+    rounds its fused bfloat16 arithmetic otherwise, which flips near-ties of a random model's
+    logits over long batched runs, as without quantization.)"""
+    model = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=3), seed=5).to(torch.bfloat16), "w8a8")
+    for lengths, modes in (([2 * WINDOW + 1], ("static", "compiled")), ([2 * WINDOW + 1, 3, 6], ("static",))):
+        prompts = random_prompts(lengths, 128, seed=len(lengths))
+        eager_tokens, eager_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="eager")
+        for mode in modes:
+            tokens, logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode=mode)
+            assert tokens == eager_tokens, mode
+            for got, expected in zip(logprobs, eager_logprobs):
+                assert got == pytest.approx(expected, abs=0.1)
+
+
+def test_the_one_token_moe_step_equals_the_grouped_layer():
+    layer = quantize_model(random_model(tiny_args(moe=True), seed=25).to(torch.bfloat16), "w8a8").layers["0"].feed_forward
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(moe_one_token(layer, x), layer(x))
+
+
+def test_the_compiled_moe_step_multiplies_experts_in_place():
+    """Compiled, batch 1 (2 of 4 experts): each expert matrix goes to fbgemm through the packed weights'
+    op, which reads the routing's index, and the layer equals its eager self."""
+    layer = quantize_model(random_model(tiny_args(moe=True), seed=25).to(torch.bfloat16), "w8a8").layers["0"].feed_forward
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    compiled = torch.compile(moe_one_token, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        compiled(layer, x)  # compiles
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            out = compiled(layer, x)
+        torch.testing.assert_close(out, moe_one_token(layer, x), atol=0.02, rtol=0.02)
+    op = "mixtral_infer::packed_linear"
+    calls = [e for e in profile.events() if e.name == op and (e.cpu_parent is None or e.cpu_parent.name != op)]
+    assert len(calls) == 2 * 3  # w1, w3, w2 of each chosen expert
