@@ -4,7 +4,8 @@ Usage: python bench/llamacpp/run_compare.py [--rounds 3] [--models mixtral-bench
        [--dtypes f32 bf16 q8_0 q4_0] [--out bench/llamacpp/results.json]
 
 Pairs (llama.cpp GGUF type -> ours): f32 -> float32, bf16 -> bfloat16, q8_0 -> bfloat16 with
-``--quantize int8`` (per-row scales; Q8_0 has one per 32 weights), q4_0 -> ``--quantize int4``
+``--quantize int8`` (per-row scales; Q8_0 has one per 32 weights; ``--q8-0-as w8a8`` for int8
+activations too, as Q8_0 multiplies), q4_0 -> ``--quantize int4``
 (groups of 32, as Q4_0). Our side runs ``bench/ours_run.py`` (the current API).
 
 Per (model, dtype) and round: wait until other processes use < --quiet cores (10 s, /proc/stat), log
@@ -175,7 +176,10 @@ def main():
     ap.add_argument("--what", nargs="+", default=["decode", "prefill"], help="llama.cpp and ours: decode, prefill or both")
     ap.add_argument("--ours-decode", nargs="+", default=["loop"], choices=["loop", "compiled"],
                     help="how ours_run.py decodes: loop (eager forward per token) and/or compiled (generate, decode='compiled')")
+    ap.add_argument("--q8-0-as", default="int8", choices=["int8", "w8a8"],
+                    help="what ours runs beside Q8_0: int8 (weight-only) or w8a8 (int8 activations too, as Q8_0 does)")
     a = ap.parse_args()
+    OURS["q8_0"] = ["--dtype", "bfloat16", "--quantize", a.q8_0_as]
     LOG = open(a.out.with_suffix(".log"), "a")
     results = json.loads(a.out.read_text()) if a.out.is_file() else {}
     for name in a.models:

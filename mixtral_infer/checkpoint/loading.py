@@ -47,8 +47,10 @@ from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, ap
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_packed import pack_model
+from mixtral_infer.hardware import cpu_info
 from mixtral_infer.model.parallel import Parallel, Selection
 from mixtral_infer.model.transformer import ModelArgs, Transformer
+from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.model import check_quantizable, install
 from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme
 from mixtral_infer.shipped import resolve_model_folder
@@ -76,8 +78,12 @@ def default_device() -> torch.device:
 
 def default_dtype(checkpoint: "Checkpoint", device: torch.device, quantize: Optional[QuantScheme] = None) -> torch.dtype:
     """What ``load_model`` computes in without ``dtype=``: bfloat16 for quantized weights (the CPU
-    kernels' dtype), else the checkpoint's own dtype where ``device`` can compute in it (``compute_dtype``)."""
-    if quantize is not None or checkpoint.quantization is not None:
+    kernels' dtype), else the checkpoint's own dtype where ``device`` can compute in it (``compute_dtype``).
+    w8a8's product takes any float dtype: bfloat16 where ``device`` computes in it, else float32."""
+    scheme = quantize or checkpoint.quantization
+    if scheme is not None and scheme.activations and device.type == "cpu" and torch.bfloat16 not in cpu_info().native:
+        return torch.float32
+    if scheme is not None:
         return torch.bfloat16
     return compute_dtype(checkpoint.stored_dtype(), device)
 
@@ -415,6 +421,7 @@ def load_model(
         select = stored_select(select, stored)  # a quantized folder's integers and scales
     tensors = checkpoint.published_tensors(progress, select)
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
+    int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
     return pack_model(model) if pack else model
 
 

@@ -14,8 +14,6 @@ Worked example, int4 with groups of 32, published ``layers.0.attention.wq.weight
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -24,8 +22,8 @@ from mixtral_infer.checkpoint.weight_shapes import check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.parallel import Selection
 from mixtral_infer.model.transformer import ModelArgs
-from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.kernels import prepare
+from mixtral_infer.quant.memory import release_freed_memory
 from mixtral_infer.quant.model import is_quantized_published, scales_name, stored_shapes
 from mixtral_infer.quant.model import weight_name as weight_name_of  # weight_name is a local name here
 from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight, QuantScheme, quantize
@@ -46,31 +44,6 @@ def quantize_published(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype
             yield name, weight
         else:
             yield name, tensor
-
-
-def release_freed_memory() -> None:
-    """Give the pages of freed working copies back to the system (glibc's ``malloc_trim``).
-
-    Quantizing leaves the float tensor and its working copies freed between the integers
-    the model keeps; glibc keeps such holes resident, and over a model they add up to
-    about the quantized size again (measured: peak 2.2x the quantized model without this,
-    1.1x with it). Elsewhere than glibc this does nothing.
-    """
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _glibc()
 
 
 def to_stored(tensors: Tensors, scheme: QuantScheme) -> Tensors:
@@ -164,9 +137,7 @@ def stack(parts: List) -> torch.Tensor | QuantizedWeight:
     first = parts[0]
     values = None if first.values is None else torch.stack([p.values for p in parts])
     packed = None if first.packed is None else tuple(torch.stack(ts) for ts in zip(*(p.packed for p in parts)))
-    prepacked = None if first.prepacked is None else int8_activations.stack([p.prepacked for p in parts])
-    scales = torch.stack([p.scales for p in parts])
-    return QuantizedWeight(first.scheme, values, scales, first.in_features, packed, prepacked=prepacked)
+    return QuantizedWeight(first.scheme, values, torch.stack([p.scales for p in parts]), first.in_features, packed)
 
 
 def scheme_from_params(params: dict, source: str) -> Optional[QuantScheme]:

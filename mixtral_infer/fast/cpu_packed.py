@@ -255,7 +255,7 @@ def pack_model(model: nn.Module) -> nn.Module:
     for name in sorted(packable):
         if name not in packable:  # packed beside an earlier one
             continue
-        group = [n for n in _side_by_side_names(name) if n in packable]
+        group = [n for n in side_by_side_names(name) if n in packable]
         other_dims = {(params[n].shape[:-2], params[n].shape[-1]) for n in group}  # all but OUT must agree
         if len(group) < 2 or len(other_dims) > 1:
             group = [name]
@@ -269,7 +269,7 @@ def pack_model(model: nn.Module) -> nn.Module:
 SIDE_BY_SIDE = (("wq", "wk", "wv"), ("w1", "w3"))  # weights that multiply the same input (pack_model)
 
 
-def _side_by_side_names(name: str) -> List[str]:
+def side_by_side_names(name: str) -> List[str]:
     """``layers.0.attention.wk.weight`` -> the names of wq, wk, wv in that module; [name] if it has no group."""
     parts = name.split(".")
     for group in SIDE_BY_SIDE:

@@ -34,13 +34,13 @@ has the rows; ``CUDA_INT4_DEQUANTIZE_ROWS`` is the public numbers' guess until t
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_packed import side_by_side
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
-from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.int8_activations import int8_activations_linear
 from mixtral_infer.quant.weights import QuantizedWeight
 
@@ -52,6 +52,12 @@ def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 
 def uses_cpu_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
+
+
+def uses_int8_activations(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    """w8a8 packed for fbgemm (``quant.int8_activations``), and a product it quantizes: fewer than
+    ``DEQUANTIZE_ROWS`` rows on CPU, in any float dtype (fbgemm takes float32; bfloat16 converts)."""
+    return weight.prepacked is not None and x.device.type == "cpu" and x.shape[0] < DEQUANTIZE_ROWS
 
 
 def int4_layout(weight: QuantizedWeight) -> Optional[str]:
@@ -115,10 +121,19 @@ def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
     return None
 
 
+def quantized_linears(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> List[torch.Tensor]:
+    """``[quantized_linear(x, w) for w in weights]``, in one product where they are w8a8 weights
+    packed side by side (``int8_activations.pack_side_by_side``) and the product quantizes activations."""
+    whole = side_by_side([w.prepacked for w in weights])
+    if whole is None or not uses_int8_activations(x, weights[0]):
+        return [quantized_linear(x, w) for w in weights]
+    return list(int8_activations_linear(x, whole).split([w.shape[-2] for w in weights], dim=-1))
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
-    if weight.prepacked is not None and uses_cpu_kernel(x, weight) and x.shape[0] < DEQUANTIZE_ROWS:
-        return int8_activations_linear(x, weight.prepacked)  # w8a8 (quant.int8_activations)
+    if uses_int8_activations(x, weight):
+        return int8_activations_linear(x, weight.prepacked)
     if weight.expert is not None:
         out = expert_kernel_linear(x, weight)
         if out is not None:
@@ -172,10 +187,7 @@ def dequantize_int4_kernel_layout(weight: QuantizedWeight) -> torch.Tensor:
 def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:
     """Give ``weight`` the layout its device's kernel reads; drop the plain values unless ``keep_values``.
 
-    w8a8 (``scheme.activations``) on CPU in bfloat16: fbgemm's packed matrices
-    (``quant.int8_activations``), which replace the plain integers.
-
-    Otherwise only int4 in bfloat16 has layouts of their own, one per device (the kernels take the scales'
+    Only int4 in bfloat16 has layouts of their own, one per device (the kernels take the scales'
     dtype as their activations'; other weights keep the plain layout and take the reference path).
     Both kernels take the scales as ``(IN/G, OUT, 2)`` pairs ``[scale, 0]`` (they compute
     ``(n - 8) * scale + zero``).
@@ -185,11 +197,6 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
     * CUDA, rows in multiples of 8 and inputs of 32: ``tinygemm_layout``. The plain values stay
       (module docstring: prompt chunks dequantize).
     """
-    if weight.scheme.activations == "int8" and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
-        if int8_activations.available():  # else the weight-only int8 kernel (w8a8 is x86's fbgemm)
-            weight.prepacked = int8_activations.pack(weight.values, weight.scales)
-            weight.values = None  # fbgemm's matrices hold the integers (QuantizedWeight.integers)
-        return weight
     if weight.dtype != torch.bfloat16 or weight.scheme.name != "int4":
         return weight
     if weight.device.type == "cuda":

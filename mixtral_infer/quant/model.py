@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mixtral_infer.errors import ConfigError
+from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 
@@ -100,7 +101,7 @@ def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     for name, param in list(model.named_parameters()):
         if is_quantized(name):
             install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device))
-    return model
+    return int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
 
 
 def quantized_numel(model: nn.Module) -> int:
