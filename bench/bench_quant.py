@@ -2,12 +2,12 @@
 
 1. Kernels: 1-8 rows of bfloat16 times a mixtral-bench expert weight (3584 x 1024 and
    1024 x 3584): bfloat16 ``linear()``, PyTorch's ``_weight_int8pack_mm`` and
-   ``_weight_int4pack_mm_for_cpu``, torchao 0.18's ``Int8WeightOnlyConfig`` /
+   ``_weight_int4pack_mm_for_cpu``, fbgemm's int8 product with int8 activations (w8a8), torchao 0.18's ``Int8WeightOnlyConfig`` /
    ``Int4WeightOnlyConfig`` on an ``nn.Linear``, and the dequantize-then-matmul reference.
 2. Quality on the bench shapes (random weights, seed 0, as ``bench_vs_transformers.py``):
    logits' max abs difference against bfloat16 and greedy-token agreement, teacher-forced on
    the bfloat16 model's 64 greedy tokens after a 64-token prompt.
-3. Decode speed at batch 1: float32, bfloat16, int8, int4 (eager loop, 64 tokens, best of 3).
+3. Decode speed at batch 1: float32, bfloat16, int8, w8a8, int4 (eager loop, 64 tokens, best of 3).
 
     .venv/bin/python bench/bench_quant.py --out bench/results_quant.json
 """
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_vs_transformers as b  # noqa: E402
 
 from mixtral_infer.model.linear import linear  # noqa: E402
+from mixtral_infer.quant import int8_activations  # noqa: E402
 from mixtral_infer.quant.kernels import prepare, reference_linear  # noqa: E402
 from mixtral_infer.quant.model import quantize_model  # noqa: E402
 from mixtral_infer.quant.weights import QuantScheme, quantize  # noqa: E402
@@ -68,6 +69,8 @@ def kernels() -> list:
         int8 = prepare(quantize(weight, QuantScheme.parse("int8"), torch.bfloat16))
         int4 = prepare(quantize(weight, QuantScheme.parse("int4"), torch.bfloat16))
         int4_plain = quantize(weight, QuantScheme.parse("int4"), torch.bfloat16)
+        w8a8 = quantize(weight, QuantScheme.parse("w8a8"), torch.bfloat16)
+        int8_activations.pack_weights([w8a8])
         ao = {scheme: torchao_linear(weight, scheme) for scheme in ("int8", "int4")}
         for rows in (1, 2, 4, 8):
             x = torch.randn(rows, shape[1], dtype=torch.bfloat16)
@@ -76,6 +79,7 @@ def kernels() -> list:
                    "bfloat16 F.linear": best_ms(lambda: F.linear(x, weight)),
                    "int8 aten._weight_int8pack_mm": best_ms(lambda: linear(x, int8)),
                    "int4 aten._weight_int4pack_mm_for_cpu": best_ms(lambda: linear(x, int4)),
+                   "w8a8 fbgemm (int8 activations)": best_ms(lambda: linear(x, w8a8)),
                    "int8 dequantize + F.linear": best_ms(lambda: reference_linear(x, int8), 5),
                    "int4 dequantize + F.linear": best_ms(lambda: reference_linear(x, int4_plain), 5)}  # fmt: skip
             for scheme, module in ao.items():
@@ -85,18 +89,21 @@ def kernels() -> list:
     return rows_out
 
 
+SCHEMES = ("int8", "w8a8", "int4")
+
+
 @torch.inference_mode()
 def quality_and_speed(name: str, n_layers: int) -> dict:
     args = b.bench_args(name, max_batch_size=1, n_layers=n_layers)
     models = {"bfloat16": b.ours_alone(args, seed=0).to(torch.bfloat16)}
-    for scheme in ("int8", "int4"):
+    for scheme in SCHEMES:
         models[scheme] = quantize_model(copy.deepcopy(models["bfloat16"]), scheme)
     prompt = b.random_prompts(1, b.PROMPT_LEN, args.vocab_size, seed=1001)
     _, greedy = b.ours_decode(models["bfloat16"], prompt, 64)
     ids = torch.tensor(prompt[0] + greedy[0][:-1])
     reference = models["bfloat16"](ids, seqlens=[len(ids)]).float()  # (T, V)
     result = {"model": name, "n_layers": n_layers, "positions": len(ids)}
-    for scheme in ("int8", "int4"):
+    for scheme in SCHEMES:
         logits = models[scheme](ids, seqlens=[len(ids)]).float()
         new = slice(b.PROMPT_LEN - 1, None)  # the positions that predicted the greedy tokens
         result[scheme] = {

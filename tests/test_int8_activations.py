@@ -99,14 +99,13 @@ def test_seven_bit_rows_where_8_bit_dot_products_saturate(monkeypatch):
     assert not torch.allclose(got, int8_activations_linear(x, eight_bits.prepacked), atol=1e-5, rtol=1e-5)  # 127 levels differ
 
 
-def test_prompt_sized_products_multiply_weight_only():
-    """From DEQUANTIZE_ROWS rows on, activations stay unquantized, as int8's do."""
+def test_prompt_sized_products_quantize_their_activations_too():
+    """Unlike int8, which dequantizes from DEQUANTIZE_ROWS rows on, w8a8 multiplies prompts through fbgemm."""
     weight = w8a8_weight((32, 64), seed=6)
-    x = torch.randn(DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
-    expected = x.float() @ weight.dequantize().T  # what int8 computes there (in float32 where that is faster)
-    error = (quantized_linear(x, weight).float() - expected).abs().max()  # bfloat16 rounding of the result
-    quantized_rows = reference_linear(x.float(), weight.integers(), weight.scales)
-    assert error < (quantized_rows - expected).abs().max() / 2  # activations quantized would be further off
+    x = torch.randn(DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(7))
+    expected = reference_linear(x, weight.integers(), weight.scales)
+    torch.testing.assert_close(quantized_linear(x, weight), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(quantized_linear(x.bfloat16(), weight), expected.bfloat16())
 
 
 def test_a_w8a8_model_holds_its_integers_in_fbgemm_and_counts_them():

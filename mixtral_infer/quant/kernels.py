@@ -55,9 +55,10 @@ def uses_cpu_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
 
 
 def uses_int8_activations(x: torch.Tensor, weight: QuantizedWeight) -> bool:
-    """w8a8 packed for fbgemm (``quant.int8_activations``), and a product it quantizes: fewer than
-    ``DEQUANTIZE_ROWS`` rows on CPU, in any float dtype (fbgemm takes float32; bfloat16 converts)."""
-    return weight.prepacked is not None and x.device.type == "cpu" and x.shape[0] < DEQUANTIZE_ROWS
+    """w8a8 packed for fbgemm (``quant.int8_activations``), and a CPU product: every one, of any
+    float dtype (fbgemm takes float32; bfloat16 converts) and any number of rows (prompts too:
+    fbgemm's integer product is 1.7x float32's there, 29 against 49 ms for 2048 x 1024 x 3584)."""
+    return weight.prepacked is not None and x.device.type == "cpu"
 
 
 def int4_layout(weight: QuantizedWeight) -> Optional[str]:
