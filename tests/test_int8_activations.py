@@ -105,8 +105,8 @@ def test_prompt_sized_products_quantize_their_activations_too():
     x = torch.randn(DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(7))
     expected = reference_linear(x, weight.integers(), weight.scales)
     torch.testing.assert_close(quantized_linear(x, weight), expected, atol=1e-5, rtol=1e-5)
-    bfloat16 = x.bfloat16()
-    float32 = reference_linear(bfloat16.float(), weight.integers(), weight.scales)  # the result, before rounding
+    bfloat16 = x.bfloat16()  # the same product, its result rounded to bfloat16
+    float32 = int8_activations_linear(bfloat16.float(), weight.prepacked)
     torch.testing.assert_close(quantized_linear(bfloat16, weight).float(), float32, rtol=2**-8, atol=1e-5)
 
 

@@ -181,7 +181,8 @@ def int8_activations_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tens
 
 def reference_linear(x: torch.Tensor, integers: torch.Tensor, scales: torch.Tensor, levels: int = 127) -> torch.Tensor:
     """The readable product: ``x (M, IN)`` quantized row by row to ``levels``, times int8 ``integers (OUT, IN)``
-    with ``scales (OUT,)``."""
+    with ``scales (OUT,)``. fbgemm's equals it to float32 rounding, except that an input within
+    rounding of a tie (``127 x / max|x|`` = k + 1/2, frequent among bfloat16 inputs) may round the other way."""
     rows = x.to(torch.float32)
     peak = rows.abs().amax(dim=-1, keepdim=True)  # (M, 1)
     q = torch.round(rows / torch.where(peak > 0, peak, 1) * levels)  # (M, IN), integers in [-L, L]
