@@ -1,4 +1,5 @@
-"""hardware.cpu_info reads the CPU's vendor and native 16-bit float arithmetic (the module docstring's examples)."""
+"""hardware.cpu_info reads the CPU's vendor, native 16-bit float arithmetic and 8-bit dot products
+(the module docstring's examples)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ CPU implementer\t: 0x41
 
 
 def test_intel_with_avx512_bf16():
-    assert parse_cpuinfo(INTEL) == CpuInfo(vendor="GenuineIntel", native=frozenset({torch.bfloat16}))  # first processor only
+    expected = CpuInfo(vendor="GenuineIntel", native=frozenset({torch.bfloat16}), int8_dot=True)  # avx512_vnni
+    assert parse_cpuinfo(INTEL) == expected  # first processor only
 
 
 def test_amd_without_16_bit_arithmetic():

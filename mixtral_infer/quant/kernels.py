@@ -124,7 +124,7 @@ def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
 
 def quantized_linears(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> List[torch.Tensor]:
     """``[quantized_linear(x, w) for w in weights]``, in one product where they are w8a8 weights
-    packed side by side (``int8_activations.pack_side_by_side``) and the product quantizes activations."""
+    packed side by side (``int8_activations.pack_weights``) and the product quantizes activations."""
     whole = side_by_side([w.prepacked for w in weights])
     if whole is None or not uses_int8_activations(x, weights[0]):
         return [quantized_linear(x, w) for w in weights]

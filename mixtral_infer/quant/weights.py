@@ -41,7 +41,7 @@ SCALE_DTYPE = torch.bfloat16  # scales are bfloat16 numbers, whatever dtype hold
 
 
 CHOICES = "int8, w8a8, int4 or int4-<group size>"  # what quantize= takes, for messages
-W8A8 = "w8a8"  # int8 weights, and int8 activations in CPU few-row products (quant.int8_activations)
+W8A8 = "w8a8"  # int8 weights, and int8 activations in CPU products (quant.int8_activations)
 
 
 @dataclass(frozen=True)
