@@ -7,14 +7,16 @@ quantizes the activations to 8 bits too and multiplies integers (VNNI dot produc
 32-bit sums). PyTorch's x86 quantized backend, fbgemm, has that product:
 ``quantized::linear_dynamic`` quantizes the activations to uint8 at run time and sums
 ``uint8 x int8`` in int32. Measured with torch 2.13.0 on the 2-core Xeon (avx512_vnni),
-24 weights of 3584 x 1024 in turn (none stays in cache), ms per product:
+24 weights of 3584 x 1024 in turn (none stays in cache), bfloat16 rows, ms per product
+(medians; ``quantized_linear`` runs eagerly here, where compiled code fuses the row scaling):
 
-==========================  =======  =======  =======  =======  =======
-rows                         1        2        4        8        64
-==========================  =======  =======  =======  =======  =======
-``_weight_int8pack_mm``      0.30     0.35     0.38     0.73     (5.6)
-fbgemm (this module)         0.10     0.10     0.11     0.16     0.65
-==========================  =======  =======  =======  =======  =======
+==========================================  =====  =====  =====  =====  =====
+rows                                         1      2      4      8      32
+==========================================  =====  =====  =====  =====  =====
+int8: ``_weight_int8pack_mm``                0.21   0.19   0.36   0.68   2.37
+w8a8: ``quantized_linear`` (this module)     0.15   0.17   0.19   0.28   0.69
+w8a8: fbgemm's product alone                 0.10   0.10   0.13   0.20   0.42
+==========================================  =====  =====  =====  =====  =====
 
 **One scale per row.** fbgemm picks one activation range (min, max) for all rows of ``x``,
 so a sequence's numbers would depend on the other sequences of its batch. This module first
