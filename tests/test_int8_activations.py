@@ -8,7 +8,7 @@ import torch
 from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
-from mixtral_infer import generate
+from mixtral_infer import generate, load_model
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.decode_step import moe_one_token
 from mixtral_infer.hardware import CpuInfo
@@ -175,3 +175,24 @@ def test_weights_packed_side_by_side_multiply_as_one_by_one():
         for w, a, out in zip(group, alone, together):
             assert torch.equal(out, quantized_linear(x, a)) and torch.equal(quantized_linear(x, w), out)
     assert experts.w2.prepacked.rows is None and model.output.weight.prepacked.rows is None  # alone
+
+
+def test_a_served_w8a8_model_gives_each_request_its_solo_tokens():
+    """The serving engine batches requests into shared products (8 requests on 3 rows, prompts read
+    beside decoding rows); each row's activations are quantized on their own, so each request still
+    gets what generate() gives it alone (float32 through fbgemm; the compiled step is tested above)."""
+    from test_serve_engine import Recorder, mixed_requests, run, solo
+
+    from mixtral_infer.serve.engine import Engine
+    from mixtral_infer.tokenizer import Tokenizer
+
+    model = load_model("tiny-mixtral", dtype=torch.float32, quantize="w8a8")
+    tokenizer = Tokenizer.from_folder("tiny-mixtral")
+    assert model.layers["0"].feed_forward.w1.prepacked is not None
+    engine, recorder = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode="static"), Recorder()
+    requests = mixed_requests(tokenizer)
+    for i, (prompt, settings) in enumerate(requests):
+        engine.submit(prompt, settings, recorder.sink(i))
+    run(engine)
+    for i, (prompt, settings) in enumerate(requests):
+        assert recorder.tokens(i) == solo(model, tokenizer, prompt, settings)[0], i
