@@ -75,7 +75,7 @@ def convert(
     if target not in FORMATS:
         raise CheckpointError(f"--to {target!r}: expected one of {', '.join(FORMATS)}")
     if checkpoint.quantization is not None:
-        raise CheckpointError(f"{checkpoint.folder}: its weights are quantized ({checkpoint.quantization.name}); convert the float original instead")
+        raise CheckpointError(f"{checkpoint.folder}: its weights are quantized as {checkpoint.quantization.label}; convert the float original instead")
     if scheme is not None and target != "mistral":
         raise CheckpointError("--quantize writes the Mistral layout (transformers cannot read these integers): use --to mistral")
     if scheme is not None:

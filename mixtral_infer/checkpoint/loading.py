@@ -338,7 +338,7 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(args, parallel)
     if quantize is not None and stored is not None:
-        raise ConfigError(f"{source}: the weights are stored quantized ({stored.name}) already; load without quantize=")
+        raise ConfigError(f"{source}: the weights are stored quantized as {stored.label} already; load without quantize=")
     if quantize is not None:
         tensors = quantize_published(tensors, quantize, dtype, device)
     elif stored is not None:
@@ -408,7 +408,7 @@ def load_model(
     parallel.check(checkpoint.args)
     stored = checkpoint.quantization
     if scheme is not None and stored is not None:
-        raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized ({stored.name}) already; load without quantize=")
+        raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized as {stored.label} already; load without quantize=")
     if scheme is not None or stored is not None:
         check_quantizable(checkpoint.args, scheme or stored, parallel.tensor_parallel)
     device = torch.device(device) if device is not None else default_device()

@@ -2,7 +2,8 @@
 
 Decoding reads every weight once per token, so a weight stored in 8 or 4 bits is read
 2x or 4x faster than in bfloat16. Only the weights are quantized; activations, the
-embeddings, the norms and the MoE router stay in the model's dtype.
+embeddings, the norms and the MoE router stay in the model's dtype (except with ``w8a8``:
+int8 weights whose CPU products quantize their activations too, ``quant/int8_activations.py``).
 
 Two schemes, both symmetric (zero maps to zero):
 
