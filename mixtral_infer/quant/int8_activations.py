@@ -45,7 +45,9 @@ gives them back), so compiled code reaches it through the same op, and experts i
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List
 
 import torch
@@ -98,18 +100,24 @@ def _fbgemm_integers(matrix) -> torch.Tensor:
     return weight.int_repr()
 
 
-def _fbgemm_matrix(values: torch.Tensor, scales: torch.Tensor):
-    """fbgemm's packed matrix of int8 ``values (OUT, IN)`` with one float scale per row."""
-    with warnings.catch_warnings():  # quantized tensors are deprecated in PyTorch; fbgemm's packing takes one
-        warnings.simplefilter("ignore")
-        weight = torch._make_per_channel_quantized_tensor(
-            values.contiguous(), scales.to(torch.float64), torch.zeros(values.shape[0], dtype=torch.int64), 0
-        )
+@contextlib.contextmanager
+def _packing():
+    """Where fbgemm's matrices are made: its quantized engine, and quiet about the deprecated quantized
+    tensors its packing takes. Both are process-wide settings: enter it from one thread only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel", category=UserWarning)
         previous, torch.backends.quantized.engine = torch.backends.quantized.engine, "fbgemm"
         try:
-            return torch.ops.quantized.linear_prepack(weight, None)
+            yield
         finally:
             torch.backends.quantized.engine = previous
+
+
+def _fbgemm_matrix(values: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed matrix of int8 ``values (OUT, IN)`` with one float scale per row (inside ``_packing``)."""
+    zero_points = torch.zeros(values.shape[0], dtype=torch.int64)
+    weight = torch._make_per_channel_quantized_tensor(values.contiguous(), scales.to(torch.float64), zero_points, 0)
+    return torch.ops.quantized.linear_prepack(weight, None)
 
 
 def _packed(matrices: List, shape: torch.Size, levels: int) -> PackedWeight:
@@ -122,6 +130,12 @@ def _packed(matrices: List, shape: torch.Size, levels: int) -> PackedWeight:
 
 
 def pack_weights(weights: List[QuantizedWeight]) -> None:
+    """``_pack_weights`` (below), from one thread."""
+    with _packing():
+        _pack_weights(weights)
+
+
+def _pack_weights(weights: List[QuantizedWeight]) -> None:
     """Pack w8a8 weights (``(OUT, IN)``, or stacked experts ``(E, OUT, IN)``) for fbgemm, in place:
     ``prepacked`` gets the matrices, and the plain integers are dropped (``dense()`` gives them back).
 
@@ -160,16 +174,23 @@ def pack_model(model: nn.Module) -> nn.Module:
             and module.values is not None and module.device.type == "cpu"
         )  # fmt: skip
 
-    done = set()
+    groups, done = [], set()
     for name, module in modules.items():
         if name in done or not waiting(module) or not available():
             continue
         group = [modules.get(n) for n in side_by_side_names(name)]
         if len(group) < 2 or not all(waiting(m) for m in group) or len({(m.shape[:-2], m.shape[-1]) for m in group}) > 1:
             group = [module]  # alone: no group, or its members' dimensions other than OUT disagree
-        pack_weights(group)
-        release_freed_memory()  # the integers replaced
+        groups.append(group)
         done.update(side_by_side_names(name))
+
+    def pack_group(group: List[QuantizedWeight]) -> None:
+        _pack_weights(group)
+        release_freed_memory()  # the integers replaced
+
+    # fbgemm packs on one core: a group per thread packs 2x faster on 2 cores (mixtral-bench: 4.6 s alone)
+    with _packing(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        list(pool.map(pack_group, groups))
     return model
 
 
