@@ -146,22 +146,6 @@ def test_the_one_token_moe_step_equals_the_grouped_layer():
         torch.testing.assert_close(moe_one_token(layer, x), layer(x))
 
 
-def test_the_compiled_moe_step_multiplies_experts_in_place():
-    """Compiled, batch 1 (2 of 4 experts): each expert matrix goes to fbgemm through the packed weights'
-    op, which reads the routing's index, and the layer equals its eager self."""
-    layer = quantize_model(random_model(tiny_args(moe=True), seed=25).to(torch.bfloat16), "w8a8").layers["0"].feed_forward
-    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
-    compiled = torch.compile(moe_one_token, fullgraph=True, dynamic=False)
-    with torch.inference_mode():
-        compiled(layer, x)  # compiles
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            out = compiled(layer, x)
-        torch.testing.assert_close(out, moe_one_token(layer, x), atol=0.02, rtol=0.02)
-    op = "mixtral_infer::packed_linear"
-    calls = [e for e in profile.events() if e.name == op and (e.cpu_parent is None or e.cpu_parent.name != op)]
-    assert len(calls) == 2 * 2  # w1 w3 side by side, then w2, for each chosen expert
-
-
 def test_weights_packed_side_by_side_multiply_as_one_by_one():
     """wq wk wv of a layer (and w1 w3 of each expert) share one fbgemm matrix, each a block of rows:
     their product, split, equals each weight packed alone, bit for bit, and each block alone too."""

@@ -264,10 +264,14 @@ def test_an_expert_picked_by_a_tensor_is_read_in_place_on_cpu(scheme):
         stacked[torch.tensor(1)][0]
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_the_compiled_moe_step_multiplies_experts_in_place(scheme):
-    """Compiled, batch 1 (2 of 4 experts): each expert matrix goes through the expert op, which
-    reads the routing's index (no gathered copy), and the layer equals its eager self."""
+@pytest.mark.parametrize(
+    "scheme, op, calls",
+    [("int8", "mixtral_infer::int8_expert_mm", 3), ("int4", "mixtral_infer::int4_expert_mm", 3), ("w8a8", "mixtral_infer::packed_linear", 2)],
+)
+def test_the_compiled_moe_step_multiplies_experts_in_place(scheme, op, calls):
+    """Compiled, batch 1 (2 of 4 experts): each expert matrix goes through the expert op (w8a8: fbgemm
+    through the packed weights' op, w1 w3 side by side), which reads the routing's index (no gathered
+    copy), and the layer equals its eager self."""
     layer = quantize_model(random_model(tiny_args(moe=True), seed=25).to(torch.bfloat16), scheme).layers["0"].feed_forward
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     compiled = torch.compile(moe_one_token, fullgraph=True, dynamic=False)
@@ -276,9 +280,8 @@ def test_the_compiled_moe_step_multiplies_experts_in_place(scheme):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             out = compiled(layer, x)
         torch.testing.assert_close(out, moe_one_token(layer, x), atol=0.02, rtol=0.02)
-    op = f"mixtral_infer::{scheme}_expert_mm"
-    calls = [e for e in profile.events() if e.name == op and (e.cpu_parent is None or e.cpu_parent.name != op)]
-    assert len(calls) == 2 * 3  # w1, w3, w2 of each chosen expert
+    made = [e for e in profile.events() if e.name == op and (e.cpu_parent is None or e.cpu_parent.name != op)]
+    assert len(made) == 2 * calls  # w1, w3 (w8a8: together), w2 of each chosen expert
 
 
 def test_a_quantized_weight_is_no_parameter_and_moves_with_the_model():
