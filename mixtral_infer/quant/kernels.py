@@ -154,7 +154,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         if cpu_layout:
             packed, scales_and_zeros = weight.packed
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, weight.scheme.group_size, scales_and_zeros)
-    elif x.device.type == "cuda" and weight.scheme.name == "int8":
+    elif x.device.type == "cuda" and weight.scheme.name == "int8" and weight.values is not None:
         return F.linear(x, weight.values.to(x.dtype)) * weight.scales.to(x.dtype)
     elif x.device.type == "cuda" and int4_layout(weight) == "cuda" and x.dtype == weight.dtype and x.shape[0] < CUDA_INT4_DEQUANTIZE_ROWS:
         packed, scales_and_zeros = weight.packed

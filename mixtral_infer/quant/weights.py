@@ -185,8 +185,8 @@ class QuantizedWeight:
         """The signed integers ``(..., OUT, IN)``: int8 as stored, int4 unpacked to [-8, 7]."""
         if self.expert is not None:
             return self.resolved().integers()
-        if self.values is None and self.prepacked is not None:
-            return self.prepacked.dense()  # fbgemm's matrices give their integers back
+        if self.values is None and self.prepacked is not None:  # fbgemm's matrices give their integers back
+            return self.prepacked.dense().to(self.device)  # (on CPU; the scales may have moved with the model)
         if self.values is None:
             raise RuntimeError("this weight holds only its kernel layout; quantize again to get the integers")
         if self.scheme.name == "int8":
