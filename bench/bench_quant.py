@@ -2,8 +2,9 @@
 
 1. Kernels: 1-8 rows of bfloat16 times a mixtral-bench expert weight (3584 x 1024 and
    1024 x 3584): bfloat16 ``linear()``, PyTorch's ``_weight_int8pack_mm`` and
-   ``_weight_int4pack_mm_for_cpu``, fbgemm's int8 product with int8 activations (w8a8), torchao 0.18's ``Int8WeightOnlyConfig`` /
-   ``Int4WeightOnlyConfig`` on an ``nn.Linear``, and the dequantize-then-matmul reference.
+   ``_weight_int4pack_mm_for_cpu``, fbgemm's int8 product with int8 activations (w8a8),
+   torchao 0.18's ``Int8WeightOnlyConfig`` / ``Int4WeightOnlyConfig`` on an ``nn.Linear``, and
+   the dequantize-then-matmul reference.
 2. Quality on the bench shapes (random weights, seed 0, as ``bench_vs_transformers.py``):
    logits' max abs difference against bfloat16 and greedy-token agreement, teacher-forced on
    the bfloat16 model's 64 greedy tokens after a 64-token prompt.

@@ -74,7 +74,9 @@ class _Matrices:
     which library's layout the matrices are in: oneDNN's (this module) or another CPU library's
     (``quant.int8_activations`` packs int8 weights for fbgemm the same way)."""
 
-    def __init__(self, matrices: List, out_features: int, multiply: Callable = _onednn_linear, plain: Callable = _onednn_plain):
+    def __init__(
+        self, matrices: List, out_features: int, multiply: Callable = _onednn_linear, plain: Callable = _onednn_plain
+    ):
         self.handle = next(_handles)
         self.out_features = out_features  # of each matrix: the rows of all the weights packed side by side
         self.plain = plain

@@ -105,7 +105,8 @@ def _packing():
     """Where fbgemm's matrices are made: its quantized engine, and quiet about the deprecated quantized
     tensors its packing takes. Both are process-wide settings: enter it from one thread only."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.quantize_per_tensor, torch.quantize_per_channel", category=UserWarning)
+        deprecated = "torch.quantize_per_tensor, torch.quantize_per_channel"  # the start of PyTorch's warning
+        warnings.filterwarnings("ignore", message=deprecated, category=UserWarning)
         previous, torch.backends.quantized.engine = torch.backends.quantized.engine, "fbgemm"
         try:
             yield
