@@ -22,6 +22,7 @@ from mixtral_infer.fast.cpu_packed import (
     pack_side_by_side,
     packed_numel,
     side_by_side,
+    side_by_side_groups,
     unpack_model,
 )
 from mixtral_infer.fast.decode_step import _quantized_moe_one_token, decode_logits
@@ -206,3 +207,18 @@ def test_load_model_packs_bfloat16_models_on_cpu(tmp_path):
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.float32))
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.float16))  # slower packed for one row
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", quantize="int8"))  # quantized matrices are not floats
+
+
+def test_side_by_side_groups_worked_example():
+    """The docstring's: layer 0's wq wk wv and wo -> [[wq, wk, wv], [wo]]; members whose inputs differ go alone."""
+    names = [f"layers.0.attention.{w}.weight" for w in ("wo", "wv", "wq", "wk")]
+    shapes = {name: torch.Size((256 if "wk" in name or "wv" in name else 1024, 1024)) for name in names}
+    assert side_by_side_groups(names, shapes.__getitem__) == [
+        [f"layers.0.attention.{w}.weight" for w in ("wq", "wk", "wv")],
+        ["layers.0.attention.wo.weight"],
+    ]
+    shapes["layers.0.attention.wv.weight"] = torch.Size((256, 512))
+    assert side_by_side_groups(names, shapes.__getitem__) == [
+        ["layers.0.attention.wk.weight"], ["layers.0.attention.wo.weight"],
+        ["layers.0.attention.wq.weight"], ["layers.0.attention.wv.weight"],
+    ]  # fmt: skip

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -253,25 +253,35 @@ def pack_model(model: nn.Module) -> nn.Module:
     ``wq wk wv`` side by side, as are ``w1 w3`` (``SIDE_BY_SIDE``), the others one by one."""
     from mixtral_infer.quant.model import is_quantized, replace_parameter  # here: quant's kernels import this module
     params = dict(model.named_parameters())
-    packable = {name for name, param in params.items() if is_quantized(name) and can_pack(param)}
-    for name in sorted(packable):
-        if name not in packable:  # packed beside an earlier one
-            continue
-        group = [n for n in side_by_side_names(name) if n in packable]
-        other_dims = {(params[n].shape[:-2], params[n].shape[-1]) for n in group}  # all but OUT must agree
-        if len(group) < 2 or len(other_dims) > 1:
-            group = [name]
-        weights = pack_side_by_side([params[n].data for n in group]) if len(group) > 1 else [pack(params[name].data)]
+    packable = [name for name, param in params.items() if is_quantized(name) and can_pack(param)]
+    for group in side_by_side_groups(packable, lambda name: params[name].shape):
+        tensors = [params[n].data for n in group]
+        weights = pack_side_by_side(tensors) if len(group) > 1 else [pack(tensors[0])]
         for n, weight in zip(group, weights):
             replace_parameter(model, n, PackedParameter(weight))
-            packable.discard(n)
     return model
+
+
+def side_by_side_groups(names: Iterable[str], shape: Callable[[str], torch.Size]) -> List[List[str]]:
+    """``names`` of weights to pack, in the groups to pack together: the members of a ``SIDE_BY_SIDE``
+    group found among them, if their dimensions other than OUT agree (``shape(name)``), else each alone.
+    Example: layer 0's wq, wk, wv and wo -> ``[[wq, wk, wv], [wo]]``."""
+    left, groups = set(names), []
+    for name in sorted(left):
+        if name not in left:  # in the group of an earlier one
+            continue
+        group = [n for n in _side_by_side_names(name) if n in left]
+        if len(group) < 2 or len({(shape(n)[:-2], shape(n)[-1]) for n in group}) > 1:
+            group = [name]
+        groups.append(group)
+        left.difference_update(group)
+    return groups
 
 
 SIDE_BY_SIDE = (("wq", "wk", "wv"), ("w1", "w3"))  # weights that multiply the same input (pack_model)
 
 
-def side_by_side_names(name: str) -> List[str]:
+def _side_by_side_names(name: str) -> List[str]:
     """``layers.0.attention.wk.weight`` -> the names of wq, wk, wv in that module; [name] if it has no group."""
     parts = name.split(".")
     for group in SIDE_BY_SIDE:

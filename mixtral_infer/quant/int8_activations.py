@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixtral_infer.fast.cpu_packed import PackedWeight, _Matrices, packed_linear, side_by_side_names
+from mixtral_infer.fast.cpu_packed import PackedWeight, _Matrices, packed_linear, side_by_side_groups
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.quant.memory import release_freed_memory
 from mixtral_infer.quant.weights import QuantizedWeight
@@ -175,15 +175,8 @@ def pack_model(model: nn.Module) -> nn.Module:
             and module.values is not None and module.device.type == "cpu"
         )  # fmt: skip
 
-    groups, done = [], set()
-    for name, module in modules.items():
-        if name in done or not waiting(module) or not available():
-            continue
-        group = [modules.get(n) for n in side_by_side_names(name)]
-        if len(group) < 2 or not all(waiting(m) for m in group) or len({(m.shape[:-2], m.shape[-1]) for m in group}) > 1:
-            group = [module]  # alone: no group, or its members' dimensions other than OUT disagree
-        groups.append(group)
-        done.update(side_by_side_names(name))
+    names = [name for name, module in modules.items() if waiting(module)] if available() else []
+    groups = [[modules[n] for n in group] for group in side_by_side_groups(names, lambda name: modules[name].shape)]
 
     def pack_group(group: List[QuantizedWeight]) -> None:
         _pack_weights(group)
