@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
+from torch._dynamo.backends.common import aot_autograd
 
 from mixtral_infer import GenerationError, generate
 from mixtral_infer.fast.decode_loop import step_compiler
@@ -17,6 +21,7 @@ from mixtral_infer.fast.decode_step import (
     slot_bucket,
     slots_and_visibility,
 )
+from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling
 
@@ -141,6 +146,45 @@ def test_decode_logits_with_grouped_experts_equals_the_one_token_moe():
         one_token = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *args)
         grouped = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *args, grouped_moe=True)
     torch.testing.assert_close(grouped, one_token, atol=1e-5, rtol=1e-5)
+
+
+def ops_of_the_cache_shape(step, cache, *args) -> collections.Counter:
+    """The ops of ``step``'s graph as compiled code sees it (after functionalization, before inductor)
+    whose result has the whole cache's shape, counted by name."""
+    graphs = []
+
+    def keep_graph(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(step, backend=aot_autograd(fw_compiler=keep_graph), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        compiled(cache.cache_k, cache.cache_v, *args)
+    (graph,) = graphs
+    return collections.Counter(
+        str(node.target) for node in graph.graph.nodes
+        if node.op == "call_function" and getattr(node.meta.get("val"), "shape", None) == cache.cache_k.shape
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_compiled_steps_write_the_cache_in_place(step):
+    """Each layer's key and value go into the whole buffer by one ``index_put``, which inductor does in
+    place; written through a view of one layer (``cache_k[layer][rows, slots] = ...``), the graph held
+    a ``select_scatter`` per write instead: a copy of the whole cache per layer (``decode_step.write_slots``)."""
+    model = random_model(tiny_args(moe=False, max_batch_size=4), seed=27)
+    cache = model.make_cache(4)
+    cache.start_sequences(4)
+    rows = (torch.tensor([5, 6]), torch.tensor([3, 9]), torch.tensor([True, True]))  # 2 of the 4 rows decode
+    if step == "decode":
+        ops = ops_of_the_cache_shape(functools.partial(decode_logits, model), cache, *rows)
+    else:
+        chunk = pack_chunk([(3, 0, [1, 2, 3])], size=4, segments=1)
+        alive = torch.tensor([True, True, False, False])
+        ops = ops_of_the_cache_shape(functools.partial(mixed_logits, model), cache, torch.tensor([5, 6, 0, 0]),
+                                     torch.tensor([3, 9, 0, 0]), alive, chunk)  # fmt: skip
+    writes_per_layer = {"decode": 2, "mixed": 4}[step]  # a key and a value; in the mixed step the chunk's too
+    assert ops == {"aten.index_put.default": writes_per_layer * model.args.n_layers}
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 8])

@@ -60,37 +60,58 @@ def attend_one_token(
     attention: Attention,
     x: torch.Tensor,  # (B, D)
     rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, 1, Dh/2)
-    cache_k: torch.Tensor,  # (B, S, H_kv, Dh) this layer's buffers of the B rows
-    cache_v: torch.Tensor,  # (B, S, H_kv, Dh)
+    cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh) the whole cache
+    cache_v: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
+    layer: int,  # this layer's buffers: cache_k[layer, :B]
     slots: torch.Tensor,  # (B,) where each row's new key goes: position % S
     alive: torch.Tensor,  # (B,) bool: the row is decoding (a finished row writes nothing new)
     visible: torch.Tensor,  # (B, S) bool: the slots each row's query sees
 ) -> torch.Tensor:
     batch = x.shape[0]
     xq, xk, xv = attention.project(x, rotary)  # (B, H, Dh), (B, H_kv, Dh), (B, H_kv, Dh)
-    out = attend_in_place(xq, xk, xv, cache_k, cache_v, slots, alive, visible)  # (B, H, Dh)
+    out = attend_in_place(xq, xk, xv, cache_k, cache_v, layer, slots, alive, visible)  # (B, H, Dh)
     return linear(out.reshape(batch, attention.n_heads * attention.head_dim), attention.wo.weight)  # (B, D)
+
+
+def write_slots(
+    cache: torch.Tensor,  # (L, B_max, S, H_kv, Dh) the whole cache
+    layer: int,
+    rows: torch.Tensor,  # (N,)
+    slots: torch.Tensor,  # (N,)
+    values: torch.Tensor,  # (N, H_kv, Dh)
+) -> None:
+    """``cache[layer, rows, slots] = values``, indexing the whole buffer.
+
+    Not ``cache[layer][rows, slots] = values``: compiled, a write through a view of a graph
+    input is traced as a write into a copy of the whole input (``select_scatter``), so every
+    layer's write would copy the whole cache. Indexed this way it stays one ``index_put`` into
+    the buffer itself, done in place. Measured: 8 layers of a 4,096-slot bfloat16 cache (8 KV
+    heads of 128), compiled on CPU, 200 ms a step through the view, 0.09 ms indexed."""
+    cache.index_put_((torch.full_like(rows, layer), rows, slots), values)
 
 
 def attend_in_place(
     xq: torch.Tensor,  # (B, H, Dh)
     xk: torch.Tensor,  # (B, H_kv, Dh)
     xv: torch.Tensor,  # (B, H_kv, Dh)
-    cache_k: torch.Tensor,  # (B, S, H_kv, Dh)
-    cache_v: torch.Tensor,  # (B, S, H_kv, Dh)
+    cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh) the whole cache
+    cache_v: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
+    layer: int,
     slots: torch.Tensor,  # (B,)
     alive: torch.Tensor,  # (B,) bool
     visible: torch.Tensor,  # (B, S) bool
 ) -> torch.Tensor:
-    """Write each alive row's key and value to its slot, then its query over its row's buffer: ``(B, H, Dh)``."""
-    rows = torch.arange(xq.shape[0], device=xq.device)
+    """Write each alive row's key and value to its slot of ``layer``'s buffers, then its query
+    over its row's buffer: ``(B, H, Dh)``."""
+    batch = xq.shape[0]
+    rows = torch.arange(batch, device=xq.device)
     keep = alive[:, None, None]  # (B, 1, 1)
-    cache_k[rows, slots] = torch.where(keep, xk, cache_k[rows, slots])
-    cache_v[rows, slots] = torch.where(keep, xv, cache_v[rows, slots])
+    write_slots(cache_k, layer, rows, slots, torch.where(keep, xk, cache_k[layer, rows, slots]))
+    write_slots(cache_v, layer, rows, slots, torch.where(keep, xv, cache_v[layer, rows, slots]))
     out = F.scaled_dot_product_attention(
         xq[:, :, None, :],  # (B, H, 1, Dh)
-        cache_k.transpose(1, 2),  # (B, H_kv, S, Dh)
-        cache_v.transpose(1, 2),
+        cache_k[layer, :batch].transpose(1, 2),  # (B, H_kv, S, Dh)
+        cache_v[layer, :batch].transpose(1, 2),
         attn_mask=visible[:, None, None, :],  # (B, 1, 1, S)
         enable_gqa=True,
     )  # (B, H, 1, Dh)
@@ -172,8 +193,7 @@ def decode_logits(
     h = model.tok_embeddings(tokens)  # (B, D)
     for index, layer in enumerate(model.layers.values()):
         h = h + attend_one_token(
-            layer.attention, layer.attention_norm(h), rotary,
-            cache_k[index, :batch], cache_v[index, :batch], slots, alive, visible,
+            layer.attention, layer.attention_norm(h), rotary, cache_k, cache_v, index, slots, alive, visible,
         )  # fmt: skip
         h = h + feed_forward_rows(layer, h, grouped_moe)
     return linear(model.norm(h), model.output.weight).float()  # (B, V)

@@ -53,7 +53,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.decode_step import attend_in_place, feed_forward_rows, slots_and_visibility
+from mixtral_infer.fast.decode_step import attend_in_place, feed_forward_rows, slots_and_visibility, write_slots
 from mixtral_infer.model.linear import linear
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Transformer
@@ -183,8 +183,9 @@ def attend_chunk(
     xq: torch.Tensor,  # (C, H, Dh)
     xk: torch.Tensor,  # (C, H_kv, Dh)
     xv: torch.Tensor,  # (C, H_kv, Dh)
-    cache_k: torch.Tensor,  # (R, S, H_kv, Dh) one layer's buffers
-    cache_v: torch.Tensor,  # (R, S, H_kv, Dh)
+    cache_k: torch.Tensor,  # (L, R, S, H_kv, Dh) the whole cache
+    cache_v: torch.Tensor,  # (L, R, S, H_kv, Dh)
+    layer: int,  # whose buffers it reads and writes
     chunk: PromptChunk,
     visible: torch.Tensor,  # (K, P, S + P) bool: chunk_visibility
     writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
@@ -199,15 +200,15 @@ def attend_chunk(
     def laid_out(x: torch.Tensor) -> torch.Tensor:  # (C, H', Dh) -> (K, P, H', Dh), zeros where no token
         return x.new_zeros(layout + x.shape[1:]).index_put(where, x)
 
-    keys = torch.cat([cache_k[chunk.rows], laid_out(xk)], dim=1)  # (K, S + P, H_kv, Dh)
-    values = torch.cat([cache_v[chunk.rows], laid_out(xv)], dim=1)
+    keys = torch.cat([cache_k[layer, chunk.rows], laid_out(xk)], dim=1)  # (K, S + P, H_kv, Dh)
+    values = torch.cat([cache_v[layer, chunk.rows], laid_out(xv)], dim=1)
     out = F.scaled_dot_product_attention(
         laid_out(xq).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # (K, H, P, Dh), (K, H_kv, S + P, Dh)
         attn_mask=visible[:, None], enable_gqa=True,  # (K, 1, P, S + P)
     )  # (K, H, P, Dh)  # fmt: skip
     rows, slots, source = writes
-    cache_k[rows, slots] = xk[source]
-    cache_v[rows, slots] = xv[source]
+    write_slots(cache_k, layer, rows, slots, xk[source])
+    write_slots(cache_v, layer, rows, slots, xv[source])
     return out.transpose(1, 2)[where]  # (C, H, Dh)
 
 
@@ -237,10 +238,10 @@ def mixed_logits(
         attention = layer.attention
         xq, xk, xv = attention.project(layer.attention_norm(h), rotary)  # (R + C, H, Dh), (R + C, H_kv, Dh) x2
         decoded = attend_in_place(
-            xq[:n_rows], xk[:n_rows], xv[:n_rows], cache_k[index, :n_rows], cache_v[index, :n_rows], slots, alive, visible
+            xq[:n_rows], xk[:n_rows], xv[:n_rows], cache_k, cache_v, index, slots, alive, visible
         )  # (R, H, Dh)
         read = attend_chunk(
-            xq[n_rows:], xk[n_rows:], xv[n_rows:], cache_k[index], cache_v[index], chunk, chunk_visible, writes
+            xq[n_rows:], xk[n_rows:], xv[n_rows:], cache_k, cache_v, index, chunk, chunk_visible, writes
         )  # (C, H, Dh)
         out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
         h = h + linear(out, attention.wo.weight)  # (R + C, D)
