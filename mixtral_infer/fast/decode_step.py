@@ -11,6 +11,8 @@ same decoding step written the way gpt-fast writes ``decode_one_token``:
   ``(B,)``, false for a row that has finished (it keeps its place, so shapes never change);
 * the key/value of row b goes to slot ``position % S`` of its buffer, by arithmetic; a
   finished row writes back what its slot held, so the cache stays as the eager path leaves it;
+  the write indexes the whole ``(L, B, S, H_kv, Dh)`` buffer (``write_slots``), which compiled
+  code does in place (written through a view of one layer, it copied the whole cache);
 * attention covers the fixed ``(B, S)`` buffer with a mask made on the device, slot
   ``j`` visible when ``j < min(position + 1, S)``: decoding does not care about slot order,
   because after the buffer has wrapped every slot holds one of the last S positions;
