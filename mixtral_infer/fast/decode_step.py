@@ -188,7 +188,6 @@ def decode_logits(
     4 / 8 / 16 / 32 rows, bfloat16 packed 9.8 / 14.3 / 22.3 / 39.5 ms against 4.8 / 8.0 / 10.6 /
     14.9 ms grouped.
     """
-    batch = tokens.shape[0]
     slots, visible = slots_and_visibility(positions, cache_k.shape[2])
     rotary = rotary_angles(positions, model.args.head_dim, model.args.rope_theta)
 
