@@ -175,7 +175,7 @@ def test_compiled_steps_write_the_cache_in_place(step):
     model = random_model(tiny_args(moe=False, max_batch_size=4), seed=27)
     cache = model.make_cache(4)
     cache.start_sequences(4)
-    decoding = (torch.tensor([5, 6]), torch.tensor([3, 9]), torch.tensor([True, True]))  # tokens, positions, alive: 2 of 4 rows
+    decoding = (torch.tensor([5, 6]), torch.tensor([3, 9]), torch.tensor([True, True]))  # tokens, positions, alive
     if step == "decode":
         ops = ops_of_the_cache_shape(functools.partial(decode_logits, model), cache, *decoding)
     else:
