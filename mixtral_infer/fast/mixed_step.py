@@ -207,8 +207,7 @@ def attend_chunk(
         attn_mask=visible[:, None], enable_gqa=True,  # (K, 1, P, S + P)
     )  # (K, H, P, Dh)  # fmt: skip
     rows, slots, source = writes
-    write_slots(cache_k, layer, rows, slots, xk[source])
-    write_slots(cache_v, layer, rows, slots, xv[source])
+    write_slots(cache_k, cache_v, layer, rows, slots, xk[source], xv[source])
     return out.transpose(1, 2)[where]  # (C, H, Dh)
 
 
