@@ -226,7 +226,7 @@ def packed_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
             expert = torch.tensor(expert)
         out = torch.ops.mixtral_infer.packed_linear(x, weight.handle, expert, weight.owner.out_features)
     else:
-        out = _MULTIPLY[weight.handle](x, _matrix(weight.handle, weight.expert))
+        out = _packed_linear_op(x, weight.handle, weight.expert, weight.owner.out_features)
     # A block of rows packed with others: their product too, of which its columns (linears takes them all at once)
     return out if weight.rows is None else out[..., weight.rows[0] : weight.rows[1]]
 
