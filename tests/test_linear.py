@@ -42,3 +42,20 @@ def test_the_bmm_blocks_are_taken_when_asked(monkeypatch):
     monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or torch.matmul(*a))
     linear(torch.randn(1, 40), torch.randn(96, 40))
     assert calls == ([1] if linear_module.split_few_rows else [])
+
+
+def test_compiled_code_takes_the_same_path():
+    """The static decode step is compiled: its products take the bmm blocks too when they are on
+    (inductor then reads the weight from every thread), and still equal F.linear."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep_graph(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(lambda x, w: linear(x, w), backend=keep_graph, fullgraph=True)
+    x, weight = torch.randn(1, 40), torch.randn(96, 40)
+    torch.testing.assert_close(compiled(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert (torch.bmm in called) == linear_module.split_few_rows

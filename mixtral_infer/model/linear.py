@@ -22,10 +22,16 @@ Example, 2 threads, weight (OUT=6, IN) and x (1, IN)::
     weight.view(2, 3, IN) @ x.T  ->  (2, 3, 1)  ->  reshape (6, 1)  ->  .T  (1, 6)
 
 Inputs with more rows (prefill) are real matrix products and stay with ``F.linear``,
-as do CUDA tensors and code being compiled by ``torch.compile``. So do bfloat16 and
-float16: oneDNN's few-row path already streams them from every core, and the bmm blocks
-run 2.5-4x slower than ``F.linear`` in bfloat16 (``bench/bench_quant.py``, 1-8 rows of a
-3584 x 1024 weight on a 2-core Xeon with avx512_bf16: 0.31 ms against 0.79-1.2 ms).
+as do CUDA tensors. Code being compiled by ``torch.compile`` (the static decode step) takes
+the same blocks, where inductor does not call ``bmm`` at all: a product with one column
+becomes its own multiply-and-sum loop, parallel over the output rows, so both cores read the
+weight. Left to itself it hands a one-row ``F.linear`` to the library's ``mm`` (one core, as
+above). 2-core AMD EPYC, compiled decode batch 1, float32, one process alternating the two
+(6 / 4 rounds, medians): mistral-bench 27.3 -> 64.1 tokens/s, mixtral-bench 26.5 -> 31.1.
+bfloat16 and float16 inputs of any size stay with ``F.linear``: oneDNN's few-row path
+already streams them from every core, and the bmm blocks run 2.5-4x slower than ``F.linear``
+in bfloat16 (``bench/bench_quant.py``, 1-8 rows of a 3584 x 1024 weight on a 2-core Xeon
+with avx512_bf16: 0.31 ms against 0.79-1.2 ms).
 
 A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
 (``quant.kernels``), and a bfloat16/float16 weight packed in oneDNN's layout
@@ -49,8 +55,18 @@ MAX_ROWS = 8  # above this many rows, F.linear is as fast or faster (measured on
 split_few_rows = None  # True / False forces the bmm blocks on / off; None: on for AMD CPUs only
 
 
+@torch.compiler.assume_constant_result  # compiled code reads it once, when traced
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+@torch.compiler.assume_constant_result
+def _amd_cpu() -> bool:
+    return cpu_info().vendor == "AuthenticAMD"
+
+
 def _split_few_rows() -> bool:
-    return cpu_info().vendor == "AuthenticAMD" if split_few_rows is None else split_few_rows
+    return _amd_cpu() if split_few_rows is None else split_few_rows
 
 
 def linears(x: torch.Tensor, *weights) -> List[torch.Tensor]:
@@ -75,9 +91,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeigh
         return upcast_linear(x, weight.dense()) if should_upcast(x) else packed_linear(x, weight)
     if should_upcast(x):  # prefill-sized 16-bit products on CPUs that multiply float32 faster
         return upcast_linear(x, weight)
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling() or not _split_few_rows():
-        return F.linear(x, weight)  # a compiled graph picks its own matmul
-    blocks = torch.get_num_threads()
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not _split_few_rows():
+        return F.linear(x, weight)
+    blocks = _threads()
     rows, (out_features, in_features) = x.shape[0], weight.shape
     if (
         x.dim() != 2
