@@ -17,6 +17,7 @@ from mixtral_infer.fast.cpu_packed import (
     _MATRICES,
     PackedParameter,
     is_packed,
+    onednn_packs,
     pack,
     pack_model,
     pack_side_by_side,
@@ -37,6 +38,10 @@ DTYPES = [torch.bfloat16, torch.float16]
 def test_equals_f_linear_bit_for_bit(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=g).to(dtype)  # (OUT, IN)
+    if not onednn_packs(dtype):  # float16 without avx512_fp16 / avx_ne_convert: told, not a oneDNN traceback
+        with pytest.raises(ValueError, match=f"oneDNN cannot pack {dtype} weights on this CPU"):
+            pack(weight)
+        return
     packed = pack(weight)
     for x in (torch.randn(rows, 64, generator=g).to(dtype), torch.randn(64, rows, generator=g).to(dtype).T):  # (M, IN), plain and transposed
         assert torch.equal(linear(x, packed), F.linear(x, weight))
@@ -207,6 +212,20 @@ def test_load_model_packs_bfloat16_models_on_cpu(tmp_path):
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.float32))
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", dtype=torch.float16))  # slower packed for one row
     assert not is_packed(load_model(tmp_path / "bf16", device="cpu", quantize="int8"))  # quantized matrices are not floats
+
+
+def test_a_cpu_whose_onednn_cannot_pack_keeps_plain_weights(tmp_path, monkeypatch):
+    """An x86 CPU without AVX-512 (or a PyTorch without oneDNN): load_model gives a plain model that
+    still decodes, not oneDNN's "bf16 path needs the cpu support" error."""
+    from mixtral_infer.fast import cpu_packed
+
+    save_consolidated(random_model(tiny_args(moe=True)).to(torch.bfloat16), tmp_path / "bf16")
+    monkeypatch.setattr(cpu_packed, "onednn_packs", lambda dtype: False)
+    model = load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16)
+    assert not is_packed(model)
+    assert len(generate([[1, 2, 3]], model, max_tokens=3)[0][0]) == 3
+    with pytest.raises(ValueError, match="oneDNN cannot pack torch.bfloat16 weights on this CPU"):
+        pack(torch.randn(8, 8).bfloat16())
 
 
 def test_side_by_side_groups_worked_example():

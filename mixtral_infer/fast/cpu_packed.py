@@ -20,7 +20,8 @@ blocked layout (this module)         0.33 ms     0.37 ms     0.58 ms     11.2 ms
 so the layout, not the op, is the gain: the 8-layer mistral-bench decodes at 53 tokens/s
 instead of 41.5 in bfloat16. float16 is not packed by ``pack_model``: there the blocked layout
 is slower for one row (0.63 against 0.54 ms; faster from 4 rows, 0.53 against 0.70), and one
-row is what decoding a single sequence multiplies. ``pack`` itself takes either type.
+row is what decoding a single sequence multiplies. ``pack`` itself takes either type, where
+this CPU's oneDNN can reorder it (``onednn_packs``: float16 needs avx512_fp16 or avx_ne_convert).
 
 A packed weight is opaque (a ``torch._mkldnn`` tensor), so it lives in a ``PackedWeight``
 that ``linear()`` recognises, in place of the ``nn.Parameter`` (``pack_model``):
@@ -45,6 +46,7 @@ then reads the weights in the blocked layout and fuses everything between the ma
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
@@ -148,12 +150,27 @@ def can_pack(tensor: torch.Tensor) -> bool:
         tensor.device.type == "cpu"
         and tensor.dtype in PACKED_DTYPES
         and tensor.dim() in (2, 3)
-        and torch.backends.mkldnn.is_available()
+        and onednn_packs(tensor.dtype)
     )
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN reorders ``dtype`` weights: bfloat16 needs AVX-512, float16
+    ``avx512_fp16`` or ``avx_ne_convert`` (a 2-core AMD EPYC with avx512_bf16 has neither)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack(tensor: torch.Tensor) -> PackedWeight:
     """``tensor`` (OUT, IN) or stacked experts (E, OUT, IN), reordered once for few-row products."""
+    if not onednn_packs(tensor.dtype):
+        raise ValueError(f"oneDNN cannot pack {tensor.dtype} weights on this CPU: keep them plain (load_model(..., pack=False))")
     return _pack_matrices([tensor] if tensor.dim() == 2 else list(tensor.unbind(0)), tensor.shape, tensor.dtype)
 
 
