@@ -18,6 +18,7 @@ from mixtral_infer.fast.decode_step import (
     decode_logits,
     make_decode_step,
     moe_one_token,
+    one_query_attention,
     slot_bucket,
     slots_and_visibility,
 )
@@ -109,6 +110,23 @@ def test_the_step_compiles_with_fullgraph_and_equals_eager(moe):
     assert compiling == [f"compiling the decode step for batch 3, {WINDOW} cache slots (once per shape)..."] * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_one_query_attention_equals_sdpa(dtype):
+    """What compiled CPU steps attend with, against PyTorch's kernel: 8 query heads over 2 key/value
+    heads, rows that see their whole buffer, 5 slots and 1 slot; op by op and compiled."""
+    g = torch.Generator().manual_seed(5)
+    xq = torch.randn(3, 8, 16, generator=g).to(dtype)  # (B, H, Dh)
+    keys, values = torch.randn(2, 3, 12, 2, 16, generator=g).to(dtype)  # (B, S, H_kv, Dh) each
+    _, visible = slots_and_visibility(torch.tensor([20, 4, 0]), 12)  # (B, S)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        xq[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None], enable_gqa=True
+    )[:, :, 0]
+    tolerance = {} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # bfloat16's rounding of the output
+    torch.testing.assert_close(one_query_attention(xq, keys, values, visible), expected, **tolerance)
+    compiled = torch.compile(one_query_attention, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(xq, keys, values, visible), expected, **tolerance)
+
+
 def test_worked_example_of_slots_and_visibility():
     slots, visible = slots_and_visibility(torch.tensor([6, 1]), 4)
     assert slots.tolist() == [2, 1]
@@ -151,6 +169,15 @@ def test_decode_logits_with_grouped_experts_equals_the_one_token_moe():
 def ops_of_the_cache_shape(step, cache, *args) -> collections.Counter:
     """The ops of ``step``'s graph as compiled code sees it (after functionalization, before inductor)
     whose result has the whole cache's shape, counted by name."""
+    graph = compiled_graph(step, cache, *args)
+    return collections.Counter(
+        str(node.target) for node in graph.graph.nodes
+        if node.op == "call_function" and getattr(node.meta.get("val"), "shape", None) == cache.cache_k.shape
+    )  # fmt: skip
+
+
+def compiled_graph(step, cache, *args):
+    """``step``'s graph as compiled code sees it (after functionalization, before inductor)."""
     graphs = []
 
     def keep_graph(graph_module, example_inputs):
@@ -161,10 +188,20 @@ def ops_of_the_cache_shape(step, cache, *args) -> collections.Counter:
     with torch.no_grad():
         compiled(cache.cache_k, cache.cache_v, *args)
     (graph,) = graphs
-    return collections.Counter(
-        str(node.target) for node in graph.graph.nodes
-        if node.op == "call_function" and getattr(node.meta.get("val"), "shape", None) == cache.cache_k.shape
-    )  # fmt: skip
+    return graph
+
+
+def test_compiled_cpu_steps_attend_without_the_sdpa_kernel():
+    """PyTorch's CPU attention kernel is slow for one query (``one_query_attention``): the compiled
+    decode step on CPU attends with products and sums that inductor fuses."""
+    model = random_model(tiny_args(moe=False, max_batch_size=2), seed=27)
+    cache = model.make_cache(2)
+    cache.start_sequences(2)
+    graph = compiled_graph(functools.partial(decode_logits, model), cache, torch.tensor([5, 6]), torch.tensor([3, 9]),
+                           torch.tensor([True, True]))  # fmt: skip
+    ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert not [op for op in ops if "scaled_dot_product" in op]
+    assert "aten.softmax.default" in ops or "aten._softmax.default" in ops
 
 
 @pytest.mark.parametrize("step", ["decode", "mixed"])
