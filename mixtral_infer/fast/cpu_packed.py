@@ -157,7 +157,8 @@ def can_pack(tensor: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether this CPU's oneDNN reorders ``dtype`` weights: bfloat16 needs AVX-512, float16
-    ``avx512_fp16`` or ``avx_ne_convert`` (a 2-core AMD EPYC with avx512_bf16 has neither)."""
+    ``avx512_fp16`` or ``avx_ne_convert`` (a 2-core AMD EPYC with avx512_bf16 but neither of
+    those packs bfloat16 only)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
