@@ -112,15 +112,16 @@ def attend_in_place(
     batch = xq.shape[0]
     rows = torch.arange(batch, device=xq.device)
     keep = alive[:, None, None]  # (B, 1, 1)
-    keys = torch.where(keep, xk, cache_k[layer, rows, slots])  # (B, H_kv, Dh): a finished row's own
-    values = torch.where(keep, xv, cache_v[layer, rows, slots])
-    write_slots(cache_k, cache_v, layer, rows, slots, keys, values)
+    new_k = torch.where(keep, xk, cache_k[layer, rows, slots])  # (B, H_kv, Dh): a finished row's own
+    new_v = torch.where(keep, xv, cache_v[layer, rows, slots])
+    write_slots(cache_k, cache_v, layer, rows, slots, new_k, new_v)
+    keys, values = cache_k[layer, :batch], cache_v[layer, :batch]  # (B, S, H_kv, Dh) the rows' buffers
     if xq.device.type == "cpu" and torch.compiler.is_compiling():
-        return one_query_attention(xq, cache_k[layer, :batch], cache_v[layer, :batch], visible)
+        return one_query_attention(xq, keys, values, visible)
     out = F.scaled_dot_product_attention(
         xq[:, :, None, :],  # (B, H, 1, Dh)
-        cache_k[layer, :batch].transpose(1, 2),  # (B, H_kv, S, Dh)
-        cache_v[layer, :batch].transpose(1, 2),
+        keys.transpose(1, 2),  # (B, H_kv, S, Dh)
+        values.transpose(1, 2),
         attn_mask=visible[:, None, None, :],  # (B, 1, 1, S)
         enable_gqa=True,
     )  # (B, H, 1, Dh)
