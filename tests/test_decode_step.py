@@ -177,7 +177,10 @@ def ops_of_the_cache_shape(step, cache, *args) -> collections.Counter:
 
 
 def compiled_graph(step, cache, *args):
-    """``step``'s graph as compiled code sees it (after functionalization, before inductor)."""
+    """``step``'s graph as compiled code sees it (after functionalization, before inductor). Dynamo
+    forgets what it compiled before: a step compiled for many models (one per test) would reach its
+    recompile limit."""
+    torch._dynamo.reset()
     graphs = []
 
     def keep_graph(graph_module, example_inputs):
@@ -202,6 +205,25 @@ def test_compiled_cpu_steps_attend_without_the_sdpa_kernel():
     ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
     assert not [op for op in ops if "scaled_dot_product" in op]
     assert "aten.softmax.default" in ops or "aten._softmax.default" in ops
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_cpu_steps_multiply_plain_bfloat16_weights_as_reductions(batch):
+    """A bfloat16 model with plain weights (``load_model(..., pack=False)``): the compiled step's
+    products are multiply-and-sums that inductor fuses (``model.linear.rows_as_reductions``), not
+    the library's matmul, and its logits equal the step op by op within bfloat16's rounding."""
+    model = random_model(tiny_args(moe=False, max_batch_size=2), seed=29).to(torch.bfloat16)
+    cache = model.make_cache(batch)
+    cache.start_sequences(batch)
+    inputs = (torch.tensor([5, 6][:batch]), torch.tensor([3, 9][:batch]), torch.ones(batch, dtype=torch.bool))
+    graph = compiled_graph(functools.partial(decode_logits, model), cache, *inputs)
+    ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert not ops & {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
+    with torch.inference_mode():
+        expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
+        compiled = torch.compile(functools.partial(decode_logits, model), fullgraph=True, dynamic=False)
+        logits = compiled(cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)  # bfloat16: fused ops round less often
 
 
 @pytest.mark.parametrize("step", ["decode", "mixed"])

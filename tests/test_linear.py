@@ -59,3 +59,37 @@ def test_compiled_code_takes_the_same_path():
     torch.testing.assert_close(compiled(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
     called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
     assert (torch.bmm in called) == linear_module.split_few_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_compiled_16_bit_products_of_few_rows_are_reductions(dtype, rows):
+    """Compiled code multiplies a plain 16-bit weight by at most REDUCTION_ROWS rows as float32
+    multiply-and-sums (no library matmul in the graph), and equals the float32 product rounded
+    once; more rows keep the library's product."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep_graph(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 40, generator=g).to(dtype), torch.randn(96, 40, generator=g).to(dtype)
+    got = torch.compile(lambda x, w: linear(x, w), backend=keep_graph, fullgraph=True)(x, weight)
+    want = F.linear(x.float(), weight.float()).to(dtype)  # exact products, float32 sums, one rounding
+    rounding = 2**-7 if dtype == torch.bfloat16 else 2**-10  # one unit in the last place, relative
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=rounding)
+    called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
+    reduced = rows <= linear_module.REDUCTION_ROWS
+    assert (torch._C._nn.linear in called or F.linear in called) != reduced
+    assert (torch.stack in called) == reduced
+
+
+def test_rows_as_reductions_worked_example():
+    """Two rows of x times a 3 x 2 weight, one multiply-and-sum per row: [[1, 2], [3, 4]] @ W.T."""
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.bfloat16)  # (OUT=3, IN=2)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)  # (M=2, IN=2)
+    got = linear_module.rows_as_reductions(x, weight)
+    assert got.dtype == torch.bfloat16
+    assert got.tolist() == [[1.0, 2.0, 3.0], [3.0, 4.0, 7.0]]
