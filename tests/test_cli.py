@@ -330,3 +330,14 @@ def test_an_unknown_decode_mode_is_refused_before_loading():
     result = run("demo", "--decode", "fast")
     assert result.returncode == 1
     assert result.stderr.strip() == "error: --decode 'fast' is not one of auto, eager, static, compiled"
+
+
+@pytest.mark.parametrize("decode", ["auto", "eager", "compiled"])
+def test_decode_compiled_loads_bfloat16_weights_plain(decode):
+    """Compiled CPU decoding reads plain bfloat16 weights faster than oneDNN's layout (model.linear);
+    the eager loop reads the packed ones faster: the command line loads what its --decode reads."""
+    from mixtral_infer.cli import commands
+    from mixtral_infer.fast.cpu_packed import is_packed
+
+    model, _ = commands.load(None, 1, "cpu", "bfloat16", max_tokens=8, decode=decode)
+    assert is_packed(model) == (decode != "compiled")

@@ -391,9 +391,10 @@ def load_model(
     too (``quant/int8_activations.py``); without ``dtype`` the model then computes in
     bfloat16, the dtype of the CPU kernels. A folder written by ``convert --quantize``
     loads quantized without it.
-    ``pack``: a bfloat16 model on CPU keeps its matrices in oneDNN's layout, which
-    decodes 1.3x faster (``fast.cpu_packed``; compiled decoding reads it too); ``pack=False``
-    keeps plain ``nn.Parameter``s (to edit weights).
+    ``pack``: a bfloat16 model on CPU keeps its matrices in oneDNN's layout, which the
+    eager loop decodes 1.3x faster (``fast.cpu_packed``); ``pack=False`` keeps plain
+    ``nn.Parameter``s: to edit weights, and for compiled decoding, which reads plain weights
+    faster still (``model.linear``; the CLI's ``--decode compiled`` loads them so).
     """
     scheme = QuantScheme.parse(quantize)
     if device is not None:
