@@ -6,9 +6,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mixtral_infer.model.attention import (
     _single_query_attention,
+    one_query_sdpa,
     single_query_gather,
     single_query_keys,
     torch_attention,
@@ -154,3 +156,21 @@ def test_importing_the_package_prints_nothing_on_a_cpu_only_machine():
     )
     assert result.stdout == "ok\n"
     assert result.stderr == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("masked", [False, True], ids=["every-slot", "masked"])
+def test_one_query_sdpa_attends_in_float32_on_cpu(dtype, masked):
+    """One query per row, 8 query heads over 2 key/value heads: on CPU the result is SDPA's in float32
+    of the same (exactly widened) inputs, rounded once to the input's dtype; PyTorch's kernel given
+    16-bit inputs is slow for one query (the docstring's table) and rounds inside."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 8, 16, generator=g).to(dtype)  # (N, H, Dh)
+    keys, values = torch.randn(2, 3, 12, 2, 16, generator=g).to(dtype)  # (N, S, H_kv, Dh) each
+    mask = torch.arange(12)[None, None, None, :] < torch.tensor([12, 5, 1])[:, None, None, None] if masked else None
+    expected = F.scaled_dot_product_attention(
+        q.float()[:, :, None], keys.float().transpose(1, 2), values.float().transpose(1, 2), attn_mask=mask, enable_gqa=True
+    )[:, :, 0].to(dtype)
+    got = one_query_sdpa(q, keys, values, mask)
+    assert got.dtype == dtype and got.shape == (3, 8, 16)
+    assert torch.equal(got, expected)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.model.cache import RotatingBufferCache
+from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.linear import linear
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
@@ -118,14 +119,7 @@ def attend_in_place(
     keys, values = cache_k[layer, :batch], cache_v[layer, :batch]  # (B, S, H_kv, Dh) the rows' buffers
     if xq.device.type == "cpu" and torch.compiler.is_compiling():
         return one_query_attention(xq, keys, values, visible)
-    out = F.scaled_dot_product_attention(
-        xq[:, :, None, :],  # (B, H, 1, Dh)
-        keys.transpose(1, 2),  # (B, H_kv, S, Dh)
-        values.transpose(1, 2),
-        attn_mask=visible[:, None, None, :],  # (B, 1, 1, S)
-        enable_gqa=True,
-    )  # (B, H, 1, Dh)
-    return out[:, :, 0]
+    return one_query_sdpa(xq, keys, values, visible[:, None, None, :])  # SDPA (in float32 on CPU)
 
 
 def one_query_attention(
@@ -145,7 +139,8 @@ def one_query_attention(
     8 of 128: the 7B shape, per layer), 236 against 19 ms (8 rows). Compiled decode batch 1 there,
     one process alternating, medians, tokens/s: mistral-bench w8a8 116.2 -> 151.5, bfloat16 67.6
     -> 77.9, float32 68.9 -> 73.0; mixtral-bench bfloat16 41.5 -> 48.5, int4 85.2 -> 105.0. Op by
-    op (the eager steps) it would hold the products, so those keep the kernel."""
+    op (the eager steps) it would hold the products, so those keep the kernel, given float32
+    inputs, for which it is fast (``model.attention.one_query_sdpa``)."""
     batch, n_heads, head_dim = xq.shape
     n_kv = keys.shape[2]
     q = xq.float().view(batch, 1, n_kv, n_heads // n_kv, head_dim)  # (B, 1, H_kv, G, Dh)
