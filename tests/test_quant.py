@@ -103,6 +103,28 @@ def test_int4_prefill_reads_its_layout_back_where_float32_is_faster(monkeypatch)
     assert calls == [128, 80, 80]
 
 
+def test_int4_prefill_reads_its_layout_back_into_16_bits_where_those_are_faster(monkeypatch):
+    """Where fast.cpu_upcast keeps 16-bit products (they are the faster), int4 skips its kernel from
+    DEQUANTIZE_ROWS rows on and equals the reference (which dequantizes to x's dtype too); a weight
+    whose rows are not whole 64-row blocks (80) keeps the kernel."""
+    from mixtral_infer.fast import cpu_upcast
+
+    monkeypatch.setattr(cpu_upcast, "upcast", False)
+    calls = []
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a[1].shape[0]) or kernel(*a))
+    x = torch.randn(kernels.DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for out_features in (128, 80):
+        weight = prepare(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
+        got, expected = quantized_linear(x, weight), reference_linear(x, weight)
+        if out_features == 128:
+            assert torch.equal(got, expected)  # the same bfloat16 weight, the same product
+        else:  # the kernel: its own rounding
+            assert (got.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()
+        quantized_linear(x[:-1], weight)  # one row fewer: the kernel
+    assert calls == [128, 80, 80]
+
+
 def test_tinygemm_bytes_worked_example():
     """The plain layout's input 2j moves to the high nibble (kernels.tinygemm_bytes' docstring)."""
     plain = torch.tensor([[95, 137]], dtype=torch.uint8)  # inputs [15, 5, 9, 8] (test_int4_worked_example)

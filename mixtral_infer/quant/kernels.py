@@ -15,6 +15,9 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   8.0 vs 7.5 ms). int4, where ``fast.cpu_upcast`` multiplies in float32, reads its kernel
   layout back (``dequantize_int4_kernel_layout``, 15 ms: its plain values are dropped) from
   ``INT4_DEQUANTIZE_ROWS`` rows on: 1024 rows 59 vs 111 ms, 2048 rows 107 vs 222 ms (512: even).
+  On CPUs that multiply bfloat16 faster than float32 (``fast.cpu_upcast`` does not widen: the
+  2-core AMD EPYC) it reads the layout back into bfloat16, as ``reference_linear`` does, from
+  ``DEQUANTIZE_ROWS`` rows on: 512 rows 14.5 vs 22.3 ms, 2048 rows 42.9 vs 90.8 ms (256: even).
 * Both CPU kernels are vectorised for bfloat16 activations only (float32: 10-50x slower),
   so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
 * **CUDA int8**: as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
@@ -149,8 +152,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         if weight.scheme.name == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
         cpu_layout = int4_layout(weight) == "cpu"
-        if cpu_layout and x.shape[0] >= INT4_DEQUANTIZE_ROWS and should_upcast(x) and weight.shape[-2] % INT4_BLOCK == 0:
-            return upcast_linear(x, dequantize_int4_kernel_layout(weight))
+        if cpu_layout and x.shape[0] >= DEQUANTIZE_ROWS and weight.shape[-2] % INT4_BLOCK == 0:
+            if not should_upcast(x):  # this CPU multiplies 16-bit faster: as reference_linear does
+                return F.linear(x, dequantize_int4_kernel_layout(weight).to(x.dtype))
+            if x.shape[0] >= INT4_DEQUANTIZE_ROWS:
+                return upcast_linear(x, dequantize_int4_kernel_layout(weight))
         if cpu_layout:
             packed, scales_and_zeros = weight.packed
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, weight.scheme.group_size, scales_and_zeros)
