@@ -63,7 +63,7 @@ def test_linear_takes_the_chosen_path_for_plain_packed_and_int8_weights(forced, 
 def test_the_measurement_widens_only_with_a_clear_margin(monkeypatch):
     for narrow, wide, expected in ((1.0, 0.6, True), (1.0, 0.9, False), (0.3, 1.0, False)):
         times = iter([narrow, wide])
-        monkeypatch.setattr(cpu_upcast, "_best_seconds", lambda fn: next(times))
+        monkeypatch.setattr(cpu_upcast, "best_seconds", lambda fn: next(times))
         upcast_is_faster.cache_clear()
         assert upcast_is_faster(torch.bfloat16) is expected
     upcast_is_faster.cache_clear()

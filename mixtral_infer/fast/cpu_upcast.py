@@ -28,11 +28,12 @@ widened: it reads the weight, and 16 bits read faster.
 from __future__ import annotations
 
 import functools
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from mixtral_infer.fast.cpu_float32 import best_seconds, float32_linear
 
 UPCAST_ROWS = 256  # products with at least this many rows may be widened
 MARGIN = 1.25  # widen only when float32 is at least this much faster
@@ -41,18 +42,9 @@ upcast: Optional[bool] = None  # True / False forces the choice; None: measured 
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x (M, IN) @ weight (OUT, IN).T`` computed in float32, returned in ``x``'s dtype."""
-    return F.linear(x.float(), weight.float()).to(x.dtype)
-
-
-def _best_seconds(fn: Callable[[], torch.Tensor], repeats: int = 3) -> float:
-    fn()  # warm-up: first-call set-up is not the product's speed
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    """``x (M, IN) @ weight (OUT, IN).T`` computed in float32 (by the faster library, ``fast.cpu_float32``),
+    returned in ``x``'s dtype."""
+    return float32_linear(x.float(), weight.float()).to(x.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,8 +53,8 @@ def upcast_is_faster(dtype: torch.dtype) -> bool:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(UPCAST_ROWS, 1024, generator=g).to(dtype)
     weight = torch.randn(2048, 1024, generator=g).to(dtype)
-    narrow = _best_seconds(lambda: F.linear(x, weight))
-    wide = _best_seconds(lambda: upcast_linear(x, weight))
+    narrow = best_seconds(lambda: F.linear(x, weight))
+    wide = best_seconds(lambda: upcast_linear(x, weight))
     return narrow >= MARGIN * wide
 
 

@@ -58,7 +58,8 @@ A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its
 (``quant.kernels``), and a bfloat16/float16 weight packed in oneDNN's layout
 (``fast.cpu_packed.PackedWeight``, how ``load_model`` keeps them on CPU) to oneDNN, so the
 model's code has one call per matmul whatever the format. A bfloat16/float16 product of
-prefill size is computed in float32 on CPUs that multiply float32 faster (``fast.cpu_upcast``).
+prefill size is computed in float32 on CPUs that multiply float32 faster (``fast.cpu_upcast``),
+and a float32 product of prefill size by oneDNN where it beats MKL (``fast.cpu_float32``).
 """
 
 from typing import List
@@ -66,6 +67,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_float32 import float32_linear
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear, side_by_side
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.hardware import cpu_info
@@ -134,6 +136,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeigh
         return rows_as_reductions(x, weight)
     if should_upcast(x):  # prefill-sized 16-bit products on CPUs that multiply float32 faster
         return upcast_linear(x, weight)
+    if x.shape[0] > MAX_ROWS and x.dtype == torch.float32:  # prompts: MKL or oneDNN, the faster here
+        return float32_linear(x, weight)
     if x.device.type != "cpu" or x.dtype != torch.float32 or not _split_few_rows():
         return F.linear(x, weight)
     blocks = _threads()
