@@ -69,3 +69,12 @@ def test_widened_16_bit_prompts_take_the_same_choice(monkeypatch, onednn_calls):
     got = linear(x, weight)
     assert got.dtype == torch.bfloat16 and onednn_calls == [cpu_float32.ROWS]
     torch.testing.assert_close(got, F.linear(x.float(), weight.float()).bfloat16(), atol=0, rtol=2**-7)
+
+
+def test_strided_inputs_by_onednn(monkeypatch, onednn_calls):
+    """Transposed activations (the bmm path's views) and a transposed weight multiply correctly too."""
+    monkeypatch.setattr(cpu_float32, "onednn", True)
+    g = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(40, 300, generator=g).T, torch.randn(40, 96, generator=g).T  # (M, IN), (OUT, IN) views
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    assert onednn_calls == [300]
