@@ -210,7 +210,7 @@ def test_compiled_cpu_steps_attend_without_the_sdpa_kernel():
 @pytest.mark.parametrize("batch", [1, 2])
 def test_compiled_cpu_steps_multiply_plain_bfloat16_weights_as_reductions(batch):
     """A bfloat16 model with plain weights (``load_model(..., pack=False)``): the compiled step's
-    products are multiply-and-sums that inductor fuses (``model.linear.rows_as_reductions``), not
+    products are multiply-and-sums that inductor fuses (``fast.cpu_reductions``), not
     the library's matmul, and its logits equal the step op by op within bfloat16's rounding."""
     model = random_model(tiny_args(moe=False, max_batch_size=2), seed=29).to(torch.bfloat16)
     cache = model.make_cache(batch)

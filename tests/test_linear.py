@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast import cpu_reductions
 from mixtral_infer.model import linear as linear_module
 from mixtral_infer.model.linear import linear
 
@@ -81,15 +82,18 @@ def test_compiled_16_bit_products_of_few_rows_are_reductions(dtype, rows):
     rounding = 2**-7 if dtype == torch.bfloat16 else 2**-10  # one unit in the last place, relative
     torch.testing.assert_close(got, want, atol=1e-3, rtol=rounding)
     called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
-    reduced = rows <= linear_module.REDUCTION_ROWS
+    reduced = rows <= cpu_reductions.REDUCTION_ROWS
     assert (torch._C._nn.linear in called or F.linear in called) != reduced
     assert (torch.stack in called) == reduced
 
 
 def test_rows_as_reductions_worked_example():
-    """Two rows of x times a 3 x 2 weight, one multiply-and-sum per row: [[1, 2], [3, 4]] @ W.T."""
+    """fast.cpu_reductions' example, and a second row: [[1, 2], [3, 4]] @ W.T, one multiply-and-sum per row;
+    int8 integers with one scale per output row (OUT) scale the sums."""
     weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.bfloat16)  # (OUT=3, IN=2)
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)  # (M=2, IN=2)
-    got = linear_module.rows_as_reductions(x, weight)
+    got = cpu_reductions.rows_as_reductions(x, weight)
     assert got.dtype == torch.bfloat16
     assert got.tolist() == [[1.0, 2.0, 3.0], [3.0, 4.0, 7.0]]
+    scaled = cpu_reductions.rows_as_reductions(x, weight.to(torch.int8), torch.tensor([0.5, 2.0, 1.0]))
+    assert scaled.tolist() == [[0.5, 4.0, 3.0], [1.5, 8.0, 7.0]]

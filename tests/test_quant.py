@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
@@ -288,7 +289,7 @@ def test_an_expert_picked_by_a_tensor_is_read_in_place_on_cpu(scheme):
 
 @pytest.mark.parametrize(
     "scheme, op, calls",
-    [("int8", "mixtral_infer::int8_expert_mm", 3), ("int4", "mixtral_infer::int4_expert_mm", 3), ("w8a8", "mixtral_infer::packed_linear", 2)],
+    [("int4", "mixtral_infer::int4_expert_mm", 3), ("w8a8", "mixtral_infer::packed_linear", 2)],
 )
 def test_the_compiled_moe_step_multiplies_experts_in_place(scheme, op, calls):
     """Compiled, batch 1 (2 of 4 experts): each expert matrix goes through the expert op (w8a8: fbgemm
@@ -304,6 +305,41 @@ def test_the_compiled_moe_step_multiplies_experts_in_place(scheme, op, calls):
         torch.testing.assert_close(out, moe_one_token(layer, x), atol=0.02, rtol=0.02)
     made = [e for e in profile.events() if e.name == op and (e.cpu_parent is None or e.cpu_parent.name != op)]
     assert len(made) == 2 * calls  # w1, w3 (w8a8: together), w2 of each chosen expert
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_compiled_int8_products_of_few_rows_are_reductions(rows):
+    """Compiled, 1-2 rows of an int8 weight-only product are multiply-and-sums (fast.cpu_reductions):
+    the exact integer products summed in float32, scaled, rounded once; 3 rows keep the kernel."""
+    from torch._inductor.utils import run_and_get_code
+
+    weight = prepare(quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(rows)), INT8, torch.bfloat16))
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
+    torch._dynamo.reset()
+    got, codes = run_and_get_code(torch.compile(quantized_linear, fullgraph=True, dynamic=False), x, weight)
+    expected = (F.linear(x.float(), weight.values.float()) * weight.scales.float()).bfloat16()
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=2**-7)
+    assert ("_weight_int8pack_mm" in "\n".join(codes)) == (rows > 2)
+
+
+def test_the_compiled_int8_moe_step_reads_the_chosen_experts_in_place():
+    """Compiled, batch 1 (2 of 4 experts), int8 weight-only: multiply-and-sum reductions
+    (fast.cpu_reductions) that index the stacked integers by the routing's choice: the generated code
+    allocates nothing of an expert matrix's size (no gathered copy) and calls no int8 kernel, and the
+    layer equals its eager self."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = quantize_model(random_model(tiny_args(moe=True), seed=25).to(torch.bfloat16), INT8).layers["0"].feed_forward
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        out, codes = run_and_get_code(torch.compile(moe_one_token, fullgraph=True, dynamic=False), layer, x)
+        torch.testing.assert_close(out, moe_one_token(layer, x), atol=0.02, rtol=0.02)
+    hidden, dim = layer.w1.shape[-2:]  # (E, I, D)
+    code = "\n".join(codes)
+    assert "empty_strided_cpu((" in code  # the buffers it does allocate are in view
+    assert f"(({hidden}, {dim})" not in code and f"(({dim}, {hidden})" not in code and f"((1, {hidden}, {dim})" not in code
+    assert "_weight_int8pack_mm" not in code and "int8_expert_mm" not in code
 
 
 def test_a_quantized_weight_is_no_parameter_and_moves_with_the_model():

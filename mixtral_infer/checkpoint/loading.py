@@ -394,7 +394,7 @@ def load_model(
     ``pack``: a bfloat16 model on CPU keeps its matrices in oneDNN's layout, which the
     eager loop decodes 1.3x faster (``fast.cpu_packed``); ``pack=False`` keeps plain
     ``nn.Parameter``s: to edit weights, and for compiled decoding, which reads plain weights
-    faster still (``model.linear``; the CLI's ``--decode compiled`` loads them so).
+    faster still (``fast.cpu_reductions``; the CLI's ``--decode compiled`` loads them so).
     """
     scheme = QuantScheme.parse(quantize)
     if device is not None:

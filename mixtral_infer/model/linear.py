@@ -34,25 +34,9 @@ in bfloat16 (``bench/bench_quant.py``, 1-8 rows of a 3584 x 1024 weight on a 2-c
 with avx512_bf16: 0.31 ms against 0.79-1.2 ms).
 
 Compiled code on CPU multiplies a *plain* bfloat16 or float16 weight (``load_model(...,
-pack=False)``, which the CLI does for ``--decode compiled``; float16, which is never packed) by
-at most ``REDUCTION_ROWS`` rows as multiply-and-sum reductions in float32
-(``rows_as_reductions``): inductor makes them one loop over the weight's rows on every thread,
-reading each row once for both input rows. Left to itself it calls oneDNN on the plain weight,
-which reorders it on every call. 2-core AMD EPYC, torch 2.13.0, 24 bfloat16 weights of 3584 x
-1024 in turn, ms per weight:
-
-==========================================  ==========  ==========  ==========  ==========
-rows                                         1           2           4           8
-==========================================  ==========  ==========  ==========  ==========
-reductions, compiled (plain weight)          0.26        0.26        0.58        0.85
-oneDNN's blocked layout (``cpu_packed``)     0.33        0.35        0.38        0.39
-``F.linear`` on the plain weight             0.42        0.42        0.46        0.52
-==========================================  ==========  ==========  ==========  ==========
-
-Compiled decode batch 1 in bfloat16, one process alternating the two layouts (medians of 3-4):
-mistral-bench 78.5 (packed) -> 98.2 tokens/s (plain), mixtral-bench 46.8 -> 61.1. The eager
-loop has no such loop to run and reads the plain weight through ``F.linear`` (mistral-bench
-57.6 packed -> 40.5 plain), so ``load_model`` packs unless told otherwise.
+pack=False)``, which the CLI does for ``--decode compiled``) by one or two rows as
+multiply-and-sum reductions that inductor writes (``fast.cpu_reductions``): they read it faster
+than oneDNN reads its own layout.
 
 A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
 (``quant.kernels``), and a bfloat16/float16 weight packed in oneDNN's layout
@@ -69,13 +53,13 @@ import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_float32 import float32_linear
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear, side_by_side
+from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.quant.kernels import quantized_linear, quantized_linears
 from mixtral_infer.quant.weights import QuantizedWeight
 
 MAX_ROWS = 8  # above this many rows, F.linear is as fast or faster (measured on 2 cores)
-REDUCTION_ROWS = 2  # compiled 16-bit products of at most this many rows are reductions (docstring table)
 split_few_rows = None  # True / False forces the bmm blocks on / off; None: on for AMD CPUs only
 
 
@@ -91,25 +75,6 @@ def _amd_cpu() -> bool:
 
 def _split_few_rows() -> bool:
     return _amd_cpu() if split_few_rows is None else split_few_rows
-
-
-def rows_as_reductions(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` as one multiply-and-sum per row of ``x``,
-    in float32, rounded to ``x``'s dtype: what compiled code runs for few rows of a plain 16-bit
-    weight (module docstring). Op by op it would hold ``(OUT, IN)`` float32 products: compiled only."""
-    wide = weight.float()  # (OUT, IN): inductor converts as it reads, nothing is stored
-    return torch.stack([(row.float() * wide).sum(-1) for row in x.unbind(0)]).to(x.dtype)  # (M, OUT)
-
-
-def _reduces(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and x.dim() == 2
-        and 1 <= x.shape[0] <= REDUCTION_ROWS
-        and torch.compiler.is_compiling()
-    )
 
 
 def linears(x: torch.Tensor, *weights) -> List[torch.Tensor]:
@@ -132,7 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeigh
         return quantized_linear(x, weight)
     if isinstance(weight, PackedWeight):
         return upcast_linear(x, weight.dense()) if should_upcast(x) else packed_linear(x, weight)
-    if _reduces(x, weight):  # compiled few-row 16-bit products of a plain weight
+    if reduces(x, weight):  # compiled few-row 16-bit products of a plain weight
         return rows_as_reductions(x, weight)
     if should_upcast(x):  # prefill-sized 16-bit products on CPUs that multiply float32 faster
         return upcast_linear(x, weight)

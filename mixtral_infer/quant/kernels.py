@@ -18,6 +18,8 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   On CPUs that multiply bfloat16 faster than float32 (``fast.cpu_upcast`` does not widen: the
   2-core AMD EPYC) it reads the layout back into bfloat16, as ``reference_linear`` does, from
   ``DEQUANTIZE_ROWS`` rows on: 512 rows 14.5 vs 22.3 ms, 2048 rows 42.9 vs 90.8 ms (256: even).
+* **CPU int8 in compiled code, 1-2 rows** (decoding): multiply-and-sum reductions that inductor
+  writes (``fast.cpu_reductions``), 1.5x the int8 kernel's speed (0.17-0.20 against 0.26-0.30 ms).
 * Both CPU kernels are vectorised for bfloat16 activations only (float32: 10-50x slower),
   so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
 * **CUDA int8**: as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
@@ -43,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_packed import side_by_side
+from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.quant.int8_activations import int8_activations_linear
 from mixtral_infer.quant.weights import QuantizedWeight
@@ -138,6 +141,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
     if uses_int8_activations(x, weight):
         return int8_activations_linear(x, weight.prepacked)
+    if weight.scheme.name == "int8" and weight.values is not None and reduces(x, weight.values):
+        weight = weight.resolved()  # one expert of stacked weights: compiled code reads it in place
+        return rows_as_reductions(x, weight.values, weight.scales)  # compiled CPU decoding (module docstring)
     if weight.expert is not None:
         out = expert_kernel_linear(x, weight)
         if out is not None:
