@@ -44,8 +44,8 @@ def main():
     cli = parser.parse_args()
     start = time.perf_counter()
     pack = cli.decode != "compiled"  # as the CLI loads for --decode compiled (plain weights: fast.cpu_reductions)
-    model = load_model(cli.folder, max_batch_size=1, device="cpu", dtype=getattr(torch, cli.dtype), quantize=cli.quantize,
-                       pack=pack)  # fmt: skip
+    dtype = getattr(torch, cli.dtype)
+    model = load_model(cli.folder, max_batch_size=1, device="cpu", dtype=dtype, quantize=cli.quantize, pack=pack)
     out = {"dtype": cli.dtype, "quantize": cli.quantize, "load_s": time.perf_counter() - start, "threads": torch.get_num_threads(),
            "weights_bytes": weight_bytes(model), "packed": pack}  # fmt: skip
     if cli.quantize is None:

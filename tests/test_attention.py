@@ -168,8 +168,9 @@ def test_one_query_sdpa_attends_in_float32_on_cpu(dtype, masked):
     q = torch.randn(3, 8, 16, generator=g).to(dtype)  # (N, H, Dh)
     keys, values = torch.randn(2, 3, 12, 2, 16, generator=g).to(dtype)  # (N, S, H_kv, Dh) each
     mask = torch.arange(12)[None, None, None, :] < torch.tensor([12, 5, 1])[:, None, None, None] if masked else None
+    wide_keys, wide_values = keys.float().transpose(1, 2), values.float().transpose(1, 2)  # (N, H_kv, S, Dh)
     expected = F.scaled_dot_product_attention(
-        q.float()[:, :, None], keys.float().transpose(1, 2), values.float().transpose(1, 2), attn_mask=mask, enable_gqa=True
+        q.float()[:, :, None], wide_keys, wide_values, attn_mask=mask, enable_gqa=True
     )[:, :, 0].to(dtype)
     got = one_query_sdpa(q, keys, values, mask)
     assert got.dtype == dtype and got.shape == (3, 8, 16)

@@ -113,7 +113,8 @@ def test_int4_prefill_reads_its_layout_back_into_16_bits_where_those_are_faster(
     monkeypatch.setattr(cpu_upcast, "upcast", False)
     calls = []
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
-    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a[1].shape[0]) or kernel(*a))
+    counted = lambda *a: calls.append(a[1].shape[0]) or kernel(*a)  # noqa: E731
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", counted)
     x = torch.randn(kernels.DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for out_features in (128, 80):
         weight = prepare(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
@@ -313,7 +314,8 @@ def test_compiled_int8_products_of_few_rows_are_reductions(rows):
     the exact integer products summed in float32, scaled, rounded once; 3 rows keep the kernel."""
     from torch._inductor.utils import run_and_get_code
 
-    weight = prepare(quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(rows)), INT8, torch.bfloat16))
+    g = torch.Generator().manual_seed(rows)
+    weight = prepare(quantize(torch.randn(64, 128, generator=g), INT8, torch.bfloat16))
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
     torch._dynamo.reset()
     got, codes = run_and_get_code(torch.compile(quantized_linear, fullgraph=True, dynamic=False), x, weight)
@@ -338,7 +340,8 @@ def test_the_compiled_int8_moe_step_reads_the_chosen_experts_in_place():
     hidden, dim = layer.w1.shape[-2:]  # (E, I, D)
     code = "\n".join(codes)
     assert "empty_strided_cpu((" in code  # the buffers it does allocate are in view
-    assert f"(({hidden}, {dim})" not in code and f"(({dim}, {hidden})" not in code and f"((1, {hidden}, {dim})" not in code
+    for shape in (f"(({hidden}, {dim})", f"(({dim}, {hidden})", f"((1, {hidden}, {dim})"):
+        assert shape not in code
     assert "_weight_int8pack_mm" not in code and "int8_expert_mm" not in code
 
 

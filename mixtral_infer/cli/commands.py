@@ -288,7 +288,9 @@ def demo(
     prompts = prompt_list(prompt)
     from mixtral_infer.generation.generate import generate
 
-    model, tokenizer = load(model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode)
+    model, tokenizer = load(
+        model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode
+    )
     encoded = [tokenizer.encode(text, bos=True) for text in prompts]
     start = time.perf_counter()
     generated, _ = generate(
@@ -368,7 +370,9 @@ def interactive(
         )
     from mixtral_infer.generation.chat import Conversation
 
-    model, tokenizer = load(model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode)
+    model, tokenizer = load(
+        model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode
+    )
     main_process = is_main_process()
     conversation = Conversation(
         model,

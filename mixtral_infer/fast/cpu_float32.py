@@ -60,7 +60,9 @@ def onednn_is_faster() -> bool:
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.dim() != 2 or x.shape[0] < ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dim() != 2 or x.shape[0] < ROWS or x.device.type != "cpu":
+        return False
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return False

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
-from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.attention import one_query_sdpa
+from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.linear import linear
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
