@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 
 import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.utils import run_and_get_code
 
 from mixtral_infer import GenerationError, generate
 from mixtral_infer.fast.decode_loop import step_compiler
@@ -245,6 +247,27 @@ def test_compiled_cpu_steps_route_experts_with_a_reduction(batch):
         compiled = torch.compile(functools.partial(decode_logits, model), fullgraph=True, dynamic=False)
         logits = compiled(cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
     torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_compiled_cpu_steps_normalize_once_per_product(moe):
+    """Each RMSNorm's output is computed once, into a buffer the products read (``fast.cpu_reductions
+    .materialized``): no loop of the generated code both sums (a product over a weight's rows) and
+    takes a square root (the norm, recomputed per row). Without it, 4 (dense) and 7 (MoE) did:
+    wq, wk and wv, the experts, the output matrix."""
+    model = random_model(tiny_args(moe=moe, max_batch_size=1), seed=29).to(torch.bfloat16)
+    cache = model.make_cache(1)
+    cache.start_sequences(1)
+    inputs = (torch.tensor([5]), torch.tensor([3]), torch.ones(1, dtype=torch.bool))
+    torch._dynamo.reset()
+    step = torch.compile(functools.partial(decode_logits, model), fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        _, codes = run_and_get_code(step, cache.cache_k, cache.cache_v, *inputs)
+    kernels = [body for code in codes for body in re.findall(r'extern "C"(.*?)\'\'\'', code, flags=re.S)]
+    loops = [loop for body in kernels for loop in body.split("for(int64_t x0=")[1:]]  # outermost loops
+    assert len(loops) > 20 and sum("tmp_acc" in loop for loop in loops) > 10  # the products are in there
+    norms = [loop for loop in loops if "sqrt" in loop]
+    assert norms and not [loop for loop in norms if "tmp_acc" in loop]
 
 
 @pytest.mark.parametrize("step", ["decode", "mixed"])

@@ -97,3 +97,31 @@ def test_rows_as_reductions_worked_example():
     assert got.tolist() == [[1.0, 2.0, 3.0], [3.0, 4.0, 7.0]]
     scaled = cpu_reductions.rows_as_reductions(x, weight.to(torch.int8), torch.tensor([0.5, 2.0, 1.0]))
     assert scaled.tolist() == [[0.5, 4.0, 3.0], [1.5, 8.0, 7.0]]
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16])
+def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
+    """fast.cpu_reductions: the RMSNorm before a product runs once, into a buffer; inductor would
+    otherwise recompute it inside the loop over the weight's rows (one square root per row here).
+    The result equals the product op by op within bfloat16's rounding of the norm's output."""
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(7)
+    weight = (torch.randn(96, 64, generator=g) * 40).to(weight_dtype)  # (OUT, IN)
+    scales = torch.rand(96, generator=g) / 40 if weight_dtype == torch.int8 else None
+    norm_weight = torch.rand(64, generator=g).to(torch.bfloat16)
+    h = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+
+    def normed_product(h):
+        wide = h.float()
+        x = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).to(h.dtype) * norm_weight  # (1, IN)
+        return cpu_reductions.rows_as_reductions(x, weight, scales)  # (1, OUT)
+
+    torch._dynamo.reset()
+    got, (code,) = run_and_get_code(torch.compile(normed_product, fullgraph=True), h)
+    loops = code.split("for(int64_t x0=")[1:]  # the kernel's outermost loops, each up to the next
+    over_rows = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(96L)"  # the weight's 96 rows
+    (weight_loop,) = [loop for loop in loops if loop.startswith(over_rows) and "x1<static_cast<int64_t>(64L)" in loop]
+    assert "sqrt" in code and "sqrt" not in weight_loop
+    want = normed_product(h)  # op by op: the norm's output rounded to bfloat16, which compiled code skips
+    torch.testing.assert_close(got, want, atol=0.01 * want.abs().max().item(), rtol=2**-7)

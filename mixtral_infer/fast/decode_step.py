@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_packed import PackedWeight
+from mixtral_infer.fast.cpu_reductions import materialized
 from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache
@@ -161,6 +162,7 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     expert runs on every row and a routing matrix, zero where a row did not choose the
     expert, mixes them: each expert's weights are read once, as a grouped matmul would.
     """
+    x = materialized(x)  # compiled on CPU: in memory, not recomputed for each row of the experts (fast.cpu_reductions)
     experts, weights = moe.route(x)  # (B, A), (B, A)
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
