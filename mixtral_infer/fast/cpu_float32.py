@@ -29,6 +29,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_packed import onednn_linear
+
 ROWS = 256  # products with at least this many rows may go to oneDNN (prompts; as fast.cpu_upcast)
 MARGIN = 1.1  # only when oneDNN is at least this much faster
 onednn: Optional[bool] = None  # True / False forces the choice; None: measured once
@@ -45,10 +47,6 @@ def best_seconds(fn: Callable[[], torch.Tensor], repeats: int = 3) -> float:
     return best
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
 @functools.lru_cache(maxsize=None)
 def onednn_is_faster() -> bool:
     """Whether this CPU's oneDNN multiplies many float32 rows at least ``MARGIN`` times faster than MKL."""
@@ -56,7 +54,7 @@ def onednn_is_faster() -> bool:
         return False
     g = torch.Generator().manual_seed(0)
     x, weight = torch.randn(ROWS, 1024, generator=g), torch.randn(2048, 1024, generator=g)
-    return best_seconds(lambda: F.linear(x, weight)) >= MARGIN * best_seconds(lambda: _onednn_linear(x, weight))
+    return best_seconds(lambda: F.linear(x, weight)) >= MARGIN * best_seconds(lambda: onednn_linear(x, weight))
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -71,4 +69,4 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` for float32 inputs ``(M, IN)``, ``(OUT, IN)``, by the faster library here."""
-    return _onednn_linear(x, weight) if uses_onednn(x, weight) else F.linear(x, weight)
+    return onednn_linear(x, weight) if uses_onednn(x, weight) else F.linear(x, weight)

@@ -61,7 +61,8 @@ _MULTIPLY: Dict[int, Callable] = {}  # handle -> multiply(x, matrix): the librar
 _handles = itertools.count()
 
 
-def _onednn_linear(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``x @ matrix.T`` by oneDNN: ``matrix`` packed in its layout, or a plain tensor (``fast.cpu_float32``)."""
     return torch.ops.mkldnn._linear_pointwise(x, matrix, None, "none", [], "")
 
 
@@ -77,7 +78,7 @@ class _Matrices:
     (``quant.int8_activations`` packs int8 weights for fbgemm the same way)."""
 
     def __init__(
-        self, matrices: List, out_features: int, multiply: Callable = _onednn_linear, plain: Callable = _onednn_plain
+        self, matrices: List, out_features: int, multiply: Callable = onednn_linear, plain: Callable = _onednn_plain
     ):
         self.handle = next(_handles)
         self.out_features = out_features  # of each matrix: the rows of all the weights packed side by side
