@@ -12,6 +12,8 @@ and default experts implementation) and into ours (``hf_to_published`` + ``check
   top-2, vocab 32000, sliding window 256 (3.2 GB of weights);
 * ``mistral-bench``: the same with a dense SwiGLU of hidden 3584 instead of the experts (0.7 GB).
 
+(``SHAPES`` also has ``mistral-wide``, Mistral 7B's widths with 4 layers, for the llama.cpp harness.)
+
 Weights: embeddings N(0, 1), every matrix N(0, 1/fan_in), norms U(0.8, 1.2), so activations stay
 O(1) through the layers and the logits (std ~1 over 32000 tokens) make greedy ties very unlikely.
 
@@ -106,23 +108,31 @@ PROMPT_LEN = 64
 NEW_TOKENS = 128
 PREFILL_LEN = 2048
 CONTEXTS = (1, 4, 16)  # x the window
-MODELS = ("mixtral-bench", "mistral-bench")
+MODELS = ("mixtral-bench", "mistral-bench")  # what this benchmark runs by default
+_BENCH = dict(dim=1024, head_dim=64, hidden_dim=3584, n_heads=16, n_kv_heads=4, n_layers=8)
+SHAPES = {
+    "mixtral-bench": dict(_BENCH, moe=True),
+    "mistral-bench": dict(_BENCH, moe=False),
+    # Mistral 7B's widths (its layers read 0.22 G weights each) but 4 of its 32 layers: a decode
+    # step's fixed costs weigh here as on the real model, and it fits this machine in float32.
+    "mistral-wide": dict(dim=4096, head_dim=128, hidden_dim=14336, n_heads=32, n_kv_heads=8, n_layers=4, moe=False),
+}
 
 
 # --------------------------------------------------------------------------- models
 
 
-def bench_args(name: str, max_batch_size: int = 8, n_layers: int = 8) -> ModelArgs:
-    moe = MoeArgs(num_experts=8, num_experts_per_tok=2) if name == "mixtral-bench" else None
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+def bench_args(name: str, max_batch_size: int = 8, n_layers: Optional[int] = None) -> ModelArgs:
+    """The shape ``name`` (``SHAPES``) with ``n_layers`` layers (default: the shape's own)."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown model {name!r}; choose from {tuple(SHAPES)}")
+    shape = dict(SHAPES[name])
+    moe = MoeArgs(num_experts=8, num_experts_per_tok=2) if shape.pop("moe") else None
+    own_layers = shape.pop("n_layers")
+    layers = own_layers if n_layers is None else n_layers
     return ModelArgs(
-        dim=1024,
-        n_layers=n_layers,
-        head_dim=64,
-        hidden_dim=3584,
-        n_heads=16,
-        n_kv_heads=4,
+        **shape,
+        n_layers=layers,
         norm_eps=1e-5,
         vocab_size=32000,
         max_batch_size=max_batch_size,
