@@ -128,11 +128,10 @@ def bench_args(name: str, max_batch_size: int = 8, n_layers: Optional[int] = Non
         raise ValueError(f"unknown model {name!r}; choose from {tuple(SHAPES)}")
     shape = dict(SHAPES[name])
     moe = MoeArgs(num_experts=8, num_experts_per_tok=2) if shape.pop("moe") else None
-    own_layers = shape.pop("n_layers")
-    layers = own_layers if n_layers is None else n_layers
+    if n_layers is not None:
+        shape["n_layers"] = n_layers
     return ModelArgs(
         **shape,
-        n_layers=layers,
         norm_eps=1e-5,
         vocab_size=32000,
         max_batch_size=max_batch_size,
