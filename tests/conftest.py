@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 
@@ -134,3 +135,10 @@ def wait_for(condition, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def generated_loops(codes) -> list:
+    """The outermost loops of the C++ kernels in inductor's generated ``codes`` (from
+    ``run_and_get_code``), each as the text from its ``for(int64_t x0=`` up to the next or the kernel's end."""
+    kernels = [body for code in codes for body in re.findall(r'extern "C"(.*?)\'\'\'', code, flags=re.S)]
+    return [loop for body in kernels for loop in body.split("for(int64_t x0=")[1:]]

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import collections
 import functools
-import re
 
 import pytest
 import torch
-from conftest import WINDOW, random_model, tiny_args
+from conftest import WINDOW, generated_loops, random_model, tiny_args
 from test_model import random_prompts
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
@@ -263,8 +262,7 @@ def test_compiled_cpu_steps_normalize_once_per_product(moe):
     step = torch.compile(functools.partial(decode_logits, model), fullgraph=True, dynamic=False)
     with torch.inference_mode():
         _, codes = run_and_get_code(step, cache.cache_k, cache.cache_v, *inputs)
-    kernels = [body for code in codes for body in re.findall(r'extern "C"(.*?)\'\'\'', code, flags=re.S)]
-    loops = [loop for body in kernels for loop in body.split("for(int64_t x0=")[1:]]  # outermost loops
+    loops = generated_loops(codes)
     assert len(loops) > 20 and sum("tmp_acc" in loop for loop in loops) > 10  # the products are in there
     norms = [loop for loop in loops if "sqrt" in loop]
     assert norms and not [loop for loop in norms if "tmp_acc" in loop]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import generated_loops
 
 from mixtral_infer.fast import cpu_reductions
 from mixtral_infer.model import linear as linear_module
@@ -119,7 +120,7 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
 
     torch._dynamo.reset()
     got, (code,) = run_and_get_code(torch.compile(normed_product, fullgraph=True), h)
-    loops = code.split("for(int64_t x0=")[1:]  # the kernel's outermost loops, each up to the next
+    loops = generated_loops([code])
     over_rows = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(96L)"  # the weight's 96 rows
     (weight_loop,) = [loop for loop in loops if loop.startswith(over_rows) and "x1<static_cast<int64_t>(64L)" in loop]
     assert "sqrt" in code and "sqrt" not in weight_loop
