@@ -99,6 +99,7 @@ import torch
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_to_published
 from mixtral_infer.checkpoint.loading import build_model
+from mixtral_infer.fast.cpu_column_blocks import blocked_numel
 from mixtral_infer.fast.cpu_packed import packed_numel
 from mixtral_infer.generation.generate import default_chunk_size
 from mixtral_infer.generation.generate import prefill as ours_prefill
@@ -384,7 +385,7 @@ def decode_bytes(model: Transformer, batch: int = 1) -> dict:
         distinct = n * (1 - (1 - k / n) ** batch)  # expected distinct experts among B tokens
         ffn = ff.gate.weight.numel() + distinct * one_expert
     else:
-        ffn = sum(p.numel() for p in layer.feed_forward.parameters()) + packed_numel(layer.feed_forward)
+        ffn = sum(p.numel() for p in layer.feed_forward.parameters()) + packed_numel(layer.feed_forward) + blocked_numel(layer.feed_forward)
     per_layer = attention + norms + ffn
     total = batch * args.dim + len(layers) * per_layer + args.dim + model.output.weight.numel()
     return {"bytes": int(total * size), "per_layer": int(per_layer * size), "output": model.output.weight.numel() * size}

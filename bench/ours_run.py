@@ -12,7 +12,8 @@ batch 1) and prefill_s (one 2048-token prompt, default chunk, last logit only), 
 eager path with no bookkeeping, as the first comparison did. ``--decode compiled`` times
 ``generate(..., decode="compiled")`` from its first new token to its last (127 steps, sampling and
 streaming included) after a warm-up call that compiles (``compile_s``), with the weights loaded plain
-as ``main.py --decode compiled`` loads them (``packed``: false; ``fast/cpu_reductions.py`` says why).
+as ``main.py --decode compiled`` loads them (``packed``: "columns", long rows in column blocks;
+``fast/cpu_reductions.py`` and ``fast/cpu_column_blocks.py`` say why).
 """
 
 import argparse
@@ -43,7 +44,7 @@ def main():
     parser.add_argument("--decode", default="loop", choices=["loop", "eager", "static", "compiled"])
     cli = parser.parse_args()
     start = time.perf_counter()
-    pack = cli.decode != "compiled"  # as the CLI loads for --decode compiled (plain weights: fast.cpu_reductions)
+    pack = "columns" if cli.decode == "compiled" else True  # as the CLI loads for --decode compiled (fast.cpu_reductions)
     dtype = getattr(torch, cli.dtype)
     model = load_model(cli.folder, max_batch_size=1, device="cpu", dtype=dtype, quantize=cli.quantize, pack=pack)
     out = {"dtype": cli.dtype, "quantize": cli.quantize, "load_s": time.perf_counter() - start, "threads": torch.get_num_threads(),

@@ -46,6 +46,7 @@ from mixtral_infer.checkpoint.quantized import (
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.fast.cpu_column_blocks import block_long_rows
 from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.model.parallel import Parallel, Selection
@@ -379,7 +380,7 @@ def load_model(
     progress: Optional[Progress] = None,
     parallel: Parallel = Parallel(),
     quantize: Optional[str | QuantScheme] = None,
-    pack: bool = True,
+    pack: bool | str = True,
 ) -> Transformer:
     """Load a Mistral or Hugging Face model folder (format detected from its files).
 
@@ -392,10 +393,14 @@ def load_model(
     bfloat16, the dtype of the CPU kernels. A folder written by ``convert --quantize``
     loads quantized without it.
     ``pack``: a bfloat16 model on CPU keeps its matrices in oneDNN's layout, which the
-    eager loop decodes 1.3x faster (``fast.cpu_packed``); ``pack=False`` keeps plain
-    ``nn.Parameter``s: to edit weights, and for compiled decoding, which reads plain weights
-    faster still (``fast.cpu_reductions``; the CLI's ``--decode compiled`` loads them so).
+    eager loop decodes 1.3x faster (``fast.cpu_packed``); ``pack="columns"``, for compiled
+    decoding, which reads plain 16-bit weights faster still (``fast.cpu_reductions``), keeps
+    them plain but for rows longer than 4096 (Mistral 7B's ``w2``), stored in blocks of columns
+    (``fast.cpu_column_blocks``; the CLI's ``--decode compiled`` loads so); ``pack=False`` keeps
+    plain ``nn.Parameter``s throughout: to edit weights.
     """
+    if pack not in (True, False, "columns"):
+        raise ConfigError(f"pack={pack!r}: use True (oneDNN's layout), 'columns' (for compiled decoding) or False (plain)")
     scheme = QuantScheme.parse(quantize)
     if device is not None:
         try:
@@ -423,6 +428,8 @@ def load_model(
     tensors = checkpoint.published_tensors(progress, select)
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
     int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
+    if pack == "columns":
+        return block_long_rows(model)
     return pack_model(model) if pack else model
 
 

@@ -217,13 +217,14 @@ def load(
         progress=ProgressBar("loading") if is_main_process() else None,
         parallel=parallel,
         quantize=quantize,
-        pack=decode != "compiled",
+        pack="columns" if decode == "compiled" else True,  # compiled: plain weights, long rows in blocks
     )
     tokenizer = Tokenizer(tokenizer_path)
+    from mixtral_infer.fast.cpu_column_blocks import blocked_numel
     from mixtral_infer.fast.cpu_packed import packed_numel
     from mixtral_infer.quant.model import model_scheme, quantized_numel
 
-    n_params = sum(p.numel() for p in model.parameters()) + quantized_numel(model) + packed_numel(model)
+    n_params = sum(p.numel() for p in model.parameters()) + quantized_numel(model) + packed_numel(model) + blocked_numel(model)
     scheme = model_scheme(model)
     print(
         f"rank {parallel.rank}: " if parallel.world_size > 1 else "",

@@ -58,10 +58,15 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def rows_as_reductions(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)``, one multiply-and-sum per row of ``x`` in
     float32, times ``scales (OUT,)`` when given (an int8 weight's), rounded once to ``x``'s dtype.
-    Op by op it would hold ``(OUT, IN)`` float32 products: for compiled code only."""
-    wide = weight.float()  # (OUT, IN): inductor converts as it reads, nothing is stored
+    ``weight`` may also be column blocks ``(n, OUT, B)`` (``fast.cpu_column_blocks``): then each
+    block's sums, in turn, are added up. Op by op it would hold ``(OUT, IN)`` float32 products:
+    for compiled code only."""
+    wide = weight.float()  # (OUT, IN) or (n, OUT, B): inductor converts as it reads, nothing is stored
     rows = materialized(x.float())  # (M, IN) widened once, not once per row of the weight
-    sums = torch.stack([(row * wide).sum(-1) for row in rows.unbind(0)])  # (M, OUT)
+    if wide.dim() == 3:  # block by block, each against its own piece of the row: (n, 1, B) * (n, OUT, B)
+        sums = torch.stack([(row.view(wide.shape[0], 1, -1) * wide).sum(-1).sum(0) for row in rows.unbind(0)])
+    else:
+        sums = torch.stack([(row * wide).sum(-1) for row in rows.unbind(0)])  # (M, OUT)
     if scales is not None:
         sums = sums * scales.float()
     return sums.to(x.dtype)

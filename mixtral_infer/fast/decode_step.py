@@ -41,6 +41,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.fast.cpu_reductions import materialized
 from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
@@ -171,12 +172,21 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     if batch * k < n_experts:
         w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, A, I, D), (B, A, I, D), (B, A, D, I)
         hidden = F.silu(torch.einsum("bd,bkid->bki", x, w1)) * torch.einsum("bd,bkid->bki", x, w3)  # (B, A, I)
-        out = torch.einsum("bki,bkdi->bkd", hidden, w2)  # (B, A, D)
+        out = _down_projection(hidden[:, :, None], w2)[:, :, 0]  # (B, A, D)
         return torch.einsum("bkd,bk->bd", out, weights)
     mix = torch.zeros(batch, n_experts, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (B, E)
     hidden = F.silu(torch.einsum("bd,eid->ebi", x, moe.w1)) * torch.einsum("bd,eid->ebi", x, moe.w3)  # (E, B, I)
-    out = torch.einsum("ebi,edi->ebd", hidden, moe.w2)  # (E, B, D)
+    out = _down_projection(hidden, moe.w2)  # (E, B, D)
     return torch.einsum("ebd,be->bd", out, mix)
+
+
+def _down_projection(hidden: torch.Tensor, w2: torch.Tensor | ColumnBlocks) -> torch.Tensor:
+    """``hidden (..., N, I)`` times ``w2 (..., D, I)``, each leading index its own expert: ``(..., N, D)``.
+    w2 in column blocks ``(..., n, D, B)`` (``fast.cpu_column_blocks``): block by block, summed."""
+    if isinstance(w2, ColumnBlocks):
+        parts = hidden.unflatten(-1, (w2.blocks.shape[-3], -1))  # (..., N, n, B)
+        return torch.einsum("...xnj,...ndj->...nxd", parts, w2.blocks).sum(-3)
+    return torch.einsum("...xi,...di->...xd", hidden, w2)
 
 
 def _quantized_moe_one_token(moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

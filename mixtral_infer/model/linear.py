@@ -51,6 +51,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_float32 import float32_linear
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear, side_by_side
 from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
@@ -91,12 +92,14 @@ def linears(x: torch.Tensor, *weights) -> List[torch.Tensor]:
     return list(linear(x, whole).split([weight.shape[-2] for weight in weights], dim=-1))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeight | ColumnBlocks) -> torch.Tensor:
     """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` (a transposed view on the bmm path)."""
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight)
     if isinstance(weight, PackedWeight):
         return upcast_linear(x, weight.dense()) if should_upcast(x) else packed_linear(x, weight)
+    if isinstance(weight, ColumnBlocks):  # compiled few-row products read the blocks; others the plain weight
+        return rows_as_reductions(x, weight.blocks) if reduces(x, weight) else linear(x, weight.dense())
     if reduces(x, weight):  # compiled few-row 16-bit products of a plain weight
         return rows_as_reductions(x, weight)
     if should_upcast(x):  # prefill-sized 16-bit products on CPUs that multiply float32 faster

@@ -1,0 +1,132 @@
+"""fast.cpu_column_blocks: long rows stored in blocks of columns give the plain weight's products."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import generated_loops, random_model, tiny_args
+
+from mixtral_infer import load_model
+from mixtral_infer.checkpoint.loading import save_consolidated
+from mixtral_infer.errors import ConfigError
+from mixtral_infer.fast import cpu_column_blocks, cpu_reductions
+from mixtral_infer.fast.cpu_column_blocks import (
+    ColumnBlocks,
+    ColumnBlocksParameter,
+    block_long_rows,
+    block_width,
+    blocked_numel,
+    to_blocks,
+    unblock_long_rows,
+)
+from mixtral_infer.fast.decode_step import decode_logits
+from mixtral_infer.model.linear import linear
+
+
+def test_the_docstring_example():
+    """Two blocks of two columns: the block sums [3, 11] + [7, 15] are weight @ x = [10, 26]."""
+    weight = torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8]])
+    blocks = to_blocks(weight, 2)
+    assert blocks.blocks.tolist() == [[[1, 2], [5, 6]], [[3, 4], [7, 8]]]
+    assert blocks.shape == (2, 4)
+    assert torch.equal(blocks.dense(), weight)
+    x = torch.ones(1, 4)
+    assert cpu_reductions.rows_as_reductions(x, blocks.blocks).tolist() == [[10, 26]]
+    assert linear(x, blocks).tolist() == [[10, 26]]  # not compiling: the plain weight's product
+
+
+def test_block_widths():
+    """The fewest equal blocks of at most MAX_BLOCK (4096) columns: Mistral 7B's w2 (14336) in 4 of 3584."""
+    assert cpu_column_blocks.MAX_BLOCK == 4096
+    assert block_width(14336) == 3584
+    assert block_width(8192) == 4096
+    assert block_width(4096) is None and block_width(1024) is None  # short rows stay as they are
+    assert block_width(4097) == 241  # 17 blocks: the fewest that divide it
+    assert block_width(4099) is None  # a prime: no blocks of at least 32 columns
+
+
+def test_stacked_experts_index_to_their_own_blocks():
+    weight = torch.randn(3, 5, 12)  # (E, OUT, IN)
+    blocks = to_blocks(weight, 4)
+    assert blocks.blocks.shape == (3, 3, 5, 4) and blocks.shape == (3, 5, 12)
+    for e in range(3):
+        assert torch.equal(blocks[e].blocks, to_blocks(weight[e], 4).blocks)
+        assert torch.equal(blocks[torch.tensor(e)].dense(), weight[e])
+    with pytest.raises(IndexError, match="only stacked experts"):
+        blocks[0][0]
+
+
+@pytest.fixture
+def short_blocks(monkeypatch):
+    """Blocks of at most 64 columns: the tiny models' w2 (rows of 96) splits into 2 of 48."""
+    monkeypatch.setattr(cpu_column_blocks, "MAX_BLOCK", 64)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_blocked_model_keeps_its_weights_and_products(moe, short_blocks):
+    """Only w2 (rows of 96 > 64) is blocked; state_dict() still gives the plain weights, the eager
+    forward is the plain model's bit for bit, and unblock_long_rows gives the plain parameters back."""
+    plain = random_model(tiny_args(moe=moe), seed=3).to(torch.bfloat16)
+    blocked = block_long_rows(random_model(tiny_args(moe=moe), seed=3).to(torch.bfloat16))
+    holders = {name: m for name, m in blocked.named_modules() if isinstance(m, ColumnBlocksParameter)}
+    assert sorted(holders) == [f"layers.{i}.feed_forward.w2{'' if moe else '.weight'}" for i in range(2)]
+    assert all(m.blocks.shape[-3:] == (2, 64, 48) for m in holders.values())
+    assert blocked_numel(blocked) == sum(m.numel() for m in holders.values()) > 0
+    expected = plain.state_dict()
+    got = blocked.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    tokens = torch.tensor([5, 9, 1, 7, 3])
+    assert torch.equal(blocked(tokens, [3, 2]), plain(tokens, [3, 2]))
+    unblock_long_rows(blocked)
+    assert blocked_numel(blocked) == 0
+    assert {n: p.shape for n, p in blocked.named_parameters()} == {n: p.shape for n, p in plain.named_parameters()}
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks):
+    """Compiled on CPU, a blocked model's decode step gives the plain model's logits op by op
+    within bfloat16's rounding (MoE: batch 1 gathers two experts, batch 2 runs all four)."""
+    plain = random_model(tiny_args(moe=moe, max_batch_size=2), seed=29).to(torch.bfloat16)
+    blocked = block_long_rows(random_model(tiny_args(moe=moe, max_batch_size=2), seed=29).to(torch.bfloat16))
+    assert blocked_numel(blocked) > 0
+    cache = plain.make_cache(batch)
+    cache.start_sequences(batch)
+    inputs = (torch.tensor([5, 6][:batch]), torch.tensor([3, 9][:batch]), torch.ones(batch, dtype=torch.bool))
+    with torch.inference_mode():
+        expected = decode_logits(plain, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
+        compiled = torch.compile(functools.partial(decode_logits, blocked), fullgraph=True, dynamic=False)
+        logits = compiled(cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)
+
+
+def test_compiled_products_walk_the_blocks_one_after_the_other():
+    """The generated loop runs over the blocks outermost, each a contiguous (OUT, B) matrix read row
+    after row (weight index ``x2 + 48*x1 + 1920*x0``: block x0, row x1, column x2); the plain
+    weight's loop would step 96 columns a row. The result is the plain product's."""
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(40, 96, generator=g).to(torch.bfloat16)  # (OUT, IN)
+    blocks = to_blocks(weight, 48)  # (2, 40, 48)
+    x = torch.randn(1, 96, generator=g).to(torch.bfloat16)
+    torch._dynamo.reset()
+    got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocks), fullgraph=True), x)
+    loops = [loop for loop in generated_loops([code]) if "48L*x1 + 1920L*x0" in loop]
+    assert len(loops) == 1 and loops[0].startswith("static_cast<int64_t>(0L); x0<static_cast<int64_t>(2L);")
+    assert "96L*x" not in code
+    torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.07, rtol=0.01)
+
+
+def test_load_model_stores_long_rows_in_blocks(tmp_path, short_blocks):
+    """``pack="columns"``: plain parameters but for the long rows; anything else than True, False
+    or "columns" is a one-line error before any weight is read."""
+    save_consolidated(random_model(tiny_args(moe=True)).to(torch.bfloat16), tmp_path / "bf16")
+    model = load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16, pack="columns")
+    assert isinstance(model.layers["0"].feed_forward.w2, ColumnBlocks)
+    assert isinstance(model.layers["0"].feed_forward.w1, torch.nn.Parameter)
+    with pytest.raises(ConfigError, match="pack='column'"):
+        load_model(tmp_path / "missing", pack="column")
