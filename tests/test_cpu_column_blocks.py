@@ -18,11 +18,14 @@ from mixtral_infer.fast.cpu_column_blocks import (
     block_long_rows,
     block_width,
     blocked_numel,
+    int8_blocks,
     to_blocks,
     unblock_long_rows,
 )
 from mixtral_infer.fast.decode_step import decode_logits
 from mixtral_infer.model.linear import linear
+from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.quant.weights import QuantizedParameter
 
 
 def test_the_docstring_example():
@@ -121,6 +124,54 @@ def test_compiled_products_walk_the_blocks_one_after_the_other():
     torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.07, rtol=0.01)
 
 
+def int8_model(moe: bool, blocked: bool, seed: int):
+    model = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=2), seed=seed).to(torch.bfloat16), "int8")
+    return block_long_rows(model) if blocked else model
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_int8_integers_in_blocks_give_the_same_products(moe, short_blocks):
+    """int8 weight-only w2 keeps its integers as column blocks only (``packed``, ``values`` dropped):
+    ``integers()`` puts them back together, the eager forward (the int8 kernel on those integers)
+    is the plain model's bit for bit, and unblock_long_rows gives the plain integers back."""
+    plain, blocked = int8_model(moe, False, seed=4), int8_model(moe, True, seed=4)
+
+    def w2(model, layer):
+        feed_forward = model.layers[str(layer)].feed_forward
+        return feed_forward.w2 if moe else feed_forward.w2.weight
+
+    w2s = [(w2(plain, layer), w2(blocked, layer)) for layer in range(2)]
+    for p, b in w2s:
+        assert isinstance(b, QuantizedParameter) and b.values is None
+        assert torch.equal(int8_blocks(b), to_blocks(p.values, 48).blocks)
+        assert torch.equal(b.integers(), p.values)
+    assert int8_blocks(blocked.layers["0"].attention.wq.weight) is None  # rows of 64: plain
+    tokens = torch.tensor([5, 9, 1, 7, 3])
+    assert torch.equal(blocked(tokens, [3, 2]), plain(tokens, [3, 2]))
+    unblock_long_rows(blocked)
+    assert all(torch.equal(b.values, p.values) and int8_blocks(b) is None for p, b in w2s)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks):
+    """The compiled step multiplies the blocks as reductions (no int8 kernel, which would need the
+    integers put back together) and gives the plain model's logits op by op within bfloat16's rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    plain, blocked = int8_model(moe, False, seed=31), int8_model(moe, True, seed=31)
+    cache = plain.make_cache(batch)
+    cache.start_sequences(batch)
+    inputs = (torch.tensor([5, 6][:batch]), torch.tensor([3, 9][:batch]), torch.ones(batch, dtype=torch.bool))
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = decode_logits(plain, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
+        compiled = torch.compile(functools.partial(decode_logits, blocked), fullgraph=True, dynamic=False)
+        logits, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+    assert not [code for code in codes if "int8pack_mm" in code or "int8_expert_mm" in code]
+    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)
+
+
 def test_load_model_stores_long_rows_in_blocks(tmp_path, short_blocks):
     """``pack="columns"``: plain parameters but for the long rows; anything else than True, False
     or "columns" is a one-line error before any weight is read."""
@@ -128,5 +179,7 @@ def test_load_model_stores_long_rows_in_blocks(tmp_path, short_blocks):
     model = load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16, pack="columns")
     assert isinstance(model.layers["0"].feed_forward.w2, ColumnBlocks)
     assert isinstance(model.layers["0"].feed_forward.w1, torch.nn.Parameter)
+    int8 = load_model(tmp_path / "bf16", device="cpu", dtype=torch.bfloat16, quantize="int8", pack="columns")
+    assert int8_blocks(int8.layers["0"].feed_forward.w2).shape == (4, 2, 64, 48)  # (E, n, OUT, B)
     with pytest.raises(ConfigError, match="pack='column'"):
         load_model(tmp_path / "missing", pack="column")

@@ -44,6 +44,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_column_blocks import int8_blocks
 from mixtral_infer.fast.cpu_packed import side_by_side
 from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
@@ -141,9 +142,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
     if uses_int8_activations(x, weight):
         return int8_activations_linear(x, weight.prepacked)
-    if weight.scheme.name == "int8" and weight.values is not None and reduces(x, weight.values):
+    integers = weight.values if weight.values is not None else int8_blocks(weight)  # plain or column blocks
+    if weight.scheme.name == "int8" and integers is not None and reduces(x, integers):
         weight = weight.resolved()  # one expert of stacked weights: compiled code reads it in place
-        return rows_as_reductions(x, weight.values, weight.scales)  # compiled CPU decoding (module docstring)
+        integers = weight.values if weight.values is not None else int8_blocks(weight)
+        return rows_as_reductions(x, integers, weight.scales)  # compiled CPU decoding (module docstring)
     if weight.expert is not None:
         out = expert_kernel_linear(x, weight)
         if out is not None:
@@ -156,7 +159,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
                 return upcast_linear(x, weight.dequantize(torch.float32))
             return reference_linear(x, weight)
         if weight.scheme.name == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, weight.values, weight.scales)
+            return torch.ops.aten._weight_int8pack_mm(x, weight.integers(), weight.scales)
         cpu_layout = int4_layout(weight) == "cpu"
         if cpu_layout and x.shape[0] >= DEQUANTIZE_ROWS and weight.shape[-2] % INT4_BLOCK == 0:
             if not should_upcast(x):  # this CPU multiplies 16-bit faster: as reference_linear does

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from mixtral_infer.errors import ConfigError
+from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 
 SCHEMES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels take
@@ -187,6 +188,8 @@ class QuantizedWeight:
             return self.resolved().integers()
         if self.values is None and self.prepacked is not None:  # fbgemm's matrices give their integers back
             return self.prepacked.dense().to(self.device)  # (on CPU; the scales may have moved with the model)
+        if self.values is None and self.scheme.name == "int8" and self.packed is not None:
+            return ColumnBlocks(self.packed[0]).dense()  # int8 in column blocks (fast.cpu_column_blocks)
         if self.values is None:
             raise RuntimeError("this weight holds only its kernel layout; quantize again to get the integers")
         if self.scheme.name == "int8":
