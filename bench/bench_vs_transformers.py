@@ -117,6 +117,8 @@ SHAPES = {
     # Mistral 7B's widths (its layers read 0.22 G weights each) but 4 of its 32 layers: a decode
     # step's fixed costs weigh here as on the real model, and it fits this machine in float32.
     "mistral-wide": dict(dim=4096, head_dim=128, hidden_dim=14336, n_heads=32, n_kv_heads=8, n_layers=4, moe=False),
+    # Mixtral 8x7B's widths (8 experts of Mistral 7B's feed-forward) with 2 of its 32 layers.
+    "mixtral-wide": dict(dim=4096, head_dim=128, hidden_dim=14336, n_heads=32, n_kv_heads=8, n_layers=2, moe=True),
 }
 
 

@@ -1,0 +1,101 @@
+"""Compiled CPU decoding with long rows in column blocks against plain weights, one process alternating.
+
+    python bench/bench_column_blocks.py --model mistral-wide --quantize none int8 --rounds 6
+
+``fast/cpu_column_blocks.py`` keeps weights whose rows are longer than 4096 (Mistral 7B's and
+Mixtral 8x7B's w2) as contiguous blocks of columns for the compiled step's products. This loads one
+random model of bench_vs_transformers.py's shape (``mistral-wide``: 4 layers of Mistral 7B's widths;
+``mixtral-wide``: 2 layers of Mixtral 8x7B's, about 6 GB per copy in bfloat16), keeps a copy with
+its long rows in blocks, and alternates ``generate(..., decode="compiled")`` on the two (random
+64-token prompt, 128 greedy new tokens, timed from the first new token to the last), printing
+tokens/s and the medians. Each copy compiles through its own code object, so neither pays for
+checking the other's guards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_decode_modes import decode_seconds  # noqa: E402
+from bench_vs_transformers import bench_args, ours_alone, random_prompts  # noqa: E402
+
+from mixtral_infer.fast.cpu_column_blocks import block_long_rows, blocked_numel, int8_blocks  # noqa: E402
+from mixtral_infer.quant.model import quantize_model  # noqa: E402
+from mixtral_infer.quant.weights import QuantizedParameter  # noqa: E402
+
+NEW_TOKENS = 128
+
+
+def compiled_apart(label: str):
+    """``torch.compile`` for one copy: the function it is given, as a code object of its own."""
+    compile_ = torch.compile
+
+    def compile_own(fn, **options):
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{label}")
+        own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        return compile_(own, **options)
+
+    return compile_own
+
+
+def numel_in_blocks(model) -> int:
+    """Weights held in column blocks: float parameters and int8 integers."""
+    integers = [int8_blocks(m) for m in model.modules() if isinstance(m, QuantizedParameter)]
+    return blocked_numel(model) + sum(blocks.numel() for blocks in integers if blocks is not None)
+
+
+def tokens_per_second(model, prompts, label: str) -> float:
+    compile_ = torch.compile
+    torch.compile = compiled_apart(label)
+    try:
+        return (NEW_TOKENS - 1) / decode_seconds(model, prompts, "compiled", NEW_TOKENS)
+    finally:
+        torch.compile = compile_
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="mistral-wide", choices=["mistral-wide", "mixtral-wide"])
+    parser.add_argument("--quantize", nargs="+", default=["none", "int8"], help="none (bfloat16) and/or int8")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", default=None)
+    cli = parser.parse_args()
+    results = {}
+    for quantize in cli.quantize:
+        plain = ours_alone(bench_args(cli.model, max_batch_size=1)).to(torch.bfloat16)
+        if quantize != "none":
+            quantize_model(plain, quantize)
+        blocked = block_long_rows(copy.deepcopy(plain))
+        print(f"{cli.model} {quantize}: {numel_in_blocks(blocked) / 1e6:.0f}M weights in column blocks", flush=True)
+        prompts = random_prompts(1, 64, plain.args.vocab_size, seed=1)
+        models = {"plain": plain, "columns": blocked}
+        for label, model in models.items():
+            tokens_per_second(model, prompts, label)  # compiles
+        runs = {label: [] for label in models}
+        for _ in range(cli.rounds):
+            for label, model in models.items():
+                runs[label].append(round(tokens_per_second(model, prompts, label), 2))
+        for label, values in runs.items():
+            print(f"{cli.model} {quantize:5s} {label:8s} median {statistics.median(values):6.1f} tok/s  runs {values}", flush=True)
+        results[quantize] = {label: {"median": statistics.median(v), "runs": v} for label, v in runs.items()}
+        del plain, blocked, models  # and what compiled them, before the next pair is made
+        torch._dynamo.reset()
+        gc.collect()
+    if cli.out:
+        Path(cli.out).write_text(json.dumps({"model": cli.model, "torch": torch.__version__, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
