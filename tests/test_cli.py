@@ -333,11 +333,15 @@ def test_an_unknown_decode_mode_is_refused_before_loading():
 
 
 @pytest.mark.parametrize("decode", ["auto", "eager", "compiled"])
-def test_decode_compiled_loads_bfloat16_weights_plain(decode):
-    """Compiled CPU decoding reads plain bfloat16 weights faster than oneDNN's layout (model.linear);
-    the eager loop reads the packed ones faster: the command line loads what its --decode reads."""
+def test_decode_compiled_loads_bfloat16_weights_plain_long_rows_in_blocks(decode, monkeypatch):
+    """Compiled CPU decoding reads plain bfloat16 weights faster than oneDNN's layout (model.linear),
+    long rows in column blocks (here rows of more than 32: the shipped model's are short); the eager
+    loop reads the packed ones faster: the command line loads what its --decode reads."""
     from mixtral_infer.cli import commands
+    from mixtral_infer.fast import cpu_column_blocks
     from mixtral_infer.fast.cpu_packed import is_packed
 
+    monkeypatch.setattr(cpu_column_blocks, "MAX_BLOCK", 32)
     model, _ = commands.load(None, 1, "cpu", "bfloat16", max_tokens=8, decode=decode)
     assert is_packed(model) == (decode != "compiled")
+    assert (cpu_column_blocks.blocked_numel(model) > 0) == (decode == "compiled")

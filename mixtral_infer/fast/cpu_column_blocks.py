@@ -11,10 +11,18 @@ So a 16-bit weight whose rows are longer than ``MAX_BLOCK`` is stored as ``n`` b
 width ``B <= MAX_BLOCK``, each block its own contiguous ``(OUT, B)`` matrix:
 ``(OUT, IN) -> (n, OUT, B)``. The product is then ``n`` products with rows of ``B``, one after
 the other, each against its own piece of ``x`` (14 KB for ``B = 3584``), added up. On the same
-EPYC, mistral-wide (Mistral 7B's widths, 4 layers), compiled decode batch 1, one process
-alternating (medians of 6), bfloat16 16.4 -> 22.7 tokens/s. Reading the plain weight's columns in
-blocks through a strided view instead, without moving them, gains nothing (16.0 -> 16.6): the
-rows' pieces are then 7 KB apart from each other.
+EPYC, compiled decode batch 1, one process alternating plain and blocked copies of one random model
+(``bench/bench_column_blocks.py``, medians of 5-6), tokens/s:
+
+====================================================  ===============  ===============
+shape                                                  bfloat16         int8 weight-only
+====================================================  ===============  ===============
+mistral-wide (Mistral 7B's widths, 4 layers)           16.4 -> 21.2     24.0 -> 29.7
+mixtral-wide (Mixtral 8x7B's widths, 2 layers)         15.5 -> 20.1     23.4 -> 26.4
+====================================================  ===============  ===============
+
+Reading the plain weight's columns in blocks through a strided view instead, without moving them,
+gains nothing (16.0 -> 16.6): the rows' pieces are then 7 KB apart from each other.
 
 Example, ``IN = 4``, two blocks of ``B = 2``::
 
@@ -26,7 +34,8 @@ Example, ``IN = 4``, two blocks of ``B = 2``::
 ``ColumnBlocks`` holds the blocks; ``linear()`` recognises it, so the model's code is the same
 whatever the layout. Compiled few-row products read the blocks (``cpu_reductions``); every other
 product (prompts, eager code) multiplies the plain weight, put back together for the call
-(``dense()``: a copy of the weight, small beside a prompt's arithmetic). ``load_model(...,
+(``dense()``: a copy; a 512-token mistral-wide prompt in bfloat16 prefills at 182 tokens/s against
+201 plain). Multiplying block by block there would round each block's product to the 16-bit type. ``load_model(...,
 pack="columns")`` stores a model's long rows so (the CLI's ``--decode compiled`` loads that
 way); ``state_dict()`` still gives the plain weights, and ``unblock_long_rows`` puts plain
 parameters back for code that edits weights.

@@ -26,7 +26,7 @@ against the kernel, mistral-bench 97.5 -> 114.1, mixtral-bench 54.4 -> 73.8 (w8a
 comparison: 163.1 and 87.2). The eager loop has no such loop to run: op by op the products would
 be held in memory, and it reads the plain bfloat16 weight through ``F.linear`` (mistral-bench
 57.6 packed -> 40.5 plain), so ``load_model`` packs bfloat16 unless told otherwise
-(``pack=False``; ``main.py --decode compiled`` loads plain).
+(``pack="columns"``, plain but for long rows, is how ``main.py --decode compiled`` loads).
 
 **The rows are read from memory.** Inductor inlines a cheap elementwise producer into its
 consumer: the RMSNorm before wq, w1 or the output matrix would be recomputed inside the loop, for
@@ -40,6 +40,10 @@ Whole models, compiled decode batch 1, one process alternating, medians of 5, to
 -> materialized: mistral-bench int8 114.4 -> 160.1, bfloat16 95.2 -> 103.7; mixtral-bench bfloat16
 64.6 -> 68.5. int8 weight-only then decodes as fast as w8a8 (fbgemm): mistral-bench 161.2 against
 143.8, mixtral-bench 100.7 against 102.6 (int4: 167.5 and 95.7).
+
+Rows longer than 4096 read at half that speed, their float32 input no longer in L1: such
+weights are kept in blocks of columns (``fast.cpu_column_blocks``), and the reduction runs
+block by block.
 
 Example, one row times a 3 x 2 weight: ``[1, 2] @ [[1, 0], [0, 1], [1, 1]].T`` is the three sums
 ``[1*1 + 2*0, 1*0 + 2*1, 1*1 + 2*1] = [1, 2, 3]``.

@@ -34,9 +34,11 @@ in bfloat16 (``bench/bench_quant.py``, 1-8 rows of a 3584 x 1024 weight on a 2-c
 with avx512_bf16: 0.31 ms against 0.79-1.2 ms).
 
 Compiled code on CPU multiplies a *plain* bfloat16 or float16 weight (``load_model(...,
-pack=False)``, which the CLI does for ``--decode compiled``) by one or two rows as
+pack="columns")``, which the CLI does for ``--decode compiled``) by one or two rows as
 multiply-and-sum reductions that inductor writes (``fast.cpu_reductions``): they read it faster
-than oneDNN reads its own layout.
+than oneDNN reads its own layout. Rows longer than 4096 are kept in blocks of columns
+(``fast.cpu_column_blocks.ColumnBlocks``), which those reductions read block by block; every
+other product multiplies the plain weight, put back together.
 
 A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
 (``quant.kernels``), and a bfloat16/float16 weight packed in oneDNN's layout
