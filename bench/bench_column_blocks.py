@@ -60,7 +60,7 @@ def tokens_per_second(model, prompts, label: str) -> float:
     compile_ = torch.compile
     torch.compile = compiled_apart(label)
     try:
-        return (NEW_TOKENS - 1) / decode_seconds(model, prompts, "compiled", NEW_TOKENS)
+        return len(prompts) * (NEW_TOKENS - 1) / decode_seconds(model, prompts, "compiled", NEW_TOKENS)
     finally:
         torch.compile = compile_
 
@@ -70,16 +70,17 @@ def main() -> None:
     parser.add_argument("--model", default="mistral-wide", choices=["mistral-wide", "mixtral-wide"])
     parser.add_argument("--quantize", nargs="+", default=["none", "int8"], help="none (bfloat16) and/or int8")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     parser.add_argument("--out", default=None)
     cli = parser.parse_args()
-    results = {}
+    results = {}  # "<quantize> batch <B>" -> plain / columns -> median, runs
     for quantize in cli.quantize:
-        plain = ours_alone(bench_args(cli.model, max_batch_size=1)).to(torch.bfloat16)
+        plain = ours_alone(bench_args(cli.model, max_batch_size=cli.batch)).to(torch.bfloat16)
         if quantize != "none":
             quantize_model(plain, quantize)
         blocked = block_long_rows(copy.deepcopy(plain))
         print(f"{cli.model} {quantize}: {numel_in_blocks(blocked) / 1e6:.0f}M weights in column blocks", flush=True)
-        prompts = random_prompts(1, 64, plain.args.vocab_size, seed=1)
+        prompts = random_prompts(cli.batch, 64, plain.args.vocab_size, seed=1)
         models = {"plain": plain, "columns": blocked}
         for label, model in models.items():
             tokens_per_second(model, prompts, label)  # compiles
@@ -88,8 +89,11 @@ def main() -> None:
             for label, model in models.items():
                 runs[label].append(round(tokens_per_second(model, prompts, label), 2))
         for label, values in runs.items():
-            print(f"{cli.model} {quantize:5s} {label:8s} median {statistics.median(values):6.1f} tok/s  runs {values}", flush=True)
-        results[quantize] = {label: {"median": statistics.median(v), "runs": v} for label, v in runs.items()}
+            median = statistics.median(values)
+            line = f"{cli.model} {quantize:5s} batch {cli.batch} {label:8s} median {median:6.1f} tok/s  runs {values}"
+            print(line, flush=True)
+        key = f"{quantize} batch {cli.batch}"
+        results[key] = {k: {"median": statistics.median(v), "runs": v} for k, v in runs.items()}
         del plain, blocked, models  # and what compiled them, before the next pair is made
         torch._dynamo.reset()
         gc.collect()

@@ -89,16 +89,18 @@ def test_a_blocked_model_keeps_its_weights_and_products(moe, short_blocks):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 4])
 def test_compiled_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks):
     """Compiled on CPU, a blocked model's decode step gives the plain model's logits op by op
-    within bfloat16's rounding (MoE: batch 1 gathers two experts, batch 2 runs all four)."""
-    plain = random_model(tiny_args(moe=moe, max_batch_size=2), seed=29).to(torch.bfloat16)
-    blocked = block_long_rows(random_model(tiny_args(moe=moe, max_batch_size=2), seed=29).to(torch.bfloat16))
+    within bfloat16's rounding (MoE: batch 1 gathers two experts, batches 2 and 4 run all four;
+    dense batch 4: more rows than the reductions take, block by block)."""
+    plain = random_model(tiny_args(moe=moe, max_batch_size=4), seed=29).to(torch.bfloat16)
+    blocked = block_long_rows(random_model(tiny_args(moe=moe, max_batch_size=4), seed=29).to(torch.bfloat16))
     assert blocked_numel(blocked) > 0
     cache = plain.make_cache(batch)
     cache.start_sequences(batch)
-    inputs = (torch.tensor([5, 6][:batch]), torch.tensor([3, 9][:batch]), torch.ones(batch, dtype=torch.bool))
+    tokens, positions = torch.tensor([5, 6, 1, 7][:batch]), torch.tensor([3, 9, 0, 12][:batch])
+    inputs = (tokens, positions, torch.ones(batch, dtype=torch.bool))
     with torch.inference_mode():
         expected = decode_logits(plain, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
         compiled = torch.compile(functools.partial(decode_logits, blocked), fullgraph=True, dynamic=False)
@@ -125,7 +127,7 @@ def test_compiled_products_walk_the_blocks_one_after_the_other():
 
 
 def int8_model(moe: bool, blocked: bool, seed: int):
-    model = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=2), seed=seed).to(torch.bfloat16), "int8")
+    model = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=4), seed=seed).to(torch.bfloat16), "int8")
     return block_long_rows(model) if blocked else model
 
 
@@ -153,23 +155,73 @@ def test_int8_integers_in_blocks_give_the_same_products(moe, short_blocks):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 4])
 def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks):
-    """The compiled step multiplies the blocks as reductions (no int8 kernel, which would need the
-    integers put back together) and gives the plain model's logits op by op within bfloat16's rounding."""
+    """The compiled step never puts w2's integers back together (a copy every step): batches 1-2
+    multiply its blocks as reductions, no int8 kernel; batch 4 runs the kernel on each of its 2
+    blocks, where the plain model runs it once. Its logits equal the plain model's op by op
+    within bfloat16's rounding."""
     from torch._inductor.utils import run_and_get_code
 
     plain, blocked = int8_model(moe, False, seed=31), int8_model(moe, True, seed=31)
     cache = plain.make_cache(batch)
     cache.start_sequences(batch)
-    inputs = (torch.tensor([5, 6][:batch]), torch.tensor([3, 9][:batch]), torch.ones(batch, dtype=torch.bool))
+    tokens, positions = torch.tensor([5, 6, 1, 7][:batch]), torch.tensor([3, 9, 0, 12][:batch])
+    inputs = (tokens, positions, torch.ones(batch, dtype=torch.bool))
     torch._dynamo.reset()
     with torch.inference_mode():
         expected = decode_logits(plain, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
         compiled = torch.compile(functools.partial(decode_logits, blocked), fullgraph=True, dynamic=False)
         logits, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
-    assert not [code for code in codes if "int8pack_mm" in code or "int8_expert_mm" in code]
+        _, plain_codes = run_and_get_code(torch.compile(functools.partial(decode_logits, plain), fullgraph=True),
+                                          cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # fmt: skip
+
+    def int8_kernel_calls(codes) -> int:
+        calls = ("= extern_kernels._weight_int8pack_mm(", "int8_expert_mm.default(")
+        return sum(code.count(call) for code in codes for call in calls)
+
+    w2_products = 0 if batch <= 2 else 2 * (4 if moe else 1)  # 2 layers (x 4 experts), each now 2 blocks
+    assert int8_kernel_calls(codes) == int8_kernel_calls(plain_codes) + w2_products
+    assert int8_kernel_calls(plain_codes) == (0 if batch <= 2 else 15 if not moe else 33)
+    buffers = [line for code in codes for line in code.splitlines() if "= empty_strided_cpu((" in line]
+    assert not [line for line in buffers if "64, 96)" in line]  # no (.., OUT, IN) copy of w2's integers
     torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)
+
+
+def test_compiled_products_of_more_rows_multiply_block_by_block():
+    """Four rows, more than the reductions take: one batched product over the blocks, summed, and no
+    copy of the plain weight (no (OUT, IN) buffer) in the generated code; equal to the plain product
+    within the rounding of each block's product to bfloat16."""
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(8)
+    weight = torch.randn(40, 96, generator=g).to(torch.bfloat16)  # (OUT, IN)
+    blocks = to_blocks(weight, 48)  # (2, 40, 48)
+    x = torch.randn(4, 96, generator=g).to(torch.bfloat16)
+    torch._dynamo.reset()
+    got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocks), fullgraph=True), x)
+    assert "extern_kernels.bmm" in code and "(40, 96)" not in code
+    assert torch.equal(cpu_column_blocks.block_products(x, blocks), got)
+    torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.15, rtol=0.02)
+
+
+def test_compiled_int8_products_of_many_rows_multiply_block_by_block():
+    """More rows than the reductions take: the int8 kernel on each block, no (OUT, IN) copy of the
+    integers; equal to the plain product within bfloat16's rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    from mixtral_infer.quant.kernels import BLOCK_REDUCTION_ROWS, quantized_linear
+    from mixtral_infer.quant.weights import QuantScheme, quantize
+
+    g = torch.Generator().manual_seed(9)
+    plain = quantize(torch.randn(40, 96, generator=g).to(torch.bfloat16), QuantScheme.parse("int8"), torch.bfloat16)
+    blocked = quantize(plain.dequantize(torch.bfloat16), QuantScheme.parse("int8"), torch.bfloat16)
+    blocked.packed, blocked.values = (to_blocks(blocked.values, 48).blocks, blocked.scales), None
+    x = torch.randn(BLOCK_REDUCTION_ROWS + 4, 96, generator=g).to(torch.bfloat16)
+    torch._dynamo.reset()
+    got, (code,) = run_and_get_code(torch.compile(lambda x: quantized_linear(x, blocked), fullgraph=True), x)
+    assert code.count("_weight_int8pack_mm") >= 2 and "(40, 96)" not in code
+    torch.testing.assert_close(got, quantized_linear(x, plain), atol=0.15, rtol=0.02)
 
 
 def test_load_model_stores_long_rows_in_blocks(tmp_path, short_blocks):

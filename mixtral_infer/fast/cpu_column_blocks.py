@@ -32,10 +32,12 @@ Example, ``IN = 4``, two blocks of ``B = 2``::
     x = [1, 1, 1, 1]:  block sums [3, 11] + [7, 15] = [10, 26] = weight @ x
 
 ``ColumnBlocks`` holds the blocks; ``linear()`` recognises it, so the model's code is the same
-whatever the layout. Compiled few-row products read the blocks (``cpu_reductions``); every other
-product (prompts, eager code) multiplies the plain weight, put back together for the call
-(``dense()``: a copy; a 512-token mistral-wide prompt in bfloat16 prefills at 182 tokens/s against
-201 plain). Multiplying block by block there would round each block's product to the 16-bit type. ``load_model(...,
+whatever the layout. Compiled products of 1-2 rows read the blocks (``cpu_reductions``); compiled
+products of more rows (batches of 3 and more, the serving step's prompt chunks) multiply block by
+block (``block_products``, no copy of the weight in the graph; each block's product is rounded to
+the 16-bit type before the sum). Eager products (prompts, the eager loop) multiply the plain weight,
+put back together for the call (``dense()``: a copy, so the readable path's numbers are the plain
+weight's; a 512-token mistral-wide prompt in bfloat16 prefills at 182 tokens/s against 201 plain). ``load_model(...,
 pack="columns")`` stores a model's long rows so (the CLI's ``--decode compiled`` loads that
 way); ``state_dict()`` still gives the plain weights, and ``unblock_long_rows`` puts plain
 parameters back for code that edits weights.
@@ -96,6 +98,16 @@ class ColumnBlocks:
     def dense(self) -> torch.Tensor:
         """The plain weight ``(..., OUT, IN)``, a copy."""
         return self.blocks.transpose(-3, -2).flatten(-2)
+
+
+def block_products(x: torch.Tensor, weight: ColumnBlocks) -> torch.Tensor:
+    """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` block by block: one batched product of each
+    block with its piece of ``x`` (each rounded to ``x``'s dtype), summed. What compiled code does
+    with more rows than the reductions take: putting the plain weight back together there would
+    copy it on every step."""
+    blocks = weight.blocks  # (n, OUT, B)
+    parts = x.reshape(x.shape[0], blocks.shape[0], -1).transpose(0, 1)  # (n, M, B)
+    return torch.bmm(parts, blocks.transpose(1, 2)).sum(0)  # (n, M, OUT) -> (M, OUT)
 
 
 def to_blocks(weight: torch.Tensor, width: int) -> ColumnBlocks:

@@ -53,7 +53,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
+from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks, block_products
 from mixtral_infer.fast.cpu_float32 import float32_linear
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear, side_by_side
 from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
@@ -100,8 +100,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeigh
         return quantized_linear(x, weight)
     if isinstance(weight, PackedWeight):
         return upcast_linear(x, weight.dense()) if should_upcast(x) else packed_linear(x, weight)
-    if isinstance(weight, ColumnBlocks):  # compiled few-row products read the blocks; others the plain weight
-        return rows_as_reductions(x, weight.blocks) if reduces(x, weight) else linear(x, weight.dense())
+    if isinstance(weight, ColumnBlocks):  # compiled code reads the blocks; eager code the plain weight
+        if reduces(x, weight):
+            return rows_as_reductions(x, weight.blocks)
+        return block_products(x, weight) if torch.compiler.is_compiling() else linear(x, weight.dense())
     if reduces(x, weight):  # compiled few-row 16-bit products of a plain weight
         return rows_as_reductions(x, weight)
     if should_upcast(x):  # prefill-sized 16-bit products on CPUs that multiply float32 faster

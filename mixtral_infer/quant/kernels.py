@@ -132,6 +132,27 @@ def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
     return None
 
 
+BLOCK_REDUCTION_ROWS = 2  # compiled products with int8 column blocks: up to this many rows as reductions
+
+
+def int8_blocks_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Compiled code's ``x (M, IN) @ weight.T`` for int8 integers held in column blocks
+    (``fast.cpu_column_blocks``), without putting them back together (a copy on every step): 1-2
+    rows as reductions over the blocks, more rows block by block through the int8 kernel, each
+    block's product rounded to ``x``'s dtype before the sum. mistral-wide int8, compiled decode batch 4:
+    58.6 tok/s against 62.3 plain (as reductions: 50.0); batch 1: 29.7 against 24.0."""
+    weight = weight.resolved()  # one expert of stacked weights (compiled code gives an expert one row: read in place)
+    blocks = int8_blocks(weight)  # (n, OUT, B)
+    if x.shape[0] <= BLOCK_REDUCTION_ROWS:
+        return rows_as_reductions(x, blocks, weight.scales)
+    if not uses_cpu_kernel(x, weight):
+        return reference_linear(x, weight)
+    parts = x.reshape(x.shape[0], blocks.shape[0], -1).unbind(1)  # n x (M, B)
+    int8pack_mm = torch.ops.aten._weight_int8pack_mm
+    products = [int8pack_mm(part.contiguous(), block, weight.scales) for part, block in zip(parts, blocks.unbind(0))]
+    return torch.stack(products).sum(0)  # (n, M, OUT) -> (M, OUT)
+
+
 def quantized_linears(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> List[torch.Tensor]:
     """``[quantized_linear(x, w) for w in weights]``, in one product where they are w8a8 weights
     packed side by side (``int8_activations.pack_weights``) and the product quantizes activations."""
@@ -145,11 +166,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
     if uses_int8_activations(x, weight):
         return int8_activations_linear(x, weight.prepacked)
-    integers = weight.values if weight.values is not None else int8_blocks(weight)  # plain or column blocks
-    if weight.scheme.name == "int8" and integers is not None and reduces(x, integers):
+    if weight.scheme.name == "int8" and weight.values is not None and reduces(x, weight.values):
         weight = weight.resolved()  # one expert of stacked weights: compiled code reads it in place
-        integers = weight.values if weight.values is not None else int8_blocks(weight)
-        return rows_as_reductions(x, integers, weight.scales)  # compiled CPU decoding (module docstring)
+        return rows_as_reductions(x, weight.values, weight.scales)  # compiled CPU decoding (module docstring)
+    if int8_blocks(weight) is not None and torch.compiler.is_compiling():
+        return int8_blocks_linear(x, weight)
     if weight.expert is not None:
         out = expert_kernel_linear(x, weight)
         if out is not None:
