@@ -98,7 +98,8 @@ def main() -> None:
         torch._dynamo.reset()
         gc.collect()
     if cli.out:
-        Path(cli.out).write_text(json.dumps({"model": cli.model, "torch": torch.__version__, "results": results}, indent=1))
+        record = {"model": cli.model, "torch": torch.__version__, "results": results}
+        Path(cli.out).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

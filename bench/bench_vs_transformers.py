@@ -387,7 +387,8 @@ def decode_bytes(model: Transformer, batch: int = 1) -> dict:
         distinct = n * (1 - (1 - k / n) ** batch)  # expected distinct experts among B tokens
         ffn = ff.gate.weight.numel() + distinct * one_expert
     else:
-        ffn = sum(p.numel() for p in layer.feed_forward.parameters()) + packed_numel(layer.feed_forward) + blocked_numel(layer.feed_forward)
+        held_apart = packed_numel(layer.feed_forward) + blocked_numel(layer.feed_forward)  # not in parameters()
+        ffn = sum(p.numel() for p in layer.feed_forward.parameters()) + held_apart
     per_layer = attention + norms + ffn
     total = batch * args.dim + len(layers) * per_layer + args.dim + model.output.weight.numel()
     return {"bytes": int(total * size), "per_layer": int(per_layer * size), "output": model.output.weight.numel() * size}

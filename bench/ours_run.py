@@ -44,7 +44,7 @@ def main():
     parser.add_argument("--decode", default="loop", choices=["loop", "eager", "static", "compiled"])
     cli = parser.parse_args()
     start = time.perf_counter()
-    pack = "columns" if cli.decode == "compiled" else True  # as the CLI loads for --decode compiled (fast.cpu_reductions)
+    pack = "columns" if cli.decode == "compiled" else True  # as the CLI loads for each --decode
     dtype = getattr(torch, cli.dtype)
     model = load_model(cli.folder, max_batch_size=1, device="cpu", dtype=dtype, quantize=cli.quantize, pack=pack)
     out = {"dtype": cli.dtype, "quantize": cli.quantize, "load_s": time.perf_counter() - start, "threads": torch.get_num_threads(),

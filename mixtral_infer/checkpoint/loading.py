@@ -400,7 +400,7 @@ def load_model(
     plain ``nn.Parameter``s throughout: to edit weights.
     """
     if pack not in (True, False, "columns"):
-        raise ConfigError(f"pack={pack!r}: use True (oneDNN's layout), 'columns' (for compiled decoding) or False (plain)")
+        raise ConfigError(f"pack={pack!r}: use True (oneDNN's layout), 'columns' (compiled decoding) or False (plain)")
     scheme = QuantScheme.parse(quantize)
     if device is not None:
         try:

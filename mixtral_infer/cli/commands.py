@@ -224,7 +224,8 @@ def load(
     from mixtral_infer.fast.cpu_packed import packed_numel
     from mixtral_infer.quant.model import model_scheme, quantized_numel
 
-    n_params = sum(p.numel() for p in model.parameters()) + quantized_numel(model) + packed_numel(model) + blocked_numel(model)
+    held_apart = quantized_numel(model) + packed_numel(model) + blocked_numel(model)  # not in model.parameters()
+    n_params = sum(p.numel() for p in model.parameters()) + held_apart
     scheme = model_scheme(model)
     print(
         f"rank {parallel.rank}: " if parallel.world_size > 1 else "",

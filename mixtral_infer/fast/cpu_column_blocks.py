@@ -37,10 +37,11 @@ products of more rows (batches of 3 and more, the serving step's prompt chunks) 
 block (``block_products``, no copy of the weight in the graph; each block's product is rounded to
 the 16-bit type before the sum). Eager products (prompts, the eager loop) multiply the plain weight,
 put back together for the call (``dense()``: a copy, so the readable path's numbers are the plain
-weight's; a 512-token mistral-wide prompt in bfloat16 prefills at 182 tokens/s against 201 plain). ``load_model(...,
-pack="columns")`` stores a model's long rows so (the CLI's ``--decode compiled`` loads that
-way); ``state_dict()`` still gives the plain weights, and ``unblock_long_rows`` puts plain
-parameters back for code that edits weights.
+weight's; a 512-token mistral-wide prompt in bfloat16 prefills at 182 tokens/s against 201 plain).
+
+``load_model(..., pack="columns")`` stores a model's long rows so (the CLI's ``--decode compiled``
+loads that way); ``state_dict()`` still gives the plain weights, and ``unblock_long_rows`` puts
+plain parameters back for code that edits weights.
 """
 
 from __future__ import annotations
