@@ -108,18 +108,25 @@ def test_compiled_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, sho
     torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)
 
 
+def compiled_block_product(rows: int, seed: int):
+    """A random (OUT=40, IN=96) bfloat16 weight in 2 blocks of 48 times ``rows`` random rows, compiled:
+    ``(weight, x, product, generated code)``."""
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(40, 96, generator=g).to(torch.bfloat16)  # (OUT, IN)
+    blocks = to_blocks(weight, 48)  # (2, 40, 48)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    torch._dynamo.reset()
+    got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocks), fullgraph=True), x)
+    return weight, x, got, code
+
+
 def test_compiled_products_walk_the_blocks_one_after_the_other():
     """The generated loop runs over the blocks outermost, each a contiguous (OUT, B) matrix read row
     after row (weight index ``x2 + 48*x1 + 1920*x0``: block x0, row x1, column x2); the plain
     weight's loop would step 96 columns a row. The result is the plain product's."""
-    from torch._inductor.utils import run_and_get_code
-
-    g = torch.Generator().manual_seed(7)
-    weight = torch.randn(40, 96, generator=g).to(torch.bfloat16)  # (OUT, IN)
-    blocks = to_blocks(weight, 48)  # (2, 40, 48)
-    x = torch.randn(1, 96, generator=g).to(torch.bfloat16)
-    torch._dynamo.reset()
-    got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocks), fullgraph=True), x)
+    weight, x, got, code = compiled_block_product(rows=1, seed=7)
     loops = [loop for loop in generated_loops([code]) if "48L*x1 + 1920L*x0" in loop]
     assert len(loops) == 1 and loops[0].startswith("static_cast<int64_t>(0L); x0<static_cast<int64_t>(2L);")
     assert "96L*x" not in code
@@ -192,16 +199,9 @@ def test_compiled_products_of_more_rows_multiply_block_by_block():
     """Four rows, more than the reductions take: one batched product over the blocks, summed, and no
     copy of the plain weight (no (OUT, IN) buffer) in the generated code; equal to the plain product
     within the rounding of each block's product to bfloat16."""
-    from torch._inductor.utils import run_and_get_code
-
-    g = torch.Generator().manual_seed(8)
-    weight = torch.randn(40, 96, generator=g).to(torch.bfloat16)  # (OUT, IN)
-    blocks = to_blocks(weight, 48)  # (2, 40, 48)
-    x = torch.randn(4, 96, generator=g).to(torch.bfloat16)
-    torch._dynamo.reset()
-    got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocks), fullgraph=True), x)
+    weight, x, got, code = compiled_block_product(rows=4, seed=8)
     assert "extern_kernels.bmm" in code and "(40, 96)" not in code
-    assert torch.equal(cpu_column_blocks.block_products(x, blocks), got)
+    assert torch.equal(cpu_column_blocks.block_products(x, to_blocks(weight, 48)), got)
     torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.15, rtol=0.02)
 
 
