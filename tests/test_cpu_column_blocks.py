@@ -210,14 +210,15 @@ def test_compiled_int8_products_of_many_rows_multiply_block_by_block():
     integers; equal to the plain product within bfloat16's rounding."""
     from torch._inductor.utils import run_and_get_code
 
-    from mixtral_infer.quant.kernels import BLOCK_REDUCTION_ROWS, quantized_linear
+    from mixtral_infer.fast.cpu_reductions import REDUCTION_ROWS
+    from mixtral_infer.quant.kernels import quantized_linear
     from mixtral_infer.quant.weights import QuantScheme, quantize
 
     g = torch.Generator().manual_seed(9)
     plain = quantize(torch.randn(40, 96, generator=g).to(torch.bfloat16), QuantScheme.parse("int8"), torch.bfloat16)
     blocked = quantize(plain.dequantize(torch.bfloat16), QuantScheme.parse("int8"), torch.bfloat16)
     blocked.packed, blocked.values = (to_blocks(blocked.values, 48).blocks, blocked.scales), None
-    x = torch.randn(BLOCK_REDUCTION_ROWS + 4, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(REDUCTION_ROWS + 4, 96, generator=g).to(torch.bfloat16)
     torch._dynamo.reset()
     got, (code,) = run_and_get_code(torch.compile(lambda x: quantized_linear(x, blocked), fullgraph=True), x)
     assert code.count("_weight_int8pack_mm") >= 2 and "(40, 96)" not in code

@@ -132,9 +132,6 @@ def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
     return None
 
 
-BLOCK_REDUCTION_ROWS = 2  # compiled products with int8 column blocks: up to this many rows as reductions
-
-
 def int8_blocks_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """Compiled code's ``x (M, IN) @ weight.T`` for int8 integers held in column blocks
     (``fast.cpu_column_blocks``), without putting them back together (a copy on every step): 1-2
@@ -143,7 +140,7 @@ def int8_blocks_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
     58.6 tok/s against 62.3 plain (as reductions: 50.0); batch 1: 29.7 against 24.0."""
     weight = weight.resolved()  # one expert of stacked weights (compiled code gives an expert one row: read in place)
     blocks = int8_blocks(weight)  # (n, OUT, B)
-    if x.shape[0] <= BLOCK_REDUCTION_ROWS:
+    if reduces(x, blocks):
         return rows_as_reductions(x, blocks, weight.scales)
     if not uses_cpu_kernel(x, weight):
         return reference_linear(x, weight)
