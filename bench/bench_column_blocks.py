@@ -1,11 +1,12 @@
 """Compiled CPU decoding with long rows in column blocks against plain weights, one process alternating.
 
-    python bench/bench_column_blocks.py --model mistral-wide --quantize none int8 --rounds 6
+    python bench/bench_column_blocks.py --model mistral-wide --quantize none int8 float32 --rounds 6
 
 ``fast/cpu_column_blocks.py`` keeps weights whose rows are longer than 4096 (Mistral 7B's and
 Mixtral 8x7B's w2) as contiguous blocks of columns for the compiled step's products. This loads one
 random model of bench_vs_transformers.py's shape (``mistral-wide``: 4 layers of Mistral 7B's widths;
-``mixtral-wide``: 2 layers of Mixtral 8x7B's, about 6 GB per copy in bfloat16), keeps a copy with
+``mixtral-wide``: 2 layers of Mixtral 8x7B's, about 6 GB per copy in bfloat16; ``--quantize``
+``none`` is bfloat16, ``float32`` float32 weights, ``int8`` int8 weight-only), keeps a copy with
 its long rows in blocks, and alternates ``generate(..., decode="compiled")`` on the two (random
 64-token prompt, 128 greedy new tokens, timed from the first new token to the last), printing
 tokens/s and the medians. Each copy compiles through its own code object, so neither pays for
@@ -68,15 +69,17 @@ def tokens_per_second(model, prompts, label: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="mistral-wide", choices=["mistral-wide", "mixtral-wide"])
-    parser.add_argument("--quantize", nargs="+", default=["none", "int8"], help="none (bfloat16) and/or int8")
+    parser.add_argument("--quantize", nargs="+", default=["none", "int8"], choices=["none", "int8", "float32"],
+                        help="none (bfloat16), int8 (weight-only, bfloat16 activations), float32 (not quantized)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     parser.add_argument("--out", default=None)
     cli = parser.parse_args()
     results = {}  # "<quantize> batch <B>" -> plain / columns -> median, runs
     for quantize in cli.quantize:
-        plain = ours_alone(bench_args(cli.model, max_batch_size=cli.batch)).to(torch.bfloat16)
-        if quantize != "none":
+        dtype = torch.float32 if quantize == "float32" else torch.bfloat16
+        plain = ours_alone(bench_args(cli.model, max_batch_size=cli.batch)).to(dtype)
+        if quantize == "int8":
             quantize_model(plain, quantize)
         blocked = block_long_rows(copy.deepcopy(plain))
         print(f"{cli.model} {quantize}: {numel_in_blocks(blocked) / 1e6:.0f}M weights in column blocks", flush=True)

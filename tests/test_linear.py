@@ -46,9 +46,10 @@ def test_the_bmm_blocks_are_taken_when_asked(monkeypatch):
     assert calls == ([1] if linear_module.split_few_rows else [])
 
 
-def test_compiled_code_takes_the_same_path():
-    """The static decode step is compiled: its products take the bmm blocks too when they are on
-    (inductor then reads the weight from every thread), and still equal F.linear."""
+@pytest.mark.parametrize("rows", [3, 4])
+def test_compiled_code_takes_the_same_path(rows):
+    """The static decode step is compiled: its float32 products of more rows than the reductions
+    take (below) take the bmm blocks too when they are on, and still equal F.linear."""
     torch._dynamo.reset()
     graphs = []
 
@@ -57,18 +58,18 @@ def test_compiled_code_takes_the_same_path():
         return graph_module.forward
 
     compiled = torch.compile(lambda x, w: linear(x, w), backend=keep_graph, fullgraph=True)
-    x, weight = torch.randn(1, 40), torch.randn(96, 40)
+    x, weight = torch.randn(rows, 40), torch.randn(96, 40)
     torch.testing.assert_close(compiled(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
     called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
     assert (torch.bmm in called) == linear_module.split_few_rows
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 3])
-def test_compiled_16_bit_products_of_few_rows_are_reductions(dtype, rows):
-    """Compiled code multiplies a plain 16-bit weight by at most REDUCTION_ROWS rows as float32
-    multiply-and-sums (no library matmul in the graph), and equals the float32 product rounded
-    once; more rows keep the library's product."""
+def test_compiled_products_of_few_rows_are_reductions(dtype, rows):
+    """Compiled code multiplies a plain weight by at most REDUCTION_ROWS rows of its dtype as float32
+    multiply-and-sums (no library matmul or bmm blocks in the graph), and equals the float32 product
+    rounded once; more rows keep the library's product (float32: the bmm blocks where they are on)."""
     torch._dynamo.reset()
     graphs = []
 
@@ -80,11 +81,11 @@ def test_compiled_16_bit_products_of_few_rows_are_reductions(dtype, rows):
     x, weight = torch.randn(rows, 40, generator=g).to(dtype), torch.randn(96, 40, generator=g).to(dtype)
     got = torch.compile(lambda x, w: linear(x, w), backend=keep_graph, fullgraph=True)(x, weight)
     want = F.linear(x.float(), weight.float()).to(dtype)  # exact products, float32 sums, one rounding
-    rounding = 2**-7 if dtype == torch.bfloat16 else 2**-10  # one unit in the last place, relative
+    rounding = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]  # relative
     torch.testing.assert_close(got, want, atol=1e-3, rtol=rounding)
     called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
     reduced = rows <= cpu_reductions.REDUCTION_ROWS
-    assert (torch._C._nn.linear in called or F.linear in called) != reduced
+    assert (torch._C._nn.linear in called or F.linear in called or torch.bmm in called) != reduced
     assert (torch.stack in called) == reduced
 
 

@@ -7,22 +7,23 @@ cache beside the streaming weight, the loop reads the weight at the memory's spe
 (16 KB of ``x``) do, on the 2-core AMD EPYC (32 KB of L1 data a core): 37-43 GB/s. Mistral 7B's
 and Mixtral 8x7B's ``w2`` has rows of 14336 (56 KB): 19 GB/s, 39% of a bfloat16 step.
 
-So a 16-bit weight whose rows are longer than ``MAX_BLOCK`` is stored as ``n`` blocks of equal
-width ``B <= MAX_BLOCK``, each block its own contiguous ``(OUT, B)`` matrix:
+So a float weight (16-bit or float32) whose rows are longer than ``MAX_BLOCK`` is stored as ``n``
+blocks of equal width ``B <= MAX_BLOCK``, each block its own contiguous ``(OUT, B)`` matrix:
 ``(OUT, IN) -> (n, OUT, B)``. The product is then ``n`` products with rows of ``B``, one after
 the other, each against its own piece of ``x`` (14 KB for ``B = 3584``), added up. On the same
 EPYC, compiled decode batch 1, one process alternating plain and blocked copies of one random model
 (``bench/bench_column_blocks.py``, medians of 5-6), tokens/s:
 
-====================================================  ===============  ===============
-shape                                                  bfloat16         int8 weight-only
-====================================================  ===============  ===============
-mistral-wide (Mistral 7B's widths, 4 layers)           16.4 -> 21.2     24.0 -> 29.7
-mixtral-wide (Mixtral 8x7B's widths, 2 layers)         15.5 -> 20.1     23.4 -> 26.4
-====================================================  ===============  ===============
+================================================  ==============  ==================  ==============
+shape                                             bfloat16        int8 weight-only    float32
+================================================  ==============  ==================  ==============
+mistral-wide (Mistral 7B's widths, 4 layers)      16.4 -> 21.2    24.0 -> 29.7        10.4 -> 10.8
+mixtral-wide (Mixtral 8x7B's widths, 2 layers)    15.5 -> 20.1    23.4 -> 26.4
+================================================  ==============  ==================  ==============
 
 Reading the plain weight's columns in blocks through a strided view instead, without moving them,
-gains nothing (16.0 -> 16.6): the rows' pieces are then 7 KB apart from each other.
+gains nothing (16.0 -> 16.6): the rows' pieces are then 7 KB apart from each other. float32 gains
+less than bfloat16 (its weight's row is as long in bytes as the input's; a first run gave 9.8 -> 11.2).
 
 Example, ``IN = 4``, two blocks of ``B = 2``::
 
@@ -35,9 +36,12 @@ Example, ``IN = 4``, two blocks of ``B = 2``::
 whatever the layout. Compiled products of 1-2 rows read the blocks (``cpu_reductions``); compiled
 products of more rows (batches of 3 and more, the serving step's prompt chunks) multiply block by
 block (``block_products``, no copy of the weight in the graph; each block's product is rounded to
-the 16-bit type before the sum). Eager products (prompts, the eager loop) multiply the plain weight,
-put back together for the call (``dense()``: a copy, so the readable path's numbers are the plain
-weight's; a 512-token mistral-wide prompt in bfloat16 prefills at 182 tokens/s against 201 plain).
+the 16-bit type before the sum). Eager 16-bit products (prompts, the eager loop) multiply the plain
+weight, put back together for the call (``dense()``: a copy, so the readable path's numbers are the
+plain weight's; a 512-token mistral-wide prompt in bfloat16 prefills at 182 tokens/s against 201
+plain). Eager float32 products multiply block by block too: float32 sums round nothing between
+blocks, and the copy costs more than the product (Mistral 7B's w2, 235 MB: 85-137 ms against 8-70
+ms for 1-64 rows; a 512-token mistral-wide prompt 95.5 tokens/s against 97.5 plain, 91.6 copying).
 
 ``load_model(..., pack="columns")`` stores a model's long rows so (the CLI's ``--decode compiled``
 loads that way); ``state_dict()`` still gives the plain weights, and ``unblock_long_rows`` puts
@@ -52,7 +56,7 @@ import torch
 from torch import nn
 
 MAX_BLOCK = 4096  # longest row a core's L1 holds the float32 input of (module docstring)
-BLOCKED_DTYPES = (torch.bfloat16, torch.float16)  # what compiled code multiplies as reductions (fast.cpu_reductions)
+BLOCKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what compiled code multiplies as reductions
 
 
 def block_width(in_features: int) -> Optional[int]:
@@ -135,7 +139,7 @@ def _plain_in_state_dict(module: ColumnBlocksParameter, state_dict: dict, prefix
 
 
 def blocks_rows(tensor: torch.Tensor) -> bool:
-    """Whether ``block_long_rows`` stores this weight in blocks: a 16-bit CPU matrix (or stacked
+    """Whether ``block_long_rows`` stores this weight in blocks: a float CPU matrix (or stacked
     experts) with rows longer than ``MAX_BLOCK`` that split evenly."""
     return (
         tensor.device.type == "cpu"
@@ -147,7 +151,7 @@ def blocks_rows(tensor: torch.Tensor) -> bool:
 
 def block_long_rows(model: nn.Module) -> nn.Module:
     """Store, in place, the long-row matrices that decoding reads (those ``quant.model`` would
-    quantize: ``w2`` at Mistral 7B's widths) in column blocks: 16-bit parameters, and int8
+    quantize: ``w2`` at Mistral 7B's widths) in column blocks: float parameters, and int8
     weight-only integers on CPU, which then keep the blocks as their kernel layout
     (``packed = (blocks, scales)``, ``values`` dropped: ``integers()`` puts them back together)."""
     from mixtral_infer.quant.model import is_quantized, replace_parameter  # here: quant's kernels import fast/

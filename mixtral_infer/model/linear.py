@@ -33,12 +33,13 @@ already streams them from every core, and the bmm blocks run 2.5-4x slower than 
 in bfloat16 (``bench/bench_quant.py``, 1-8 rows of a 3584 x 1024 weight on a 2-core Xeon
 with avx512_bf16: 0.31 ms against 0.79-1.2 ms).
 
-Compiled code on CPU multiplies a *plain* bfloat16 or float16 weight (``load_model(...,
-pack="columns")``, which the CLI does for ``--decode compiled``) by one or two rows as
-multiply-and-sum reductions that inductor writes (``fast.cpu_reductions``): they read it faster
-than oneDNN reads its own layout. Rows longer than 4096 are kept in blocks of columns
-(``fast.cpu_column_blocks.ColumnBlocks``), which those reductions read block by block; every
-other product multiplies the plain weight, put back together.
+Compiled code on CPU multiplies a *plain* weight (``load_model(..., pack="columns")``, which the
+CLI does for ``--decode compiled``) by one or two rows of its dtype as multiply-and-sum reductions
+that inductor writes (``fast.cpu_reductions``): bfloat16 and float16 faster than oneDNN reads its
+own layout, float32 faster than the bmm blocks above (which remain compiled float32's path for 3-8
+rows). Rows longer than 4096 are kept in blocks of columns (``fast.cpu_column_blocks.ColumnBlocks``),
+which those reductions read block by block; other products multiply block by block (compiled code,
+and float32), or the plain weight put back together (16-bit, op by op).
 
 A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
 (``quant.kernels``), and a bfloat16/float16 weight packed in oneDNN's layout
@@ -100,11 +101,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeigh
         return quantized_linear(x, weight)
     if isinstance(weight, PackedWeight):
         return upcast_linear(x, weight.dense()) if should_upcast(x) else packed_linear(x, weight)
-    if isinstance(weight, ColumnBlocks):  # compiled code reads the blocks; eager code the plain weight
+    if isinstance(weight, ColumnBlocks):  # compiled code and float32 read the blocks; eager 16-bit the plain weight
         if reduces(x, weight):
             return rows_as_reductions(x, weight.blocks)
-        return block_products(x, weight) if torch.compiler.is_compiling() else linear(x, weight.dense())
-    if reduces(x, weight):  # compiled few-row 16-bit products of a plain weight
+        if torch.compiler.is_compiling() or x.dtype == torch.float32:  # float32 sums: nothing rounded between blocks
+            return block_products(x, weight)
+        return linear(x, weight.dense())
+    if reduces(x, weight):  # compiled few-row products of a plain weight
         return rows_as_reductions(x, weight)
     if should_upcast(x):  # prefill-sized 16-bit products on CPUs that multiply float32 faster
         return upcast_linear(x, weight)
