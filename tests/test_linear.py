@@ -101,7 +101,7 @@ def test_rows_as_reductions_worked_example():
     assert scaled.tolist() == [[0.5, 4.0, 3.0], [1.5, 8.0, 7.0]]
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16, torch.float32])
 def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
     """fast.cpu_reductions: the RMSNorm before a product runs once, into a buffer; inductor would
     otherwise recompute it inside the loop over the weight's rows (one square root per row here).
@@ -111,8 +111,9 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
     g = torch.Generator().manual_seed(7)
     weight = (torch.randn(96, 64, generator=g) * 40).to(weight_dtype)  # (OUT, IN)
     scales = torch.rand(96, generator=g) / 40 if weight_dtype == torch.int8 else None
-    norm_weight = torch.rand(64, generator=g).to(torch.bfloat16)
-    h = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    dtype = torch.float32 if weight_dtype == torch.float32 else torch.bfloat16  # the activations'
+    norm_weight = torch.rand(64, generator=g).to(dtype)
+    h = torch.randn(1, 64, generator=g).to(dtype)
 
     def normed_product(h):
         wide = h.float()
