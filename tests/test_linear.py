@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import generated_loops
 
-from mixtral_infer.fast import cpu_reductions
 from mixtral_infer.model import linear as linear_module
 from mixtral_infer.model.linear import linear
 
@@ -62,69 +60,3 @@ def test_compiled_code_takes_the_same_path(rows):
     torch.testing.assert_close(compiled(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
     called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
     assert (torch.bmm in called) == linear_module.split_few_rows
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3])
-def test_compiled_products_of_few_rows_are_reductions(dtype, rows):
-    """Compiled code multiplies a plain weight by at most REDUCTION_ROWS rows of its dtype as float32
-    multiply-and-sums (no library matmul or bmm blocks in the graph), and equals the float32 product
-    rounded once; more rows keep the library's product (float32: the bmm blocks where they are on)."""
-    torch._dynamo.reset()
-    graphs = []
-
-    def keep_graph(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    g = torch.Generator().manual_seed(rows)
-    x, weight = torch.randn(rows, 40, generator=g).to(dtype), torch.randn(96, 40, generator=g).to(dtype)
-    got = torch.compile(lambda x, w: linear(x, w), backend=keep_graph, fullgraph=True)(x, weight)
-    want = F.linear(x.float(), weight.float()).to(dtype)  # exact products, float32 sums, one rounding
-    rounding = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]  # relative
-    torch.testing.assert_close(got, want, atol=1e-3, rtol=rounding)
-    called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
-    reduced = rows <= cpu_reductions.REDUCTION_ROWS
-    assert (torch._C._nn.linear in called or F.linear in called or torch.bmm in called) != reduced
-    assert (torch.stack in called) == reduced
-
-
-def test_rows_as_reductions_worked_example():
-    """fast.cpu_reductions' example, and a second row: [[1, 2], [3, 4]] @ W.T, one multiply-and-sum per row;
-    int8 integers with one scale per output row (OUT) scale the sums."""
-    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.bfloat16)  # (OUT=3, IN=2)
-    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)  # (M=2, IN=2)
-    got = cpu_reductions.rows_as_reductions(x, weight)
-    assert got.dtype == torch.bfloat16
-    assert got.tolist() == [[1.0, 2.0, 3.0], [3.0, 4.0, 7.0]]
-    scaled = cpu_reductions.rows_as_reductions(x, weight.to(torch.int8), torch.tensor([0.5, 2.0, 1.0]))
-    assert scaled.tolist() == [[0.5, 4.0, 3.0], [1.5, 8.0, 7.0]]
-
-
-@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16, torch.float32])
-def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
-    """fast.cpu_reductions: the RMSNorm before a product runs once, into a buffer; inductor would
-    otherwise recompute it inside the loop over the weight's rows (one square root per row here).
-    The result equals the product op by op within bfloat16's rounding of the norm's output."""
-    from torch._inductor.utils import run_and_get_code
-
-    g = torch.Generator().manual_seed(7)
-    weight = (torch.randn(96, 64, generator=g) * 40).to(weight_dtype)  # (OUT, IN)
-    scales = torch.rand(96, generator=g) / 40 if weight_dtype == torch.int8 else None
-    dtype = torch.float32 if weight_dtype == torch.float32 else torch.bfloat16  # the activations'
-    norm_weight = torch.rand(64, generator=g).to(dtype)
-    h = torch.randn(1, 64, generator=g).to(dtype)
-
-    def normed_product(h):
-        wide = h.float()
-        x = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).to(h.dtype) * norm_weight  # (1, IN)
-        return cpu_reductions.rows_as_reductions(x, weight, scales)  # (1, OUT)
-
-    torch._dynamo.reset()
-    got, (code,) = run_and_get_code(torch.compile(normed_product, fullgraph=True), h)
-    loops = generated_loops([code])
-    over_rows = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(96L)"  # the weight's 96 rows
-    (weight_loop,) = [loop for loop in loops if loop.startswith(over_rows) and "x1<static_cast<int64_t>(64L)" in loop]
-    assert "sqrt" in code and "sqrt" not in weight_loop
-    want = normed_product(h)  # op by op: the norm's output rounded to bfloat16, which compiled code skips
-    torch.testing.assert_close(got, want, atol=0.01 * want.abs().max().item(), rtol=2**-7)
