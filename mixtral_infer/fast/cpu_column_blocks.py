@@ -108,8 +108,8 @@ class ColumnBlocks:
 def block_products(x: torch.Tensor, weight: ColumnBlocks) -> torch.Tensor:
     """``x (M, IN) @ weight (OUT, IN).T`` -> ``(M, OUT)`` block by block: one batched product of each
     block with its piece of ``x`` (each rounded to ``x``'s dtype), summed. What compiled code does
-    with more rows than the reductions take: putting the plain weight back together there would
-    copy it on every step."""
+    with more rows than the reductions take (putting the plain weight back together there would
+    copy it on every step), and every float32 product op by op (nothing is rounded between blocks)."""
     blocks = weight.blocks  # (n, OUT, B)
     parts = x.reshape(x.shape[0], blocks.shape[0], -1).transpose(0, 1)  # (n, M, B)
     return torch.bmm(parts, blocks.transpose(1, 2)).sum(0)  # (n, M, OUT) -> (M, OUT)

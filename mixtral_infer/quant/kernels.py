@@ -22,7 +22,8 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   writes (``fast.cpu_reductions``), 1.5x the int8 kernel's speed (0.17-0.20 against 0.26-0.30 ms).
   Integers with rows longer than 4096, loaded with ``pack="columns"``, are kept only as column
   blocks (``fast.cpu_column_blocks``; ``packed = (blocks, scales)``), which the reductions read;
-  the int8 kernel gets them put back together (``integers()``).
+  compiled code with more rows runs the int8 kernel block by block (``int8_blocks_linear``), and
+  op by op the kernel gets them put back together (``integers()``).
 * Both CPU kernels are vectorised for bfloat16 activations only (float32: 10-50x slower),
   so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
 * **CUDA int8**: as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
