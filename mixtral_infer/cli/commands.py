@@ -54,13 +54,13 @@ def parse_dtype(name: Optional[str]):
 
 
 def check_quantize(quantize: Optional[str]) -> None:
-    from mixtral_infer.quant.weights import QuantScheme
+    from mixtral_infer.quant.scheme import QuantScheme
 
     QuantScheme.parse(quantize)
 
 
 def check_decode(decode: str) -> None:
-    from mixtral_infer.generation.generate import DECODE_MODES
+    from mixtral_infer.generation.settings import DECODE_MODES
 
     if decode not in DECODE_MODES:
         raise GenerationError(f"--decode {decode!r} is not one of {', '.join(DECODE_MODES)}")
@@ -70,9 +70,9 @@ def parse_device(name: Optional[str]):
     """The device a model can run on: cpu, cuda[:N] where CUDA is available, mps where MPS is."""
     import torch
 
-    from mixtral_infer.checkpoint.loading import default_device
-
     if name is None:
+        from mixtral_infer.checkpoint.loading import default_device
+
         return default_device()
     try:
         device = torch.device(name) if isinstance(name, str) else None
@@ -195,7 +195,7 @@ def load(
     """
     from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_dtype, load_model, open_checkpoint
     from mixtral_infer.generation.settings import check_new_cache
-    from mixtral_infer.quant.weights import QuantScheme
+    from mixtral_infer.quant.scheme import QuantScheme
     from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
 
     folder = model_folder(model_path)
@@ -476,11 +476,13 @@ def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_siz
         max_shard_size: largest shard of a Hugging Face folder, e.g. 5GB or 500MB.
         quantize: int8, w8a8, int4 or int4-128: write a quantized Mistral folder (integers + scales) that loads without quantizing again.
     """
+    check_quantize(quantize)
+    torch_dtype = parse_dtype(dtype)  # both refused before the conversion code (and torch) is imported
     from mixtral_infer.checkpoint.convert import convert as convert_folder
 
     start = time.perf_counter()
     written = convert_folder(
-        str(src), str(dst), to=to, dtype=parse_dtype(dtype), max_shard_size=str(max_shard_size),
+        str(src), str(dst), to=to, dtype=torch_dtype, max_shard_size=str(max_shard_size),
         notify=lambda message: print(message, file=sys.stderr), quantize=quantize,
     )
     print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)

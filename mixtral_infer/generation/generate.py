@@ -17,6 +17,7 @@ from mixtral_infer.fast.decode_loop import DecodeSettings, TokenCallback, decode
 from mixtral_infer.fast.decode_step import supports_static_decode
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample, token_logprobs
 from mixtral_infer.generation.settings import (
+    DECODE_MODES,
     check_cache_capacity,
     check_new_cache,
     check_options,
@@ -140,9 +141,6 @@ def prefill_with_logprobs(
                 last_logits[i] = logits[offset + n - 1].clone()  # not a view that keeps the chunk's (T, V) alive
             offset += n
     return torch.stack(last_logits), prompt_logprobs  # type: ignore[arg-type]
-
-
-DECODE_MODES = ("auto", "eager", "static", "compiled")
 
 
 def decode_mode(decode: str, model: Transformer) -> str:

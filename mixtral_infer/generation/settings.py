@@ -2,19 +2,21 @@
 
 Each raises GenerationError with one line naming the value and what was expected.
 ``generate`` and the command line run them first, so a bad setting costs nothing:
-the command line checks its options before it even loads the model.
+the command line checks its options before it even loads the model, or imports torch
+(which alone takes 1.5-3.5 s on a 2-core machine), so this module imports it only where needed.
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
-
-import torch
 
 from mixtral_infer.errors import GenerationError
 
 if TYPE_CHECKING:
+    import torch
+
     from mixtral_infer.model.cache import RotatingBufferCache
     from mixtral_infer.model.parallel import Parallel
     from mixtral_infer.model.transformer import ModelArgs, Transformer
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 # it can overflow to inf and make NaN probabilities. So it is run as greedy, the limit.
 GREEDY_BELOW = 1e-30
 SEED_LIMIT = 2**63  # seeds go through int64 tensors (shared across ranks)
+DECODE_MODES = ("auto", "eager", "static", "compiled")  # generate(decode=...), --decode
 
 
 def as_int(value: object) -> Optional[int]:
@@ -33,7 +36,9 @@ def as_int(value: object) -> Optional[int]:
     >>> as_int(numpy.int64(5)), as_int(torch.tensor(7)), as_int(2.0), as_int(True)
     (5, 7, None, None)
     """
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool)):
+    torch = sys.modules.get("torch")  # a value can only be a tensor once torch is imported
+    is_tensor = torch is not None and isinstance(value, torch.Tensor)
+    if isinstance(value, bool) or (is_tensor and (value.dim() != 0 or value.dtype == torch.bool)):
         return None  # a one-element tensor would also pass operator.index
     try:
         return operator.index(value)
@@ -107,6 +112,8 @@ def meminfo_bytes(field: str) -> Optional[int]:
 def free_memory(device: torch.device) -> Optional[int]:
     """Bytes that can still be allocated on ``device`` (None when unknown)."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
