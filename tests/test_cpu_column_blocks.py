@@ -102,15 +102,23 @@ def test_float32_blocks_multiply_block_by_block_op_by_op_too(moe, short_blocks, 
         torch.testing.assert_close(blocked(tokens, seqlens), plain(tokens, seqlens), atol=1e-5, rtol=1e-5)
 
 
-DTYPE_BATCHES = [(torch.bfloat16, 1), (torch.bfloat16, 2), (torch.bfloat16, 4), (torch.float32, 1)]
+# (moe, dtype, batch): each path of a blocked product once (a compile each, the suite's slow part):
+# dense reductions, MoE reductions of two gathered experts and of all four, more rows than the
+# reductions take (block by block, dense and MoE), float32 reductions (MoE: blocks per expert).
+STEPS = [
+    (False, torch.bfloat16, 1), (True, torch.bfloat16, 1), (True, torch.bfloat16, 2),
+    (False, torch.bfloat16, 4), (True, torch.bfloat16, 4), (True, torch.float32, 1),
+]
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("dtype, batch", DTYPE_BATCHES, ids=[f"{str(d)[6:]}-{b}" for d, b in DTYPE_BATCHES])
+STEP_IDS = [f"{str(dtype)[6:]}-{batch}-{'moe' if moe else 'dense'}" for moe, dtype, batch in STEPS]
+
+
+@pytest.mark.parametrize("moe, dtype, batch", STEPS, ids=STEP_IDS)
 def test_compiled_steps_read_the_blocks_and_equal_the_plain_step(moe, dtype, batch, short_blocks):
     """Compiled on CPU, a blocked model's decode step gives the plain model's logits op by op
     within the dtype's rounding (MoE: batch 1 gathers two experts, batches 2 and 4 run all four;
-    dense batch 4: more rows than the reductions take, block by block)."""
+    batch 4: more rows than the reductions take, block by block)."""
     plain = random_model(tiny_args(moe=moe, max_batch_size=4), seed=29).to(dtype)
     blocked = block_long_rows(random_model(tiny_args(moe=moe, max_batch_size=4), seed=29).to(dtype))
     assert blocked_numel(blocked) > 0
@@ -179,13 +187,16 @@ def test_int8_integers_in_blocks_give_the_same_products(moe, short_blocks):
     assert all(torch.equal(b.values, p.values) and int8_blocks(b) is None for p, b in w2s)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("batch", [1, 2, 4])
+INT8_STEPS = [(False, 1), (True, 2), (False, 4), (True, 4)]
+INT8_STEP_IDS = [f"{batch}-{'moe' if moe else 'dense'}" for moe, batch in INT8_STEPS]
+
+
+@pytest.mark.parametrize("moe, batch", INT8_STEPS, ids=INT8_STEP_IDS)
 def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks):
     """The compiled step never puts w2's integers back together (a copy every step): batches 1-2
     multiply its blocks as reductions, no int8 kernel; batch 4 runs the kernel on each of its 2
     blocks, where the plain model runs it once. Its logits equal the plain model's op by op
-    within bfloat16's rounding."""
+    within bfloat16's rounding. (Gathered experts, MoE batch 1, are the bfloat16 test's.)"""
     from torch._inductor.utils import run_and_get_code
 
     plain, blocked = int8_model(moe, False, seed=31), int8_model(moe, True, seed=31)
@@ -198,16 +209,12 @@ def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch
         expected = decode_logits(plain, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
         compiled = torch.compile(functools.partial(decode_logits, blocked), fullgraph=True, dynamic=False)
         logits, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
-        _, plain_codes = run_and_get_code(torch.compile(functools.partial(decode_logits, plain), fullgraph=True),
-                                          cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # fmt: skip
 
-    def int8_kernel_calls(codes) -> int:
-        calls = ("= extern_kernels._weight_int8pack_mm(", "int8_expert_mm.default(")
-        return sum(code.count(call) for code in codes for call in calls)
-
+    calls = ("= extern_kernels._weight_int8pack_mm(", "int8_expert_mm.default(")
+    kernel_calls = sum(code.count(call) for code in codes for call in calls)
+    plain_calls = 0 if batch <= 2 else 15 if not moe else 33  # what the plain model's compiled step makes
     w2_products = 0 if batch <= 2 else 2 * (4 if moe else 1)  # 2 layers (x 4 experts), each now 2 blocks
-    assert int8_kernel_calls(codes) == int8_kernel_calls(plain_codes) + w2_products
-    assert int8_kernel_calls(plain_codes) == (0 if batch <= 2 else 15 if not moe else 33)
+    assert kernel_calls == plain_calls + w2_products
     buffers = [line for code in codes for line in code.splitlines() if "= empty_strided_cpu((" in line]
     assert not [line for line in buffers if "64, 96)" in line]  # no (.., OUT, IN) copy of w2's integers
     torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)
