@@ -71,6 +71,8 @@ def test_option_errors_answer_before_torch_is_imported():
         ["demo", "--dtype", "float64"],
         ["demo", "--top_k", "0"],
         ["interactive", "--seed", "abc"],
+        ["serve", "--port", "abc"],
+        ["serve", "--max-rows", "0"],
         ["convert", "a", "b", "--quantize", "int4-48"],
     ]
     code = f"ARGS = {cases!r}" + BEFORE_TORCH

@@ -540,11 +540,12 @@ def serve(
         pin_cpus: run the engine's process on all but one of the CPUs this server may use, and the server's own process (HTTP, JSON) on that one, so that neither interrupts the other.
     """
     check_decode(decode)
-    from mixtral_infer.serve.server import check_serve_options, run_server
+    from mixtral_infer.serve.options import check_serve_options
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every)
     check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
     from mixtral_infer.checkpoint.loading import open_checkpoint
+    from mixtral_infer.serve.server import run_server
     from mixtral_infer.tokenizer import Tokenizer
 
     folder = model_folder(model_path)
