@@ -67,23 +67,40 @@ def test_kernel_equals_the_dequantize_reference(scheme, rows):
         assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
 
 
-def test_int8_prefill_chunks_dequantize_then_multiply(monkeypatch):
-    """From DEQUANTIZE_ROWS rows on, CPU int8 skips its kernel (slower there) for dequantize + F.linear."""
+@pytest.mark.parametrize("upcast", [False, True], ids=["16-bit", "float32"])
+def test_int8_prefill_chunks_dequantize_then_multiply(upcast, monkeypatch):
+    """From DEQUANTIZE_ROWS rows on, CPU int8 skips its kernel (slower there) for dequantize + F.linear:
+    where 16-bit products are the faster (fast.cpu_upcast), exactly the reference's product."""
+    from mixtral_infer.fast import cpu_upcast
+
+    monkeypatch.setattr(cpu_upcast, "upcast", upcast)
     weight = prepare(quantize(torch.randn(64, 128), SCHEMES["int8"], torch.bfloat16))
     calls = []
     kernel = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     for rows in (kernels.DEQUANTIZE_ROWS - 1, kernels.DEQUANTIZE_ROWS):
         x = torch.randn(rows, 128).to(torch.bfloat16)
-        got, expected = quantized_linear(x, weight).float(), reference_linear(x, weight).float()
-        assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+        got, expected = quantized_linear(x, weight), reference_linear(x, weight)
+        assert (got.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()
     assert calls == [kernels.DEQUANTIZE_ROWS - 1]
+    assert upcast or torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fast_int8_dequantizing_is_the_reference_bit_for_bit(dtype):
+    """One conversion and a multiply in place give ``dequantize``'s numbers (two float32 copies), also
+    for stacked experts and where a bfloat16 scale is not a float16 number."""
+    w = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(4)) * torch.logspace(-6, 2, 3)[:, None, None]
+    weight = quantize(w, SCHEMES["int8"], torch.bfloat16)  # (E, OUT, IN)
+    assert torch.equal(kernels.dequantize_int8(weight, dtype), weight.dequantize(dtype))
+    assert torch.equal(kernels.dequantize_int8(weight[1], dtype), weight.dequantize(dtype)[1])
 
 
 @pytest.mark.parametrize("rows", [64, 128, 192])
-def test_the_int4_kernel_layout_reads_back_as_the_weight(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_int4_kernel_layout_reads_back_as_the_weight(rows, dtype):
     weight = prepare(quantize(torch.randn(rows, 96), INT4, torch.bfloat16), keep_values=True)
-    assert torch.equal(kernels.dequantize_int4_kernel_layout(weight), weight.dequantize(torch.float32))
+    assert torch.equal(kernels.dequantize_int4_kernel_layout(weight, dtype), weight.dequantize(dtype))
 
 
 def test_int4_prefill_reads_its_layout_back_where_float32_is_faster(monkeypatch):
