@@ -49,6 +49,7 @@ from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_column_blocks import block_long_rows
 from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.hardware import cpu_info
+from mixtral_infer.memory import keep_freed_memory
 from mixtral_infer.model.parallel import Parallel, Selection
 from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.quant import int8_activations
@@ -398,6 +399,8 @@ def load_model(
     them plain but for rows longer than 4096 (Mistral 7B's ``w2``), stored in blocks of columns
     (``fast.cpu_column_blocks``; the CLI's ``--decode compiled`` loads so); ``pack=False`` keeps
     plain ``nn.Parameter``s throughout: to edit weights.
+    On CPU, blocks freed after loading stay in the process for the next prompt
+    (``mixtral_infer.memory``; ``release_freed_memory()`` hands them back).
     """
     if pack not in (True, False, "columns"):
         raise ConfigError(f"pack={pack!r}: use True (oneDNN's layout), 'columns' (compiled decoding) or False (plain)")
@@ -429,8 +432,12 @@ def load_model(
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
     int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
     if pack == "columns":
-        return block_long_rows(model)
-    return pack_model(model) if pack else model
+        model = block_long_rows(model)
+    elif pack:
+        model = pack_model(model)
+    if device.type == "cpu":
+        keep_freed_memory()  # from here on, prompts' activations reuse the heap's pages (mixtral_infer/memory.py)
+    return model
 
 
 # ---------------------------------------------------------------- writing

@@ -20,10 +20,10 @@ import torch
 
 from mixtral_infer.checkpoint.weight_shapes import check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.model.parallel import Selection
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant.kernels import prepare
-from mixtral_infer.quant.memory import release_freed_memory
 from mixtral_infer.quant.model import is_quantized_published, scales_name, stored_shapes
 from mixtral_infer.quant.model import weight_name as weight_name_of  # weight_name is a local name here
 from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight, QuantScheme, quantize

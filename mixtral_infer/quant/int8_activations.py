@@ -56,7 +56,7 @@ from torch import nn
 
 from mixtral_infer.fast.cpu_packed import PackedWeight, _Matrices, packed_linear, side_by_side_groups
 from mixtral_infer.hardware import cpu_info
-from mixtral_infer.quant.memory import release_freed_memory
+from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant.weights import QuantizedWeight
 
 
