@@ -6,10 +6,11 @@ activations are such blocks: one 2048-token chunk of Mistral 7B's feed-forward m
 2048 x 14336 float32 values (117 MB each) per layer, every one of them new pages that the kernel
 faults in and zeroes on first touch. Measured on a 2-core AMD EPYC VM (torch 2.13.0): ``silu`` of
 such a block 38.6 ms into new pages against 7.1 ms into reused ones (about 1 us a 4 KB page; up
-to 180 ms a call inside a whole prompt, the VM's pages being slower at times), and a prompt of
-``mistral-wide`` (Mistral 7B's widths, 4 layers, 2048 tokens, one process alternating, medians
-of 3) prefilling at 108 tokens/s in float32 with fresh pages against 116 with the heap kept
-(bfloat16 200 -> 223; mistral-bench float32 640 -> 822).
+to 180 ms a call inside a whole prompt, the VM's pages being slower at times). A 2048-token
+prompt of ``mistral-wide`` (Mistral 7B's widths, 4 layers) took 942,000 page faults in float32;
+it prefills at 109 tokens/s so and at 117 with the heap kept (a handful of faults); bfloat16 211
+-> 226, mistral-bench float32 753 -> 828 (``bench/bench_heap.py``: one process alternating the
+two settings, medians of 3).
 
 ``keep_freed_memory`` raises both thresholds so those blocks come from the heap and stay there
 for the next chunk, as PyTorch's CUDA caching allocator keeps GPU memory. It also has threads
