@@ -14,7 +14,6 @@ import pytest
 from mixtral_infer.memory import _LIBC
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCK_PAGES = 64 * 2**20 // 4096  # a 64 MB tensor: larger than glibc's largest default mmap threshold (32 MB)
 
 SCRIPT = """
 import json, resource, threading, torch
@@ -57,10 +56,12 @@ def test_a_cpu_model_reuses_freed_blocks_and_release_hands_them_back():
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout.strip().splitlines()[-1])
-    # glibc's default: every 64 MB block gets fresh pages, one fault per 4 KB page touched
-    assert measured["before"] > 4 * 3 * BLOCK_PAGES // 2, measured
-    # after load_model: the freed blocks are reused, their pages already there
-    assert measured["after"] < BLOCK_PAGES // 4, measured
-    assert measured["in_thread"] < BLOCK_PAGES // 4, measured  # a thread's own arena would fault them all
+    # glibc's default: every 64 MB block gets fresh pages, a fault per page touched (4 KB pages: 16,384
+    # a block; where transparent huge pages are always on, 32)
+    assert measured["before"] >= 4 * 3 * 32, measured
+    # after load_model: the freed blocks are reused, their pages already there (the heap may still
+    # grow by a block now and then: measured 0 or one block's pages of the twelve)
+    assert measured["after"] * 4 < measured["before"], measured
+    assert measured["in_thread"] * 4 < measured["before"], measured  # a thread's own arena faults them all
     # the 256 MB freed stays resident until release_freed_memory hands it back
     assert measured["kept_mb"] - measured["released_mb"] > 200, measured
