@@ -8,7 +8,7 @@ faults in and zeroes on first touch. Measured on a 2-core AMD EPYC VM (torch 2.1
 such a block 38.6 ms into new pages against 7.1 ms into reused ones (about 1 us a 4 KB page; up
 to 180 ms a call inside a whole prompt, the VM's pages being slower at times). A 2048-token
 prompt of ``mistral-wide`` (Mistral 7B's widths, 4 layers) took 942,000 page faults in float32;
-it prefills at 109 tokens/s so and at 117 with the heap kept (a handful of faults); bfloat16 211
+it prefills at 109 tokens/s that way and at 117 with the heap kept (a handful of faults); bfloat16 211
 -> 226, mistral-bench float32 753 -> 828 (``bench/bench_heap.py``: one process alternating the
 two settings, medians of 3).
 
@@ -34,7 +34,7 @@ M_TRIM_THRESHOLD = -1  # free memory at the heap's top is handed back beyond thi
 M_MMAP_THRESHOLD = -3  # blocks of at least this many bytes get pages of their own (mmap)
 M_ARENA_MAX = -8  # how many arenas (heaps) threads may use; 1: all share the main heap
 KEPT_BLOCK_BYTES = 1 << 30  # blocks below 1 GB come from the heap once kept
-OLD_GLIBC_MAX_BYTES = 32 << 20  # glibc < 2.35 refuses a threshold above half its 64 MB arena heaps
+OLD_GLIBC_MAX_BYTES = 32 << 20  # where a glibc refuses more (half its 64 MB arena heaps; 2.36 takes 1 GB)
 
 
 def keep_freed_memory() -> bool:

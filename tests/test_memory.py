@@ -47,7 +47,8 @@ blocks = [torch.ones(16 * 2**20) for _ in range(4)]  # 256 MB at once, then free
 del blocks
 kept_mb = resident_mb()
 release_freed_memory()
-print(json.dumps({"before": before, "after": after, "in_thread": in_thread["faults"], "kept_mb": kept_mb, "released_mb": resident_mb()}))
+measured = {"before": before, "after": after, "in_thread": in_thread["faults"], "kept_mb": kept_mb}
+print(json.dumps({**measured, "released_mb": resident_mb()}))
 """
 
 
