@@ -37,18 +37,15 @@ KEPT_BLOCK_BYTES = 1 << 30  # blocks below 1 GB come from the heap once kept
 OLD_GLIBC_MAX_BYTES = 32 << 20  # where a glibc refuses more (half its 64 MB arena heaps; 2.36 takes 1 GB)
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory() -> None:
     """Serve blocks below ``KEPT_BLOCK_BYTES`` from the main heap, in every thread started from
-    now on, and keep freed ones for reuse.
-
-    Returns whether the setting took (False off glibc). Process-wide; calling it again is harmless.
-    """
+    now on, and keep freed ones for reuse. Process-wide; calling it again is harmless."""
     if _LIBC is None:
-        return False
+        return
     _LIBC.mallopt(M_ARENA_MAX, 1)
     if not _LIBC.mallopt(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES):
         _LIBC.mallopt(M_MMAP_THRESHOLD, OLD_GLIBC_MAX_BYTES)
-    return bool(_LIBC.mallopt(M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES))
+    _LIBC.mallopt(M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES)
 
 
 def release_freed_memory() -> None:
