@@ -41,13 +41,15 @@ def test_the_docstring_example():
 
 
 def test_block_widths():
-    """The fewest equal blocks of at most MAX_BLOCK (4096) columns: Mistral 7B's w2 (14336) in 4 of 3584."""
-    assert cpu_column_blocks.MAX_BLOCK == 4096
-    assert block_width(14336) == 3584
-    assert block_width(8192) == 4096
-    assert block_width(4096) is None and block_width(1024) is None  # short rows stay as they are
-    assert block_width(4097) == 241  # 17 blocks: the fewest that divide it
-    assert block_width(4099) is None  # a prime: no blocks of at least 32 columns
+    """The fewest equal blocks of at most MAX_BLOCK (2048) columns: Mistral 7B's w2 (14336) in 7 of
+    2048, its other matrices (rows of 4096) in 2; the bench shapes' w2 (3584) in 2 of 1792."""
+    assert cpu_column_blocks.MAX_BLOCK == 2048
+    assert block_width(14336) == 2048
+    assert block_width(4096) == 2048
+    assert block_width(3584) == 1792
+    assert block_width(2048) is None and block_width(1024) is None  # short rows stay as they are
+    assert block_width(2049) == 683  # 3 blocks: the fewest that divide it
+    assert block_width(2053) is None  # a prime: no blocks of at least 32 columns
 
 
 def test_stacked_experts_index_to_their_own_blocks():
@@ -119,6 +121,24 @@ def test_compiled_steps_read_the_blocks_and_equal_the_plain_step(moe, dtype, bat
     """Compiled on CPU, a blocked model's decode step gives the plain model's logits op by op
     within the dtype's rounding (MoE: batch 1 gathers two experts, batches 2 and 4 run all four;
     batch 4: more rows than the reductions take, block by block)."""
+    assert_compiled_step_equals_plain(moe, dtype, batch)
+
+
+@pytest.mark.parametrize("moe, batch", [(False, 1), (True, 1), (True, 2)], ids=["dense", "moe-gathered", "moe-all"])
+def test_compiled_steps_with_every_matrix_in_blocks(moe, batch, monkeypatch):
+    """Blocks of at most 32 columns: every matrix decoding reads is blocked (rows of 64 in 2 blocks,
+    w2's 96 in 3), as Mistral 7B's all are (rows of 4096 and 14336 in blocks of 2048); experts' w1
+    and w3 as well as w2. The compiled step equals the plain model's op by op."""
+    monkeypatch.setattr(cpu_column_blocks, "MAX_BLOCK", 32)
+    blocked = assert_compiled_step_equals_plain(moe, torch.bfloat16, batch)
+    attention, ff = blocked.layers["1"].attention, blocked.layers["1"].feed_forward
+    weights = [attention.wq.weight, attention.wo.weight] + ([ff.w1, ff.w2] if moe else [ff.w1.weight, ff.w2.weight])
+    assert all(isinstance(w, ColumnBlocks) for w in weights)
+    assert weights[-1].blocks.shape[-3:] == (3, 64, 32)
+
+
+def assert_compiled_step_equals_plain(moe: bool, dtype: torch.dtype, batch: int):
+    """The blocked model's compiled decode_logits against the plain model's op by op; returns the blocked model."""
     plain = random_model(tiny_args(moe=moe, max_batch_size=4), seed=29).to(dtype)
     blocked = block_long_rows(random_model(tiny_args(moe=moe, max_batch_size=4), seed=29).to(dtype))
     assert blocked_numel(blocked) > 0
@@ -126,12 +146,14 @@ def test_compiled_steps_read_the_blocks_and_equal_the_plain_step(moe, dtype, bat
     cache.start_sequences(batch)
     tokens, positions = torch.tensor([5, 6, 1, 7][:batch]), torch.tensor([3, 9, 0, 12][:batch])
     inputs = (tokens, positions, torch.ones(batch, dtype=torch.bool))
+    torch._dynamo.reset()  # this file compiles decode_logits for many models: past dynamo's recompile limit
     with torch.inference_mode():
         expected = decode_logits(plain, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
         compiled = torch.compile(functools.partial(decode_logits, blocked), fullgraph=True, dynamic=False)
         logits = compiled(cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
     tolerance = dict(atol=0.1, rtol=0.02) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, expected, **tolerance)
+    return blocked
 
 
 def compiled_block_product(rows: int, seed: int):
@@ -149,12 +171,16 @@ def compiled_block_product(rows: int, seed: int):
 
 
 def test_compiled_products_walk_the_blocks_one_after_the_other():
-    """The generated loop runs over the blocks outermost, each a contiguous (OUT, B) matrix read row
-    after row (weight index ``x2 + 48*x1 + 1920*x0``: block x0, row x1, column x2); the plain
-    weight's loop would step 96 columns a row. The result is the plain product's."""
+    """One loop per block, each over the 40 rows of its contiguous (OUT, B) matrix, as a plain
+    weight's is (so both threads share every block): block 0 at weight index ``x1 + 48*x0`` (row x0,
+    column x1), block 1 at ``1920 + x1 + 48*x0``; the plain weight's loop would step 96 columns a row.
+    The result is the plain product's."""
     weight, x, got, code = compiled_block_product(rows=1, seed=7)
-    loops = [loop for loop in generated_loops([code]) if "48L*x1 + 1920L*x0" in loop]
-    assert len(loops) == 1 and loops[0].startswith("static_cast<int64_t>(0L); x0<static_cast<int64_t>(2L);")
+    row_by_row = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(40L); x0+=static_cast<int64_t>(1L))"
+    over_rows = [loop for loop in generated_loops([code]) if loop.startswith(row_by_row)]
+    assert len(over_rows) == 2
+    assert "(x1 + 48L*x0)" in over_rows[0] and "1920L" not in over_rows[0]
+    assert "(1920L + x1 + 48L*x0)" in over_rows[1]
     assert "96L*x" not in code
     torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.07, rtol=0.01)
 

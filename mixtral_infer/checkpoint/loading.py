@@ -396,7 +396,7 @@ def load_model(
     ``pack``: a bfloat16 model on CPU keeps its matrices in oneDNN's layout, which the
     eager loop decodes 1.3x faster (``fast.cpu_packed``); ``pack="columns"``, for compiled
     decoding, which reads plain 16-bit weights faster still (``fast.cpu_reductions``), keeps
-    them plain but for rows longer than 4096 (Mistral 7B's ``w2``), stored in blocks of columns
+    them plain but for rows longer than 2048 (at Mistral 7B's widths, every matrix), stored in blocks of columns
     (``fast.cpu_column_blocks``; the CLI's ``--decode compiled`` loads so); ``pack=False`` keeps
     plain ``nn.Parameter``s throughout: to edit weights.
     On CPU, blocks freed after loading stay in the process for the next prompt

@@ -2,28 +2,46 @@
 
 A compiled few-row product multiplies each row of the weight by the input row ``x`` and sums
 (``fast.cpu_reductions``). Each core walks its share of the weight's rows, converting ``x``
-to float32 once and rereading it for every row: while those ``IN`` floats fit in the core's L1
-cache beside the streaming weight, the loop reads the weight at the memory's speed. Rows of 4096
-(16 KB of ``x``) do, on the 2-core AMD EPYC (32 KB of L1 data a core): 37-43 GB/s. Mistral 7B's
-and Mixtral 8x7B's ``w2`` has rows of 14336 (56 KB): 19 GB/s, 39% of a bfloat16 step.
+to float32 once and rereading it for every row: while those ``IN`` floats stay in the core's L1
+cache beside the streaming weight, the loop reads the weight at the memory's speed. On the 2-core
+AMD EPYC (a VM, 32 KB of L1 data a core) rows of 2048 (8 KB of ``x``) always do; rows of 3584
+and 4096 (14-16 KB) only some of the time, and in other periods at two thirds of that speed; what
+changes between the periods was not found (another tenant's hyperthread sharing the L1 would do
+it). Compiled products, 48 weights of 3.7M values in turn, 6 rounds interleaved, GB/s of weights:
 
-So a float weight (16-bit or float32) whose rows are longer than ``MAX_BLOCK`` is stored as ``n``
-blocks of equal width ``B <= MAX_BLOCK``, each block its own contiguous ``(OUT, B)`` matrix:
-``(OUT, IN) -> (n, OUT, B)``. The product is then ``n`` products with rows of ``B``, one after
-the other, each against its own piece of ``x`` (14 KB for ``B = 3584``), added up. On the same
-EPYC, compiled decode batch 1, one process alternating plain and blocked copies of one random model
-(``bench/bench_column_blocks.py``, medians of 5-6), tokens/s:
+===========================================  ==============================  ====================
+layout                                       bfloat16                        int8 weight-only
+===========================================  ==============================  ====================
+rows of 4096, plain                          20.0-20.4 (2 rounds), 31-32     13.3-15.1
+rows of 4096 in 2 blocks of 2048             28.5-34.1                       21.2-23.8
+rows of 14336 in 4 blocks of 3584            19.2-20.2 (3 rounds), 33        12.5-15.7
+rows of 14336 in 7 blocks of 2048            30.6-33.8                       19.8-22.6
+===========================================  ==============================  ====================
 
-================================================  ==============  ==================  ==============
-shape                                             bfloat16        int8 weight-only    float32
-================================================  ==============  ==================  ==============
-mistral-wide (Mistral 7B's widths, 4 layers)      16.4 -> 21.2    24.0 -> 29.7        10.4 -> 10.8
-mixtral-wide (Mixtral 8x7B's widths, 2 layers)    15.5 -> 20.1    23.4 -> 26.4
-================================================  ==============  ==================  ==============
+So float weights (16-bit or float32) and int8 integers whose rows are longer than ``MAX_BLOCK``
+are stored as ``n`` blocks of equal width ``B <= MAX_BLOCK``, each block its own contiguous
+``(OUT, B)`` matrix: ``(OUT, IN) -> (n, OUT, B)``. The product is then ``n`` products with rows
+of ``B``, one after the other, each against its own piece of ``x``, added up. At Mistral 7B's
+and Mixtral 8x7B's widths every matrix decoding reads is blocked (rows of 4096 in 2 blocks, w2's
+14336 in 7); at the bench shapes' only w2 (3584 in 2 of 1792). Compiled decode batch 1, one
+process alternating two copies of one random model (``bench/bench_column_blocks.py``, medians of
+5-6), tokens/s:
 
+=============================================  ==============  ================  ============
+mistral-wide (Mistral 7B's widths, 4 layers)   bfloat16        int8 weight-only  float32
+=============================================  ==============  ================  ============
+plain -> w2 in blocks of 3584                  16.4 -> 21.2    24.0 -> 29.7      10.4 -> 10.8
+w2 in blocks of 3584 -> all in blocks of 2048  15.2 -> 16.7    26.9 -> 30.3      9.4 -> 12.3
+=============================================  ==============  ================  ============
+
+(The first row from when ``MAX_BLOCK`` was 4096; the second ``--max-block 4096 2048``,
+``bench/results_column_blocks_widths_mistral_wide.json``.) bfloat16's median hides the periods:
+in that run blocks of 3584 never passed 17.9 tokens/s and blocks of 2048 reached 22.7-24.8 (in
+another run of 8 rounds, medians 16.8 against 23.4). The bench shapes did not change
+(mistral-bench bfloat16 134.0 -> 134.2, int8 166.0 -> 163.6), nor mixtral-wide bfloat16 (18.5 ->
+18.7: its experts are read through the MoE step's own products, ``fast.decode_step``).
 Reading the plain weight's columns in blocks through a strided view instead, without moving them,
-gains nothing (16.0 -> 16.6): the rows' pieces are then 7 KB apart from each other. float32 gains
-less than bfloat16 (its weight's row is as long in bytes as the input's; a first run gave 9.8 -> 11.2).
+gained nothing (16.0 -> 16.6): the rows' pieces are then 7 KB apart from each other.
 
 Example, ``IN = 4``, two blocks of ``B = 2``::
 
@@ -38,8 +56,10 @@ products of more rows (batches of 3 and more, the serving step's prompt chunks) 
 block (``block_products``, no copy of the weight in the graph; each block's product is rounded to
 the 16-bit type before the sum). Eager 16-bit products (prompts, the eager loop) multiply the plain
 weight, put back together for the call (``dense()``: a copy, so the readable path's numbers are the
-plain weight's; a 512-token mistral-wide prompt in bfloat16 prefills at 182 tokens/s against 201
-plain). Eager float32 products multiply block by block too: float32 sums round nothing between
+plain weight's; int8 integers likewise, ``integers()``). With every matrix of mistral-wide blocked,
+the copies cost a prompt about 0.1 s: one process alternating, medians of 3, tokens/s, w2 alone
+blocked -> every matrix: bfloat16 64 tokens 168 -> 133, 512 tokens 220 -> 212; int8 76 -> 70 and
+208 -> 201. Eager float32 products multiply block by block too: float32 sums round nothing between
 blocks, and the copy costs more than the product (Mistral 7B's w2, 235 MB: 85-137 ms against 8-70
 ms for 1-64 rows; a 512-token mistral-wide prompt 95.5 tokens/s against 97.5 plain, 91.6 copying).
 
@@ -55,7 +75,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-MAX_BLOCK = 4096  # longest row a core's L1 holds the float32 input of (module docstring)
+MAX_BLOCK = 2048  # longest row whose float32 input stays in L1 beside the streaming weight (module docstring)
 BLOCKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what compiled code multiplies as reductions
 
 

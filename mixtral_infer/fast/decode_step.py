@@ -171,22 +171,24 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
         return _quantized_moe_one_token(moe, x, experts, weights)
     if batch * k < n_experts:
         w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, A, I, D), (B, A, I, D), (B, A, D, I)
-        hidden = F.silu(torch.einsum("bd,bkid->bki", x, w1)) * torch.einsum("bd,bkid->bki", x, w3)  # (B, A, I)
-        out = _down_projection(hidden[:, :, None], w2)[:, :, 0]  # (B, A, D)
+        rows = x[:, None, None, :]  # (B, 1, 1, D): each row against its own A experts
+        hidden = F.silu(_expert_products(rows, w1)) * _expert_products(rows, w3)  # (B, A, 1, I)
+        out = _expert_products(hidden, w2)[:, :, 0]  # (B, A, D)
         return torch.einsum("bkd,bk->bd", out, weights)
     mix = torch.zeros(batch, n_experts, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (B, E)
-    hidden = F.silu(torch.einsum("bd,eid->ebi", x, moe.w1)) * torch.einsum("bd,eid->ebi", x, moe.w3)  # (E, B, I)
-    out = _down_projection(hidden, moe.w2)  # (E, B, D)
+    hidden = F.silu(_expert_products(x[None], moe.w1)) * _expert_products(x[None], moe.w3)  # (E, B, I)
+    out = _expert_products(hidden, moe.w2)  # (E, B, D)
     return torch.einsum("ebd,be->bd", out, mix)
 
 
-def _down_projection(hidden: torch.Tensor, w2: torch.Tensor | ColumnBlocks) -> torch.Tensor:
-    """``hidden (..., N, I)`` times ``w2 (..., D, I)``, each leading index its own expert: ``(..., N, D)``.
-    w2 in column blocks ``(..., n, D, B)`` (``fast.cpu_column_blocks``): block by block, summed."""
-    if isinstance(w2, ColumnBlocks):
-        parts = hidden.unflatten(-1, (w2.blocks.shape[-3], -1))  # (..., N, n, B)
-        return torch.einsum("...xnj,...ndj->...nxd", parts, w2.blocks).sum(-3)
-    return torch.einsum("...xi,...di->...xd", hidden, w2)
+def _expert_products(rows: torch.Tensor, weight: torch.Tensor | ColumnBlocks) -> torch.Tensor:
+    """``rows (..., N, IN)`` times ``weight (..., OUT, IN)``, each leading index its own expert (size-1
+    leading dimensions of ``rows`` broadcast): ``(..., N, OUT)``. A weight in column blocks
+    ``(..., n, OUT, B)`` (``fast.cpu_column_blocks``) is multiplied block by block, summed."""
+    if isinstance(weight, ColumnBlocks):
+        parts = rows.unflatten(-1, (weight.blocks.shape[-3], -1))  # (..., N, n, B)
+        return torch.einsum("...xnj,...ndj->...nxd", parts, weight.blocks).sum(-3)
+    return torch.einsum("...xi,...di->...xd", rows, weight)
 
 
 def _quantized_moe_one_token(moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

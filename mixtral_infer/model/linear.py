@@ -37,7 +37,7 @@ Compiled code on CPU multiplies a *plain* weight (``load_model(..., pack="column
 CLI does for ``--decode compiled``) by one or two rows of its dtype as multiply-and-sum reductions
 that inductor writes (``fast.cpu_reductions``): bfloat16 and float16 faster than oneDNN reads its
 own layout, float32 faster than the bmm blocks above (which remain compiled float32's path for 3-8
-rows). Rows longer than 4096 are kept in blocks of columns (``fast.cpu_column_blocks.ColumnBlocks``),
+rows). Rows longer than 2048 are kept in blocks of columns (``fast.cpu_column_blocks.ColumnBlocks``),
 which those reductions read block by block; other products multiply block by block (compiled code,
 and float32), or the plain weight put back together (16-bit, op by op).
 
