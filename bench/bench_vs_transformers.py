@@ -378,7 +378,8 @@ def decode_bytes(model: Transformer, batch: int = 1) -> dict:
     size = model.dtype.itemsize
     layers = list(model.layers.values()) if isinstance(model.layers, torch.nn.ModuleDict) else list(model.layers)
     layer = layers[0]
-    attention = sum(p.numel() for p in layer.attention.parameters()) + packed_numel(layer.attention)
+    held_apart = packed_numel(layer.attention) + blocked_numel(layer.attention)  # not in parameters()
+    attention = sum(p.numel() for p in layer.attention.parameters()) + held_apart
     norms = layer.attention_norm.weight.numel() + layer.ffn_norm.weight.numel()
     if args.moe is not None:
         ff = layer.feed_forward
