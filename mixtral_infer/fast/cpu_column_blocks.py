@@ -38,8 +38,8 @@ w2 in blocks of 3584 -> all in blocks of 2048  15.2 -> 16.7    26.9 -> 30.3     
 ``bench/results_column_blocks_widths_mistral_wide.json``.) bfloat16's median hides the periods:
 in that run blocks of 3584 never passed 17.9 tokens/s and blocks of 2048 reached 22.7-24.8 (in
 another run of 8 rounds, medians 16.8 against 23.4). The bench shapes did not change
-(mistral-bench bfloat16 134.0 -> 134.2, int8 166.0 -> 163.6), nor mixtral-wide bfloat16 (18.5 ->
-18.7: its experts are read through the MoE step's own products, ``fast.decode_step``).
+(mistral-bench bfloat16 134.0 -> 134.2, int8 166.0 -> 163.6), nor mixtral-wide's (2 layers of
+Mixtral 8x7B's widths: bfloat16 18.5 -> 18.7, int8 25.9 -> 24.8).
 Reading the plain weight's columns in blocks through a strided view instead, without moving them,
 gained nothing (16.0 -> 16.6): the rows' pieces are then 7 KB apart from each other.
 
