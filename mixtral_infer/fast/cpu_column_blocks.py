@@ -4,18 +4,19 @@ A compiled few-row product multiplies each row of the weight by the input row ``
 (``fast.cpu_reductions``). Each core walks its share of the weight's rows, converting ``x``
 to float32 once and rereading it for every row: while those ``IN`` floats stay in the core's L1
 cache beside the streaming weight, the loop reads the weight at the memory's speed. On the 2-core
-AMD EPYC (a VM, 32 KB of L1 data a core) rows of 2048 (8 KB of ``x``) always do; rows of 3584
-and 4096 (14-16 KB) only some of the time, and in other periods at two thirds of that speed; what
-changes between the periods was not found (another tenant's hyperthread sharing the L1 would do
-it). Compiled products, 48 weights of 3.7M values in turn, 6 rounds interleaved, GB/s of weights:
+AMD EPYC (a VM, 32 KB of L1 data a core) rows of 2048 (8 KB of ``x``) nearly always do; rows of
+3584 and 4096 (14-16 KB) only some of the time, and in other periods at two thirds of that speed;
+what changes between the periods was not found (another tenant's hyperthread sharing the L1 would
+do it). Compiled products (``dynamic=False``), one weight of 176M values per layout, 6 rounds
+interleaved, GB/s of weights read:
 
 ===========================================  ==============================  ====================
 layout                                       bfloat16                        int8 weight-only
 ===========================================  ==============================  ====================
 rows of 4096, plain                          20.0-20.4 (2 rounds), 31-32     13.3-15.1
-rows of 4096 in 2 blocks of 2048             28.5-34.1                       21.2-23.8
+rows of 4096 in 2 blocks of 2048             27.3-34.1                       21.2-23.8
 rows of 14336 in 4 blocks of 3584            19.2-20.2 (3 rounds), 33        12.5-15.7
-rows of 14336 in 7 blocks of 2048            30.6-33.8                       19.8-22.6
+rows of 14336 in 7 blocks of 2048            21.2 (1 round), 29.8-34.3       19.8-22.6
 ===========================================  ==============================  ====================
 
 So float weights (16-bit or float32) and int8 integers whose rows are longer than ``MAX_BLOCK``
