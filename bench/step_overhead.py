@@ -14,10 +14,10 @@ kernels) and the generated C++ kernels themselves. So a step splits into
 * ``outside_ms``: step minus graph call (dynamo's frame hook and guards, AOTAutograd's wrapper, the
   decode loop's own Python).
 
-``--aoti`` also exports the same step (``make_decode_step``) with ``torch.export`` and builds it
-with AOTInductor (``aoti_compile_and_package``, weights left out of the package and handed over
-as the model's own tensors), then times it against ``torch.compile``'s step on the same inputs,
-alternating: how much of the fixed cost a compiled C++ wrapper without dynamo would save.
+The split is of torch.compile's step. ``--aoti`` then times whole decode loops with the step the
+package builds on CPU, by AOTInductor (``fast/cpu_aot_step.py``: the same kernels, a C++ wrapper,
+no dynamo), against torch.compile's, alternating in one process (``aoti_step_ms``,
+``compile_step_ms``).
 ``--tiny SHAPE`` runs a copy of a bench shape with dim 64 (same layers, heads, window), whose
 step is almost only that fixed cost.
 
@@ -30,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -42,8 +41,9 @@ import bench_vs_transformers as b  # noqa: E402
 from bench_decode_modes import decode_seconds  # noqa: E402
 from profile_decode import tiny_copy  # noqa: E402
 
+import mixtral_infer.fast.decode_step as decode_step  # noqa: E402
 from mixtral_infer import load_model  # noqa: E402
-from mixtral_infer.fast.decode_step import make_decode_step  # noqa: E402
+from mixtral_infer.fast.decode_loop import step_compiler  # noqa: E402
 
 NEW_TOKENS = 128
 
@@ -90,6 +90,9 @@ class Clock:
 
 
 def split_step(model, rounds: int) -> Dict[str, float]:
+    """The step as torch.compile builds it (on CPU the package builds it with AOTInductor, whose
+    wrapper is C++: nothing of it to time from Python)."""
+    decode_step.AHEAD_OF_TIME_ON_CPU = False
     clock = Clock()
     clock.time_graph_calls()
     prompts = b.random_prompts(1, 64, model.args.vocab_size, seed=1)
@@ -109,47 +112,29 @@ def split_step(model, rounds: int) -> Dict[str, float]:
     return out
 
 
-class StepModule(torch.nn.Module):
-    """The greedy decode step as a module, so that ``torch.export`` sees the weights as the model's."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.step = make_decode_step(model, greedy=True, filtered=False, eos_id=None)
-
-    def forward(self, cache_k, cache_v, tokens, positions, alive, temperature, top_p, top_k):
-        return self.step(cache_k, cache_v, tokens, positions, alive, None, temperature, top_p, top_k)
-
-
-def aoti_against_compile(model, rounds: int, calls: int = 50) -> Dict[str, float]:
-    cache = model.make_cache(1, max_seqlen=256)
-    module = StepModule(model)
-    inputs = (cache.cache_k, cache.cache_v, torch.tensor([5]), torch.tensor([100]), torch.ones(1, dtype=torch.bool),
-              torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.long))  # fmt: skip
-    start = time.perf_counter()
-    with torch.inference_mode(False), torch.no_grad():
-        exported = torch.export.export(module, inputs, strict=False)
-        package = Path(tempfile.mkdtemp()) / "step.pt2"
-        options = {"aot_inductor.package_constants_in_so": False}
-        built = torch._inductor.aoti_compile_and_package(exported, package_path=str(package), inductor_configs=options)
-        runner = torch._inductor.aoti_load_package(built)
-    build_s = time.perf_counter() - start
-    weights = {**exported.state_dict, **exported.constants}
-    constants = {name: weights[name] for name in runner.get_constant_fqns()}
-    runner.load_constants(constants, check_full_update=True, user_managed=True)  # the model's tensors, not copies
-    compiled = torch.compile(module.forward, fullgraph=True, dynamic=False)
-    with torch.no_grad():
-        same = all(torch.equal(x, y) for x, y in zip(runner(*inputs), compiled(*inputs)) if x.dtype != torch.float32)
-        callers = {"aoti": runner, "compile": compiled}
-        times: Dict[str, List[float]] = {name: [] for name in callers}
-        for _ in range(rounds):
-            for name, call in callers.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call(*inputs)
-                times[name].append((time.perf_counter() - start) / calls * 1e3)
-    medians = {f"{name}_call_ms": statistics.median(ms) for name, ms in times.items()}
-    return {"aoti_build_s": build_s, "aoti_same_tokens": same, **medians}
+def aot_against_compile(model, rounds: int) -> Dict[str, float]:
+    """Whole decode loops (``generate``), the step built by AOTInductor against torch.compile's,
+    alternating in one process."""
+    prompts = b.random_prompts(1, 64, model.args.vocab_size, seed=1)
+    compiler = step_compiler(model)
+    ways = {"aoti": True, "compile": False}
+    steps: Dict[str, Dict] = {}
+    for name, ahead in ways.items():  # build both (the split above built torch.compile's already)
+        decode_step.AHEAD_OF_TIME_ON_CPU = ahead
+        compiler.steps.clear()
+        start = time.perf_counter()
+        decode_seconds(model, prompts, "compiled", NEW_TOKENS)
+        steps[name] = {"steps": dict(compiler.steps), "build_s": time.perf_counter() - start}
+    times: Dict[str, List[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, ahead in ways.items():
+            decode_step.AHEAD_OF_TIME_ON_CPU = ahead
+            compiler.steps = dict(steps[name]["steps"])
+            times[name].append(decode_seconds(model, prompts, "compiled", NEW_TOKENS) / (NEW_TOKENS - 1) * 1e3)
+    decode_step.AHEAD_OF_TIME_ON_CPU = True
+    kinds = [type(step).__name__ for step in steps["aoti"]["steps"].values()]
+    medians = {f"{name}_step_ms": statistics.median(ms) for name, ms in times.items()}
+    return {"aoti_built": kinds == ["AotStep"], "aoti_build_s": steps["aoti"]["build_s"], **medians}
 
 
 def main(argv=None) -> int:
@@ -176,7 +161,7 @@ def main(argv=None) -> int:
     result = {"model": options.tiny or options.folder, "dtype": options.dtype, "quantize": options.quantize}
     result.update(torch=torch.__version__, threads=torch.get_num_threads(), **split_step(model, options.rounds))
     if options.aoti:
-        result.update(aoti_against_compile(model, options.rounds))
+        result.update(aot_against_compile(model, options.rounds))
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     return 0
 

@@ -281,7 +281,7 @@ def demo(
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
-        decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step through torch.compile; on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
+        decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step compiled: by torch.compile, as a CUDA graph on cuda, by AOTInductor on cpu; on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
         quantize: int8, int4 or int4-128: weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)

@@ -42,7 +42,8 @@ TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
 # first step's inputs come from eager code and the second's from the graph, so both are checked;
 # a model edited between two generate() calls (quantize_model, unpack_model) is caught there and
 # recompiled. (Had a later step needed a recompile, torch raises rather than run a stale graph:
-# seen with GUARDED_STEPS = 0.) Not measured on CUDA: no GPU was lent.
+# seen with GUARDED_STEPS = 0.) Not measured on CUDA: no GPU was lent. On CPU the step is built by
+# AOTInductor and has no guards (``cpu_aot_step``: ``AotStep.current`` catches a replaced weight).
 # What this mode still checks are the guards dynamo keeps to tell its graphs apart, which include
 # every tensor's (each weight's dtype, shape, strides): mistral-bench int8, 0.33-0.46 ms a step of
 # its 6.4, against 0.54-0.57 checked in full. Skipping those too (``guard_filter_fn=

@@ -196,8 +196,8 @@ def generate(
     ``decode``: how the tokens after the prompt are produced, all with the same results:
     ``eager`` runs ``Transformer.forward`` per step (the readable reference); ``static``
     runs the fixed-shape step of ``mixtral_infer.fast.decode_step`` op by op; ``compiled``
-    runs that step through ``torch.compile`` (and, on CUDA, as a CUDA graph); ``auto``:
-    compiled on CUDA, eager on CPU.
+    runs that step through ``torch.compile`` (on CUDA as a CUDA graph; on CPU built by
+    AOTInductor, ``fast/cpu_aot_step.py``); ``auto``: compiled on CUDA, eager on CPU.
     """
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
     encoded_prompts = check_settings(

@@ -1,0 +1,114 @@
+"""The CPU decode step built ahead of time by AOTInductor: torch.compile's kernels, no Python per step.
+
+A step compiled by ``torch.compile`` runs Python on every call: dynamo's frame hook and guards,
+AOTAutograd's wrapper, and inductor's Python wrapper, which allocates the step's intermediate
+buffers (about 200 at mistral-bench's 8 layers) and checks its inputs' sizes before it calls the
+one C++ kernel the step fuses into. At the bench shapes that is 0.7-1.1 ms of a 5-10 ms step, while
+the kernel itself takes about llama.cpp's whole step (``bench/step_overhead.py``, README).
+
+Here the same ``decode_one_token`` is exported (``torch.export``, non-strict: Python runs it once
+on fake tensors with ``torch.compiler.is_compiling()`` true, so it takes the forms written for
+compiled code) and AOTInductor builds it into a shared library whose wrapper is C++. The weights
+are not copied into it: the runner is handed the model's own tensors (``user_managed``), so it reads
+them where they are, and a weight edited in place is seen. A weight *replaced* (``quantize_model``,
+``unpack_model``, assigning a new parameter) is not, and nothing guards against it as dynamo would:
+``current()`` checks that every tensor the library reads is still the one at its place in the model,
+and the step compiler builds the step anew when one is not.
+
+Worked example: the library of an int8 model reads ``model.layers.0.attention.wq.weight.values``
+(the integers) and ``model.layers.0.attention.wq.weight.scales``, and a float model's reads
+``model.output.weight``. ``model.output.weight.neg_()`` changes what the next step reads, with no
+build; ``model.output.weight = nn.Parameter(...)`` makes ``current()`` False, and the next
+``generate`` builds the step again rather than read the old tensor (``tests/test_cpu_aot_step.py``).
+
+Not every step can be handed its weights: for int4 and w8a8 weights AOTInductor makes constants
+of its own from them (the kernels' packed layouts), which are not the model's tensors. Those
+steps raise ``NotAheadOfTime`` here and stay on ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from typing import Callable, Dict, Sequence, Tuple
+
+import torch
+
+from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.quant.model import model_scheme
+
+
+def builds_ahead_of_time(model: Transformer) -> bool:
+    """False for int4 and w8a8 weights, whose packed layouts AOTInductor would make constants of
+    (module docstring): their steps go to ``torch.compile`` without a build tried first."""
+    scheme = model_scheme(model)
+    return scheme is None or (scheme.name == "int8" and scheme.activations is None)
+
+
+class NotAheadOfTime(Exception):
+    """This step cannot be built by AOTInductor reading the model's own tensors."""
+
+
+class _StepModule(torch.nn.Module):
+    """``decode_one_token`` as a module holding the model, so that export names its tensors by
+    their places in the model (``model.layers.0.attention.wq.weight``)."""
+
+    def __init__(self, model: Transformer, decode_one_token: Callable[..., Tuple[torch.Tensor, ...]]):
+        super().__init__()
+        self.model = model
+        self.decode_one_token = decode_one_token
+
+    def forward(self, *args):
+        return self.decode_one_token(*args)
+
+
+class AotStep:
+    """``decode_one_token`` (a step of ``model``, ``decode_step.make_decode_step``) built by
+    AOTInductor for the shapes of ``args``, its first call's arguments.
+
+    Called as ``decode_one_token`` is: ``step(cache_k, cache_v, tokens, positions, alive, uniform,
+    temperature, top_p, top_k)``; writes the cache in place, returns fresh output tensors."""
+
+    def __init__(self, model: Transformer, decode_one_token: Callable[..., Tuple[torch.Tensor, ...]], args: Sequence):
+        self.module = _StepModule(model, decode_one_token)
+        # Export traces on fake tensors: plain tensors of the arguments' shapes (the caller's may be
+        # inference tensors, which export may not write); empty_strided touches no memory.
+        with torch.inference_mode(False), torch.no_grad():
+            examples = tuple(_plain_like(arg) for arg in args)
+            exported = torch.export.export(self.module, examples, strict=False)
+            tensors = {**exported.state_dict, **exported.constants}
+            with tempfile.TemporaryDirectory() as folder:
+                package = torch._inductor.aoti_compile_and_package(
+                    exported,
+                    package_path=os.path.join(folder, "decode_step.pt2"),
+                    inductor_configs={"aot_inductor.package_constants_in_so": False},
+                )
+                self.runner = torch._inductor.aoti_load_package(package)
+        names = self.runner.get_constant_fqns()
+        own = [name for name in names if name not in tensors]
+        if own:
+            raise NotAheadOfTime(f"AOTInductor made {len(own)} constants of its own ({own[0]}, ...)")
+        self.constants: Dict[str, torch.Tensor] = {name: tensors[name] for name in names}
+        self.runner.load_constants(self.constants, check_full_update=True, user_managed=True)
+
+    def current(self) -> bool:
+        """Whether every tensor the library reads is still the model's tensor at its place."""
+        return all(_at(self.module, name) is tensor for name, tensor in self.constants.items())
+
+    def __call__(self, *args) -> Tuple[torch.Tensor, ...]:
+        return tuple(self.runner(*args))
+
+
+def _plain_like(arg):
+    if not isinstance(arg, torch.Tensor):
+        return arg
+    return torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device=arg.device)
+
+
+def _at(module: torch.nn.Module, name: str):
+    """The object at a dotted place (``model.layers.0.attention.wq.weight``), None if there is none."""
+    try:
+        return functools.reduce(getattr, name.split("."), module)
+    except AttributeError:
+        return None

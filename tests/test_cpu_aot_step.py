@@ -1,0 +1,101 @@
+"""The CPU decode step built by AOTInductor (fast/cpu_aot_step.py) = torch.compile's step, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import WINDOW, random_model, tiny_args
+from test_model import random_prompts
+
+import mixtral_infer.fast.decode_step as decode_step
+from mixtral_infer import generate
+from mixtral_infer.fast.cpu_aot_step import AotStep, builds_ahead_of_time
+from mixtral_infer.fast.decode_loop import step_compiler
+from mixtral_infer.quant.model import quantize_model
+
+SAMPLED = dict(temperature=0.9, top_k=20, top_p=0.9, seed=5)
+
+
+def steps_built(model) -> list:
+    return [type(step).__name__ for step in step_compiler(model).steps.values()]
+
+
+def decode_both_ways(model, monkeypatch, prompts, **settings):
+    """(tokens, logprobs) from the AOTInductor step, then from torch.compile's, same settings."""
+    messages = []
+    step_compiler(model).announce = messages.append
+    ahead = generate(prompts, model, decode="compiled", **settings)
+    assert steps_built(model) == ["AotStep"], messages
+    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", False)
+    step_compiler(model).steps.clear()
+    compiled = generate(prompts, model, decode="compiled", **settings)
+    assert len(steps_built(model)) == 1 and steps_built(model) != ["AotStep"]
+    return ahead, compiled
+
+
+@pytest.mark.parametrize(
+    "moe, dtype, quantize",
+    [(False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, "int8")],
+    ids=["mistral-float32", "mixtral-bfloat16", "mistral-int8"],
+)
+def test_the_aot_step_decodes_as_torch_compile_does(moe, dtype, quantize, monkeypatch):
+    """Ragged prompts, sampling, decoding 3x past the window: the same tokens and the same
+    log-probabilities to the last bit (the same kernels, called from C++)."""
+    model = random_model(tiny_args(moe=moe, max_batch_size=3), seed=41).to(dtype)
+    if quantize is not None:
+        quantize_model(model, quantize)
+    prompts = random_prompts([2 * WINDOW + 1, 3, 6], model.args.vocab_size, seed=9)
+    ahead, compiled = decode_both_ways(model, monkeypatch, prompts, max_tokens=3 * WINDOW, **SAMPLED)
+    assert ahead == compiled
+
+
+def test_a_replaced_weight_makes_a_new_build_and_an_edited_one_is_read_in_place():
+    """The library reads the model's own tensors: an in-place edit shows in the next step without a
+    build; a weight replaced by a new tensor is noticed (``current()``) and the step built anew."""
+    model = random_model(tiny_args(moe=False, max_batch_size=1), seed=42)
+    prompts = random_prompts([5], model.args.vocab_size, seed=10)
+    compiler = step_compiler(model)
+    compiler.announce = lambda message: None
+    plain = generate(prompts, model, decode="compiled", max_tokens=6)
+    (first,) = compiler.steps.values()
+    assert isinstance(first, AotStep) and first.current()
+    assert first.constants["model.output.weight"] is model.output.weight  # not a copy
+
+    with torch.no_grad():
+        model.output.weight.neg_()  # in place
+    edited = generate(prompts, model, decode="compiled", max_tokens=6)
+    assert list(compiler.steps.values()) == [first] and first.current()
+    assert edited[0] != plain[0] and edited[0] == generate(prompts, model, decode="static", max_tokens=6)[0]
+
+    model.output.weight = torch.nn.Parameter(-model.output.weight.detach())  # a new object: back to plain
+    assert not first.current()
+    again = generate(prompts, model, decode="compiled", max_tokens=6)
+    (second,) = compiler.steps.values()
+    assert second is not first and second.current()
+    assert again == plain
+
+
+@pytest.mark.parametrize("quantize, ahead", [(None, True), ("int8", True), ("int4", False), ("w8a8", False)])
+def test_which_steps_are_built_ahead_of_time(quantize, ahead):
+    """int4's and w8a8's kernels take packed layouts that AOTInductor would make constants of its
+    own; their steps go to torch.compile directly."""
+    model = random_model(tiny_args(moe=False), seed=43).to(torch.bfloat16)
+    if quantize is not None:
+        quantize_model(model, quantize)
+    assert builds_ahead_of_time(model) is ahead
+
+
+def test_a_step_aot_cannot_build_falls_back_to_torch_compile_and_says_why(monkeypatch):
+    model = random_model(tiny_args(moe=False, max_batch_size=1), seed=44)
+    prompts = random_prompts([4], model.args.vocab_size, seed=11)
+
+    def refuse(self, *args):
+        raise RuntimeError("an op with no C shim\nsecond line")
+
+    monkeypatch.setattr(AotStep, "__init__", refuse)
+    messages = []
+    step_compiler(model).announce = messages.append
+    tokens, _ = generate(prompts, model, decode="compiled", max_tokens=5)
+    assert "AOTInductor cannot build this step (RuntimeError: an op with no C shim); using torch.compile" in messages
+    assert steps_built(model) != ["AotStep"]
+    assert tokens == generate(prompts, model, decode="static", max_tokens=5)[0]
