@@ -10,6 +10,7 @@ from test_model import random_prompts
 import mixtral_infer.fast.decode_step as decode_step
 from mixtral_infer import generate
 from mixtral_infer.fast.cpu_aot_step import AotStep, builds_ahead_of_time
+from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.fast.decode_loop import step_compiler
 from mixtral_infer.quant.model import quantize_model
 
@@ -75,13 +76,17 @@ def test_a_replaced_weight_makes_a_new_build_and_an_edited_one_is_read_in_place(
     assert again == plain
 
 
-@pytest.mark.parametrize("quantize, ahead", [(None, True), ("int8", True), ("int4", False), ("w8a8", False)])
-def test_which_steps_are_built_ahead_of_time(quantize, ahead):
+@pytest.mark.parametrize(
+    "weights, ahead", [("bfloat16", True), ("int8", True), ("int4", False), ("w8a8", False), ("packed", False)]
+)
+def test_which_steps_are_built_ahead_of_time(weights, ahead):
     """int4's and w8a8's kernels take packed layouts that AOTInductor would make constants of its
-    own; their steps go to torch.compile directly."""
-    model = random_model(tiny_args(moe=False), seed=43).to(torch.bfloat16)
-    if quantize is not None:
-        quantize_model(model, quantize)
+    own, oneDNN-packed weights are read by handle; their steps go to torch.compile directly."""
+    model = random_model(tiny_args(moe=True), seed=43).to(torch.bfloat16)
+    if weights == "packed":
+        pack_model(model)
+    elif weights != "bfloat16":
+        quantize_model(model, weights)
     assert builds_ahead_of_time(model) is ahead
 
 

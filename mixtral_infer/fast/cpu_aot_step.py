@@ -22,8 +22,9 @@ build; ``model.output.weight = nn.Parameter(...)`` makes ``current()`` False, an
 ``generate`` builds the step again rather than read the old tensor (``tests/test_cpu_aot_step.py``).
 
 Not every step can be handed its weights: for int4 and w8a8 weights AOTInductor makes constants
-of its own from them (the kernels' packed layouts), which are not the model's tensors. Those
-steps raise ``NotAheadOfTime`` here and stay on ``torch.compile``.
+of its own from them (the kernels' packed layouts), which are not the model's tensors, and weights
+in oneDNN's layout (``pack_model``) are read by handle. Those steps stay on ``torch.compile``
+(``builds_ahead_of_time``; a build that makes constants of its own raises ``NotAheadOfTime``).
 """
 
 from __future__ import annotations
@@ -35,13 +36,18 @@ from typing import Callable, Dict, Sequence, Tuple
 
 import torch
 
+from mixtral_infer.fast.cpu_packed import is_packed
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.quant.model import model_scheme
 
 
 def builds_ahead_of_time(model: Transformer) -> bool:
     """False for int4 and w8a8 weights, whose packed layouts AOTInductor would make constants of
-    (module docstring): their steps go to ``torch.compile`` without a build tried first."""
+    (module docstring), and for weights in oneDNN's layout (``cpu_packed``), which the step reads by
+    a handle, an integer the library would keep after the weight is gone: their steps go to
+    ``torch.compile`` (whose guards see a new handle) without a build tried first."""
+    if is_packed(model):
+        return False
     scheme = model_scheme(model)
     return scheme is None or (scheme.name == "int8" and scheme.activations is None)
 
