@@ -36,8 +36,8 @@ def decode_both_ways(model, monkeypatch, prompts, **settings):
 
 @pytest.mark.parametrize(
     "moe, dtype, quantize",
-    [(False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, "int8")],
-    ids=["mistral-float32", "mixtral-bfloat16", "mistral-int8"],
+    [(False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, "int8"), (True, torch.bfloat16, "int4")],
+    ids=["mistral-float32", "mixtral-bfloat16", "mistral-int8", "mixtral-int4"],
 )
 def test_the_aot_step_decodes_as_torch_compile_does(moe, dtype, quantize, monkeypatch):
     """Ragged prompts, sampling, decoding 3x past the window: the same tokens and the same
@@ -77,17 +77,41 @@ def test_a_replaced_weight_makes_a_new_build_and_an_edited_one_is_read_in_place(
 
 
 @pytest.mark.parametrize(
-    "weights, ahead", [("bfloat16", True), ("int8", True), ("int4", False), ("w8a8", False), ("packed", False)]
+    "weights, ahead", [("bfloat16", True), ("int8", True), ("int4", True), ("w8a8", False), ("packed", False)]
 )
 def test_which_steps_are_built_ahead_of_time(weights, ahead):
-    """int4's and w8a8's kernels take packed layouts that AOTInductor would make constants of its
-    own, oneDNN-packed weights are read by handle; their steps go to torch.compile directly."""
+    """w8a8's kernels take packed matrices that AOTInductor would make constants of its own,
+    oneDNN-packed weights are read by handle; their steps go to torch.compile directly."""
     model = random_model(tiny_args(moe=True), seed=43).to(torch.bfloat16)
     if weights == "packed":
         pack_model(model)
     elif weights != "bfloat16":
         quantize_model(model, weights)
     assert builds_ahead_of_time(model) is ahead
+
+
+def test_inductor_s_one_value_constants_are_handed_over_and_copies_of_weights_refused(monkeypatch):
+    """int4's product is lowered to a call taking the group size as a one-value tensor, a constant
+    AOTInductor adds and does not keep: the build records it (the step then decodes as
+    torch.compile's, test above). w8a8's lowering adds fbgemm's packed matrices, copies of the
+    weights: the build refuses them and the step goes to torch.compile."""
+    model = random_model(tiny_args(moe=False, max_batch_size=1), seed=45).to(torch.bfloat16)
+    quantize_model(model, "int4")
+    prompts = random_prompts([4], model.args.vocab_size, seed=12)
+    generate(prompts, model, decode="compiled", max_tokens=3)
+    (step,) = step_compiler(model).steps.values()
+    assert isinstance(step, AotStep) and len(step.scalars) >= 2 * model.args.n_layers
+    assert {int(value) for value in step.scalars.values()} == {32}  # int4's group size, one a product
+
+    model = random_model(tiny_args(moe=False, max_batch_size=1), seed=45).to(torch.bfloat16)
+    quantize_model(model, "w8a8")
+    monkeypatch.setattr(decode_step, "builds_ahead_of_time", lambda model: True)  # tried, not skipped
+    messages = []
+    step_compiler(model).announce = messages.append
+    tokens, _ = generate(prompts, model, decode="compiled", max_tokens=3)
+    assert any("(NotAheadOfTime: AOTInductor made" in message for message in messages), messages
+    assert steps_built(model) != ["AotStep"]
+    assert tokens == generate(prompts, model, decode="static", max_tokens=3)[0]
 
 
 def test_a_step_aot_cannot_build_falls_back_to_torch_compile_and_says_why(monkeypatch):

@@ -21,14 +21,19 @@ Worked example: the library of an int8 model reads ``model.layers.0.attention.wq
 build; ``model.output.weight = nn.Parameter(...)`` makes ``current()`` False, and the next
 ``generate`` builds the step again rather than read the old tensor (``tests/test_cpu_aot_step.py``).
 
-Not every step can be handed its weights: for int4 and w8a8 weights AOTInductor makes constants
-of its own from them (the kernels' packed layouts), which are not the model's tensors, and weights
-in oneDNN's layout (``pack_model``) are read by handle. Those steps stay on ``torch.compile``
-(``builds_ahead_of_time``; a build that makes constants of its own raises ``NotAheadOfTime``).
+AOTInductor may add constants of its own while it lowers the step: int4's product is lowered to
+a call that takes the group size as a one-value tensor (``torch.tensor(32)``). They are not the
+model's and, with the weights left out of the library, not in it either: the build records them
+as inductor makes them (``_scalar_constants_recorded``) and hands them over with the weights.
+Not every step can be handed its weights: for w8a8 weights AOTInductor makes constants of its own
+from them (fbgemm's packed matrices), which are not the model's tensors, and weights in oneDNN's
+layout (``pack_model``) are read by handle. Those steps stay on ``torch.compile``
+(``builds_ahead_of_time``; a build that makes other constants of its own raises ``NotAheadOfTime``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -42,14 +47,14 @@ from mixtral_infer.quant.model import model_scheme
 
 
 def builds_ahead_of_time(model: Transformer) -> bool:
-    """False for int4 and w8a8 weights, whose packed layouts AOTInductor would make constants of
-    (module docstring), and for weights in oneDNN's layout (``cpu_packed``), which the step reads by
-    a handle, an integer the library would keep after the weight is gone: their steps go to
+    """False for w8a8 weights, whose packed matrices AOTInductor would make constants of (module
+    docstring), and for weights in oneDNN's layout (``cpu_packed``), which the step reads by a
+    handle, an integer the library would keep after the weight is gone: their steps go to
     ``torch.compile`` (whose guards see a new handle) without a build tried first."""
     if is_packed(model):
         return False
     scheme = model_scheme(model)
-    return scheme is None or (scheme.name == "int8" and scheme.activations is None)
+    return scheme is None or scheme.activations is None
 
 
 class NotAheadOfTime(Exception):
@@ -84,7 +89,8 @@ class AotStep:
             examples = tuple(_plain_like(arg) for arg in args)
             exported = torch.export.export(self.module, examples, strict=False)
             tensors = {**exported.state_dict, **exported.constants}
-            with tempfile.TemporaryDirectory() as folder:
+            scalars: Dict[str, torch.Tensor] = {}
+            with tempfile.TemporaryDirectory() as folder, _scalar_constants_recorded(scalars):
                 package = torch._inductor.aoti_compile_and_package(
                     exported,
                     package_path=os.path.join(folder, "decode_step.pt2"),
@@ -92,11 +98,12 @@ class AotStep:
                 )
                 self.runner = torch._inductor.aoti_load_package(package)
         names = self.runner.get_constant_fqns()
-        own = [name for name in names if name not in tensors]
+        own = [name for name in names if name not in tensors and name not in scalars]
         if own:
             raise NotAheadOfTime(f"AOTInductor made {len(own)} constants of its own ({own[0]}, ...)")
-        self.constants: Dict[str, torch.Tensor] = {name: tensors[name] for name in names}
-        self.runner.load_constants(self.constants, check_full_update=True, user_managed=True)
+        self.constants: Dict[str, torch.Tensor] = {name: tensors[name] for name in names if name in tensors}
+        self.scalars = {name: scalars[name] for name in names if name not in tensors}  # inductor's (module docstring)
+        self.runner.load_constants({**self.constants, **self.scalars}, check_full_update=True, user_managed=True)
 
     def current(self) -> bool:
         """Whether every tensor the library reads is still the model's tensor at its place."""
@@ -104,6 +111,28 @@ class AotStep:
 
     def __call__(self, *args) -> Tuple[torch.Tensor, ...]:
         return tuple(self.runner(*args))
+
+
+@contextlib.contextmanager
+def _scalar_constants_recorded(into: Dict[str, torch.Tensor]):
+    """Within the block, every one-value constant inductor adds to a graph it lowers is recorded in
+    ``into`` by its name there (module docstring). Larger ones are not: they would be copies of
+    weights, which the build then refuses (``NotAheadOfTime``)."""
+    from torch._inductor.graph import GraphLowering
+
+    add_tensor_constant = GraphLowering.add_tensor_constant
+
+    def recording(graph, data, name=None):
+        box = add_tensor_constant(graph, data, name)
+        if data.numel() == 1:
+            into[box.get_name()] = graph.constants[box.get_name()]
+        return box
+
+    GraphLowering.add_tensor_constant = recording
+    try:
+        yield
+    finally:
+        GraphLowering.add_tensor_constant = add_tensor_constant
 
 
 def _plain_like(arg):

@@ -334,7 +334,7 @@ class StepCompiler:
 
     ``torch.compile(fullgraph=True, dynamic=False)``: one graph per shape, no guard on data.
     On CPU AOTInductor builds the same graph into a library called without Python
-    (``cpu_aot_step``; torch.compile where it cannot, as for int4 and w8a8 weights); the step is
+    (``cpu_aot_step``; torch.compile where it cannot, as for w8a8 weights); the step is
     built anew when one of the weights it reads has been replaced (``AotStep.current``).
     On CUDA the graph is also captured as a CUDA graph (``triton.cudagraphs``) and the
     matrix-vector products are generated as reductions tuned by coordinate descent (what
