@@ -36,7 +36,12 @@ def decode_both_ways(model, monkeypatch, prompts, **settings):
 
 @pytest.mark.parametrize(
     "moe, dtype, quantize",
-    [(False, torch.float32, None), (True, torch.bfloat16, None), (False, torch.bfloat16, "int8"), (True, torch.bfloat16, "int4")],
+    [
+        (False, torch.float32, None),
+        (True, torch.bfloat16, None),
+        (False, torch.bfloat16, "int8"),
+        (True, torch.bfloat16, "int4"),
+    ],
     ids=["mistral-float32", "mixtral-bfloat16", "mistral-int8", "mixtral-int4"],
 )
 def test_the_aot_step_decodes_as_torch_compile_does(moe, dtype, quantize, monkeypatch):
