@@ -19,6 +19,8 @@ run on to its longest request, and what they compute past their own max_tokens i
 - **engine-grouped** (``--admit-every K``): the engine with prompts admitted in groups.
 - **static-compiled**: static batches through ``generate(decode="compiled")``: the baseline with
   the same compiled decode step as ``--decode compiled`` gives the engine and the server.
+- **engine-torch-compile**: the engine with its CPU decode step compiled by ``torch.compile``
+  instead of built by AOTInductor (``serve.engine.CpuDecodeStep``; paired as ``engine/engine-torch-compile``).
 
 ``--decode`` is the server's and the engine's (default ``auto``: compiled on CUDA; on CPU the
 static step or ``Transformer.forward`` per step); the static and sequential modes keep
@@ -41,7 +43,9 @@ of the machine's noise.
 shape with random weights built on ``--device`` in ``--dtype``, nothing downloaded: the engine,
 static and sequential modes, in process (the server needs a model folder). Its tokenizer is
 tiny-mixtral's, with token ids beyond its vocabulary folded into it for detokenization, so every
-generated token is still turned into text. On a GPU::
+generated token is still turned into text; so is a ``--model`` folder's without a tokenizer of its
+own (the bench shapes of ``bench/llamacpp/``: ``--model /tmp/llama/models/mistral-bench-hf-notok``,
+in process). On a GPU::
 
     python bench/bench_serve.py --shape mistral-7b --device cuda --dtype bfloat16 --requests 128 \
         --rate 10000 --modes engine,static,sequential --repeat 3 --out bench/results_serve_gpu.json
@@ -79,7 +83,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -428,6 +432,17 @@ def run_engine_in_process(
     return records
 
 
+def without_aot(run: Callable, *args):
+    """``run(*args)`` with the CPU decode steps compiled by torch.compile, not built by AOTInductor."""
+    import mixtral_infer.fast.decode_step as static_step
+
+    static_step.AHEAD_OF_TIME_ON_CPU = False
+    try:
+        return run(*args)
+    finally:
+        static_step.AHEAD_OF_TIME_ON_CPU = True
+
+
 def paired_ratios(throughputs: Dict[str, List[float]]) -> Dict[str, float]:
     """``{"engine/static": x, ...}``: for each pair of a batching mode and a baseline, the median
     over rounds of that round's throughput ratio.
@@ -437,7 +452,7 @@ def paired_ratios(throughputs: Dict[str, List[float]]) -> Dict[str, float]:
     """
     ratios = {}
     for mode in ("continuous", "engine", "engine-grouped"):
-        for base in ("static", "static-compiled", "sequential"):
+        for base in ("static", "static-compiled", "sequential", "engine-torch-compile"):
             if mode in throughputs and base in throughputs:
                 pairs = zip(throughputs[mode], throughputs[base])
                 ratios[f"{mode}/{base}"] = statistics.median(a / b for a, b in pairs)
@@ -456,7 +471,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40.0, help="Poisson arrival rate, requests per second")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="continuous,engine,static,sequential", help="also engine-grouped, static-compiled")
+    parser.add_argument("--modes", default="continuous,engine,static,sequential", help="also engine-grouped, static-compiled, engine-torch-compile")
     parser.add_argument("--decode", default="auto", help="the server's and the engine's --decode (static: generate's default)")
     parser.add_argument("--admit-every", type=int, default=8, help="engine-grouped: steps between prompt groups")
     parser.add_argument("--compile-prompts", default="auto", choices=["auto", "on", "off"],
@@ -483,14 +498,15 @@ def main() -> None:
         "decode": args.decode, "compile_prompts": args.compile_prompts, "pin_cpus": args.pin_cpus, "repeat": args.repeat, "load_average_before": load_before, "modes": [],
     }  # fmt: skip
     in_process, process = {}, None
-    if {"engine", "engine-grouped", "static", "static-compiled", "sequential"} & set(modes):
+    if {"engine", "engine-grouped", "engine-torch-compile", "static", "static-compiled", "sequential"} & set(modes):
         dtype = getattr(torch, args.dtype)
         if args.shape is not None:
             model = random_model(args.shape, args.layers, args.clients, args.device, dtype)
             tokenizer = FoldedTokenizer.from_folder("tiny-mixtral")
         else:
             model = load_model(args.model, dtype=dtype, device=args.device, max_batch_size=args.clients)
-            tokenizer = Tokenizer.from_folder(args.model)
+            folded = Path(args.model).is_dir() and not (Path(args.model) / "tokenizer.model").exists()
+            tokenizer = (FoldedTokenizer if folded else Tokenizer).from_folder("tiny-mixtral" if folded else args.model)
         generate([tokenizer.encode("warm up")], model, max_tokens=4)
         compile_prompts = {"auto": None, "on": True, "off": False}[args.compile_prompts]
         in_process = {
@@ -499,6 +515,10 @@ def main() -> None:
             ),
             "engine-grouped": lambda: run_engine_in_process(
                 model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every, args.decode, compile_prompts
+            ),
+            "engine-torch-compile": lambda: without_aot(
+                run_engine_in_process, model, tokenizer, requests, args.clients, args.prefill_tokens, None, args.decode,
+                compile_prompts,
             ),
             "static": lambda: run_generate_batches(model, tokenizer, requests, args.clients),
             "static-compiled": lambda: run_generate_batches(model, tokenizer, requests, args.clients, decode="compiled"),

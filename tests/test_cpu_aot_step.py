@@ -8,11 +8,12 @@ from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
 import mixtral_infer.fast.decode_step as decode_step
-from mixtral_infer import generate
+from mixtral_infer import Tokenizer, generate
 from mixtral_infer.fast.cpu_aot_step import AotStep, builds_ahead_of_time
 from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.fast.decode_loop import step_compiler
 from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.serve.engine import CpuDecodeStep, Engine, RequestSettings, TokenEvent
 
 SAMPLED = dict(temperature=0.9, top_k=20, top_p=0.9, seed=5)
 
@@ -133,3 +134,48 @@ def test_a_step_aot_cannot_build_falls_back_to_torch_compile_and_says_why(monkey
     assert "AOTInductor cannot build this step (RuntimeError: an op with no C shim); using torch.compile" in messages
     assert steps_built(model) != ["AotStep"]
     assert tokens == generate(prompts, model, decode="static", max_tokens=5)[0]
+
+
+def served(engine, prompts):
+    """Each prompt's (token, log-probability) pairs, every prompt submitted at once to ``engine``."""
+    events = {}
+    for i, prompt in enumerate(prompts):
+        sink = lambda event, i=i: events.setdefault(i, []).append(event)  # noqa: E731
+        engine.submit(prompt, RequestSettings(max_tokens=2 * WINDOW, logprobs=0), sink)
+    while engine.step():
+        pass
+    return [[(e.token, e.logprob) for e in events[i] if isinstance(e, TokenEvent)] for i in range(len(prompts))]
+
+
+def engine_for(model, decode="compiled"):
+    return Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=2, prefill_tokens=8, decode=decode)
+
+
+def test_the_serving_engine_s_cpu_decode_step_is_built_ahead_of_time(monkeypatch):
+    """The engine's compiled decode step on CPU (``CpuDecodeStep``) is the AOT step: 3 requests on
+    2 rows, decoding 2x past the window, get the tokens and log-probabilities torch.compile's step
+    gives, bit for bit; a second engine reuses the build; a weight replaced between requests makes
+    it build again (it would read the old one), and the requests then get what the static step
+    gives them on the new weights."""
+    model = random_model(tiny_args(moe=True, max_batch_size=2), seed=46)
+    prompts = random_prompts([5, 11, 3], model.args.vocab_size, seed=13)
+    engine = engine_for(model)
+    ahead = served(engine, prompts)
+    step = engine._steps["decode"]
+    assert isinstance(step, CpuDecodeStep) and isinstance(step.built, AotStep)
+    first = step.built
+    second = engine_for(model)  # a new engine on the same model and rows: the step is kept with the model
+    assert served(second, prompts) == ahead and second._steps["decode"].built is first
+
+    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", False)
+    other = engine_for(model)
+    assert served(other, prompts) == ahead
+    assert not isinstance(other._steps["decode"].built, AotStep)
+    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", True)
+
+    model.output.weight = torch.nn.Parameter(-model.output.weight.detach())
+    again = served(engine, prompts)
+    assert step.built is not first and isinstance(step.built, AotStep) and step.built.current()
+    tokens = [[token for token, _ in pairs] for pairs in again]
+    assert tokens == [[token for token, _ in pairs] for pairs in served(engine_for(model, "static"), prompts)]
+    assert tokens != [[token for token, _ in pairs] for pairs in ahead]

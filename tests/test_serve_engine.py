@@ -115,17 +115,24 @@ def mixed_solo(tiny):
     return [solo(model, tokenizer, prompt, settings) for prompt, settings in mixed_requests(tokenizer)]
 
 
+NO_COMPILER = "CppCompileError: C++ compile error\nCommand: g++ ... (no such file)"
+
+
 def no_cpp_compiler(monkeypatch):
-    """``torch.compile`` as it behaves on a machine without a C++ compiler: the compiled function
-    fails on its first call, before it runs anything."""
+    """``torch.compile`` and AOTInductor as they behave on a machine without a C++ compiler: the
+    compiled function fails on its first call, before it runs anything, and a build fails."""
 
     def compile(fn, **options):
         def compiled(*args, **kwargs):
-            raise RuntimeError("CppCompileError: C++ compile error\nCommand: g++ ... (no such file)")
+            raise RuntimeError(NO_COMPILER)
 
         return compiled
 
+    def build(*args, **kwargs):
+        raise RuntimeError(NO_COMPILER)
+
     monkeypatch.setattr(torch, "compile", compile)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", build)
 
 
 @pytest.mark.parametrize("decode", ["eager", "static", "compiled", "compiled-prompts", "auto", "auto-uncompiled"])
@@ -149,6 +156,7 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode, monkeypatch
     uncompiled = decode == "auto-uncompiled"
     if uncompiled:
         no_cpp_compiler(monkeypatch)
+        monkeypatch.delitem(model.__dict__, "_engine_decode_steps", raising=False)  # the steps built above
     decode = "compiled" if compile_prompts else "auto" if uncompiled else decode
     engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode, compile_prompts=compile_prompts)
     choices = []
@@ -159,6 +167,8 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode, monkeypatch
         assert engine.admit_every == (1 if uncompiled else ADMIT_EVERY_COMPILED)
         warning = capsys.readouterr().err
         assert warning == (
+            "warning: AOTInductor cannot build this step (RuntimeError: CppCompileError: C++ compile error); "
+            "using torch.compile\n"
             "warning: could not compile the decode step (RuntimeError: CppCompileError: C++ compile error); "
             "serving with the uncompiled steps\n" if uncompiled else ""
         )

@@ -109,8 +109,8 @@ class AotStep:
         """Whether every tensor the library reads is still the model's tensor at its place."""
         return all(_at(self.module, name) is tensor for name, tensor in self.constants.items())
 
-    def __call__(self, *args) -> Tuple[torch.Tensor, ...]:
-        return tuple(self.runner(*args))
+    def __call__(self, *args):
+        return self.runner(*args)  # what decode_one_token returns: a tuple of tensors, or one
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -388,7 +388,7 @@ class StepCompiler:
             self.announce(f"compiling the decode step for batch {batch}, {cache.cache_size} cache slots (once per shape)...")
             start = time.perf_counter()
             step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id)
-            built = self._ahead_of_time(step, args) if cache.cache_k.device.type == "cpu" else None
+            built = built_ahead_of_time(self.model, step, args, self.announce) if cache.cache_k.device.type == "cpu" else None
             if built is None:
                 cuda = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
                 options = cuda if cache.cache_k.is_cuda else None
@@ -401,17 +401,23 @@ class StepCompiler:
 
         return first_call
 
-    def _ahead_of_time(self, step: Callable[..., StepOutputs], args) -> Optional[AotStep]:
-        """The CPU step built by AOTInductor (``cpu_aot_step``), or None where it cannot be."""
-        if not AHEAD_OF_TIME_ON_CPU or not builds_ahead_of_time(self.model):
-            return None
-        try:
-            return AotStep(self.model, step, args)
-        except Exception as reason:  # NotAheadOfTime, or an op export or AOTInductor cannot take
-            first_line = (str(reason).strip().splitlines() or [""])[0][:200]
-            why = f"{type(reason).__name__}: {first_line}"
-            self.announce(f"AOTInductor cannot build this step ({why}); using torch.compile")
-            return None
+
+
+def built_ahead_of_time(
+    model: Transformer, step: Callable, args: Sequence, announce: Callable[[str], None]
+) -> Optional[AotStep]:
+    """``step`` (a fixed-shape step of ``model`` on CPU) built by AOTInductor for the shapes of
+    ``args`` (``cpu_aot_step``), or None where it is not: switched off (``AHEAD_OF_TIME_ON_CPU``),
+    a model whose step it does not build, or a build that failed, which ``announce`` is told in a
+    line. The caller then compiles ``step`` with torch.compile."""
+    if not AHEAD_OF_TIME_ON_CPU or not builds_ahead_of_time(model):
+        return None
+    try:
+        return AotStep(model, step, args)
+    except Exception as reason:  # NotAheadOfTime, or an op export or AOTInductor cannot take
+        first_line = (str(reason).strip().splitlines() or [""])[0][:200]
+        announce(f"AOTInductor cannot build this step ({type(reason).__name__}: {first_line}); using torch.compile")
+        return None
 
 
 def slot_bucket(max_seqlen: int, window: Optional[int]) -> int:

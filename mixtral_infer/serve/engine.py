@@ -43,6 +43,8 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast import decode_step as static_step
+from mixtral_infer.fast.cpu_aot_step import AotStep
 from mixtral_infer.fast.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.fast.decode_step import decode_logits, finite_rows, supports_static_decode
 from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
@@ -153,7 +155,8 @@ class Engine:
 
     ``decode``: how a step in which every row decodes one token runs, as in ``generate``:
     ``eager`` (``Transformer.forward``), ``static`` (``decode_logits`` of the static decode
-    step, op by op), ``compiled`` (that step through ``torch.compile``; a CUDA graph on CUDA),
+    step, op by op), ``compiled`` (that step through ``torch.compile``, a CUDA graph on CUDA;
+    on CPU built by AOTInductor where it can be, ``CpuDecodeStep``),
     ``auto`` (compiled on CUDA and CPU; on CPU, per step, the compiled step or the eager pass,
     whichever reads less: ``_static_step_is_cheaper``). All give the same tokens. Unlike
     ``generate``'s ``auto``, which decodes eagerly on CPU because a compilation there costs more
@@ -359,6 +362,10 @@ class Engine:
             self.queue = collections.deque(r for r in self.queue if not r.cancelled)
         for request in cancelled:
             self._finish(request, "cancelled")
+        if not self.running:  # idle until now: the model's weights may have been replaced meanwhile
+            for built in self._steps.values():
+                if isinstance(built, CpuDecodeStep):
+                    built.check_weights = True
         with self.lock:
             if self._admit_now():
                 while self.queue and None in self.slots:
@@ -618,7 +625,9 @@ class Engine:
             torch._dynamo.mark_static_address(self.cache.cache_k)
             torch._dynamo.mark_static_address(self.cache.cache_v)
         options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if cuda else None
-        return torch.compile(step, fullgraph=True, dynamic=False, options=options)
+        if cuda or mixed:
+            return torch.compile(step, fullgraph=True, dynamic=False, options=options)
+        return CpuDecodeStep(model, step, grouped_moe)
 
     def _choose(self, sampled: List[Request], logits: torch.Tensor) -> None:
         """Sample every row's next token, then hand each to its request.
@@ -744,3 +753,50 @@ def sample_rows(
         index = torch.tensor(rows, device=device)
         tokens[index] = sample(logits[index], sampling, uniform)
     return tokens
+
+
+class CpuDecodeStep:
+    """The engine's compiled decode step on CPU, as ``generate``'s: built on its first call by
+    AOTInductor (``static_step.built_ahead_of_time``: the kernels torch.compile would make, called
+    from C++ without dynamo's Python, 0.5-1 ms less a step at the bench shapes), by torch.compile
+    where it cannot be. What it builds is kept with the model (``built_steps``), so a new engine on
+    the same model and rows reuses it: AOTInductor, unlike torch.compile, keeps nothing between builds.
+
+    The library reads the weights the model held when it was built; whether they are still the
+    model's (``AotStep.current``) is checked on the first call and when the engine starts work
+    after being idle (``check_weights``), and a step whose weights were replaced is built again.
+    Not at every step: the check finds every weight by its place, 0.4 ms at mistral-bench, a tenth
+    of a step. So replace weights while no request runs (an edit in place is read at once)."""
+
+    def __init__(self, model: Transformer, step: Callable[..., torch.Tensor], grouped_moe: bool):
+        self.model, self.step, self.grouped_moe = model, step, grouped_moe
+        self.built: Optional[Callable[..., torch.Tensor]] = None
+        self.check_weights = True
+
+    def __call__(self, *args) -> torch.Tensor:
+        if self.built is None:
+            shapes = tuple((arg.shape, arg.dtype) for arg in args)  # (cache_k, cache_v, tokens, positions, alive)
+            self.key = (shapes, self.grouped_moe, static_step.AHEAD_OF_TIME_ON_CPU)
+            self.built = built_steps(self.model).get(self.key)
+        if self.check_weights and isinstance(self.built, AotStep) and not self.built.current():
+            self.built = None  # the weights it reads were replaced: built again
+        self.check_weights = False
+        if self.built is None:
+            built = self._build(args)
+            outputs = built(*args)  # torch.compile's step compiles here: one that fails is not kept
+            self.built = built_steps(self.model)[self.key] = built
+            return outputs
+        return self.built(*args)
+
+    def _build(self, args) -> Callable[..., torch.Tensor]:
+        def warn(message: str) -> None:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+        built = static_step.built_ahead_of_time(self.model, self.step, args, warn)
+        return built or torch.compile(self.step, fullgraph=True, dynamic=False)
+
+
+def built_steps(model: Transformer) -> Dict[tuple, Callable[..., torch.Tensor]]:
+    """The CPU decode steps engines on ``model`` have built (``CpuDecodeStep``), by their
+    arguments' shapes: kept with the model, as ``generate`` keeps its steps (``step_compiler``)."""
+    return model.__dict__.setdefault("_engine_decode_steps", {})
