@@ -471,7 +471,11 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40.0, help="Poisson arrival rate, requests per second")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="continuous,engine,static,sequential", help="also engine-grouped, static-compiled, engine-torch-compile")
+    parser.add_argument(
+        "--modes",
+        default="continuous,engine,static,sequential",
+        help="also engine-grouped, static-compiled, engine-torch-compile",
+    )
     parser.add_argument("--decode", default="auto", help="the server's and the engine's --decode (static: generate's default)")
     parser.add_argument("--admit-every", type=int, default=8, help="engine-grouped: steps between prompt groups")
     parser.add_argument("--compile-prompts", default="auto", choices=["auto", "on", "off"],

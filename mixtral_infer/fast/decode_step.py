@@ -388,7 +388,8 @@ class StepCompiler:
             self.announce(f"compiling the decode step for batch {batch}, {cache.cache_size} cache slots (once per shape)...")
             start = time.perf_counter()
             step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id)
-            built = built_ahead_of_time(self.model, step, args, self.announce) if cache.cache_k.device.type == "cpu" else None
+            on_cpu = cache.cache_k.device.type == "cpu"
+            built = built_ahead_of_time(self.model, step, args, self.announce) if on_cpu else None
             if built is None:
                 cuda = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
                 options = cuda if cache.cache_k.is_cuda else None
