@@ -144,7 +144,8 @@ def assert_compiled_step_equals_plain(moe: bool, dtype: torch.dtype, batch: int)
     assert blocked_numel(blocked) > 0
     cache = plain.make_cache(batch)
     cache.start_sequences(batch)
-    tokens, positions = torch.tensor([5, 6, 1, 7][:batch]), torch.tensor([3, 9, 0, 12][:batch])
+    tokens = torch.tensor([5, 6, 1, 7, 2, 8, 4, 3, 9][:batch])
+    positions = torch.tensor([3, 9, 0, 12, 1, 5, 2, 7, 4][:batch])
     inputs = (tokens, positions, torch.ones(batch, dtype=torch.bool))
     torch._dynamo.reset()  # this file compiles decode_logits for many models: past dynamo's recompile limit
     with torch.inference_mode():
@@ -186,7 +187,7 @@ def test_compiled_products_walk_the_blocks_one_after_the_other():
 
 
 def int8_model(moe: bool, blocked: bool, seed: int):
-    model = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=4), seed=seed).to(torch.bfloat16), "int8")
+    model = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=9), seed=seed).to(torch.bfloat16), "int8")
     return block_long_rows(model) if blocked else model
 
 
@@ -213,22 +214,24 @@ def test_int8_integers_in_blocks_give_the_same_products(moe, short_blocks):
     assert all(torch.equal(b.values, p.values) and int8_blocks(b) is None for p, b in w2s)
 
 
-INT8_STEPS = [(False, 1), (True, 2), (False, 4), (True, 4)]
+INT8_STEPS = [(False, 1), (True, 2), (False, 9), (True, 9)]
 INT8_STEP_IDS = [f"{batch}-{'moe' if moe else 'dense'}" for moe, batch in INT8_STEPS]
 
 
 @pytest.mark.parametrize("moe, batch", INT8_STEPS, ids=INT8_STEP_IDS)
 def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks):
     """The compiled step never puts w2's integers back together (a copy every step): batches 1-2
-    multiply its blocks as reductions, no int8 kernel; batch 4 runs the kernel on each of its 2
-    blocks, where the plain model runs it once. Its logits equal the plain model's op by op
-    within bfloat16's rounding. (Gathered experts, MoE batch 1, are the bfloat16 test's.)"""
+    multiply its blocks as reductions, no int8 kernel; batch 9 (more rows than int8's reductions
+    take) runs the kernel on each of its 2 blocks, where the plain model runs it once. Its logits
+    equal the plain model's op by op within bfloat16's rounding. (Gathered experts, MoE batch 1,
+    are the bfloat16 test's.)"""
     from torch._inductor.utils import run_and_get_code
 
     plain, blocked = int8_model(moe, False, seed=31), int8_model(moe, True, seed=31)
     cache = plain.make_cache(batch)
     cache.start_sequences(batch)
-    tokens, positions = torch.tensor([5, 6, 1, 7][:batch]), torch.tensor([3, 9, 0, 12][:batch])
+    tokens = torch.tensor([5, 6, 1, 7, 2, 8, 4, 3, 9][:batch])
+    positions = torch.tensor([3, 9, 0, 12, 1, 5, 2, 7, 4][:batch])
     inputs = (tokens, positions, torch.ones(batch, dtype=torch.bool))
     torch._dynamo.reset()
     with torch.inference_mode():
@@ -247,10 +250,10 @@ def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch
 
 
 def test_compiled_products_of_more_rows_multiply_block_by_block():
-    """Four rows, more than the reductions take: one batched product over the blocks, summed, and no
+    """Five rows, more than bfloat16's reductions take: one batched product over the blocks, summed, and no
     copy of the plain weight (no (OUT, IN) buffer) in the generated code; equal to the plain product
     within the rounding of each block's product to bfloat16."""
-    weight, x, got, code = compiled_block_product(rows=4, seed=8)
+    weight, x, got, code = compiled_block_product(rows=5, seed=8)
     assert "extern_kernels.bmm" in code and "(40, 96)" not in code
     assert torch.equal(cpu_column_blocks.block_products(x, to_blocks(weight, 48)), got)
     torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.15, rtol=0.02)
@@ -269,7 +272,7 @@ def test_compiled_int8_products_of_many_rows_multiply_block_by_block():
     plain = quantize(torch.randn(40, 96, generator=g).to(torch.bfloat16), QuantScheme.parse("int8"), torch.bfloat16)
     blocked = quantize(plain.dequantize(torch.bfloat16), QuantScheme.parse("int8"), torch.bfloat16)
     blocked.packed, blocked.values = (to_blocks(blocked.values, 48).blocks, blocked.scales), None
-    x = torch.randn(REDUCTION_ROWS + 4, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(REDUCTION_ROWS[torch.int8] + 4, 96, generator=g).to(torch.bfloat16)
     torch._dynamo.reset()
     got, (code,) = run_and_get_code(torch.compile(lambda x: quantized_linear(x, blocked), fullgraph=True), x)
     assert code.count("_weight_int8pack_mm") >= 2 and "(40, 96)" not in code

@@ -14,9 +14,9 @@ from mixtral_infer.model.linear import linear
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 def test_compiled_products_of_few_rows_are_reductions(dtype, rows):
-    """Compiled code multiplies a plain weight by at most REDUCTION_ROWS rows of its dtype as float32
+    """Compiled code multiplies a plain weight by at most REDUCTION_ROWS[dtype] rows of it as float32
     multiply-and-sums (no library matmul or bmm blocks in the graph), and equals the float32 product
     rounded once; more rows keep the library's product (float32: the bmm blocks where they are on)."""
     torch._dynamo.reset()
@@ -33,7 +33,7 @@ def test_compiled_products_of_few_rows_are_reductions(dtype, rows):
     rounding = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]  # relative
     torch.testing.assert_close(got, want, atol=1e-3, rtol=rounding)
     called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
-    reduced = rows <= cpu_reductions.REDUCTION_ROWS
+    reduced = rows <= cpu_reductions.REDUCTION_ROWS[dtype]  # 16-bit 4, float32 8
     assert (torch._C._nn.linear in called or F.linear in called or torch.bmm in called) != reduced
     assert (torch.stack in called) == reduced
 

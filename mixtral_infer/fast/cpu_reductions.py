@@ -20,7 +20,31 @@ reductions, int8 weight (one scale a row)        0.17-0.20
 PyTorch's ``_weight_int8pack_mm``                0.26-0.30
 ============================================  ==========  ==========  ==========  ==========
 
-From 4 rows oneDNN's layout is faster again: ``REDUCTION_ROWS`` is 2. Whole models, compiled
+From 4 rows oneDNN's layout is faster again; but the reductions take plain weights only, which a
+model keeps when it decodes compiled (``pack="columns"``), and against the products compiled code
+would otherwise run on them they win further (after the norm was computed once, below). Same VM,
+one weight after another, ms a weight (``bench/reduction_rows.py``,
+``bench/results_reduction_rows.jsonl``):
+
+==========================================================  ======  ======  ======  ======  ======
+rows                                                          1       2       3       4       8
+==========================================================  ======  ======  ======  ======  ======
+float32 reductions                                           0.50    0.52    0.57    0.86    1.22
+float32 bmm blocks (``model.linear``, AMD)                   0.50    0.52    1.02    1.33    2.02
+bfloat16 reductions                                          0.25    0.28    0.30    0.61    0.81
+bfloat16 ``F.linear``, plain weight                          0.48    0.48    0.47    0.58    0.71
+int8 reductions                                              0.15    0.20    0.23    0.33    0.54
+``_weight_int8pack_mm``                                      0.29    0.31    0.33    0.40    0.87
+==========================================================  ======  ======  ======  ======  ======
+
+So ``REDUCTION_ROWS`` is 8 for float32 and int8 weights and 4 for 16-bit ones (4 rows of bfloat16
+are level with ``F.linear`` in this run, 0.35 against 0.49 ms in another; in the whole model, where
+the reductions read a norm's output computed once, they win every round).
+Whole models, mistral-bench, compiled decode, a copy built with reductions for at most 2 rows (as
+before) against one built with these, alternating, medians of 4, tokens/s
+(``bench/results_reduction_rows_models.jsonl``): float32 batch 4 103.6 -> 167.2, batch 8 125.1 ->
+186.6; bfloat16 batch 4 197.9 -> 254.3 (batch 8 unchanged: 353.8 and 360.7); int8 batch 4 267.2
+-> 320.5, batch 8 242.1 -> 319.2. Batch 1 and 2, as before (below). Whole models, compiled
 decode batch 1, one process alternating (medians of 3-4), tokens/s: bfloat16 plain against
 packed, mistral-bench 78.5 -> 98.2, mixtral-bench 46.8 -> 61.1; int8 weight-only, reductions
 against the kernel, mistral-bench 97.5 -> 114.1, mixtral-bench 54.4 -> 73.8 (w8a8, for
@@ -62,7 +86,9 @@ from typing import Optional
 
 import torch
 
-REDUCTION_ROWS = 2  # compiled products of at most this many rows are reductions (docstring table)
+# Compiled products of at most this many rows are reductions, by the weight's dtype (the docstring's
+# second table): float32 and int8 to 8 rows, 16-bit to 4.
+REDUCTION_ROWS = {torch.float32: 8, torch.int8: 8, torch.bfloat16: 4, torch.float16: 4}
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -95,13 +121,13 @@ def block_sums(row: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 def reduces(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether compiled code multiplies ``x`` by ``weight`` (a plain weight of ``x``'s float dtype,
-    or int8 integers) as ``rows_as_reductions``: on CPU, 1 to ``REDUCTION_ROWS`` rows."""
+    or int8 integers) as ``rows_as_reductions``: on CPU, 1 to ``REDUCTION_ROWS[weight.dtype]`` rows."""
     return (
         x.device.type == "cpu"
         and x.dtype in FLOAT_DTYPES
         and weight.dtype in (x.dtype, torch.int8)
         and x.dim() == 2
-        and 1 <= x.shape[0] <= REDUCTION_ROWS
+        and 1 <= x.shape[0] <= REDUCTION_ROWS[weight.dtype]
         and torch.compiler.is_compiling()
     )
 
