@@ -34,10 +34,10 @@ in bfloat16 (``bench/bench_quant.py``, 1-8 rows of a 3584 x 1024 weight on a 2-c
 with avx512_bf16: 0.31 ms against 0.79-1.2 ms).
 
 Compiled code on CPU multiplies a *plain* weight (``load_model(..., pack="columns")``, which the
-CLI does for ``--decode compiled``) by one or two rows of its dtype as multiply-and-sum reductions
-that inductor writes (``fast.cpu_reductions``): bfloat16 and float16 faster than oneDNN reads its
-own layout, float32 faster than the bmm blocks above (which remain compiled float32's path for 3-8
-rows). Rows longer than 2048 are kept in blocks of columns (``fast.cpu_column_blocks.ColumnBlocks``),
+CLI does for ``--decode compiled``) by a few rows of its dtype (``REDUCTION_ROWS``: up to 8 of
+float32, 4 of 16-bit) as multiply-and-sum reductions that inductor writes
+(``fast.cpu_reductions``): bfloat16 and float16 faster than oneDNN reads its own layout, float32
+faster than the bmm blocks above (which remain the eager path's). Rows longer than 2048 are kept in blocks of columns (``fast.cpu_column_blocks.ColumnBlocks``),
 which those reductions read block by block; other products multiply block by block (compiled code,
 and float32), or the plain weight put back together (16-bit, op by op).
 

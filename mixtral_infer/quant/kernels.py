@@ -18,7 +18,7 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   On CPUs that multiply bfloat16 faster than float32 (``fast.cpu_upcast`` does not widen: the
   2-core AMD EPYC) it reads the layout back into bfloat16, as ``reference_linear`` does, from
   ``DEQUANTIZE_ROWS`` rows on: 512 rows 14.5 vs 22.3 ms, 2048 rows 42.9 vs 90.8 ms (256: even).
-* **CPU int8 in compiled code, 1-2 rows** (decoding): multiply-and-sum reductions that inductor
+* **CPU int8 in compiled code, 1-8 rows** (decoding): multiply-and-sum reductions that inductor
   writes (``fast.cpu_reductions``), 1.5x the int8 kernel's speed (0.17-0.20 against 0.26-0.30 ms).
   Integers with rows longer than 2048, loaded with ``pack="columns"``, are kept only as column
   blocks (``fast.cpu_column_blocks``; ``packed = (blocks, scales)``), which the reductions read;
