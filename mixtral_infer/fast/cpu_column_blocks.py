@@ -55,8 +55,8 @@ Example, ``IN = 4``, two blocks of ``B = 2``::
 whatever the layout. Compiled products of a few rows read the blocks (``cpu_reductions``, up to
 ``REDUCTION_ROWS``); compiled products of more rows (larger batches, the serving step's prompt
 chunks) multiply block by block (``block_products``, no copy of the weight in the graph; each
-block's product is rounded to the 16-bit type before the sum). Eager 16-bit products (prompts, the eager loop) multiply the plain
-weight, put back together for the call (``dense()``: a copy, so the readable path's numbers are the
+block's product is rounded to the 16-bit type before the sum). Eager 16-bit products (prompts,
+the eager loop) multiply the plain weight, put back together for the call (``dense()``: a copy, so the readable path's numbers are the
 plain weight's; int8 integers likewise, ``integers()``). With every matrix of mistral-wide blocked,
 the copies cost a prompt about 0.1 s: one process alternating, medians of 3, tokens/s, w2 alone
 blocked -> every matrix: bfloat16 64 tokens 168 -> 133, 512 tokens 220 -> 212; int8 76 -> 70 and

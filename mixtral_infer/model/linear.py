@@ -37,9 +37,10 @@ Compiled code on CPU multiplies a *plain* weight (``load_model(..., pack="column
 CLI does for ``--decode compiled``) by a few rows of its dtype (``REDUCTION_ROWS``: up to 8 of
 float32, 4 of 16-bit) as multiply-and-sum reductions that inductor writes
 (``fast.cpu_reductions``): bfloat16 and float16 faster than oneDNN reads its own layout, float32
-faster than the bmm blocks above (which remain the eager path's). Rows longer than 2048 are kept in blocks of columns (``fast.cpu_column_blocks.ColumnBlocks``),
-which those reductions read block by block; other products multiply block by block (compiled code,
-and float32), or the plain weight put back together (16-bit, op by op).
+faster than the bmm blocks above (which remain the eager path's). Rows longer than 2048 are kept
+in blocks of columns (``fast.cpu_column_blocks.ColumnBlocks``), which those reductions read block
+by block; other products multiply block by block (compiled code, and float32), or the plain weight
+put back together (16-bit, op by op).
 
 A quantized weight (``quant.weights.QuantizedWeight``, int8 or int4) goes to its kernel
 (``quant.kernels``), and a bfloat16/float16 weight packed in oneDNN's layout
