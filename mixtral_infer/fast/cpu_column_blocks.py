@@ -55,14 +55,15 @@ Example, ``IN = 4``, two blocks of ``B = 2``::
 whatever the layout. Compiled products of a few rows read the blocks (``cpu_reductions``, up to
 ``REDUCTION_ROWS``); compiled products of more rows (larger batches, the serving step's prompt
 chunks) multiply block by block (``block_products``, no copy of the weight in the graph; each
-block's product is rounded to the 16-bit type before the sum). Eager 16-bit products (prompts,
-the eager loop) multiply the plain weight, put back together for the call (``dense()``: a copy, so the readable path's numbers are the
-plain weight's; int8 integers likewise, ``integers()``). With every matrix of mistral-wide blocked,
-the copies cost a prompt about 0.1 s: one process alternating, medians of 3, tokens/s, w2 alone
-blocked -> every matrix: bfloat16 64 tokens 168 -> 133, 512 tokens 220 -> 212; int8 76 -> 70 and
-208 -> 201. Eager float32 products multiply block by block too: float32 sums round nothing between
-blocks, and the copy costs more than the product (Mistral 7B's w2, 235 MB: 85-137 ms against 8-70
-ms for 1-64 rows; a 512-token mistral-wide prompt 95.5 tokens/s against 97.5 plain, 91.6 copying).
+block's product is rounded to the 16-bit type before the sum). Eager 16-bit products (prompts, the
+eager loop) multiply the plain weight, put back together for the call (``dense()``: a copy, so the
+readable path's numbers are the plain weight's; int8 integers likewise, ``integers()``). With every
+matrix of mistral-wide blocked, the copies cost a prompt about 0.1 s: one process alternating,
+medians of 3, tokens/s, w2 alone blocked -> every matrix: bfloat16 64 tokens 168 -> 133, 512 tokens
+220 -> 212; int8 76 -> 70 and 208 -> 201. Eager float32 products multiply block by block too:
+float32 sums round nothing between blocks, and the copy costs more than the product (Mistral 7B's
+w2, 235 MB: 85-137 ms against 8-70 ms for 1-64 rows; a 512-token mistral-wide prompt 95.5 tokens/s
+against 97.5 plain, 91.6 copying).
 
 ``load_model(..., pack="columns")`` stores a model's long rows so (the CLI's ``--decode compiled``
 loads that way); ``state_dict()`` still gives the plain weights, and ``unblock_long_rows`` puts
