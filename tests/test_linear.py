@@ -44,10 +44,11 @@ def test_the_bmm_blocks_are_taken_when_asked(monkeypatch):
     assert calls == ([1] if linear_module.split_few_rows else [])
 
 
-@pytest.mark.parametrize("rows", [3, 4])
-def test_compiled_code_takes_the_same_path(rows):
-    """The static decode step is compiled: its float32 products of more rows than the reductions
-    take (below) take the bmm blocks too when they are on, and still equal F.linear."""
+@pytest.mark.parametrize("rows", [3, 8])
+def test_compiled_code_multiplies_few_rows_as_reductions_not_bmm_blocks(rows):
+    """The static decode step is compiled: its float32 products of up to 8 rows are multiply-and-sum
+    reductions (fast.cpu_reductions: 1.6-1.9x the bmm blocks there), where op by op they take the
+    bmm blocks when those are on; both equal F.linear."""
     torch._dynamo.reset()
     graphs = []
 
@@ -58,5 +59,6 @@ def test_compiled_code_takes_the_same_path(rows):
     compiled = torch.compile(lambda x, w: linear(x, w), backend=keep_graph, fullgraph=True)
     x, weight = torch.randn(rows, 40), torch.randn(96, 40)
     torch.testing.assert_close(compiled(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
     called = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
-    assert (torch.bmm in called) == linear_module.split_few_rows
+    assert torch.bmm not in called and torch.stack in called

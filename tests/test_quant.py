@@ -11,6 +11,7 @@ from test_model import random_prompts
 
 from mixtral_infer import generate
 from mixtral_infer.errors import ConfigError
+from mixtral_infer.fast.cpu_reductions import REDUCTION_ROWS
 from mixtral_infer.fast.decode_step import moe_one_token
 from mixtral_infer.model.linear import linear
 from mixtral_infer.quant import kernels
@@ -325,10 +326,10 @@ def test_the_compiled_moe_step_multiplies_experts_in_place(scheme, op, calls):
     assert len(made) == 2 * calls  # w1, w3 (w8a8: together), w2 of each chosen expert
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9])
 def test_compiled_int8_products_of_few_rows_are_reductions(rows):
-    """Compiled, 1-2 rows of an int8 weight-only product are multiply-and-sums (fast.cpu_reductions):
-    the exact integer products summed in float32, scaled, rounded once; 3 rows keep the kernel."""
+    """Compiled, 1-8 rows of an int8 weight-only product are multiply-and-sums (fast.cpu_reductions):
+    the exact integer products summed in float32, scaled, rounded once; 9 rows keep the kernel."""
     from torch._inductor.utils import run_and_get_code
 
     g = torch.Generator().manual_seed(rows)
@@ -338,7 +339,7 @@ def test_compiled_int8_products_of_few_rows_are_reductions(rows):
     got, codes = run_and_get_code(torch.compile(quantized_linear, fullgraph=True, dynamic=False), x, weight)
     expected = (F.linear(x.float(), weight.values.float()) * weight.scales.float()).bfloat16()
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=2**-7)
-    assert ("_weight_int8pack_mm" in "\n".join(codes)) == (rows > 2)
+    assert ("_weight_int8pack_mm" in "\n".join(codes)) == (rows > REDUCTION_ROWS[torch.int8])
 
 
 def test_the_compiled_int8_moe_step_reads_the_chosen_experts_in_place():
