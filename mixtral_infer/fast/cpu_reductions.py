@@ -39,7 +39,8 @@ int8 reductions                                              0.15    0.20    0.2
 
 So ``REDUCTION_ROWS`` is 8 for float32 and int8 weights and 4 for 16-bit ones (4 rows of bfloat16
 are level with ``F.linear`` in this run, 0.35 against 0.49 ms in another; in the whole model, where
-the reductions read a norm's output computed once, they win every round).
+the reductions read a norm's output computed once, they win every round; 8 rows of bfloat16 as
+reductions lose there too: mistral-bench batch 8, 232.8 against 295.9 tokens/s).
 Whole models, mistral-bench, compiled decode, a copy built with reductions for at most 2 rows (as
 before) against one built with these, alternating, medians of 4, tokens/s
 (``bench/results_reduction_rows_models.jsonl``): float32 batch 4 103.6 -> 167.2, batch 8 125.1 ->
