@@ -82,14 +82,19 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(1, in_features, dtype=torch.bfloat16)
 
-    int4 = [quantize(torch.randn(out_features, in_features), QuantScheme("int4", group), torch.bfloat16) for _ in range(options.weights)]
+    def random_weights(scheme: QuantScheme):
+        return [
+            quantize(torch.randn(out_features, in_features), scheme, torch.bfloat16) for _ in range(options.weights)
+        ]
+
+    int4 = random_weights(QuantScheme("int4", group))
     expected = x.float() @ int4[0].dequantize().T  # (1, OUT)
     rows = [(halves(w.integers(), group), w.scales[..., None]) for w in int4]
     columns = [(v.permute(1, 2, 0).contiguous(), s[..., 0].T.contiguous()) for v, s in rows]
     for w in int4:
         kernels.prepare(w)  # the kernel's layout, in place of the plain one
     packed = [w.packed for w in int4]
-    int8 = [quantize(torch.randn(out_features, in_features), QuantScheme("int8"), torch.bfloat16) for _ in range(options.weights)]
+    int8 = random_weights(QuantScheme("int8"))
     int8_args = [(w.values, w.scales) for w in int8]
 
     def kernel(x, values, scales_and_zeros):

@@ -47,7 +47,7 @@ def test_the_bmm_blocks_are_taken_when_asked(monkeypatch):
 @pytest.mark.parametrize("rows", [3, 8])
 def test_compiled_code_multiplies_few_rows_as_reductions_not_bmm_blocks(rows):
     """The static decode step is compiled: its float32 products of up to 8 rows are multiply-and-sum
-    reductions (fast.cpu_reductions: 1.6-1.9x the bmm blocks there), where op by op they take the
+    reductions (fast.cpu_reductions: 1.5-1.8x the bmm blocks' speed there), where op by op they take the
     bmm blocks when those are on; both equal F.linear."""
     torch._dynamo.reset()
     graphs = []

@@ -403,7 +403,6 @@ class StepCompiler:
         return first_call
 
 
-
 def built_ahead_of_time(
     model: Transformer, step: Callable, args: Sequence, announce: Callable[[str], None]
 ) -> Optional[AotStep]:

@@ -765,8 +765,8 @@ class CpuDecodeStep:
     The library reads the weights the model held when it was built; whether they are still the
     model's (``AotStep.current``) is checked on the first call and when the engine starts work
     after being idle (``check_weights``), and a step whose weights were replaced is built again.
-    Not at every step: the check finds every weight by its place, 0.4 ms at mistral-bench, a tenth
-    of a step. So replace weights while no request runs (an edit in place is read at once)."""
+    Not at every step: the check finds every weight by its place, 0.4 ms at mistral-bench, up to a
+    tenth of a step. So replace weights while no request runs (an edit in place is read at once)."""
 
     def __init__(self, model: Transformer, step: Callable[..., torch.Tensor], grouped_moe: bool):
         self.model, self.step, self.grouped_moe = model, step, grouped_moe
