@@ -7,7 +7,8 @@
 and ask the kernel for huge pages there (``madvise``), so a weight is read through fewer TLB
 entries. It is read once, before the first allocation: it has to be set before Python starts, so
 run this once with each value, alternating. One process: batch 1, a 4-token prompt, 130 tokens
-decoded compiled (the step built first), 5 runs; prints one line with the median, tokens/s.
+decoded compiled (the step built first), 5 runs timed from the first token
+(``bench_decode_modes.decode_seconds``); prints one line with the median, tokens/s.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_decode_modes import decode_seconds  # noqa: E402
+
 from mixtral_infer import generate, load_model  # noqa: E402
 
 
@@ -30,10 +33,8 @@ def main() -> None:
     prompt = [[1, 2, 3, 4]]
     generate(prompt, model, decode="compiled", max_tokens=130)  # builds the step for this shape
     runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        generate(prompt, model, decode="compiled", max_tokens=130)
-        runs.append(round(129 / (time.perf_counter() - start), 1))
+    for _ in range(5):  # the tokens after the first, over their time
+        runs.append(round(129 / decode_seconds(model, prompt, "compiled", 130), 1))
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
     huge = huge_pages_mb()
     print(f"{sys.argv[2]} {quantize} THP_MEM_ALLOC_ENABLE={thp} huge pages {huge} MB tok/s median {statistics.median(runs)} runs {runs}")
