@@ -37,7 +37,8 @@ def main() -> None:
         runs.append(round(129 / decode_seconds(model, prompt, "compiled", 130), 1))
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
     huge = huge_pages_mb()
-    print(f"{sys.argv[2]} {quantize} THP_MEM_ALLOC_ENABLE={thp} huge pages {huge} MB tok/s median {statistics.median(runs)} runs {runs}")
+    median = statistics.median(runs)
+    print(f"{sys.argv[2]} {quantize} THP_MEM_ALLOC_ENABLE={thp} huge pages {huge} MB tok/s median {median} runs {runs}")
 
 
 def huge_pages_mb() -> int:
