@@ -4,6 +4,8 @@ test under both of linear()'s few-row paths: these do not depend on it)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,8 +74,51 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
     torch._dynamo.reset()
     got, (code,) = run_and_get_code(torch.compile(normed_product, fullgraph=True), h)
     loops = generated_loops([code])
-    over_rows = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(96L)"  # the weight's 96 rows
+    over_rows = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(12L)"  # 96 rows read in 8 places
     (weight_loop,) = [loop for loop in loops if loop.startswith(over_rows) and "x1<static_cast<int64_t>(64L)" in loop]
     assert "sqrt" in code and "sqrt" not in weight_loop
     want = normed_product(h)  # op by op: the norm's output rounded to bfloat16, which compiled code skips
     torch.testing.assert_close(got, want, atol=0.01 * want.abs().max().item(), rtol=2**-7)
+
+
+def test_streams_worked_example():
+    """fast.cpu_reductions.streams' examples: the largest power of two up to STREAMS dividing OUT."""
+    assert cpu_reductions.STREAMS == 8
+    assert [cpu_reductions.streams(out) for out in (12, 32000, 7, 1024, 6)] == [4, 8, 1, 8, 2]
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out, places", [(96, 8), (12, 4), (7, 1)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weight_dtype, out, places, rows):
+    """row_sums: a weight of OUT rows is read in streams(OUT) places by loops over OUT / places
+    rows, each place with its own sum for each row of x (one loop for one row; inductor shares more
+    sums out over several loops), and the products are the
+    same bits as one reduction over all the weight's rows (STREAMS = 1), also for column blocks."""
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(out + rows)
+    weight = (torch.randn(out, 64, generator=g) * 40).to(weight_dtype)  # (OUT, IN)
+    scales = torch.rand(out, generator=g) / 40 if weight_dtype == torch.int8 else None
+    x = torch.randn(rows, 64, generator=g).to(torch.float32 if weight_dtype == torch.float32 else torch.bfloat16)
+    blocks = weight.view(out, 2, 32).transpose(0, 1).contiguous()  # (2, OUT, 32): column blocks
+
+    def products(x):
+        return cpu_reductions.rows_as_reductions(x, weight, scales), cpu_reductions.rows_as_reductions(x, blocks, scales)
+
+    torch._dynamo.reset()
+    (got, got_blocks), (code,) = run_and_get_code(torch.compile(products, fullgraph=True), x)
+    over_rows = f"static_cast<int64_t>(0L); x0<static_cast<int64_t>({out // places}L)"
+    weight_loops = [loop for loop in generated_loops([code]) if loop.startswith(over_rows) and "x1<" in loop]
+    sums = sum(len(set(re.findall(r"tmp_acc\d+_vec ", loop))) for loop in weight_loops)
+    if places > 1:  # (7 rows: one place, loops as inductor makes them)
+        assert sums == places * rows * 3  # the plain weight's and each of the 2 blocks'
+    if places > 1 and rows == 1:  # one loop reads the whole weight (each block) in all its places at once
+        assert len(weight_loops) == 3
+    monkeypatch.setattr(cpu_reductions, "STREAMS", 1)
+    torch._dynamo.reset()
+    one_place, one_place_blocks = torch.compile(products, fullgraph=True)(x)
+    assert torch.equal(got, one_place) and torch.equal(got_blocks, one_place_blocks)
+    want = F.linear(x.float(), weight.float() * (scales[:, None] if scales is not None else 1)).to(x.dtype)
+    torch.testing.assert_close(got, want, atol=1e-3 * want.abs().max().item(), rtol=2**-7)
+    torch.testing.assert_close(got_blocks, want, atol=1e-3 * want.abs().max().item(), rtol=2**-7)

@@ -111,9 +111,9 @@ def gguf_decode_bytes(path):
     return total
 
 
-def llama_run(gguf_path, what=("decode", "prefill")):
+def llama_bench(gguf_path, what, extra=()):
     cmd = [str(LLAMA / "build/bin/llama-bench"), "-m", str(gguf_path), "-t", "2", "-p", "2048" if "prefill" in what else "0",
-           "-n", "128" if "decode" in what else "0", "-r", "3", "-o", "json"]
+           "-n", "128" if "decode" in what else "0", "-r", "3", "-o", "json", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(p.stdout)
     out = {"cmd": " ".join(cmd)}
@@ -126,6 +126,24 @@ def llama_run(gguf_path, what=("decode", "prefill")):
         rows[0].get("flash_attn"), rows[0].get("type_k"), rows[0].get("n_batch"), rows[0].get("n_ubatch"))
     out["cpu_info"] = rows[0].get("cpu_info")
     return out
+
+
+def llama_run(gguf_path, what=("decode", "prefill")):
+    """llama-bench's decode and/or prefill. Where the CPU reports AMX, llama.cpp repacks Q8_0/Q4_0 weights
+    for its AMX kernels by default; on the AMX Xeon VM its prompt kernels die at their first tile
+    instruction (SIGILL, or SIGSEGV at ``ldtilecfg``) while its decode, which does not use tiles, runs.
+    Then decode is measured as llama.cpp runs by default and prefill again with ``--repack 0``."""
+    try:
+        return llama_bench(gguf_path, what)
+    except subprocess.CalledProcessError as e:
+        if e.returncode >= 0 or "prefill" not in what:
+            raise
+        log(f"  llama.cpp died with signal {-e.returncode}; decode as is, prefill with --repack 0")
+        out = llama_bench(gguf_path, ["decode"]) if "decode" in what else {}
+        prefill = llama_bench(gguf_path, ["prefill"], ["--repack", "0"])
+        out.update({k: v for k, v in prefill.items() if k.startswith("prefill") or k not in out})
+        out["prefill_cmd"], out["prefill_repack"] = prefill["cmd"], 0
+        return out
 
 
 OURS = {"f32": ["--dtype", "float32"], "bf16": ["--dtype", "bfloat16"],

@@ -77,6 +77,21 @@ without the blocks of columns. Compiled decode batch 1, one process alternating 
 tokens/s: mistral-wide (Mistral 7B's widths, 4 layers) 7.9 -> 9.8 (11.2 with w2 in blocks of columns);
 mistral-bench 67.1 -> 69.3 and mixtral-bench 49.6 -> 51.3, within this VM's noise.
 
+**Reading in several places.** One reduction loop reads its weight in one place: a row, then the
+next. Where the weights do not fit in the cache, one such stream per core does not keep enough reads
+in flight: on a 2-core Intel Xeon VM (480 MB of L3 reported, about 100 MB of it effective), int8
+weights of 3584 x 1024 read at 26 GB/s while 24 of them (88 MB) are cached and at 14 GB/s when 96 of
+them (352 MB) are not, though the machine streams 30 GB/s. So ``row_sums`` cuts a weight's rows into
+``STREAMS`` consecutive groups, one reduction each; reading the same row, inductor fuses them into
+one loop whose every step reads the weight in 8 places, each with its own sum. Same arithmetic,
+same order within each sum: the results are the same bits. The 96 uncached weights, GB/s, by
+places: 1 14.1, 2 18.5, 4 22.3, 8 23.4. Whole models, compiled decode, one process alternating
+(medians of 5), tokens/s, 1 place -> 8 (``bench/reduction_streams.py``,
+``bench/results_reduction_streams.jsonl``): mistral-bench batch 1 int8 96.9 -> 176.3 (4 places;
+8: 199.7), bfloat16 60.5 -> 95.7, float32 42.1 -> 53.2; batch 4 int8 234.1 -> 384.1, bfloat16
+166.0 -> 236.6; batch 8 float32 200.6 -> 211.4; mixtral-bench batch 1 int8 69.7 -> 105.4.
+(Not measured on the AMD EPYC of the earlier tables, which this session did not have.)
+
 Example, one row times a 3 x 2 weight: ``[1, 2] @ [[1, 0], [0, 1], [1, 1]].T`` is the three sums
 ``[1*1 + 2*0, 1*0 + 2*1, 1*1 + 2*1] = [1, 2, 3]``.
 """
@@ -91,6 +106,8 @@ import torch
 # second table): float32 and int8 to 8 rows, 16-bit to 4.
 REDUCTION_ROWS = {torch.float32: 8, torch.int8: 8, torch.bfloat16: 4, torch.float16: 4}
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# A weight's rows are read in this many places at once (``row_sums``; module docstring).
+STREAMS = 8
 
 
 def rows_as_reductions(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -104,10 +121,35 @@ def rows_as_reductions(x: torch.Tensor, weight: torch.Tensor, scales: Optional[t
     if wide.dim() == 3:  # block by block, each its own reduction against its piece of the row
         sums = torch.stack([block_sums(row, wide) for row in rows.unbind(0)])
     else:
-        sums = torch.stack([(row * wide).sum(-1) for row in rows.unbind(0)])  # (M, OUT)
+        sums = torch.stack([row_sums(row, wide) for row in rows.unbind(0)])  # (M, OUT)
     if scales is not None:
         sums = sums * scales.float()
     return sums.to(x.dtype)
+
+
+def row_sums(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``row (IN,) @ weight (OUT, IN).T`` -> ``(OUT,)``, as ``k`` reductions over consecutive groups
+    of the weight's rows (``k``: ``streams(OUT)``), joined in order. Each sum is the one
+    ``(row * weight).sum(-1)`` makes, added in the same order; but inductor puts the ``k`` reductions,
+    which read the same ``row``, into one loop over ``OUT / k`` rows, so every step of it reads the
+    weight in ``k`` places, each with a sum of its own (module docstring: "Reading in several places").
+
+    Example, ``k = 2``, weight rows ``w0..w3``: one loop over 2 rows, whose step ``i`` reads rows
+    ``i`` and ``2 + i``; the result is ``[row @ w0, row @ w1, row @ w2, row @ w3]``."""
+    k = streams(weight.shape[0])
+    if k == 1:
+        return (row * weight).sum(-1)
+    groups = weight.reshape(k, weight.shape[0] // k, weight.shape[1])  # (k, OUT / k, IN)
+    return torch.cat([(row * group).sum(-1) for group in groups.unbind(0)])  # (OUT,)
+
+
+def streams(out: int) -> int:
+    """How many places ``row_sums`` reads a weight of ``out`` rows in: the largest power of two up to
+    ``STREAMS`` that divides ``out`` (12 -> 4, 32000 -> 8, 7 -> 1)."""
+    k = STREAMS
+    while out % k:
+        k //= 2
+    return k
 
 
 def block_sums(row: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -116,7 +158,7 @@ def block_sums(row: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     reduction over all ``(n, OUT, B)`` is shared out by inductor over the ``n`` blocks instead, so
     7 blocks on 2 cores leave one idle for a block (int8, 14336 columns in blocks of 2048, 2-core
     AMD EPYC: 19.1 GB/s against 22.0 block by block; 2 blocks of 1792: 21.8 against 22.8)."""
-    sums = [(piece * block).sum(-1) for piece, block in zip(row.view(blocks.shape[0], -1), blocks)]  # n x (OUT,)
+    sums = [row_sums(piece, block) for piece, block in zip(row.view(blocks.shape[0], -1), blocks)]  # n x (OUT,)
     return sum(sums[1:], sums[0])  # in block order
 
 
