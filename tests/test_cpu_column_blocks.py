@@ -172,15 +172,17 @@ def compiled_block_product(rows: int, seed: int):
 
 
 def test_compiled_products_walk_the_blocks_one_after_the_other():
-    """One loop per block, each over the 40 rows of its contiguous (OUT, B) matrix, as a plain
-    weight's is (so both threads share every block): block 0 at weight index ``x1 + 48*x0`` (row x0,
-    column x1), block 1 at ``1920 + x1 + 48*x0``; the plain weight's loop would step 96 columns a row.
+    """One loop per block, each over the 40 rows of its contiguous (OUT, B) matrix as a plain
+    weight's is (so both threads share every block), in 4 places (``cpu_reductions.row_sums``): 10 steps,
+    block 0 read at weight index ``x1 + 48*x0`` (row x0, column x1) and 3 more places 480 apart, block 1
+    from ``1920 + x1 + 48*x0``; the plain weight's loop would step 96 columns a row.
     The result is the plain product's."""
     weight, x, got, code = compiled_block_product(rows=1, seed=7)
-    row_by_row = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(40L); x0+=static_cast<int64_t>(1L))"
+    row_by_row = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(10L); x0+=static_cast<int64_t>(1L))"
     over_rows = [loop for loop in generated_loops([code]) if loop.startswith(row_by_row)]
     assert len(over_rows) == 2
     assert "(x1 + 48L*x0)" in over_rows[0] and "1920L" not in over_rows[0]
+    assert "(1440L + x1 + 48L*x0)" in over_rows[0]  # the 4th place of block 0
     assert "(1920L + x1 + 48L*x0)" in over_rows[1]
     assert "96L*x" not in code
     torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.07, rtol=0.01)

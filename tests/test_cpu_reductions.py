@@ -82,13 +82,14 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
 
 
 def test_streams_worked_example():
-    """fast.cpu_reductions.streams' examples: the largest power of two up to STREAMS dividing OUT."""
-    assert cpu_reductions.STREAMS == 8
-    assert [cpu_reductions.streams(out) for out in (12, 32000, 7, 1024, 6)] == [4, 8, 1, 8, 2]
+    """fast.cpu_reductions.streams' examples: the largest power of two up to STREAMS dividing OUT into
+    groups of at least MIN_GROUP_ROWS rows."""
+    assert (cpu_reductions.STREAMS, cpu_reductions.MIN_GROUP_ROWS) == (8, 8)
+    assert [cpu_reductions.streams(out) for out in (48, 32000, 7, 1024, 8, 16, 96)] == [4, 8, 1, 8, 1, 2, 8]
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("out, places", [(96, 8), (12, 4), (7, 1)])
+@pytest.mark.parametrize("out, places", [(96, 8), (48, 4), (7, 1)])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weight_dtype, out, places, rows):
     """row_sums: a weight of OUT rows is read in streams(OUT) places by loops over OUT / places

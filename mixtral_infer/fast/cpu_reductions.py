@@ -83,7 +83,7 @@ in flight: on a 2-core Intel Xeon VM (480 MB of L3 reported, about 100 MB of it 
 weights of 3584 x 1024 read at 26 GB/s while 24 of them (88 MB) are cached and at 14 GB/s when 96 of
 them (352 MB) are not, though the machine streams 30 GB/s. So ``row_sums`` cuts a weight's rows into
 ``STREAMS`` consecutive groups, one reduction each; reading the same row, inductor fuses them into
-one loop whose every step reads the weight in 8 places, each with its own sum. Same arithmetic,
+one loop whose every step reads the weight in (up to) 8 places, each with its own sum. Same arithmetic,
 same order within each sum: the results are the same bits. The 96 uncached weights, GB/s, by
 places: 1 14.1, 2 18.5, 4 22.3, 8 23.4. Whole models, compiled decode, one process alternating
 (medians of 5), tokens/s, 1 place -> 8 (``bench/reduction_streams.py``,
@@ -108,6 +108,7 @@ REDUCTION_ROWS = {torch.float32: 8, torch.int8: 8, torch.bfloat16: 4, torch.floa
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # A weight's rows are read in this many places at once (``row_sums``; module docstring).
 STREAMS = 8
+MIN_GROUP_ROWS = 8
 
 
 def rows_as_reductions(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -145,9 +146,11 @@ def row_sums(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def streams(out: int) -> int:
     """How many places ``row_sums`` reads a weight of ``out`` rows in: the largest power of two up to
-    ``STREAMS`` that divides ``out`` (12 -> 4, 32000 -> 8, 7 -> 1)."""
+    ``STREAMS`` that divides ``out`` into groups of at least ``MIN_GROUP_ROWS`` rows (48 -> 4,
+    32000 -> 8, 7 -> 1). A few rows (the MoE router's 8) are read in one place: reading them is no
+    time, and inductor would fold the norm before them into a loop of single-row sums."""
     k = STREAMS
-    while out % k:
+    while k > 1 and (out % k or out // k < MIN_GROUP_ROWS):
         k //= 2
     return k
 
