@@ -87,9 +87,10 @@ one loop whose every step reads the weight in (up to) 8 places, each with its ow
 same order within each sum: the results are the same bits. The 96 uncached weights, GB/s, by
 places: 1 14.1, 2 18.5, 4 22.3, 8 23.4. Whole models, compiled decode, one process alternating
 (medians of 5), tokens/s, 1 place -> 8 (``bench/reduction_streams.py``,
-``bench/results_reduction_streams.jsonl``): mistral-bench batch 1 int8 96.9 -> 176.3 (4 places;
-8: 199.7), bfloat16 60.5 -> 95.7, float32 42.1 -> 53.2; batch 4 int8 234.1 -> 384.1, bfloat16
-166.0 -> 236.6; batch 8 float32 200.6 -> 211.4; mixtral-bench batch 1 int8 69.7 -> 105.4.
+``bench/results_reduction_streams.jsonl``): mistral-bench batch 1 int8 105.2 -> 225.9; and by the
+same procedure before the commit: bfloat16 60.5 -> 95.7, float32 42.1 -> 53.2; batch 4 int8 234.1
+-> 384.1, bfloat16 166.0 -> 236.6; batch 8 float32 200.6 -> 211.4; mixtral-bench batch 1 int8 69.7
+-> 105.4.
 (Not measured on the AMD EPYC of the earlier tables, which this session did not have.)
 
 Example, one row times a 3 x 2 weight: ``[1, 2] @ [[1, 0], [0, 1], [1, 1]].T`` is the three sums
