@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     runs = {streams: [] for streams in models}
     for _ in range(options.rounds):
         for streams, model in models.items():
-            runs[streams].append(options.batch * (NEW_TOKENS - 1) / decode_seconds(model, prompts, "compiled", NEW_TOKENS))
+            seconds = decode_seconds(model, prompts, "compiled", NEW_TOKENS)
+            runs[streams].append(options.batch * (NEW_TOKENS - 1) / seconds)
     row = {"folder": options.folder, "dtype": options.dtype, "quantize": options.quantize, "batch": options.batch,
            "torch": torch.__version__, "threads": torch.get_num_threads(),
            "tok_s": {streams: round(statistics.median(r), 1) for streams, r in runs.items()},

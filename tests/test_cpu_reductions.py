@@ -105,7 +105,8 @@ def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weig
     blocks = weight.view(out, 2, 32).transpose(0, 1).contiguous()  # (2, OUT, 32): column blocks
 
     def products(x):
-        return cpu_reductions.rows_as_reductions(x, weight, scales), cpu_reductions.rows_as_reductions(x, blocks, scales)
+        plain = cpu_reductions.rows_as_reductions(x, weight, scales)
+        return plain, cpu_reductions.rows_as_reductions(x, blocks, scales)
 
     torch._dynamo.reset()
     (got, got_blocks), (code,) = run_and_get_code(torch.compile(products, fullgraph=True), x)
