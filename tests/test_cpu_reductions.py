@@ -88,9 +88,11 @@ def test_streams_worked_example():
     assert [cpu_reductions.streams(out) for out in (48, 32000, 7, 1024, 8, 16, 96)] == [4, 8, 1, 8, 1, 2, 8]
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("out, places", [(96, 8), (48, 4), (7, 1)])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(
+    "weight_dtype, out, places, rows",
+    [(torch.int8, 96, 8, 1), (torch.int8, 96, 8, 3), (torch.bfloat16, 48, 4, 1), (torch.float32, 96, 8, 2),
+     (torch.bfloat16, 7, 1, 1)],
+)
 def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weight_dtype, out, places, rows):
     """row_sums: a weight of OUT rows is read in streams(OUT) places by loops over OUT / places
     rows, each place with its own sum for each row of x (one loop for one row; inductor shares more
