@@ -36,6 +36,16 @@ def decode_seconds(model, prompts, mode: str, new_tokens: int) -> float:
     return time.perf_counter() - first[0]
 
 
+def alternating_tok_s(models: dict, prompts, rounds: int, new_tokens: int) -> dict:
+    """Compiled decode of ``new_tokens`` after ``prompts`` by each of ``models`` in turn, ``rounds``
+    times: tokens/s of every run (the tokens after each row's first, over their time), by name."""
+    runs = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            runs[name].append(len(prompts) * (new_tokens - 1) / decode_seconds(model, prompts, "compiled", new_tokens))
+    return runs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_decode_modes import decode_seconds  # noqa: E402
+from bench_decode_modes import alternating_tok_s  # noqa: E402
 
 import mixtral_infer.fast.cpu_reductions as cpu_reductions  # noqa: E402
 from mixtral_infer.model.linear import linear  # noqa: E402
@@ -70,10 +70,8 @@ def whole_models(options) -> None:
             cpu_reductions.REDUCTION_ROWS.update(limits[name])
             generate(prompts, model, decode="compiled", max_tokens=4)
         cpu_reductions.REDUCTION_ROWS.update(now)
-        runs = {name: [] for name in models}
-        for _ in range(options.rounds):
-            for name, model in models.items():  # tokens after each row's first, over their time
-                runs[name].append(round(batch * 47 / decode_seconds(model, prompts, "compiled", 48), 1))
+        runs = {name: [round(v, 1) for v in samples]
+                for name, samples in alternating_tok_s(models, prompts, options.rounds, 48).items()}  # fmt: skip
         medians = {name: statistics.median(samples) for name, samples in runs.items()}
         print(json.dumps({"model": options.model, "dtype": options.dtype, "quantize": options.quantize, "batch": batch,
                           "torch": torch.__version__, "tok_s": medians, "runs": runs}), flush=True)  # fmt: skip

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_modes import decode_seconds  # noqa: E402
+from bench_decode_modes import alternating_tok_s, decode_seconds  # noqa: E402
 
 from mixtral_infer import load_model  # noqa: E402
 from mixtral_infer.fast import cpu_reductions  # noqa: E402
@@ -46,11 +46,7 @@ def main(argv=None) -> int:
                            dtype=getattr(torch, options.dtype), quantize=options.quantize, pack="columns")
         decode_seconds(model, prompts, "compiled", NEW_TOKENS)  # builds the step at the timed shapes
         models[streams] = model
-    runs = {streams: [] for streams in models}
-    for _ in range(options.rounds):
-        for streams, model in models.items():
-            seconds = decode_seconds(model, prompts, "compiled", NEW_TOKENS)
-            runs[streams].append(options.batch * (NEW_TOKENS - 1) / seconds)
+    runs = alternating_tok_s(models, prompts, options.rounds, NEW_TOKENS)
     row = {"folder": options.folder, "dtype": options.dtype, "quantize": options.quantize, "batch": options.batch,
            "torch": torch.__version__, "threads": torch.get_num_threads(),
            "tok_s": {streams: round(statistics.median(r), 1) for streams, r in runs.items()},
