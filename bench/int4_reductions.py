@@ -1,11 +1,12 @@
 """Can code that inductor writes multiply int4 weights faster than PyTorch's int4 CPU kernel?
 
-    python bench/int4_reductions.py [--shape 3584 1024] [--group 32] [--weights 48] [--rounds 7]
+    python bench/int4_reductions.py [--shape 3584 1024] [--group 32] [--weights 96] [--rounds 7]
 
 int8 weights decode faster as multiply-and-sum reductions that inductor writes
 (``fast/cpu_reductions.py``) than through PyTorch's int8 kernel. This tries the same for int4:
-one bfloat16 row times ``--weights`` int4 weights in turn (more than the caches hold), each way
-compiled with ``dynamic=False``, alternating, medians of ``--rounds``:
+one bfloat16 row times ``--weights`` int4 weights (more than the caches hold), each way one call
+over all of them (compiled ways one graph, with ``dynamic=False``: a compiled call per weight costs
+as much as a small product), alternating, medians of ``--rounds``:
 
 * ``kernel``: ``_weight_int4pack_mm_for_cpu`` on its own layout (what ``quant/kernels.py`` calls);
 * ``rows``: a reduction over each row of the weight, vectorised along the row. The bytes of group
@@ -13,7 +14,8 @@ compiled with ``dynamic=False``, alternating, medians of ``--rounds``:
   contiguous piece of the row; the high nibble is read without a shift (none for bytes in the
   vector units): ``byte = low + 16 * high``, so ``low * a + byte * b`` with ``b = x_high / 16`` and
   ``a = x_low - b`` is ``low * x_low + high * x_high``; the ``- 8`` of every value comes out as
-  ``8 * scale * sum(x)`` per group;
+  ``8 * scale * sum(x)`` per group; the rows cut into ``streams(OUT)`` groups, read in as many
+  places at once, as ``cpu_reductions.row_sums`` does;
 * ``columns``: the same sums vectorised across 16 rows of the weight (stored transposed), each
   group's sums scaled once;
 * ``int8``: ``rows_as_reductions`` on int8 weights of the same shape, for scale.
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mixtral_infer.fast.cpu_reductions import materialized, rows_as_reductions  # noqa: E402
+from mixtral_infer.fast.cpu_reductions import materialized, rows_as_reductions, streams  # noqa: E402
 from mixtral_infer.quant import kernels  # noqa: E402
 from mixtral_infer.quant.scheme import QuantScheme  # noqa: E402
 from mixtral_infer.quant.weights import quantize  # noqa: E402
@@ -58,9 +60,13 @@ def row_inputs(x: torch.Tensor, group: int):
 def rows_way(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x (1, IN)`` times bytes ``(OUT, IN/G, G/2)`` with ``scales (OUT, IN/G, 1)`` -> ``(1, OUT)``."""
     a, b, sums = row_inputs(x, 2 * values.shape[-1])
-    s = scales.float()
-    products = (((values & 15).float() * a + values.float() * b) * s).sum((-1, -2))  # (OUT,)
-    return (products - 8 * (s[..., 0] * sums).sum(-1)).to(x.dtype)[None]
+    k = streams(values.shape[0])
+    parts = []
+    for part, part_scales in zip(values.chunk(k), scales.chunk(k)):  # k x (OUT/k, IN/G, G/2): k places at once
+        s = part_scales.float()
+        products = (((part & 15).float() * a + part.float() * b) * s).sum((-1, -2))  # (OUT/k,)
+        parts.append(products - 8 * (s[..., 0] * sums).sum(-1))
+    return torch.cat(parts).to(x.dtype)[None]
 
 
 def columns_way(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -75,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=2, default=[3584, 1024], metavar=("OUT", "IN"))
     parser.add_argument("--group", type=int, default=32)
-    parser.add_argument("--weights", type=int, default=48)
+    parser.add_argument("--weights", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=7)
     options = parser.parse_args()
     (out_features, in_features), group = options.shape, options.group
@@ -100,26 +106,30 @@ def main() -> None:
     def kernel(x, values, scales_and_zeros):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, values, group, scales_and_zeros)
 
+    def over_all(way, compiled=True):
+        def all_weights(x, weights):
+            return [way(x, *weight) for weight in weights]
+
+        return torch.compile(all_weights, dynamic=False) if compiled else all_weights
+
     ways = {
-        "kernel": (kernel, packed),
-        "rows": (torch.compile(rows_way, dynamic=False), rows),
-        "columns": (torch.compile(columns_way, dynamic=False), columns),
-        "int8": (torch.compile(rows_as_reductions, dynamic=False), int8_args),
+        "kernel": (over_all(kernel, compiled=False), packed),
+        "rows": (over_all(rows_way), rows),
+        "columns": (over_all(columns_way), columns),
+        "int8": (over_all(rows_as_reductions), int8_args),
     }
     for name, (way, args) in ways.items():
         if name != "int8":
-            got = way(x, *args[0]).float()
+            got = way(x, args)[0].float()
             torch.testing.assert_close(got, expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
 
     times = {name: [] for name in ways}
     for _ in range(options.rounds):
         for name, (way, args) in ways.items():
-            for weight in args:  # warm: the loop, not the weights (they are more than the caches)
-                way(x, *weight)
+            way(x, args)  # warm: the loop, not the weights (they are more than the caches)
             start = time.perf_counter()
             for _ in range(5):
-                for weight in args:
-                    way(x, *weight)
+                way(x, args)
             times[name].append((time.perf_counter() - start) / (5 * len(args)) * 1e3)
 
     count = out_features * in_features
