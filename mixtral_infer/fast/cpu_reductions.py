@@ -90,7 +90,8 @@ places: 1 14.1, 2 18.5, 4 22.3, 8 23.4. Whole models, compiled decode, one proce
 ``bench/results_reduction_streams.jsonl``): mistral-bench batch 1 int8 105.2 -> 225.9; and by the
 same procedure before the commit: bfloat16 60.5 -> 95.7, float32 42.1 -> 53.2; batch 4 int8 234.1
 -> 384.1, bfloat16 166.0 -> 236.6; batch 8 float32 200.6 -> 211.4; mixtral-bench batch 1 int8 69.7
--> 105.4.
+-> 105.4. More places read no faster: Mistral 7B's widths (mistral-wide, int8, 1 GB a step, batch 1),
+8 places 25.2 tokens/s, 16 places 24.5 (same script and file).
 (Not measured on the AMD EPYC of the earlier tables, which this session did not have.)
 
 Example, one row times a 3 x 2 weight: ``[1, 2] @ [[1, 0], [0, 1], [1, 1]].T`` is the three sums

@@ -8,7 +8,8 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   dequantize-then-matmul on CPU, 20x slower.
 * **CPU int4**: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout made by
   ``_convert_weight_to_int4pack_for_cpu``. torchao 0.18 has no CPU int4 layout any more
-  (``Int4WeightOnlyConfig`` needs the CUDA-only ``mslk`` package).
+  (``Int4WeightOnlyConfig`` needs the CUDA-only ``mslk`` package), and its PyPI wheel declares but
+  does not build its x86 int8-activation x int4 op (``da8w4_linear_cpu``: NotImplementedError on CPU).
 * **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
   to bfloat16 (2 ms; ``dequantize_int8``) and multiplying with ``F.linear`` beats the int8 kernel, which is
   compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
