@@ -5,8 +5,8 @@
 int8 weights decode faster as multiply-and-sum reductions that inductor writes
 (``fast/cpu_reductions.py``) than through PyTorch's int8 kernel. This tries the same for int4:
 one bfloat16 row times ``--weights`` int4 weights (more than the caches hold), each way one call
-over all of them (compiled ways one graph, with ``dynamic=False``: a compiled call per weight costs
-as much as a small product), alternating, medians of ``--rounds``:
+over all of them (compiled ways one graph, with ``dynamic=False``: a compiled call per weight would
+add its call's cost to each 0.1-0.2 ms product), alternating, medians of ``--rounds``:
 
 * ``kernel``: ``_weight_int4pack_mm_for_cpu`` on its own layout (what ``quant/kernels.py`` calls);
 * ``rows``: a reduction over each row of the weight, vectorised along the row. The bytes of group
