@@ -313,6 +313,17 @@ def test_compiled_decode_reuses_its_cache_for_the_same_shape():
     assert compiler.cache_for(2, 200).cache_size == 256
 
 
+def test_a_model_cast_after_decoding_gets_a_cache_of_its_new_dtype():
+    """The kept cache is made anew when the model's dtype (or device) changed since: reused, a
+    float32 buffer received bfloat16 keys (a traceback seen on CUDA, ``model.to(torch.bfloat16)``)."""
+    model = random_model(tiny_args(moe=False, sliding_window=None, max_batch_size=2), seed=26)
+    compiler = StepCompiler(model, announce=lambda message: None)
+    assert compiler.cache_for(2, 100).cache_k.dtype == torch.float32
+    model.to(torch.bfloat16)
+    cache = compiler.cache_for(2, 100)
+    assert cache.cache_k.dtype == cache.cache_v.dtype == torch.bfloat16 and compiler.cache_for(2, 120) is cache
+
+
 def test_decode_mode_choices():
     model = random_model(tiny_args(moe=False), seed=27)
     assert decode_mode("auto", model) == "eager"  # CPU: the eager loop measures faster

@@ -359,7 +359,9 @@ class StepCompiler:
         """
         slots = slot_bucket(max_seqlen, self.model.args.sliding_window)
         cache = self.cache
-        if cache is None or cache.max_batch_size != batch or cache.cache_size != slots:
+        shape = (batch, slots, self.model.dtype, self.model.device)  # a model moved or cast since needs a new one
+        have = None if cache is None else (cache.max_batch_size, cache.cache_size, cache.cache_k.dtype, cache.cache_k.device)
+        if have != shape:
             self.cache = cache = None  # free the old buffers before making the new ones
             cache = self.model.make_cache(batch, max_seqlen=slots)
             self.cache = cache
@@ -373,7 +375,8 @@ class StepCompiler:
             # at other addresses is captured anew, not compiled anew).
             torch._dynamo.mark_static_address(cache.cache_k)
             torch._dynamo.mark_static_address(cache.cache_v)
-        key = (batch, cache.max_batch_size, cache.cache_size, sampling.greedy, sampling.filtered, eos_id)
+        buffers = (cache.max_batch_size, cache.cache_size, cache.cache_k.dtype, cache.cache_k.device)
+        key = (batch, *buffers, sampling.greedy, sampling.filtered, eos_id)
         built = self.steps.get(key)
         if isinstance(built, AotStep) and not built.current():
             built = None  # a weight was replaced since it was built: it would read the old one
