@@ -316,7 +316,7 @@ class Transformer(nn.Module):
     def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings on the first pipeline stage; the previous stage's hidden states elsewhere."""
         if self.parallel.is_first_stage:
-            return self.tok_embeddings(input_ids)
+            return self.tok_embeddings(input_ids.to(self.device))  # token ids made on the CPU, too
         import torch.distributed as dist
 
         h = torch.empty(input_ids.shape[0], self.args.dim, dtype=self.dtype, device=self.device)

@@ -98,9 +98,13 @@ def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtyp
 def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     """Quantize a model already in memory, in place (loading does it tensor by tensor instead)."""
     scheme = QuantScheme.parse(scheme)
-    for name, param in list(model.named_parameters()):
-        if is_quantized(name):
-            install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device))
+    # By name: a list of the parameters themselves would keep every float weight alive until the
+    # end (Mixtral 8x7B on one GPU: 93 GB of bfloat16 beside 47 GB of int8); this way each float
+    # weight is freed as its quantized one takes its place.
+    for name in [name for name, _ in model.named_parameters() if is_quantized(name)]:
+        param = model.get_parameter(name)
+        install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device))
+        del param
     return int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
 
 
