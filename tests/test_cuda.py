@@ -1,0 +1,151 @@
+"""The CUDA paths, on a GPU: logits against transformers, the compiled CUDA-graph step, quantized
+kernels and the serving engine, each against the readable path on the same device.
+
+Skipped without a GPU (CI has none); run on a lent H200 with ``pytest tests/test_cuda.py``. The
+CPU suite checks the same logic through each kernel's reference semantics (``test_varlen_attention``,
+``test_quant``'s tinygemm layout); these check that the kernels themselves agree.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import WINDOW, random_model, tiny_args
+from test_decode_step import SAMPLINGS, assert_same, eos_that_stops_some
+from test_model import TOLERANCE, cached_logits, hf_logits, random_prompts
+
+from mixtral_infer import Tokenizer, generate, load_model
+from mixtral_infer.quant import kernels
+from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.quant.weights import QuantizedParameter
+from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA paths: no GPU here")
+CUDA = torch.device("cuda")
+# bfloat16 logprobs against float32's: mean |difference| 0.010-0.030 and max 0.03-0.07 measured
+# (CPU), max 0.26-0.58 (CUDA, Mixtral) where a router near tie sends a token to another expert.
+# A wrong kernel or cache slot moves the mean by whole units.
+MEAN_TOLERANCE, MAX_TOLERANCE = 0.08, 1.0
+
+
+@pytest.fixture(scope="module")
+def cuda_pair(model_pair):
+    """(ours on CUDA in float32, transformers on CPU, args): the same weights."""
+    ours, hf, args = model_pair
+    return copy.deepcopy(ours).to(CUDA), hf, args
+
+
+@pytest.mark.parametrize("chunk_size", [3, WINDOW, 13], ids=["chunk<W", "chunk=W", "chunk>W"])
+def test_chunked_prefill_and_decoding_match_transformers_on_cuda(cuda_pair, chunk_size):
+    ours, hf, args = cuda_pair
+    lengths, prefixes = [4 * WINDOW + 5, 3 * WINDOW + 2, 7, 2 * WINDOW], [3 * WINDOW + 1, 11, 7, 1]
+    sequences = random_prompts(lengths, args.vocab_size)
+    for sequence, logits in zip(sequences, cached_logits(ours, sequences, prefixes, chunk_size)):
+        assert logits.device.type == "cuda"
+        assert (logits.cpu() - hf_logits(hf, sequence)).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("chunk_size", [3, WINDOW, 13], ids=["chunk<W", "chunk=W", "chunk>W"])
+def test_bfloat16_prefill_through_flash_attention_matches_float32(cuda_pair, chunk_size):
+    """bfloat16 prompts take torch's ragged flash attention (``fast.varlen_attention``); its logits
+    are float32's to bfloat16's precision, on every chunking of a ragged batch."""
+    ours, _, args = cuda_pair
+    half = copy.deepcopy(ours).to(torch.bfloat16)
+    lengths, prefixes = [4 * WINDOW + 5, 3 * WINDOW + 2, 7], [3 * WINDOW + 1, 11, 7]
+    sequences = random_prompts(lengths, args.vocab_size, seed=3)
+    expected = cached_logits(ours, sequences, prefixes, chunk_size)
+    for got, want in zip(cached_logits(half, sequences, prefixes, chunk_size), expected):
+        scale = want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= 0.05 * scale
+
+
+def forced_logprobs(model, prompts, generated):
+    """The log-probability ``model`` gives each generated token, by one pass over prompt + tokens."""
+    out = []
+    for prompt, new in zip(prompts, generated):
+        sequence = prompt + new
+        with torch.no_grad():
+            logprobs = model(torch.tensor(sequence), [len(sequence)]).float().log_softmax(-1)  # (T, V)
+        out.append(logprobs[torch.arange(len(prompt) - 1, len(sequence) - 1), torch.tensor(new)].tolist())
+    return out
+
+
+def assert_scored_alike(got, expected):
+    """Per-token logprobs ``got`` (bfloat16) as ``expected`` (float32): see ``MEAN_TOLERANCE``."""
+    differences = [abs(x - y) for row_got, row_expected in zip(got, expected) for x, y in zip(row_got, row_expected)]
+    assert sum(differences) / len(differences) <= MEAN_TOLERANCE and max(differences) <= MAX_TOLERANCE
+
+
+@pytest.fixture(scope="module", params=["mistral", "mixtral"])
+def cuda_model(request):
+    return random_model(tiny_args(moe=request.param == "mixtral", max_batch_size=8), seed=21).to(CUDA)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "top-k top-p"])
+def test_the_cuda_graph_step_decodes_as_eager(cuda_model, sampling):
+    """float32, ragged prompts, 3x past the window, rows stopping at their own EOS: the static
+    step and the compiled one (a CUDA graph) give eager's tokens and logprobs."""
+    prompts = random_prompts([3 * WINDOW + 1, 4, 1], cuda_model.args.vocab_size, seed=3)
+    max_tokens = 3 * WINDOW
+    eos_id = eos_that_stops_some(cuda_model, prompts, max_tokens)
+    settings = dict(max_tokens=max_tokens, eos_id=eos_id, **SAMPLINGS[sampling])
+    eager = generate(prompts, cuda_model, decode="eager", **settings)
+    for mode in ("static", "compiled"):
+        assert_same(eager, generate(prompts, cuda_model, decode=mode, **settings))
+
+
+def test_bfloat16_decoding_on_cuda_scores_its_tokens_as_float32_does(cuda_model):
+    """bfloat16 on every path (eager, static, compiled) against the float32 model: the logprob each
+    path gives its greedy tokens is what a float32 pass over the same sequence gives, to bfloat16's
+    precision (random bfloat16 models part ways on near ties, so tokens are not compared)."""
+    half = copy.deepcopy(cuda_model).to(torch.bfloat16)
+    prompts = random_prompts([3 * WINDOW + 1, 4, 1], cuda_model.args.vocab_size, seed=3)
+    for mode in ("eager", "static", "compiled"):
+        generated, logprobs = generate(prompts, half, max_tokens=3 * WINDOW, decode=mode, prompt_logprobs=False)
+        assert [len(g) for g in generated] == [3 * WINDOW] * 3
+        assert_scored_alike(logprobs, forced_logprobs(cuda_model, prompts, generated))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_quantized_cuda_decoding_scores_its_tokens_as_its_dequantized_model(moe, scheme):
+    """bfloat16 activations through the CUDA kernels (int4: tinygemm; int8: the dequantizing
+    product), eager and compiled, batch 1 (the MoE gathers 2 experts) and 3 (every expert runs):
+    the logprobs of their tokens are a float32 model's holding the dequantized weights."""
+    float_model = random_model(tiny_args(moe=moe), seed=5).to(CUDA)
+    quantized = quantize_model(copy.deepcopy(float_model).to(torch.bfloat16), scheme)
+    if scheme == "int4":
+        assert kernels.int4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, QuantizedParameter):
+                float_model.get_parameter(name).copy_(module.dequantize())
+    for lengths in ([5], [2 * WINDOW + 1, 3, 6]):
+        prompts = random_prompts(lengths, 128, seed=len(lengths))
+        for mode in ("eager", "compiled"):
+            generated, logprobs = generate(
+                prompts, quantized, max_tokens=2 * WINDOW, decode=mode, prompt_logprobs=False
+            )
+            assert_scored_alike(logprobs, forced_logprobs(float_model, prompts, generated))
+
+
+def test_the_engine_on_cuda_gives_generates_tokens():
+    """Continuous batching with compiled prompt steps (CUDA's default): every request's greedy
+    tokens are what generate() gives it alone, on the GPU."""
+    model = load_model("tiny-mixtral", dtype=torch.float32, device=CUDA, max_batch_size=1)
+    tokenizer = Tokenizer.from_folder("tiny-mixtral")
+    engine = Engine(model, tokenizer, rows=4, prefill_tokens=64)
+    assert engine.mode == "compiled" and engine.compile_prompts
+    texts = ["In the beginning", "And it came to pass", "Blessed are", "Jesus wept.", "The LORD is my shepherd"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    events = {}
+    for i, prompt in enumerate(prompts):
+        settings = RequestSettings(max_tokens=6 + i, temperature=0)
+        engine.submit(prompt, settings, lambda event, i=i: events.setdefault(i, []).append(event))
+    while engine.step():
+        pass
+    for i, prompt in enumerate(prompts):
+        alone, _ = generate([prompt], model, max_tokens=6 + i, eos_id=tokenizer.eos_id, decode="eager")
+        assert [e.token for e in events[i] if isinstance(e, TokenEvent)] == alone[0]
