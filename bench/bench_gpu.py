@@ -35,7 +35,13 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
 * quantized decode (``--quantize int8 int4``, default both; ``--quantize`` alone for none): the
   same model's weights quantized (``quant.model.quantize_model``: int8 per output row, int4 in
   groups of 32), decode at batch 1 eager and fast, with the greedy agreement of its tokens with
-  the bfloat16 model's (``same_tokens``: leading tokens equal). Targets of issue 15 on an
+  the bfloat16 model's (``same_tokens``: leading tokens equal). A copy is quantized where one
+  fits beside the bfloat16 model; else the model itself, and later schemes are skipped.
+
+``--without-transformers`` builds ours alone from random weights, with every layer (Mixtral
+8x7B's 93 GB fit once on a 141 GB GPU, not twice), and skips transformers' rows: for the
+full-size quantized rows (``--models mixtral-8x7b --without-transformers --batches 1 --prefill
+--quantize int8``). The JSON is rewritten after every row, so a run cut short keeps its rows. Targets of issue 15 on an
   H100/H200: Mistral-7B int8 >= 1.6x bfloat16 fast, int4 >= 2.2x; Mixtral-8x7B int8 >= 150 tok/s.
 
 Greedy tokens of ours and transformers are compared (first difference reported; random
@@ -152,6 +158,28 @@ def ours_from_hf(hf, args: ModelArgs, device: torch.device, dtype: torch.dtype) 
     return build_model(args, hf_to_published(hf.state_dict().items(), args), "transformers", device=device, dtype=dtype)
 
 
+def ours_random(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """Ours alone, random weights drawn as ``hf_model`` draws them (normal, std ``dim ** -0.5``;
+    norms uniform in [0.8, 1.2]; embeddings normal)."""
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in dtype: Mixtral 8x7B in float32 would not fit
+    try:
+        with torch.device(device):
+            model = Transformer(args)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.8, 1.2)
+            elif name.startswith("tok_embeddings"):
+                param.normal_(0.0, 1.0)
+            else:
+                param.normal_(0.0, args.dim**-0.5)
+    return model.eval()
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -163,8 +191,11 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> List[List[
 
 
 def median_runs(run: Callable[[], float], repeats: int) -> tuple[float, float]:
-    """(seconds of the warm-up run, median seconds of ``repeats`` runs)."""
-    warm = run()
+    """(wall seconds of the whole warm-up run, compilation included; median of what ``repeats``
+    runs return)."""
+    start = time.perf_counter()
+    run()
+    warm = time.perf_counter() - start
     return warm, statistics.median(run() for _ in range(repeats))
 
 
@@ -280,6 +311,7 @@ def first_difference(a: List[List[int]], b: List[List[int]]) -> Optional[int]:
 
 
 def bench_decode(ours: Transformer, hf, batch: int, repeats: int, hf_compile: bool, log) -> Dict:
+    """One batch's decode row; ``hf`` None: ours and the floor only."""
     vocab = ours.args.vocab_size
     prompts = random_prompts(batch, PROMPT, vocab, seed=batch)
     steps = NEW_TOKENS - 1
@@ -291,6 +323,10 @@ def bench_decode(ours: Transformer, hf, batch: int, repeats: int, hf_compile: bo
         if mode == "compiled":
             row["ours_fast_compile_s"] = warm
         log(f"  b{batch} {label}: {row[label]:.1f} tok/s")
+    if hf is None:
+        row["floor"] = batch / floor_step_seconds(ours, batch)
+        log(f"  b{batch} floor: {row['floor']:.1f} tok/s")
+        return row
     hf_tokens: list = []
     _, seconds = median_runs(lambda: hf_eager_decode(hf, prompts, hf_tokens), repeats)
     row["transformers_eager"] = batch * steps / seconds
@@ -311,19 +347,26 @@ def bench_decode(ours: Transformer, hf, batch: int, repeats: int, hf_compile: bo
     return row
 
 
-def bench_quantized_decode(model: Transformer, scheme: str, repeats: int, float_tokens: list, log) -> Dict:
-    """Batch-1 decode of ``model`` quantized to ``scheme`` (a copy: the float model stays)."""
-    quantized = quantize_model(copy.deepcopy(model), scheme)
+def bench_quantized_decode(
+    model: Transformer, scheme: str, repeats: int, float_tokens: list, in_place: bool, modes, log
+) -> Dict:
+    """Batch-1 decode of ``model`` quantized to ``scheme``: a copy (the float model stays), or
+    with ``in_place`` the model itself."""
+    quantized = quantize_model(model if in_place else copy.deepcopy(model), scheme)
     prompts = random_prompts(1, PROMPT, model.args.vocab_size, seed=1)
     row: Dict = {"scheme": scheme, "batch": 1}
     tokens: list = []
     for mode, label in (("eager", "ours_eager"), ("compiled", "ours_fast")):
+        if mode not in modes:
+            continue
         warm, seconds = median_runs(lambda: ours_decode(quantized, prompts, mode, tokens), repeats)
         row[label] = (NEW_TOKENS - 1) / seconds
         if mode == "compiled":
             row["ours_fast_compile_s"] = warm
         log(f"  {scheme} b1 {label}: {row[label]:.1f} tok/s")
-    row["same_tokens"] = first_difference(tokens, float_tokens) or len(tokens[0])
+    if float_tokens:
+        row["same_tokens"] = first_difference(tokens, float_tokens) or len(tokens[0])
+    row["in_place"] = in_place
     return row  # the quantized copy is freed here, before the next scheme is made
 
 
@@ -358,7 +401,7 @@ def bench_prefill(ours: Transformer, hf, length: int, repeats: int, log) -> Dict
         hf(torch.tensor(prompt, device=device), use_cache=True, logits_to_keep=1)
 
     row: Dict = {"tokens": length}
-    for label, run in (("ours", run_ours), ("transformers", run_hf)):
+    for label, run in (("ours", run_ours), ("transformers", run_hf))[: 1 if hf is None else 2]:
         run()  # warm-up
         measured = [peak_over(device, run) for _ in range(repeats)]
         row[f"{label}_tok_s"] = length / statistics.median(s for s, _ in measured)
@@ -390,18 +433,21 @@ def table(results: Dict) -> str:
             lines.append(f"| {name} ({model['layers']}) | {row['batch']} | " + " | ".join(cells) + " |")
     lines += ["", "| model (layers) | prefill tokens | ours tok/s | transformers tok/s | ours peak GB | transformers peak GB |",
               "|---|---|---|---|---|---|"]  # fmt: skip
+    nan = float("nan")
     for name, model in results["models"].items():
         for row in model["prefill"]:
             lines.append(
-                f"| {name} ({model['layers']}) | {row['tokens']} | {row['ours_tok_s']:.0f} | {row['transformers_tok_s']:.0f} "
-                f"| {row['ours_peak_gb']:.2f} | {row['transformers_peak_gb']:.2f} |"
+                f"| {name} ({model['layers']}) | {row['tokens']} | {row['ours_tok_s']:.0f} "
+                f"| {row.get('transformers_tok_s', nan):.0f} "
+                f"| {row['ours_peak_gb']:.2f} | {row.get('transformers_peak_gb', nan):.2f} |"
             )
     quantized = [(name, model, row) for name, model in results["models"].items() for row in model.get("quantized", [])]
     if quantized:
         lines += ["", "| model (layers) | weights | batch | ours eager | ours fast | leading tokens equal to bfloat16 |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for name, model, row in quantized:
-            lines.append(f"| {name} ({model['layers']}) | {row['scheme']} | 1 | {row['ours_eager']:.1f} | {row['ours_fast']:.1f} | {row['same_tokens']} |")
+            cells = [f"{row.get(k, nan):.1f}" for k in ("ours_eager", "ours_fast")] + [str(row.get("same_tokens"))]
+            lines.append(f"| {name} ({model['layers']}) | {row['scheme']} | 1 | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -411,40 +457,60 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=["mistral-7b", "mixtral-8x7b"], choices=SHAPES)
     parser.add_argument("--layers", type=int, default=None, help="layers of every model (default: the real count, "
                         "or for Mixtral the most that fit twice on the GPU)")  # fmt: skip
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192], help="prefill lengths")
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-hf-compile", action="store_true", help="skip transformers + StaticCache + torch.compile")
     parser.add_argument("--quantize", nargs="*", default=["int8", "int4"], choices=["int8", "int4"], help="quantized decode rows")
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
+                        help="decode modes of the quantized rows (without eager: no token agreement)")  # fmt: skip
+    parser.add_argument("--without-transformers", action="store_true", help="ours alone, every layer, random weights")
     options = parser.parse_args(argv)
     device = torch.device(options.device)
     dtype = torch.bfloat16
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     results: Dict = {"machine": machine(device), "dtype": str(dtype), "models": {}}
+
+    def save() -> None:
+        if options.out is not None:
+            options.out.write_text(json.dumps(results, indent=1))
+
+    alone = options.without_transformers
     for name in options.models:
-        layers = layers_that_fit(name, device, options.layers)
-        args = model_args(name, layers, max(options.batches))
+        layers = options.layers if alone else layers_that_fit(name, device, options.layers)
+        args = model_args(name, layers, max(options.batches, default=1))
         log(f"{name}: {args.n_layers} layers, {parameter_bytes(args) / 1e9:.1f} GB of weights")
-        hf = hf_model(args, device, dtype)
-        ours = ours_from_hf(hf, args, device, dtype)
+        hf = None if alone else hf_model(args, device, dtype)
+        ours = ours_random(args, device, dtype) if alone else ours_from_hf(hf, args, device, dtype)
         entry: Dict = {"layers": args.n_layers, "weights_gb": parameter_bytes(args) / 1e9, "decode": [], "prefill": []}
+        if alone:
+            entry["transformers"] = False
+        results["models"][name] = entry
         for batch in options.batches:
             entry["decode"].append(bench_decode(ours, hf, batch, options.repeats, not options.no_hf_compile, log))
+            save()
         for length in options.prefill:
             entry["prefill"].append(bench_prefill(ours, hf, length, options.repeats, log))
+            save()
         del hf
         if options.quantize:
-            float_tokens: list = []
-            ours_decode(ours, random_prompts(1, PROMPT, args.vocab_size, seed=1), "eager", float_tokens)
-            entry["quantized"] = [bench_quantized_decode(ours, scheme, options.repeats, float_tokens, log) for scheme in options.quantize]
-        results["models"][name] = entry
+            float_tokens: list = []  # the bfloat16 model's, where eager runs
+            if "eager" in options.modes:
+                ours_decode(ours, random_prompts(1, PROMPT, args.vocab_size, seed=1), "eager", float_tokens)
+            entry["quantized"] = []
+            for scheme in options.quantize:
+                in_place = device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 1.2 * parameter_bytes(args)
+                row = bench_quantized_decode(ours, scheme, options.repeats, float_tokens, in_place, options.modes, log)
+                entry["quantized"].append(row)
+                save()
+                if in_place:
+                    break
         del ours
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(table(results))
-    if options.out is not None:
-        options.out.write_text(json.dumps(results, indent=1))
+    save()
     return 0
 
 
