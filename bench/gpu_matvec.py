@@ -1,0 +1,137 @@
+"""Which weight-only product reads a decode step's weights fastest on this GPU (batch 1).
+
+One row of bfloat16 times ``--weights`` matrices of Mistral 7B's FFN shape (14336 x 4096, 1.9 GB in
+bfloat16 for 16 of them: far past the L2), every way in one CUDA graph replayed (as the decode
+step is), timed by CUDA events, median of ``--repeats``; GB/s counts the bytes each way must read.
+Each way's output is checked against the dequantize-then-matmul reference first (relative error).
+
+* ``bf16``: ``F.linear`` on the bfloat16 weights (what int8 and int4 are measured against);
+* ``int8 compiled``: ``F.linear(x, q.to(bfloat16)) * scales`` compiled as the decode step
+  compiles it (``coordinate_descent_tuning``; gpt-fast's int8 product) — ours today;
+* ``int8 _weight_int8pack_mm``: PyTorch's weight-only int8 op, where it has a CUDA kernel;
+* ``int4 tinygemm tiles=K``: ``_weight_int4pack_mm`` (groups of 32) with inner_k_tiles K.
+
+    python bench/gpu_matvec.py --out bench/results_gpu_matvec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mixtral_infer.quant.kernels import _scales_and_zeros, tinygemm_bytes  # noqa: E402
+from mixtral_infer.quant.weights import QuantScheme, quantize  # noqa: E402
+
+FFN_SHAPE = (14336, 4096)  # w1 and w3 of Mistral 7B: (OUT, IN)
+
+
+def graph_ms(run: Callable[[], None], repeats: int) -> float:
+    """Median milliseconds of one replay of ``run`` captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def tinygemm_products(x: torch.Tensor, weights: list, tiles: int) -> Callable[[], list]:
+    """``_weight_int4pack_mm`` of ``x`` by each int4 weight, laid out with ``tiles`` inner k-tiles
+    (packed on the first call, so a torch without the op fails inside the timed way's try).
+    Bytes read: the nibbles and a bfloat16 (scale, zero) pair per 32 weights."""
+    packed: list = []
+
+    def run() -> list:
+        if not packed:
+            for q in weights:
+                layout = torch.ops.aten._convert_weight_to_int4pack(tinygemm_bytes(q.values).contiguous(), tiles)
+                packed.append((layout, _scales_and_zeros(q)))
+        return [torch.ops.aten._weight_int4pack_mm(x, layout, 32, pairs) for layout, pairs in packed]
+
+    return run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--weights", type=int, default=16)
+    parser.add_argument("--shape", type=int, nargs=2, default=list(FFN_SHAPE), metavar=("OUT", "IN"))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    options = parser.parse_args(argv)
+    out_features, in_features = options.shape
+    device, bf16 = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    floats = [torch.randn(out_features, in_features, device=device, dtype=bf16) * in_features**-0.5 for _ in range(options.weights)]
+    x = torch.randn(1, in_features, device=device, dtype=bf16)
+    int8 = [quantize(w, QuantScheme.parse("int8"), bf16) for w in floats]
+    int4 = [quantize(w, QuantScheme.parse("int4"), bf16) for w in floats]
+    references = {
+        "int8": [F.linear(x.float(), q.dequantize(torch.float32)) for q in int8],
+        "int4": [F.linear(x.float(), q.dequantize(torch.float32)) for q in int4],
+        "bf16": [F.linear(x.float(), w.float()) for w in floats],
+    }
+    n = options.weights * out_features * in_features
+    ways: Dict[str, tuple] = {}  # name -> (products, reference kind, bytes read)
+
+    ways["bf16"] = (lambda: [F.linear(x, w) for w in floats], "bf16", 2 * n)
+
+    values8 = [q.values for q in int8]
+    scales8 = [q.scales for q in int8]
+
+    def int8_products(x, values, scales):
+        return [F.linear(x, v.to(x.dtype)) * s.to(x.dtype) for v, s in zip(values, scales)]
+
+    compiled = torch.compile(int8_products, fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True})
+    ways["int8 compiled"] = (lambda: compiled(x, values8, scales8), "int8", n + 2 * options.weights * out_features)
+    int8pack = torch.ops.aten._weight_int8pack_mm
+    ways["int8 _weight_int8pack_mm"] = (
+        lambda: [int8pack(x, v, s) for v, s in zip(values8, scales8)], "int8", n + 2 * options.weights * out_features
+    )
+    for tiles in (8, 4, 2):
+        ways[f"int4 tinygemm tiles={tiles}"] = (tinygemm_products(x, int4, tiles), "int4", n // 2 + 4 * n // 32)
+
+    results: List[Dict] = []
+    for name, (run, kind, nbytes) in ways.items():
+        row: Dict = {"way": name, "weights": options.weights, "shape": [out_features, in_features]}
+        try:
+            outputs = run()
+            torch.cuda.synchronize()
+            row["relative_error"] = max(
+                ((o.float() - r).norm() / r.norm()).item() for o, r in zip(outputs, references[kind])
+            )
+            ms = graph_ms(lambda: run(), options.repeats)
+            row.update(ms=ms, gb_s=nbytes / ms / 1e6, weights_per_s=n / ms / 1e6)
+            print(f"{name:32s} {ms:7.3f} ms  {row['gb_s']:7.0f} GB/s  rel.err {row['relative_error']:.1e}", flush=True)
+        except Exception as error:  # a way this torch lacks: say so, keep the others
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+            print(f"{name:32s} failed: {row['error']}", flush=True)
+        results.append(row)
+        if options.out is not None:
+            machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+            options.out.write_text(json.dumps({**machine, "rows": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
