@@ -152,7 +152,7 @@ def test_tinygemm_bytes_worked_example():
 
 
 def test_cuda_inner_k_tiles():
-    assert [kernels.cuda_inner_k_tiles(n) for n in (4096, 14336, 256, 64, 96, 40)] == [8, 8, 8, 4, 2, None]
+    assert [kernels.cuda_inner_k_tiles(n) for n in (4096, 14336, 256, 64, 96, 40)] == [2, 2, 2, 2, 2, None]
 
 
 def test_tinygemm_layout_hands_cuda_the_weight_with_input_2j_high():
@@ -167,10 +167,10 @@ def test_tinygemm_layout_hands_cuda_the_weight_with_input_2j_high():
         return torch.zeros(matrix.shape[0] // 8, matrix.shape[1] * 2 // (16 * tiles), 32, tiles // 2, dtype=torch.int32)
 
     packed, scales_and_zeros = kernels.tinygemm_layout(weight, convert)
-    assert packed.shape == (2, 8, 2, 32, 4) and packed.dtype == torch.int32
+    assert packed.shape == (2, 8, 8, 32, 1) and packed.dtype == torch.int32  # (OUT/8, IN/(16 tiles), 32, tiles/2)
     assert scales_and_zeros.shape == (2, 256 // 32, 64, 2) and scales_and_zeros.dtype == torch.bfloat16
     for expert, (matrix, tiles) in enumerate(handed):
-        assert tiles == 8 and matrix.dtype == torch.uint8 and matrix.is_contiguous()
+        assert tiles == 2 and matrix.dtype == torch.uint8 and matrix.is_contiguous()
         n = torch.stack([matrix >> 4, matrix & 15], dim=-1).flatten(-2).float()  # (OUT, IN): 2j high, 2j + 1 low
         scale, zero = scales_and_zeros[expert].float().transpose(0, 1).repeat_interleave(32, dim=1).unbind(-1)  # (OUT, IN)
         torch.testing.assert_close((n - 8) * scale + zero, weight[expert].dequantize(), rtol=0, atol=0)

@@ -280,10 +280,17 @@ def _scales_and_zeros(weight: QuantizedWeight) -> torch.Tensor:
 CUDA_INT4_DEQUANTIZE_ROWS = 64  # CUDA int4: from this many rows on, dequantize + F.linear (module docstring)
 
 
+# tinygemm's tiling along the inputs: it reads 16 x tiles inputs per step, tiles in {2, 4, 8}.
+# gpt-fast uses 8; on the H200 at batch 1, 2 reads faster for each of Mistral 7B's shapes
+# (bench/gpu_matvec.py, bench/results_gpu_h200_matvec.json: 14336 x 4096 0.318 against 0.358 ms
+# for 16 weights, 4096 x 14336 0.334 against 0.347, 4096 x 4096 0.352 against 0.378 for 48).
+CUDA_INNER_K_TILES = 2
+
+
 def cuda_inner_k_tiles(in_features: int) -> Optional[int]:
-    """The widest tiling along the inputs that tinygemm's layout takes for ``in_features``: it reads
-    16 x ``tiles`` inputs per step (gpt-fast uses 8). None when even 2 tiles do not divide them."""
-    return next((tiles for tiles in (8, 4, 2) if in_features % (16 * tiles) == 0), None)
+    """The tiling tinygemm's layout takes for ``in_features`` inputs (``CUDA_INNER_K_TILES``), or None
+    when they are not a multiple of 16 x that (no tiling divides them then: 4 and 8 need more)."""
+    return CUDA_INNER_K_TILES if in_features % (16 * CUDA_INNER_K_TILES) == 0 else None
 
 
 def tinygemm_bytes(values: torch.Tensor) -> torch.Tensor:
