@@ -38,11 +38,18 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
   the bfloat16 model's (``same_tokens``: leading tokens equal). A copy is quantized where one
   fits beside the bfloat16 model; else the model itself, and later schemes are skipped.
 
+  ``--modes compiled`` skips the eager rows (and the agreement, which needs the bfloat16 model's
+  eager tokens). Targets of issue 15 on an H100/H200: Mistral-7B int8 >= 1.6x bfloat16 fast,
+  int4 >= 2.2x; Mixtral-8x7B int8 >= 150 tok/s.
+
 ``--without-transformers`` builds ours alone from random weights, with every layer (Mixtral
 8x7B's 93 GB fit once on a 141 GB GPU, not twice), and skips transformers' rows: for the
-full-size quantized rows (``--models mixtral-8x7b --without-transformers --batches 1 --prefill
---quantize int8``). The JSON is rewritten after every row, so a run cut short keeps its rows. Targets of issue 15 on an
-  H100/H200: Mistral-7B int8 >= 1.6x bfloat16 fast, int4 >= 2.2x; Mixtral-8x7B int8 >= 150 tok/s.
+full-size quantized rows, as measured on the H200 (``bench/results_gpu_h200_*``)::
+
+    python bench/bench_gpu.py --models mixtral-8x7b --without-transformers --batches --prefill \
+        --quantize int8 --modes compiled --repeats 2 --out bench/results_gpu_h200_mixtral_int8.json
+
+The JSON is rewritten after every row, so a run cut short keeps its rows.
 
 Greedy tokens of ours and transformers are compared (first difference reported; random
 bfloat16 models can part ways on near ties after a while, which is not an error).

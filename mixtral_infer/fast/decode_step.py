@@ -359,9 +359,8 @@ class StepCompiler:
         """
         slots = slot_bucket(max_seqlen, self.model.args.sliding_window)
         cache = self.cache
-        shape = (batch, slots, self.model.dtype, self.model.device)  # a model moved or cast since needs a new one
-        have = None if cache is None else (cache.max_batch_size, cache.cache_size, cache.cache_k.dtype, cache.cache_k.device)
-        if have != shape:
+        wanted = (batch, slots, self.model.dtype, self.model.device)  # a model cast or moved since: a new one
+        if cache is None or buffer_shape(cache) != wanted:
             self.cache = cache = None  # free the old buffers before making the new ones
             cache = self.model.make_cache(batch, max_seqlen=slots)
             self.cache = cache
@@ -375,8 +374,7 @@ class StepCompiler:
             # at other addresses is captured anew, not compiled anew).
             torch._dynamo.mark_static_address(cache.cache_k)
             torch._dynamo.mark_static_address(cache.cache_v)
-        buffers = (cache.max_batch_size, cache.cache_size, cache.cache_k.dtype, cache.cache_k.device)
-        key = (batch, *buffers, sampling.greedy, sampling.filtered, eos_id)
+        key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id)
         built = self.steps.get(key)
         if isinstance(built, AotStep) and not built.current():
             built = None  # a weight was replaced since it was built: it would read the old one
@@ -404,6 +402,11 @@ class StepCompiler:
             return outputs
 
         return first_call
+
+
+def buffer_shape(cache: RotatingBufferCache) -> tuple:
+    """``(rows, slots, dtype, device)`` of a cache's buffers: what a step compiled for it assumes."""
+    return cache.max_batch_size, cache.cache_size, cache.cache_k.dtype, cache.cache_k.device
 
 
 def built_ahead_of_time(
