@@ -131,7 +131,7 @@ def test_quantized_cuda_decoding_scores_its_tokens_as_its_dequantized_model(moe,
             assert_scored_alike(logprobs, forced_logprobs(float_model, prompts, generated))
 
 
-def test_the_engine_on_cuda_gives_generates_tokens():
+def test_the_engine_on_cuda_gives_what_generate_gives():
     """Continuous batching with compiled prompt steps (CUDA's default): every request's greedy
     tokens are what generate() gives it alone, on the GPU."""
     model = load_model("tiny-mixtral", dtype=torch.float32, device=CUDA, max_batch_size=1)
