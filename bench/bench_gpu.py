@@ -58,6 +58,7 @@ bfloat16 models can part ways on near ties after a while, which is not an error)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -125,6 +126,19 @@ def layers_that_fit(name: str, device: torch.device, requested: Optional[int]) -
     return max(1, int((0.85 * free / 2 - fixed) // per_layer))
 
 
+@contextlib.contextmanager
+def made_in(device: torch.device, dtype: torch.dtype):
+    """Modules built inside are allocated on ``device`` in ``dtype`` directly (no float32 copy
+    first: Mixtral 8x7B in float32 would not fit on the GPU)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
 def hf_model(args: ModelArgs, device: torch.device, dtype: torch.dtype):
     import transformers
 
@@ -144,14 +158,9 @@ def hf_model(args: ModelArgs, device: torch.device, dtype: torch.dtype):
         cls = transformers.MixtralForCausalLM
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with warnings.catch_warnings(), torch.device(device):
-            warnings.simplefilter("ignore")
-            model = cls(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with warnings.catch_warnings(), made_in(device, dtype):
+        warnings.simplefilter("ignore")
+        model = cls(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -169,13 +178,8 @@ def ours_random(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Tr
     """Ours alone, random weights drawn as ``hf_model`` draws them (normal, std ``dim ** -0.5``;
     norms uniform in [0.8, 1.2]; embeddings normal)."""
     torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # made in dtype: Mixtral 8x7B in float32 would not fit
-    try:
-        with torch.device(device):
-            model = Transformer(args)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with made_in(device, dtype):
+        model = Transformer(args)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -275,6 +279,21 @@ def step_matrices(model: Transformer, batch: int) -> List[torch.Tensor]:
     return matrices + [model.output.weight]
 
 
+def cuda_graph_of(run: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``run`` captured as a CUDA graph, after two warm-up calls on a side stream (cuBLAS picks
+    its kernels and compiled code compiles outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 @torch.inference_mode()
 def floor_step_seconds(model: Transformer, batch: int, repeats: int = 20) -> float:
     """One replay of a CUDA graph that reads each matrix of a step once (``F.linear``, B rows)."""
@@ -290,14 +309,7 @@ def floor_step_seconds(model: Transformer, batch: int, repeats: int = 20) -> flo
         start = time.perf_counter()
         read_all()
         return time.perf_counter() - start
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        read_all()  # warm-up: cuBLAS picks its kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        read_all()
+    graph = cuda_graph_of(read_all)
     graph.replay()
     sync(device)
     times = []
@@ -330,10 +342,16 @@ def bench_decode(ours: Transformer, hf, batch: int, repeats: int, hf_compile: bo
         if mode == "compiled":
             row["ours_fast_compile_s"] = warm
         log(f"  b{batch} {label}: {row[label]:.1f} tok/s")
-    if hf is None:
-        row["floor"] = batch / floor_step_seconds(ours, batch)
-        log(f"  b{batch} floor: {row['floor']:.1f} tok/s")
-        return row
+    if hf is not None:
+        bench_transformers_decode(hf, prompts, ours_tokens, repeats, hf_compile, row, log)
+    row["floor"] = batch / floor_step_seconds(ours, batch)
+    log(f"  b{batch} floor: {row['floor']:.1f} tok/s")
+    return row
+
+
+def bench_transformers_decode(hf, prompts, ours_tokens: list, repeats: int, hf_compile: bool, row: Dict, log) -> None:
+    """transformers' cells of a decode row (eager, and compiled unless ``hf_compile`` is False)."""
+    batch, steps = len(prompts), NEW_TOKENS - 1
     hf_tokens: list = []
     _, seconds = median_runs(lambda: hf_eager_decode(hf, prompts, hf_tokens), repeats)
     row["transformers_eager"] = batch * steps / seconds
@@ -349,9 +367,6 @@ def bench_decode(ours: Transformer, hf, batch: int, repeats: int, hf_compile: bo
         except Exception as error:  # report it, keep the other rows
             row["transformers_compiled_error"] = f"{type(error).__name__}: {error}"[:300]
             log(f"  b{batch} transformers_compiled failed: {row['transformers_compiled_error']}")
-    row["floor"] = batch / floor_step_seconds(ours, batch)
-    log(f"  b{batch} floor: {row['floor']:.1f} tok/s")
-    return row
 
 
 def bench_quantized_decode(

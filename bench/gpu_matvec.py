@@ -26,7 +26,9 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_gpu import cuda_graph_of  # noqa: E402
 
 from mixtral_infer.quant.kernels import _scales_and_zeros, tinygemm_bytes  # noqa: E402
 from mixtral_infer.quant.weights import QuantScheme, quantize  # noqa: E402
@@ -36,15 +38,7 @@ FFN_SHAPE = (14336, 4096)  # w1 and w3 of Mistral 7B: (OUT, IN)
 
 def graph_ms(run: Callable[[], None], repeats: int) -> float:
     """Median milliseconds of one replay of ``run`` captured as a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = cuda_graph_of(run)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -104,7 +104,6 @@ def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     for name in [name for name, _ in model.named_parameters() if is_quantized(name)]:
         param = model.get_parameter(name)
         install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device))
-        del param
     return int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
 
 
