@@ -18,6 +18,9 @@ add its call's cost to each 0.1-0.2 ms product), alternating, medians of ``--rou
   places at once, as ``cpu_reductions.row_sums`` does;
 * ``columns``: the same sums vectorised across 16 rows of the weight (stored transposed), each
   group's sums scaled once;
+* ``template``: the kernel's call compiled with ``max_autotune`` and ``freezing``, where inductor
+  writes it as its own int4 GEMM template (``CppWoqInt4GemmTemplate``: the weights must be
+  constants of the graph, hence frozen; the CPP backend only, so the template is what runs);
 * ``int8``: ``rows_as_reductions`` on int8 weights of the same shape, for scale.
 
 Prints one JSON line: ms a weight, GB/s of weight bytes read (integers and scales), and billions
@@ -77,6 +80,7 @@ def columns_way(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> 
     return ((groups * s).sum(0) - 8 * (s * sums[:, None]).sum(0)).to(x.dtype)[None]
 
 
+@torch.no_grad()  # as decoding runs, and the frozen way's compile is for no_grad only
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=2, default=[3584, 1024], metavar=("OUT", "IN"))
@@ -112,14 +116,29 @@ def main() -> None:
 
         return torch.compile(all_weights, dynamic=False) if compiled else all_weights
 
+    class Frozen(torch.nn.Module):  # the weights as buffers: what freezing makes constants of
+        def __init__(self):
+            super().__init__()
+            for i, w in enumerate(int4):
+                self.register_buffer(f"values{i}", w.packed[0])
+                self.register_buffer(f"pairs{i}", w.packed[1])
+
+        def forward(self, x, _):
+            return [kernel(x, getattr(self, f"values{i}"), getattr(self, f"pairs{i}")) for i in range(len(int4))]
+
+    template = torch.compile(Frozen().eval(), dynamic=False)
+    with torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP"):
+        template(x, packed)  # compiled here, under these settings
+
     ways = {
         "kernel": (over_all(kernel, compiled=False), packed),
+        "template": (template, packed),
         "rows": (over_all(rows_way), rows),
         "columns": (over_all(columns_way), columns),
         "int8": (over_all(rows_as_reductions), int8_args),
     }
     for name, (way, args) in ways.items():
-        if name != "int8":
+        if name != "int8":  # int8's weights are others
             got = way(x, args)[0].float()
             torch.testing.assert_close(got, expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
 
