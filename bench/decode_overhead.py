@@ -9,9 +9,9 @@ alone, timed. A step minus the replay is what a step costs apart from reading we
 metadata, norms, rotary embeddings, attention, cache writes, dispatch. Prints one JSON line of
 medians in ms.
 
-Measured this way on the 2-core Xeon (README, "Beside llama.cpp"): the rest is 3.3-4.9 ms of a
-mistral-bench step in every dtype (bfloat16: 4.6 of 19.6 ms, while its matmuls alone take 15.0 and
-llama.cpp's whole bfloat16 step 15.9).
+Measured this way on the 2-core Xeon (``bench/PERFORMANCE_LOG.md``, "Decoding compiled, and what a
+step costs apart from its matmuls"): the rest is 3.3-4.9 ms of a mistral-bench step in every dtype
+(bfloat16: 4.6 of 19.6 ms, while its matmuls alone take 15.0 and llama.cpp's whole bfloat16 step 15.9).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A step compiled by ``torch.compile`` runs Python on every call: dynamo's frame h
 AOTAutograd's wrapper, and inductor's Python wrapper, which allocates the step's intermediate
 buffers (about 200 at mistral-bench's 8 layers) and checks its inputs' sizes before it calls the
 one C++ kernel the step fuses into. At the bench shapes that is 0.7-1.1 ms of a 5-10 ms step, while
-the kernel itself takes about llama.cpp's whole step (``bench/step_overhead.py``, README).
+the kernel itself takes about llama.cpp's whole step (``bench/step_overhead.py``; ``bench/PERFORMANCE_LOG.md``).
 
 Here the same ``decode_one_token`` is exported (``torch.export``, non-strict: Python runs it once
 on fake tensors with ``torch.compiler.is_compiling()`` true, so it takes the forms written for
