@@ -9,7 +9,11 @@ Each way's output is checked against the dequantize-then-matmul reference first 
 * ``int8 compiled``: ``F.linear(x, q.to(bfloat16)) * scales`` compiled as the decode step
   compiles it (``coordinate_descent_tuning``; gpt-fast's int8 product) — ours today;
 * ``int8 _weight_int8pack_mm``: PyTorch's weight-only int8 op, where it has a CUDA kernel;
-* ``int4 tinygemm tiles=K``: ``_weight_int4pack_mm`` (groups of 32) with inner_k_tiles K.
+* ``int4 tinygemm tiles=K``: ``_weight_int4pack_mm`` (groups of 32) with inner_k_tiles K;
+* ``int8 words`` and ``int4 words``: the plain integers read as int32 words, 4 int8 or 8 int4
+  values a load, unpacked by shifts in the compiled reduction (``int8_words``, ``int4_words``).
+  Not yet run on a GPU: a guess at why int8 is no faster than bfloat16 for 14336 x 4096 (a
+  reduction loading one byte per thread), and whether int4 needs tinygemm's layout at all.
 
     python bench/gpu_matvec.py --out bench/results_gpu_matvec.json
 """
@@ -66,6 +70,32 @@ def tinygemm_products(x: torch.Tensor, weights: list, tiles: int) -> Callable[[]
     return run
 
 
+def int8_words(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x (1, IN) @ q.T * scales`` for int8 ``q (OUT, IN)`` read as int32 ``words (OUT, IN/4)``: byte
+    ``b`` of word ``j`` (little-endian) is input ``4j + b``, sign-extended by shifting it to the top
+    and back. Example: word ``0x01FF02FE`` holds ``[-2, 2, -1, 1]``."""
+    xs = x.float().view(-1, 4)  # (IN/4, 4)
+    total = 0
+    for b in range(4):
+        byte = (words << (24 - 8 * b)) >> 24  # (OUT, IN/4) signed bytes b
+        total = total + byte.float() * xs[:, b]
+    return (total.sum(-1) * scales.float()).to(x.dtype)[None]  # (1, OUT)
+
+
+def int4_words(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """``x (1, IN)`` times int4 in the plain layout (``quant/weights.py``: byte ``j`` holds input ``2j``
+    low and ``2j + 1`` high, each plus 8) read as int32 ``words (OUT, IN/8)``: nibble ``k`` of word
+    ``j`` is input ``8j + k``; ``scales (OUT, IN/G)``. Example: word ``0x00000F81`` holds
+    ``[1, 8, 15, 0, ...] - 8 = [-7, 0, 7, -8, ...]``."""
+    xs = x.float().view(-1, 8)  # (IN/8, 8)
+    total = 0
+    for k in range(8):
+        nibble = ((words >> (4 * k)) & 15) - 8  # (OUT, IN/8)
+        total = total + nibble.float() * xs[:, k]
+    per_word_scale = scales.float()[:, :, None].expand(-1, -1, group // 8).reshape(words.shape)  # (OUT, IN/8)
+    return (total * per_word_scale).sum(-1).to(x.dtype)[None]  # (1, OUT)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--weights", type=int, default=16)
@@ -102,6 +132,19 @@ def main(argv=None) -> int:
     ways["int8 _weight_int8pack_mm"] = (
         lambda: [int8pack(x, v, s) for v, s in zip(values8, scales8)], "int8", n + 2 * options.weights * out_features
     )
+    words8 = [v.contiguous().view(torch.int32) for v in values8]  # (OUT, IN/4)
+    compiled_words8 = torch.compile(
+        lambda x, words, scales: [int8_words(x, w, s) for w, s in zip(words, scales)],
+        fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True},
+    )
+    ways["int8 words"] = (lambda: compiled_words8(x, words8, scales8), "int8", n + 2 * options.weights * out_features)
+    words4 = [q.values.contiguous().view(torch.int32) for q in int4]  # (OUT, IN/8)
+    scales4 = [q.scales for q in int4]
+    compiled_words4 = torch.compile(
+        lambda x, words, scales: [int4_words(x, w, s) for w, s in zip(words, scales)],
+        fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True},
+    )
+    ways["int4 words"] = (lambda: compiled_words4(x, words4, scales4), "int4", n // 2 + 2 * n // 32)
     for tiles in (8, 4, 2):
         ways[f"int4 tinygemm tiles={tiles}"] = (tinygemm_products(x, int4, tiles), "int4", n // 2 + 4 * n // 32)
 
