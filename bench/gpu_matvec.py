@@ -70,6 +70,21 @@ def tinygemm_products(x: torch.Tensor, weights: list, tiles: int) -> Callable[[]
     return run
 
 
+def int8_dequantizing(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-fast's int8 product, ours on CUDA: ``F.linear(x, q.to(x.dtype)) * scales``."""
+    return F.linear(x, values.to(x.dtype)) * scales.to(x.dtype)
+
+
+def compiled_products(product: Callable) -> Callable:
+    """``product(x, weight, scales)`` over every weight in one graph, compiled as the decode step
+    compiles on CUDA (``coordinate_descent_tuning``), on the first call."""
+
+    def products(x: torch.Tensor, weights: list, scales: list) -> list:
+        return [product(x, w, s) for w, s in zip(weights, scales)]
+
+    return torch.compile(products, fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True})
+
+
 def int8_words(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x (1, IN) @ q.T * scales`` for int8 ``q (OUT, IN)`` read as int32 ``words (OUT, IN/4)``: byte
     ``b`` of word ``j`` (little-endian) is input ``4j + b``, sign-extended by shifting it to the top
@@ -123,28 +138,20 @@ def main(argv=None) -> int:
     values8 = [q.values for q in int8]
     scales8 = [q.scales for q in int8]
 
-    def int8_products(x, values, scales):
-        return [F.linear(x, v.to(x.dtype)) * s.to(x.dtype) for v, s in zip(values, scales)]
-
-    compiled = torch.compile(int8_products, fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True})
-    ways["int8 compiled"] = (lambda: compiled(x, values8, scales8), "int8", n + 2 * options.weights * out_features)
+    int8_bytes = n + 2 * options.weights * out_features  # the integers and a bfloat16 scale a row
+    int8_compiled = compiled_products(int8_dequantizing)
+    ways["int8 compiled"] = (lambda: int8_compiled(x, values8, scales8), "int8", int8_bytes)
     int8pack = torch.ops.aten._weight_int8pack_mm
     ways["int8 _weight_int8pack_mm"] = (
-        lambda: [int8pack(x, v, s) for v, s in zip(values8, scales8)], "int8", n + 2 * options.weights * out_features
+        lambda: [int8pack(x, v, s) for v, s in zip(values8, scales8)], "int8", int8_bytes
     )
     words8 = [v.contiguous().view(torch.int32) for v in values8]  # (OUT, IN/4)
-    compiled_words8 = torch.compile(
-        lambda x, words, scales: [int8_words(x, w, s) for w, s in zip(words, scales)],
-        fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True},
-    )
-    ways["int8 words"] = (lambda: compiled_words8(x, words8, scales8), "int8", n + 2 * options.weights * out_features)
+    int8_words_compiled = compiled_products(int8_words)
+    ways["int8 words"] = (lambda: int8_words_compiled(x, words8, scales8), "int8", int8_bytes)
     words4 = [q.values.contiguous().view(torch.int32) for q in int4]  # (OUT, IN/8)
     scales4 = [q.scales for q in int4]
-    compiled_words4 = torch.compile(
-        lambda x, words, scales: [int4_words(x, w, s) for w, s in zip(words, scales)],
-        fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True},
-    )
-    ways["int4 words"] = (lambda: compiled_words4(x, words4, scales4), "int4", n // 2 + 2 * n // 32)
+    int4_words_compiled = compiled_products(int4_words)
+    ways["int4 words"] = (lambda: int4_words_compiled(x, words4, scales4), "int4", n // 2 + 2 * n // 32)
     for tiles in (8, 4, 2):
         ways[f"int4 tinygemm tiles={tiles}"] = (tinygemm_products(x, int4, tiles), "int4", n // 2 + 4 * n // 32)
 
