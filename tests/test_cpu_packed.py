@@ -26,7 +26,7 @@ from mixtral_infer.fast.cpu_packed import (
     side_by_side_groups,
     unpack_model,
 )
-from mixtral_infer.fast.decode_step import _quantized_moe_one_token, decode_logits
+from mixtral_infer.fast.decode_step import _every_expert_one_by_one, _experts_one_by_one, decode_logits
 from mixtral_infer.model.linear import linear, linears
 from mixtral_infer.serve.sizing import weight_bytes
 
@@ -148,7 +148,8 @@ def test_the_static_moe_step_equals_its_plain_loop(models):
     x = torch.randn(3, plain.args.dim).bfloat16()  # (B, D)
     moe_plain, moe_packed = plain.layers["1"].feed_forward, packed.layers["1"].feed_forward
     experts, weights = moe_plain.route(x)
-    assert torch.equal(_quantized_moe_one_token(moe_packed, x, experts, weights), _quantized_moe_one_token(moe_plain, x, experts, weights))
+    for form in (_experts_one_by_one, _every_expert_one_by_one):  # the chosen experts, or every expert
+        assert torch.equal(form(moe_packed, x, experts, weights), form(moe_plain, x, experts, weights))
 
 
 @pytest.mark.parametrize("batch", [1, 2], ids=["gathered-experts", "every-expert"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
+import re
 
 import pytest
 import torch
@@ -16,6 +18,10 @@ from mixtral_infer import GenerationError, generate
 from mixtral_infer.fast.decode_loop import step_compiler
 from mixtral_infer.fast.decode_step import (
     StepCompiler,
+    _every_expert_batched,
+    _every_expert_one_by_one,
+    _experts_one_by_one,
+    _gathered_experts,
     decode_logits,
     make_decode_step,
     moe_one_token,
@@ -290,12 +296,48 @@ def test_compiled_steps_write_the_cache_in_place(step):
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 8])
 def test_moe_one_token_equals_the_grouped_layer(batch):
-    """4 experts, top-2: batch 1 gathers its 2 chosen experts (2 < 4); from batch 2 every expert runs."""
+    """4 experts, top-2: batch 1 reads its 2 chosen experts (2 < 4); from batch 2 every expert runs.
+    Each of the four forms ``moe_one_token`` picks from (by device and weight) equals the layer too,
+    whatever the batch: the CUDA ones are checked here by their arithmetic."""
     model = random_model(tiny_args(moe=True), seed=25)
     layer = model.layers["0"].feed_forward
     x = torch.randn(batch, model.args.dim, generator=torch.Generator().manual_seed(batch))
     with torch.no_grad():
-        torch.testing.assert_close(moe_one_token(layer, x), layer(x), atol=1e-5, rtol=1e-5)
+        expected = layer(x)
+        torch.testing.assert_close(moe_one_token(layer, x), expected, atol=1e-5, rtol=1e-5)
+        experts, weights = layer.route(x)
+        for form in (_gathered_experts, _experts_one_by_one, _every_expert_batched, _every_expert_one_by_one):
+            torch.testing.assert_close(form(layer, x, experts, weights), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_cpu_steps_read_the_chosen_experts_in_place():
+    """Compiled on CPU, batch 1 multiplies its 2 chosen experts one by one (``moe_one_token``):
+    each of their 3 matrices is selected by ``index_select`` at the routed index, which inductor
+    loads through inside the product's loop: no buffer in the generated code is as large as one
+    expert's matrix (a gathered copy would be), and no batched product is left. Logits equal the
+    step op by op within bfloat16's rounding."""
+    model = random_model(tiny_args(moe=True, max_batch_size=1), seed=31).to(torch.bfloat16)
+    cache = model.make_cache(1)
+    cache.start_sequences(1)
+    inputs = (torch.tensor([5]), torch.tensor([3]), torch.ones(1, dtype=torch.bool))
+    step = functools.partial(decode_logits, model)
+    graph = compiled_graph(step, cache, *inputs)
+    expert_shapes = {(model.args.hidden_dim, model.args.dim), (model.args.dim, model.args.hidden_dim)}
+    selected = [
+        node for node in graph.graph.nodes
+        if str(node.target) == "aten.index_select.default" and tuple(node.meta["val"].shape[1:]) in expert_shapes
+    ]  # fmt: skip
+    assert len(selected) == 2 * 3 * model.args.n_layers
+    ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert not ops & {"aten.bmm.default", "aten.mm.default"}
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (1, V)
+        compiled = torch.compile(step, fullgraph=True, dynamic=False)
+        logits, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+    buffers = [re.findall(r"\d+", shape) for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", "\n".join(codes))]
+    assert buffers and max(math.prod(map(int, shape)) for shape in buffers) < model.args.hidden_dim * model.args.dim
+    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.02)
 
 
 def test_slot_bucket_worked_example():

@@ -77,6 +77,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from mixtral_infer.fast.cpu_reductions import expert_of
+
 MAX_BLOCK = 2048  # longest row whose float32 input stays in L1 beside the streaming weight (module docstring)
 BLOCKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what compiled code multiplies as reductions
 
@@ -120,7 +122,7 @@ class ColumnBlocks:
         """Expert ``index`` (an int or a tensor, as a tensor is indexed) of stacked weights."""
         if self.blocks.dim() < 4:
             raise IndexError(f"a {tuple(self.shape)} weight is one matrix; only stacked experts are indexed")
-        return ColumnBlocks(self.blocks[index])
+        return ColumnBlocks(expert_of(self.blocks, index))
 
     def dense(self) -> torch.Tensor:
         """The plain weight ``(..., OUT, IN)``, a copy."""

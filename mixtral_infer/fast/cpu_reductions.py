@@ -187,3 +187,16 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or not torch.compiler.is_compiling():
         return x
     return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+
+
+def expert_of(stacked, e):
+    """Expert ``e`` of stacked weights ``(E, ...)``: ``stacked[e]``, a view (or, for a tensor ``e`` of
+    several experts, a gathered copy). In compiled code, where ``e`` is a 0-d tensor (the step's
+    routing), a plain tensor is indexed by ``index_select`` instead: inductor then loads through
+    the index inside the product's loop, so the reduction reads the expert where it lies (no
+    copy), and ``torch.compile`` has no host value to ask for (``stacked[e]`` becomes a select at a
+    data-dependent index, which it cannot trace). Quantized and packed weights index themselves."""
+    one = isinstance(e, torch.Tensor) and e.dim() == 0
+    if one and isinstance(stacked, torch.Tensor) and torch.compiler.is_compiling():
+        return stacked.index_select(0, e.reshape(1))[0]
+    return stacked[e]

@@ -163,26 +163,52 @@ def one_query_attention(
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     """The mixture of experts on one token per row, x ``(B, D)``, with shapes fixed by B.
 
-    Decoding is bound by reading weights. With ``B * k < E`` assignments the chosen experts'
-    weights are gathered, one copy per assignment (batch 1, top-2 of 8: two experts read);
-    compiled on CUDA, the gather fuses into the matrix-vector reduction. With ``B * k >= E``
-    nearly every expert is needed anyway (batch 8, top-2 of 8: 7.2 on average), so every
-    expert runs on every row and a routing matrix, zero where a row did not choose the
-    expert, mixes them: each expert's weights are read once, as a grouped matmul would.
+    Decoding is bound by reading weights. With ``B * k < E`` assignments only the chosen experts
+    are read (batch 1, top-2 of 8: two experts); with ``B * k >= E`` nearly every expert is needed
+    anyway (batch 8, top-2 of 8: 7.2 on average), so every expert runs on every row and a routing
+    matrix, zero where a row did not choose the expert, mixes them: each expert's weights are
+    read once, as a grouped matmul would. Both are one batched product of plain stacked experts
+    (``_gathered_experts``, ``_every_expert_batched``), or loops of fixed length over 2-D weights
+    through ``linear()`` for quantized or packed experts, whose kernels take one 2-D weight at a
+    time (``_experts_one_by_one``, ``_every_expert_one_by_one``).
+
+    The chosen experts go one by one on CPU too. Compiled, both forms read the experts where they
+    lie (the index fused into the loops' loads), but one by one each product is
+    ``cpu_reductions.rows_as_reductions``, whose loop reads a weight in 8 places at once from a row
+    widened once, where inductor writes the gathered product as one loop over all chosen experts'
+    rows, read in one place per core (mixtral-bench, compiled decode, one process alternating,
+    medians of 5, tokens/s: bfloat16 batch 1 45.7 -> 52.5, batch 2 50.6 -> 58.0; float32 batch 1
+    30.5 -> 32.4). The step takes longer to compile (mixtral-bench batch 2: 123 s against 58 s).
+    Every expert on every row stays one batched product on CPU: one by one, compiling mixtral-bench's
+    step for batch 4 took 620 s. On CUDA the compiled gather is one reduction too.
     """
     x = materialized(x)  # compiled on CPU: in memory, not recomputed for each row of the experts (fast.cpu_reductions)
     experts, weights = moe.route(x)  # (B, A), (B, A)
     batch, k = experts.shape
-    n_experts = moe.w1.shape[0]
-    if isinstance(moe.w1, (QuantizedWeight, PackedWeight)):
-        return _quantized_moe_one_token(moe, x, experts, weights)
-    if batch * k < n_experts:
-        w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, A, I, D), (B, A, I, D), (B, A, D, I)
-        rows = x[:, None, None, :]  # (B, 1, 1, D): each row against its own A experts
-        hidden = F.silu(_expert_products(rows, w1)) * _expert_products(rows, w3)  # (B, A, 1, I)
-        out = _expert_products(hidden, w2)[:, :, 0]  # (B, A, D)
-        return torch.einsum("bkd,bk->bd", out, weights)
-    mix = torch.zeros(batch, n_experts, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (B, E)
+    two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
+    if batch * k < moe.w1.shape[0]:
+        one_by_one = two_d or x.device.type == "cpu"
+        return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
+    return (_every_expert_one_by_one if two_d else _every_expert_batched)(moe, x, experts, weights)
+
+
+def _gathered_experts(
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Each row ``x (B, D)`` through its chosen ``experts (B, A)``, gathered into one batched product,
+    mixed by ``weights (B, A)``: ``(B, D)``."""
+    w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, A, I, D), (B, A, I, D), (B, A, D, I)
+    rows = x[:, None, None, :]  # (B, 1, 1, D): each row against its own A experts
+    hidden = F.silu(_expert_products(rows, w1)) * _expert_products(rows, w3)  # (B, A, 1, I)
+    out = _expert_products(hidden, w2)[:, :, 0]  # (B, A, D)
+    return torch.einsum("bkd,bk->bd", out, weights)
+
+
+def _every_expert_batched(
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Every expert on every row of ``x (B, D)`` as one batched product, mixed by the routing matrix."""
+    mix = _routing_matrix(experts, weights, moe.w1.shape[0])  # (B, E)
     hidden = F.silu(_expert_products(x[None], moe.w1)) * _expert_products(x[None], moe.w3)  # (E, B, I)
     out = _expert_products(hidden, moe.w2)  # (E, B, D)
     return torch.einsum("ebd,be->bd", out, mix)
@@ -198,20 +224,29 @@ def _expert_products(rows: torch.Tensor, weight: torch.Tensor | ColumnBlocks) ->
     return torch.einsum("...xi,...di->...xd", rows, weight)
 
 
-def _quantized_moe_one_token(moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``moe_one_token`` for quantized or packed experts, whose kernels take one 2-D weight at a time.
-
-    The same two cases, as loops of fixed length: B * k gathered experts, one row each,
-    or every expert on every row mixed by the routing matrix.
-    """
+def _experts_one_by_one(
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``_gathered_experts`` as a loop of fixed length: the B * A chosen experts, one row each, each
+    expert's 2-D weight through ``linear()`` (``moe.expert``; ``e`` a 0-d tensor, read in place)."""
     batch, k = experts.shape
-    n_experts = moe.w1.shape[0]
-    expert = moe.expert  # e: an int, or a 0-d tensor the kernels' ops read; rows (N, D) -> (N, D)
-    if batch * k < n_experts:
-        out = [sum(expert(experts[b, j], x[b : b + 1]) * weights[b, j] for j in range(k)) for b in range(batch)]
-        return torch.cat(out)  # (B, D)
-    mix = torch.zeros(batch, n_experts, dtype=x.dtype, device=x.device).scatter(1, experts, weights)  # (B, E)
-    return sum(expert(e, x) * mix[:, e : e + 1] for e in range(n_experts))
+    expert = moe.expert  # e: an int, or a 0-d tensor the products read; rows (N, D) -> (N, D)
+    out = [sum(expert(experts[b, j], x[b : b + 1]) * weights[b, j] for j in range(k)) for b in range(batch)]
+    return torch.cat(out)  # (B, D)
+
+
+def _every_expert_one_by_one(
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``_every_expert_batched`` as a loop over the E experts, each on every row of ``x (B, D)``."""
+    mix = _routing_matrix(experts, weights, moe.w1.shape[0])  # (B, E)
+    return sum(moe.expert(e, x) * mix[:, e : e + 1] for e in range(moe.w1.shape[0]))
+
+
+def _routing_matrix(experts: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """``(B, E)``: row b's mixing weight for expert e where b chose e (``experts (B, A)``), else 0."""
+    mix = torch.zeros(experts.shape[0], n_experts, dtype=weights.dtype, device=weights.device)
+    return mix.scatter(1, experts, weights)
 
 
 def slots_and_visibility(positions: torch.Tensor, n_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:

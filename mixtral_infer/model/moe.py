@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixtral_infer.fast.cpu_reductions import expert_of
 from mixtral_infer.model.linear import linear, linears
 from mixtral_infer.model.parallel import Parallel
 
@@ -50,8 +51,8 @@ class MoeLayer(nn.Module):
 
     def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of this rank's e-th expert on x ``(N, D)`` (``e`` a 0-d tensor in compiled code)."""
-        gate, up = linears(x, self.w1[e], self.w3[e])  # (N, I) each
-        return linear(F.silu(gate) * up, self.w2[e])
+        gate, up = linears(x, expert_of(self.w1, e), expert_of(self.w3, e))  # (N, I) each
+        return linear(F.silu(gate) * up, expert_of(self.w2, e))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
         experts, weights = self.route(x)  # (T, A), (T, A)
