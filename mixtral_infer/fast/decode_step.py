@@ -160,6 +160,11 @@ def one_query_attention(
     return out.reshape(batch, n_heads, head_dim).to(xq.dtype)
 
 
+# Plain chosen experts on CPU go one by one (``moe_one_token``); read when a step is traced, so
+# ``bench/moe_experts.py`` can build a copy each way.
+CPU_EXPERTS_ONE_BY_ONE = True
+
+
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     """The mixture of experts on one token per row, x ``(B, D)``, with shapes fixed by B.
 
@@ -178,7 +183,8 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     widened once, where inductor writes the gathered product as one loop over all chosen experts'
     rows, read in one place per core (mixtral-bench, compiled decode, one process alternating,
     medians of 5, tokens/s: bfloat16 batch 1 45.7 -> 52.5, batch 2 50.6 -> 58.0; float32 batch 1
-    30.5 -> 32.4). The step takes longer to compile (mixtral-bench batch 2: 123 s against 58 s).
+    30.5 -> 32.4; ``bench/moe_experts.py``). The step takes longer to compile (mixtral-bench batch 1:
+    61 s against 36 s; batch 2: 123 s against 58 s).
     Every expert on every row stays one batched product on CPU: one by one, compiling mixtral-bench's
     step for batch 4 took 620 s. On CUDA the compiled gather is one reduction too.
     """
@@ -187,7 +193,7 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     batch, k = experts.shape
     two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
     if batch * k < moe.w1.shape[0]:
-        one_by_one = two_d or x.device.type == "cpu"
+        one_by_one = two_d or (x.device.type == "cpu" and CPU_EXPERTS_ONE_BY_ONE)
         return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
     return (_every_expert_one_by_one if two_d else _every_expert_batched)(moe, x, experts, weights)
 
