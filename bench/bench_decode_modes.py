@@ -46,6 +46,31 @@ def alternating_tok_s(models: dict, prompts, rounds: int, new_tokens: int) -> di
     return runs
 
 
+def copies_parser(description: str) -> argparse.ArgumentParser:
+    """The options of the scripts that time copies of one model folder, each built another way,
+    alternating (``reduction_streams.py``, ``moe_experts.py``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("folder")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def report_copies(runs: dict, out: Path | None, **fields) -> dict:
+    """``fields`` with the versions, the median and every run of ``runs`` (tokens/s by copy), printed
+    as one JSON line and appended to ``out``."""
+    row = {**fields, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "tok_s": {name: round(statistics.median(r), 1) for name, r in runs.items()},
+           "runs": {name: [round(v, 1) for v in r] for name, r in runs.items()}}  # fmt: skip
+    print(json.dumps(row))
+    if out:
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)

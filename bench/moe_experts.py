@@ -4,7 +4,7 @@
                                 [--out bench/results_moe_experts.jsonl]
 
 ``fast/decode_step.moe_one_token`` multiplies the chosen experts of a step with fewer assignments
-than experts one by one on CPU (``CPU_EXPERTS_ONE_BY_ONE``), each product a reduction read in 8
+than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or more), each product a reduction read in 8
 places, where the batched product of the gathered experts is one loop read in one place per core.
 One copy of the model each way, its compiled decode step built while the switch had that value
 (``compile_s``), then compiled decode of 128 tokens after a 64-token prompt at ``--batch``, the
@@ -14,9 +14,6 @@ and every run, tokens/s, and the first 32 greedy tokens of each copy beside the 
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,45 +21,40 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_modes import alternating_tok_s, decode_seconds  # noqa: E402
+from bench_decode_modes import alternating_tok_s, copies_parser, decode_seconds, report_copies  # noqa: E402
 
 from mixtral_infer import generate, load_model  # noqa: E402
 from mixtral_infer.fast import decode_step  # noqa: E402
 
 NEW_TOKENS = 128
+EAGER_TOKENS = 32  # greedy tokens compared with the eager loop's
+
+
+def greedy(model, prompts, decode: str) -> list:
+    """The first prompt's ``EAGER_TOKENS`` greedy new tokens."""
+    return generate(prompts, model, max_tokens=EAGER_TOKENS, decode=decode, prompt_logprobs=False)[0][0]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("folder")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None)
-    options = parser.parse_args(argv)
+    options = copies_parser(__doc__.split("\n")[0]).parse_args(argv)
     prompts = [list(range(1 + i, 65 + i)) for i in range(options.batch)]
     models, compile_s, tokens = {}, {}, {}
-    for way, one_by_one in (("gathered", False), ("one by one", True)):
-        decode_step.CPU_EXPERTS_ONE_BY_ONE = one_by_one
+    for way, min_weights in (("gathered", sys.maxsize), ("one by one", 0)):
+        decode_step.CPU_ONE_BY_ONE_MIN_WEIGHTS = min_weights
         model = load_model(options.folder, max_batch_size=options.batch, device="cpu",
                            dtype=getattr(torch, options.dtype), pack="columns")  # fmt: skip
         start = time.perf_counter()
         decode_seconds(model, prompts, "compiled", NEW_TOKENS)  # builds the step at the timed shapes
         compile_s[way] = round(time.perf_counter() - start, 1)
-        tokens[way] = generate(prompts, model, max_tokens=32, decode="compiled", prompt_logprobs=False)[0]
+        tokens[way] = greedy(model, prompts, "compiled")
         models[way] = model
-    tokens["eager"] = generate(prompts, models["gathered"], max_tokens=32, decode="eager", prompt_logprobs=False)[0]
+    eager = greedy(models["gathered"], prompts, "eager")
     runs = alternating_tok_s(models, prompts, options.rounds, NEW_TOKENS)
-    row = {"folder": options.folder, "dtype": options.dtype, "batch": options.batch,
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "compile_s": compile_s,
-           "tok_s": {way: round(statistics.median(r), 1) for way, r in runs.items()},
-           "runs": {way: [round(v, 1) for v in r] for way, r in runs.items()},
-           "greedy_tokens_as_eager": {way: [a == b for a, b in zip(tokens[way][0], tokens["eager"][0])].index(False)
-                                      if tokens[way][0] != tokens["eager"][0] else 32 for way in models}}  # fmt: skip
-    print(json.dumps(row))
-    if options.out:
-        with options.out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+    # each copy's greedy tokens that are the eager loop's, up to the first that is not
+    same = {way: next((i for i, pair in enumerate(zip(tokens[way], eager)) if pair[0] != pair[1]), EAGER_TOKENS)
+            for way in models}  # fmt: skip
+    report_copies(runs, options.out, folder=options.folder, dtype=options.dtype, batch=options.batch,
+                  compile_s=compile_s, greedy_tokens_as_eager=same)  # fmt: skip
     return 0
 
 

@@ -15,6 +15,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
 
 from mixtral_infer import GenerationError, generate
+from mixtral_infer.fast import decode_step
 from mixtral_infer.fast.decode_loop import step_compiler
 from mixtral_infer.fast.decode_step import (
     StepCompiler,
@@ -310,12 +311,16 @@ def test_moe_one_token_equals_the_grouped_layer(batch):
             torch.testing.assert_close(form(layer, x, experts, weights), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_cpu_steps_read_the_chosen_experts_in_place():
-    """Compiled on CPU, batch 1 multiplies its 2 chosen experts one by one (``moe_one_token``):
-    each of their 3 matrices is selected by ``index_select`` at the routed index, which inductor
-    loads through inside the product's loop: no buffer in the generated code is as large as one
-    expert's matrix (a gathered copy would be), and no batched product is left. Logits equal the
-    step op by op within bfloat16's rounding."""
+@pytest.mark.parametrize("one_by_one", [True, False], ids=["large-experts", "small-experts"])
+def test_compiled_cpu_steps_read_the_chosen_experts_in_place(monkeypatch, one_by_one):
+    """Compiled on CPU, batch 1 multiplies its 2 chosen experts one by one where they are large
+    (``moe_one_token``; here the threshold is lowered to the tiny model's experts): each of their 3
+    matrices is selected by ``index_select`` at the routed index, which inductor loads through
+    inside the product's loop. Small experts stay one gathered, batched product (no such selects).
+    Either way no buffer in the generated code is as large as one expert's matrix (a copied expert
+    would be), and the logits equal the step op by op within bfloat16's rounding."""
+    if one_by_one:
+        monkeypatch.setattr(decode_step, "CPU_ONE_BY_ONE_MIN_WEIGHTS", 0)
     model = random_model(tiny_args(moe=True, max_batch_size=1), seed=31).to(torch.bfloat16)
     cache = model.make_cache(1)
     cache.start_sequences(1)
@@ -327,9 +332,9 @@ def test_compiled_cpu_steps_read_the_chosen_experts_in_place():
         node for node in graph.graph.nodes
         if str(node.target) == "aten.index_select.default" and tuple(node.meta["val"].shape[1:]) in expert_shapes
     ]  # fmt: skip
-    assert len(selected) == 2 * 3 * model.args.n_layers
+    assert len(selected) == (2 * 3 * model.args.n_layers if one_by_one else 0)
     ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
-    assert not ops & {"aten.bmm.default", "aten.mm.default"}
+    assert "aten.mm.default" not in ops and ("aten.bmm.default" in ops) != one_by_one  # gathered: one batched product
     torch._dynamo.reset()
     with torch.inference_mode():
         expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (1, V)

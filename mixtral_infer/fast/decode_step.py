@@ -34,6 +34,7 @@ to break the graph. On CUDA ``compiled_decode_step`` also replays it as a CUDA g
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -160,9 +161,10 @@ def one_query_attention(
     return out.reshape(batch, n_heads, head_dim).to(xq.dtype)
 
 
-# Plain chosen experts on CPU go one by one (``moe_one_token``); read when a step is traced, so
-# ``bench/moe_experts.py`` can build a copy each way.
-CPU_EXPERTS_ONE_BY_ONE = True
+# Plain chosen experts on CPU go one by one where an expert's matrix holds at least this many
+# weights (``moe_one_token``). Read when a step is traced, so ``bench/moe_experts.py`` can build a
+# copy each way (0: always; ``sys.maxsize``: never).
+CPU_ONE_BY_ONE_MIN_WEIGHTS = 1 << 20
 
 
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +186,10 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     rows, read in one place per core (mixtral-bench, compiled decode, one process alternating,
     medians of 5, tokens/s: bfloat16 batch 1 45.7 -> 52.5, batch 2 50.6 -> 58.0; float32 batch 1
     30.5 -> 32.4; ``bench/moe_experts.py``). The step takes longer to compile (mixtral-bench batch 1:
-    61 s against 36 s; batch 2: 123 s against 58 s).
+    61 s against 36 s; batch 2: 123 s against 58 s). Small experts stay gathered: where the weights
+    sit in the cache, the step's time is its kernels' count (tiny-mixtral, 256 x 128 experts,
+    batch 1: 3769 tokens/s gathered, 3025 one by one), hence ``CPU_ONE_BY_ONE_MIN_WEIGHTS``
+    (mixtral-bench's experts are 3584 x 1024, Mixtral 8x7B's 14336 x 4096).
     Every expert on every row stays one batched product on CPU: one by one, compiling mixtral-bench's
     step for batch 4 took 620 s. On CUDA the compiled gather is one reduction too.
     """
@@ -193,7 +198,8 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     batch, k = experts.shape
     two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
     if batch * k < moe.w1.shape[0]:
-        one_by_one = two_d or (x.device.type == "cpu" and CPU_EXPERTS_ONE_BY_ONE)
+        large = math.prod(moe.w1.shape[1:]) >= CPU_ONE_BY_ONE_MIN_WEIGHTS  # (I, D): one expert's matrix
+        one_by_one = two_d or (x.device.type == "cpu" and large)
         return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
     return (_every_expert_one_by_one if two_d else _every_expert_batched)(moe, x, experts, weights)
 
