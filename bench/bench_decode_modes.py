@@ -58,7 +58,7 @@ def copies_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def report_copies(runs: dict, out: Path | None, **fields) -> dict:
+def report_copies(runs: dict, out: Path | None, **fields) -> None:
     """``fields`` with the versions, the median and every run of ``runs`` (tokens/s by copy), printed
     as one JSON line and appended to ``out``."""
     row = {**fields, "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -68,7 +68,6 @@ def report_copies(runs: dict, out: Path | None, **fields) -> dict:
     if out:
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
-    return row
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,11 @@ def greedy(model, prompts, decode: str) -> list:
     return generate(prompts, model, max_tokens=EAGER_TOKENS, decode=decode, prompt_logprobs=False)[0][0]
 
 
+def tokens_in_common(tokens: list, reference: list) -> int:
+    """How many of ``tokens`` equal ``reference``'s, up to the first that does not."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
 def main(argv=None) -> int:
     options = copies_parser(__doc__.split("\n")[0]).parse_args(argv)
     prompts = [list(range(1 + i, 65 + i)) for i in range(options.batch)]
@@ -50,9 +55,7 @@ def main(argv=None) -> int:
         models[way] = model
     eager = greedy(models["gathered"], prompts, "eager")
     runs = alternating_tok_s(models, prompts, options.rounds, NEW_TOKENS)
-    # each copy's greedy tokens that are the eager loop's, up to the first that is not
-    same = {way: next((i for i, pair in enumerate(zip(tokens[way], eager)) if pair[0] != pair[1]), EAGER_TOKENS)
-            for way in models}  # fmt: skip
+    same = {way: tokens_in_common(tokens[way], eager) for way in models}
     report_copies(runs, options.out, folder=options.folder, dtype=options.dtype, batch=options.batch,
                   compile_s=compile_s, greedy_tokens_as_eager=same)  # fmt: skip
     return 0
