@@ -1,0 +1,283 @@
+"""What would integer dot products written by hand buy on CPU? A measurement for a decision.
+
+    python bench/vnni_matvec.py [--shape 3584 1024] [--weights 96] [--rounds 7]
+
+The quantization issue asks for kernels from the field; on CPU none of them multiplies int8 or
+int4 weights faster than our int8 reductions (``fast/cpu_reductions.py``: each int8 weight
+converted to float32, then a multiply-add), which is why int8 stays under llama.cpp's Q8_0 and
+int4 under 1.3x our int8 (``bench/PERFORMANCE_LOG.md``). llama.cpp quantizes the activations to
+8 bits and multiplies integers with VNNI (``vpdpbusd``: 64 byte products summed four by four in
+one instruction). This script compiles such a matrix-vector product here (a few dozen lines of
+C++, ``torch.utils.cpp_extension.load_inline``; not part of the package) and times it against
+what the package runs, one bfloat16 row times ``--weights`` weights in turn (more than the caches
+hold at the defaults), medians of ``--rounds``:
+
+* ``int8 reductions``: ``rows_as_reductions`` compiled, int8 weights, one scale a row (ours);
+* ``int4 kernel``: PyTorch's ``_weight_int4pack_mm_for_cpu``, groups of 32 (ours);
+* ``int8 vnni``: the row quantized to int8 (``round(127 x / max|x|)``, as ``w8a8`` does), plus
+  128 to make it unsigned; ``vpdpbusd`` against the int8 weight; ``- 128 * sum(w_row)`` (kept
+  per row) takes the 128 out; times the two scales;
+* ``int4 vnni``: the same row, signed, against int4 weights held as ``q + 8`` (0..15, unsigned),
+  two a byte: byte ``j`` of each 64 inputs holds input ``j`` low and ``j + 32`` high, so a mask
+  and a shift give the 64 in order. Each 32-bit lane of ``vpdpbusd`` sums 4 products, so a lane
+  lies in one group of 32; it starts from ``-8 * sum`` of its 4 inputs (computed once per row),
+  which takes the 8 out, then is converted and multiplied by its group's scale.
+
+Every way's output is checked against the dequantized weight (and each vnni way against its own
+integer arithmetic done by PyTorch). Prints one JSON line: ms a weight, GB/s of weight bytes
+(integers, scales and the int8 row sums), billions of weights a second. The vnni ways include
+quantizing the row (once per call, for all the weights; a model would once per norm). Tried on the
+int8 product and dropped: software prefetch 2-4 KB ahead into L1 or L2 (27.0-28.1 GB/s against 29.2
+without, 96 x 3584 x 1024), 16 places (28.0). ``bench/vnni_decode.py`` puts the products in a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mixtral_infer.fast.cpu_reductions import rows_as_reductions  # noqa: E402
+from mixtral_infer.quant import kernels  # noqa: E402
+from mixtral_infer.quant.scheme import QuantScheme  # noqa: E402
+from mixtral_infer.quant.weights import quantize  # noqa: E402
+
+CPP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+// Rows are read in PLACES places at once, OUT / PLACES rows apart (as cpu_reductions.row_sums).
+constexpr int64_t PLACES = 8;
+
+// y[r] = scale * s[r] * (sum_k xu[k] * w[r, k] - 128 * sums[r]): xu unsigned (IN,), w signed (OUT, IN),
+// sums (OUT,) int32, s (OUT,) float32 -> float32 (OUT,).
+torch::Tensor int8_dots(torch::Tensor xu, double scale, torch::Tensor w, torch::Tensor sums, torch::Tensor s) {
+  const int64_t OUT = w.size(0), IN = w.size(1), step = OUT / PLACES;
+  TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
+  auto y = torch::empty({OUT}, torch::kFloat32);
+  const uint8_t* x = xu.data_ptr<uint8_t>();
+  const int8_t* W = w.data_ptr<int8_t>();
+  const int32_t* sum = sums.data_ptr<int32_t>();
+  const float* rs = s.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, step, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      __m512i acc[PLACES];
+      for (int p = 0; p < PLACES; ++p) acc[p] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < IN; k += 64) {
+        const __m512i xv = _mm512_loadu_si512(x + k);
+        for (int p = 0; p < PLACES; ++p)
+          acc[p] = _mm512_dpbusd_epi32(acc[p], xv, _mm512_loadu_si512(W + (r + p * step) * IN + k));
+      }
+      for (int p = 0; p < PLACES; ++p) {
+        const int64_t row = r + p * step;
+        Y[row] = float(scale) * rs[row] * float(_mm512_reduce_add_epi32(acc[p]) - 128 * sum[row]);
+      }
+    }
+  });
+  return y;
+}
+
+// The same for a model's step: scale a 0-d float32 tensor, s (OUT,) bfloat16, the row sums found as
+// the weight is read (a second vpdpbusd, against ones): nothing kept beside the weight.
+torch::Tensor int8_rows(torch::Tensor xu, torch::Tensor scale, torch::Tensor w, torch::Tensor s) {
+  const int64_t OUT = w.size(0), IN = w.size(1), step = OUT / PLACES;
+  TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
+  auto y = torch::empty({OUT}, torch::kFloat32);
+  const uint8_t* x = xu.data_ptr<uint8_t>();
+  const int8_t* W = w.data_ptr<int8_t>();
+  const float sx = scale.item<float>();
+  const at::BFloat16* rs = s.data_ptr<at::BFloat16>();
+  float* Y = y.data_ptr<float>();
+  const __m512i ones = _mm512_set1_epi8(1);
+  at::parallel_for(0, step, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      __m512i acc[PLACES], sums[PLACES];
+      for (int p = 0; p < PLACES; ++p) acc[p] = sums[p] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < IN; k += 64) {
+        const __m512i xv = _mm512_loadu_si512(x + k);
+        for (int p = 0; p < PLACES; ++p) {
+          const __m512i wv = _mm512_loadu_si512(W + (r + p * step) * IN + k);
+          acc[p] = _mm512_dpbusd_epi32(acc[p], xv, wv);
+          sums[p] = _mm512_dpbusd_epi32(sums[p], ones, wv);
+        }
+      }
+      for (int p = 0; p < PLACES; ++p) {
+        const int64_t row = r + p * step;
+        const int32_t dot = _mm512_reduce_add_epi32(acc[p]) - 128 * _mm512_reduce_add_epi32(sums[p]);
+        Y[row] = sx * float(rs[row]) * float(dot);
+      }
+    }
+  });
+  return y;
+}
+
+// y[r] = scale * sum_g scales[r, g] * sum_{k in g} q[r, k] * xq[k], groups of 32; w (OUT, IN/2) bytes as the
+// docstring lays them out, scales (OUT, IN/32) bfloat16, start (IN/4,) int32: -8 * the sums of 4 inputs.
+torch::Tensor int4_dots(torch::Tensor xq, double scale, torch::Tensor w, torch::Tensor scales, torch::Tensor start) {
+  const int64_t OUT = w.size(0), IN = 2 * w.size(1), step = OUT / PLACES, G = IN / 32;
+  TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
+  auto y = torch::empty({OUT}, torch::kFloat32);
+  const int8_t* x = xq.data_ptr<int8_t>();
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const int32_t* C = start.data_ptr<int32_t>();
+  float* Y = y.data_ptr<float>();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // lanes 0-7 take the first group's scale (the low 16 bits of two bfloat16), lanes 8-15 the second's
+  const __m512i shifts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
+  const __m512i high16 = _mm512_set1_epi32(0xFFFF0000);
+  at::parallel_for(0, step, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      __m512 acc[PLACES];
+      for (int p = 0; p < PLACES; ++p) acc[p] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < IN; k += 64) {
+        const __m512i xv = _mm512_loadu_si512(x + k);
+        const __m512i cv = _mm512_loadu_si512(C + k / 4);
+        for (int p = 0; p < PLACES; ++p) {
+          const int64_t row = r + p * step;
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + row * (IN / 2) + k / 2));
+          const __m256i lo = _mm256_and_si256(bytes, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+          const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+          const __m512i dots = _mm512_dpbusd_epi32(cv, q, xv);  // 16 lanes of 4 products each, minus 8 * sums
+          uint32_t two;
+          std::memcpy(&two, S + row * G + k / 32, 4);
+          const __m512i s = _mm512_and_si512(_mm512_sllv_epi32(_mm512_set1_epi32(two), shifts), high16);
+          acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_castsi512_ps(s), acc[p]);
+        }
+      }
+      for (int p = 0; p < PLACES; ++p) Y[r + p * step] = float(scale) * _mm512_reduce_add_ps(acc[p]);
+    }
+  });
+  return y;
+}
+torch::Tensor int4_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor scales,
+                        torch::Tensor start) {
+  return int4_dots(xq, scale.item<float>(), w, scales, start);
+}
+
+// Operators of their own, so that a compiled step calls them from C++ (no Python between).
+TORCH_LIBRARY(vnni_bench, m) {
+  m.def("int8_rows(Tensor xu, Tensor scale, Tensor w, Tensor s) -> Tensor");
+  m.def("int4_rows(Tensor xq, Tensor scale, Tensor w, Tensor scales, Tensor start) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(vnni_bench, CPU, m) {
+  m.impl("int8_rows", int8_rows);
+  m.impl("int4_rows", int4_rows);
+}
+"""
+
+
+def build():
+    """The extension, compiled once (``torch.utils.cpp_extension``'s cache). ``-fopenmp`` matters:
+    without it ``at::parallel_for`` in the extension runs on one thread."""
+    return load_inline(
+        "vnni_matvec", cpp_sources=CPP, functions=["int8_dots", "int8_rows", "int4_dots"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+    )  # fmt: skip
+
+
+def quantized_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (1, IN)`` -> int8 ``(IN,)`` and its scale: ``round(127 x / max|x|)``, as ``w8a8``'s rows."""
+    scale = x.float().abs().amax() / 127
+    return torch.round(x.float()[0] / scale).to(torch.int8), scale.item()
+
+
+def int4_bytes(integers: torch.Tensor) -> torch.Tensor:
+    """Signed int4 ``(OUT, IN)`` as bytes ``(OUT, IN/2)``: byte j of each 64 inputs holds input j
+    (plus 8) in its low nibble and input j + 32 (plus 8) in its high one."""
+    n = (integers + 8).to(torch.uint8).view(integers.shape[0], -1, 2, 32)  # (OUT, IN/64, 2, 32)
+    return (n[:, :, 0] | (n[:, :, 1] << 4)).reshape(integers.shape[0], -1).contiguous()
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=int, nargs=2, default=[3584, 1024], metavar=("OUT", "IN"))
+    parser.add_argument("--weights", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=7)
+    options = parser.parse_args()
+    (out_features, in_features), group = options.shape, 32
+    ext = build()
+    torch.manual_seed(0)
+    x = torch.randn(1, in_features, dtype=torch.bfloat16)
+
+    def random_weights(scheme: QuantScheme):
+        shape = (out_features, in_features)
+        return [quantize(torch.randn(shape), scheme, torch.bfloat16) for _ in range(options.weights)]
+
+    int8 = random_weights(QuantScheme("int8"))
+    int4 = random_weights(QuantScheme("int4", group))
+    int8_expected = x.float() @ int8[0].dequantize().T  # (1, OUT)
+    int4_expected = x.float() @ int4[0].dequantize().T
+    int8_vnni = [(w.values, w.values.sum(-1, dtype=torch.int32), w.scales.float()) for w in int8]
+    int4_vnni = [(int4_bytes(w.integers()), w.scales.contiguous()) for w in int4]
+    first4 = int4[0].integers()  # (OUT, IN): the kernel's layout replaces them below
+    for w in int4:
+        kernels.prepare(w)  # the kernel's layout, in place of the plain one
+    int4_packed = [w.packed for w in int4]
+
+    def int8_vnni_way(x, weights):
+        xq, sx = quantized_row(x)
+        xu = (xq.to(torch.int16) + 128).to(torch.uint8)
+        return [ext.int8_dots(xu, sx, v, sums, s) for v, sums, s in weights]  # float32 (OUT,) each
+
+    def int4_vnni_way(x, weights):
+        xq, sx = quantized_row(x)
+        start = -8 * xq.view(-1, 4).sum(-1, dtype=torch.int32)  # (IN/4,)
+        return [ext.int4_dots(xq, sx, v, s, start) for v, s in weights]
+
+    def int4_kernel_way(x, weights):
+        return [torch.ops.aten._weight_int4pack_mm_for_cpu(x, v, group, sz) for v, sz in weights]
+
+    reductions = torch.compile(lambda x, ws: [rows_as_reductions(x, v, s) for v, s in ws], dynamic=False)
+    ways = {
+        "int8 reductions": (reductions, [(w.values, w.scales) for w in int8], int8_expected),
+        "int8 vnni": (int8_vnni_way, int8_vnni, int8_expected),
+        "int4 kernel": (int4_kernel_way, int4_packed, int4_expected),
+        "int4 vnni": (int4_vnni_way, int4_vnni, int4_expected),
+    }
+    xq, sx = quantized_row(x)  # the vnni ways' integers, exactly
+    xu = (xq.to(torch.int16) + 128).to(torch.uint8)
+    v, sums, s = int8_vnni[0]
+    exact8 = (xu.int() @ v.int().T - 128 * sums).float() * sx * s  # the integer sums exact, then scaled
+    torch.testing.assert_close(ext.int8_dots(xu, sx, v, sums, s), exact8, rtol=1e-6, atol=0)
+    start = -8 * xq.view(-1, 4).sum(-1, dtype=torch.int32)
+    exact4 = ((xq.float() * first4.float()).view(out_features, -1, group).sum(-1) * int4[0].scales.float())
+    torch.testing.assert_close(ext.int4_dots(xq, sx, *int4_vnni[0], start), exact4.sum(-1) * sx, rtol=1e-5, atol=1e-3)
+    for name, (way, args, expected) in ways.items():
+        got = way(x, args)[0].float().view(1, -1)
+        torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0, msg=name)
+
+    times = {name: [] for name in ways}
+    for _ in range(options.rounds):
+        for name, (way, args, _) in ways.items():
+            way(x, args)  # warm: the loop, not the weights (they are more than the caches)
+            start_time = time.perf_counter()
+            for _ in range(5):
+                way(x, args)
+            times[name].append((time.perf_counter() - start_time) / (5 * len(args)) * 1e3)
+
+    count = out_features * in_features
+    read = {"int8": count + out_features * 2, "int4": count / 2 + count / group * 2}  # integers and bf16 scales
+    result = {"shape": options.shape, "weights": options.weights, "torch": torch.__version__,
+              "threads": torch.get_num_threads()}  # fmt: skip
+    for name, samples in times.items():
+        ms = statistics.median(samples)
+        bytes_read = read[name.split()[0]] + (4 * out_features if name == "int8 vnni" else 0)
+        rates = {"GB/s": round(bytes_read / ms / 1e6, 1), "Gweights/s": round(count / ms / 1e6, 1)}
+        result[name] = {"ms": round(ms, 4), **rates}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
