@@ -186,7 +186,7 @@ def build():
     )  # fmt: skip
 
 
-def quantized_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_row(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     """``x (1, IN)`` -> int8 ``(IN,)`` and its scale: ``round(127 x / max|x|)``, as ``w8a8``'s rows."""
     scale = x.float().abs().amax() / 127
     return torch.round(x.float()[0] / scale).to(torch.int8), scale.item()
