@@ -80,6 +80,20 @@ def columns_way(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> 
     return ((groups * s).sum(0) - 8 * (s * sums[:, None]).sum(0)).to(x.dtype)[None]
 
 
+def ms_per_weight(ways: dict, x: torch.Tensor, rounds: int) -> dict:
+    """``ways``: name -> ``(way, weights)``, ``way(x, weights)`` multiplying ``x`` by each weight.
+    Returns name -> ``rounds`` times in ms a weight, the ways alternating, each warmed first."""
+    times = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, (way, args) in ways.items():
+            way(x, args)  # warm: the loop, not the weights (they are more than the caches)
+            start = time.perf_counter()
+            for _ in range(5):
+                way(x, args)
+            times[name].append((time.perf_counter() - start) / (5 * len(args)) * 1e3)
+    return times
+
+
 @torch.no_grad()  # as decoding runs, and the frozen way's compile is for no_grad only
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -142,14 +156,7 @@ def main() -> None:
             got = way(x, args)[0].float()
             torch.testing.assert_close(got, expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
 
-    times = {name: [] for name in ways}
-    for _ in range(options.rounds):
-        for name, (way, args) in ways.items():
-            way(x, args)  # warm: the loop, not the weights (they are more than the caches)
-            start = time.perf_counter()
-            for _ in range(5):
-                way(x, args)
-            times[name].append((time.perf_counter() - start) / (5 * len(args)) * 1e3)
+    times = ms_per_weight(ways, x, options.rounds)
 
     count = out_features * in_features
     int4_bytes = count / 2 + count / group * 2  # integers and bfloat16 scales

@@ -37,13 +37,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int4_reductions import ms_per_weight  # noqa: E402
+
 from mixtral_infer.fast.cpu_reductions import rows_as_reductions  # noqa: E402
 from mixtral_infer.quant import kernels  # noqa: E402
 from mixtral_infer.quant.scheme import QuantScheme  # noqa: E402
@@ -258,14 +260,7 @@ def main() -> None:
         got = way(x, args)[0].float().view(1, -1)
         torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0, msg=name)
 
-    times = {name: [] for name in ways}
-    for _ in range(options.rounds):
-        for name, (way, args, _) in ways.items():
-            way(x, args)  # warm: the loop, not the weights (they are more than the caches)
-            start_time = time.perf_counter()
-            for _ in range(5):
-                way(x, args)
-            times[name].append((time.perf_counter() - start_time) / (5 * len(args)) * 1e3)
+    times = ms_per_weight({name: (way, args) for name, (way, args, _) in ways.items()}, x, options.rounds)
 
     count = out_features * in_features
     read = {"int8": count + out_features * 2, "int4": count / 2 + count / group * 2}  # integers and bf16 scales
