@@ -38,6 +38,8 @@ from mixtral_infer.quant import kernels  # noqa: E402
 from mixtral_infer.quant.weights import QuantizedParameter  # noqa: E402
 
 EXT = build()
+ROWS_AS_REDUCTIONS = kernels.rows_as_reductions  # the package's, as imported
+QUANTIZED_LINEAR = kernels.quantized_linear
 
 
 # ``torch.ops.vnni_bench.int8_rows(xu, scale, values, scales)``, registered by the extension in C++:
@@ -61,10 +63,6 @@ def vnni_rows(x: torch.Tensor, weight: torch.Tensor, scales=None) -> torch.Tenso
     return int8_rows(xu, scale, weight.contiguous(), scales).to(x.dtype)[None]
 
 
-ROWS_AS_REDUCTIONS = kernels.rows_as_reductions
-QUANTIZED_LINEAR = kernels.quantized_linear
-
-
 def vnni_int4(x: torch.Tensor, weight) -> torch.Tensor:
     """``quantized_linear`` for one row times an int4 weight given ``vnni_values`` (``give_int4_layout``):
     the row quantized to int8, then ``int4_rows``; anything else as the package does it."""
@@ -83,10 +81,13 @@ def _(xq, scale, values, scales, start):
 
 def give_int4_layout(model) -> None:
     """Each 2-D int4 weight (groups of 32) of ``model`` also held in ``vnni_matvec``'s layout, as a
-    buffer ``vnni_values`` (read back from the CPU kernel's layout, which stays)."""
+    buffer ``vnni_values`` (read back from the CPU kernel's layout, which stays; the read-back knows
+    that layout for rows in multiples of 64)."""
     for module in model.modules():
         if isinstance(module, QuantizedParameter) and module.scheme.name == "int4" and module.values is None:
-            if module.scales.dim() == 2 and module.scheme.group_size == 32 and module.in_features % 64 == 0:
+            out_features, in_features = module.shape[-2:]
+            fits = in_features % 64 == 0 and out_features % 64 == 0
+            if module.scales.dim() == 2 and module.scheme.group_size == 32 and fits:
                 nibbles = kernels.dequantize_int4_kernel_layout(_unit_scales(module), torch.float32)
                 module.register_buffer("vnni_values", int4_bytes(nibbles.to(torch.int8)), persistent=False)
 
