@@ -16,7 +16,8 @@ hold at the defaults), medians of ``--rounds``:
 * ``int4 kernel``: PyTorch's ``_weight_int4pack_mm_for_cpu``, groups of 32 (ours);
 * ``int8 vnni``: the row quantized to int8 (``round(127 x / max|x|)``, as ``w8a8`` does), plus
   128 to make it unsigned; ``vpdpbusd`` against the int8 weight; ``- 128 * sum(w_row)`` (kept
-  per row) takes the 128 out; times the two scales;
+  per row, 4 bytes) takes the 128 out; times the two scales. Summing the row as it is read (a
+  second ``vpdpbusd``, against ones) instead made it slower: 25.5-26.0 GB/s against 29-30;
 * ``int4 vnni``: the same row, signed, against int4 weights held as ``q + 8`` (0..15, unsigned),
   two a byte: byte ``j`` of each 64 inputs holds input ``j`` low and ``j + 32`` high, so a mask
   and a shift give the 64 in order. Each 32-bit lane of ``vpdpbusd`` sums 4 products, so a lane
@@ -25,10 +26,11 @@ hold at the defaults), medians of ``--rounds``:
 
 Every way's output is checked against the dequantized weight (and each vnni way against its own
 integer arithmetic done by PyTorch). Prints one JSON line: ms a weight, GB/s of weight bytes
-(integers, scales and the int8 row sums), billions of weights a second. The vnni ways include
-quantizing the row (once per call, for all the weights; a model would once per norm). Tried on the
-int8 product and dropped: software prefetch 2-4 KB ahead into L1 or L2 (27.0-28.1 GB/s against 29.2
-without, 96 x 3584 x 1024), 16 places (28.0). ``bench/vnni_decode.py`` puts the products in a model.
+(integers, scales and the int8 row sums), billions of weights a second. Both vnni products are
+operators (``torch.ops.vnni_bench``), the ones ``bench/vnni_decode.py`` calls from a model's step.
+The vnni ways include quantizing the row (once per call, for all the weights; a model would once per
+norm). Tried on the int8 product and dropped: software prefetch 2-4 KB ahead into L1 or L2
+(27.0-28.1 GB/s against 29.2 without, 96 x 3584 x 1024), 16 places (28.0).
 """
 
 from __future__ import annotations
@@ -59,72 +61,42 @@ CPP = r"""
 // Rows are read in PLACES places at once, OUT / PLACES rows apart (as cpu_reductions.row_sums).
 constexpr int64_t PLACES = 8;
 
-// y[r] = scale * s[r] * (sum_k xu[k] * w[r, k] - 128 * sums[r]): xu unsigned (IN,), w signed (OUT, IN),
-// sums (OUT,) int32, s (OUT,) float32 -> float32 (OUT,).
-torch::Tensor int8_dots(torch::Tensor xu, double scale, torch::Tensor w, torch::Tensor sums, torch::Tensor s) {
+// y[r] = scale * s[r] * sum_k xq[k] * w[r, k]: xq (IN,) int8, scale 0-d float32, w (OUT, IN) int8,
+// sums (OUT,) int32 (each row's sum), s (OUT,) bfloat16 -> float32 (OUT,). vpdpbusd takes unsigned
+// bytes: xq ^ 0x80 is xq + 128, and - 128 * sums[r] takes the 128 out.
+torch::Tensor int8_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor sums, torch::Tensor s) {
   const int64_t OUT = w.size(0), IN = w.size(1), step = OUT / PLACES;
   TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
   auto y = torch::empty({OUT}, torch::kFloat32);
-  const uint8_t* x = xu.data_ptr<uint8_t>();
+  const int8_t* x = xq.data_ptr<int8_t>();
   const int8_t* W = w.data_ptr<int8_t>();
   const int32_t* sum = sums.data_ptr<int32_t>();
-  const float* rs = s.data_ptr<float>();
+  const float sx = scale.item<float>();
+  const at::BFloat16* rs = s.data_ptr<at::BFloat16>();
   float* Y = y.data_ptr<float>();
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
   at::parallel_for(0, step, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       __m512i acc[PLACES];
       for (int p = 0; p < PLACES; ++p) acc[p] = _mm512_setzero_si512();
       for (int64_t k = 0; k < IN; k += 64) {
-        const __m512i xv = _mm512_loadu_si512(x + k);
+        const __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(x + k), sign);  // xq + 128
         for (int p = 0; p < PLACES; ++p)
           acc[p] = _mm512_dpbusd_epi32(acc[p], xv, _mm512_loadu_si512(W + (r + p * step) * IN + k));
       }
       for (int p = 0; p < PLACES; ++p) {
         const int64_t row = r + p * step;
-        Y[row] = float(scale) * rs[row] * float(_mm512_reduce_add_epi32(acc[p]) - 128 * sum[row]);
+        Y[row] = sx * float(rs[row]) * float(_mm512_reduce_add_epi32(acc[p]) - 128 * sum[row]);
       }
     }
   });
   return y;
 }
 
-// The same for a model's step: scale a 0-d float32 tensor, s (OUT,) bfloat16, the row sums found as
-// the weight is read (a second vpdpbusd, against ones): nothing kept beside the weight.
-torch::Tensor int8_rows(torch::Tensor xu, torch::Tensor scale, torch::Tensor w, torch::Tensor s) {
-  const int64_t OUT = w.size(0), IN = w.size(1), step = OUT / PLACES;
-  TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
-  auto y = torch::empty({OUT}, torch::kFloat32);
-  const uint8_t* x = xu.data_ptr<uint8_t>();
-  const int8_t* W = w.data_ptr<int8_t>();
-  const float sx = scale.item<float>();
-  const at::BFloat16* rs = s.data_ptr<at::BFloat16>();
-  float* Y = y.data_ptr<float>();
-  const __m512i ones = _mm512_set1_epi8(1);
-  at::parallel_for(0, step, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      __m512i acc[PLACES], sums[PLACES];
-      for (int p = 0; p < PLACES; ++p) acc[p] = sums[p] = _mm512_setzero_si512();
-      for (int64_t k = 0; k < IN; k += 64) {
-        const __m512i xv = _mm512_loadu_si512(x + k);
-        for (int p = 0; p < PLACES; ++p) {
-          const __m512i wv = _mm512_loadu_si512(W + (r + p * step) * IN + k);
-          acc[p] = _mm512_dpbusd_epi32(acc[p], xv, wv);
-          sums[p] = _mm512_dpbusd_epi32(sums[p], ones, wv);
-        }
-      }
-      for (int p = 0; p < PLACES; ++p) {
-        const int64_t row = r + p * step;
-        const int32_t dot = _mm512_reduce_add_epi32(acc[p]) - 128 * _mm512_reduce_add_epi32(sums[p]);
-        Y[row] = sx * float(rs[row]) * float(dot);
-      }
-    }
-  });
-  return y;
-}
-
-// y[r] = scale * sum_g scales[r, g] * sum_{k in g} q[r, k] * xq[k], groups of 32; w (OUT, IN/2) bytes as the
-// docstring lays them out, scales (OUT, IN/32) bfloat16, start (IN/4,) int32: -8 * the sums of 4 inputs.
-torch::Tensor int4_dots(torch::Tensor xq, double scale, torch::Tensor w, torch::Tensor scales, torch::Tensor start) {
+// y[r] = scale * sum_g scales[r, g] * sum_{k in g} q[r, k] * xq[k], groups of 32; w (OUT, IN/2) bytes as
+// the docstring lays them out, scales (OUT, IN/32) bfloat16, start (IN/4,) int32: -8 * the sums of 4 inputs.
+torch::Tensor int4_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor scales,
+                        torch::Tensor start) {
   const int64_t OUT = w.size(0), IN = 2 * w.size(1), step = OUT / PLACES, G = IN / 32;
   TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
   auto y = torch::empty({OUT}, torch::kFloat32);
@@ -132,6 +104,7 @@ torch::Tensor int4_dots(torch::Tensor xq, double scale, torch::Tensor w, torch::
   const uint8_t* W = w.data_ptr<uint8_t>();
   const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const int32_t* C = start.data_ptr<int32_t>();
+  const float sx = scale.item<float>();
   float* Y = y.data_ptr<float>();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // lanes 0-7 take the first group's scale (the low 16 bits of two bfloat16), lanes 8-15 the second's
@@ -157,19 +130,15 @@ torch::Tensor int4_dots(torch::Tensor xq, double scale, torch::Tensor w, torch::
           acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_castsi512_ps(s), acc[p]);
         }
       }
-      for (int p = 0; p < PLACES; ++p) Y[r + p * step] = float(scale) * _mm512_reduce_add_ps(acc[p]);
+      for (int p = 0; p < PLACES; ++p) Y[r + p * step] = sx * _mm512_reduce_add_ps(acc[p]);
     }
   });
   return y;
 }
-torch::Tensor int4_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor scales,
-                        torch::Tensor start) {
-  return int4_dots(xq, scale.item<float>(), w, scales, start);
-}
 
-// Operators of their own, so that a compiled step calls them from C++ (no Python between).
+// Operators, so that a compiled step calls them from C++ (no Python between): torch.ops.vnni_bench.*
 TORCH_LIBRARY(vnni_bench, m) {
-  m.def("int8_rows(Tensor xu, Tensor scale, Tensor w, Tensor s) -> Tensor");
+  m.def("int8_rows(Tensor xq, Tensor scale, Tensor w, Tensor sums, Tensor s) -> Tensor");
   m.def("int4_rows(Tensor xq, Tensor scale, Tensor w, Tensor scales, Tensor start) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(vnni_bench, CPU, m) {
@@ -179,19 +148,35 @@ TORCH_LIBRARY_IMPL(vnni_bench, CPU, m) {
 """
 
 
-def build():
-    """The extension, compiled once (``torch.utils.cpp_extension``'s cache). ``-fopenmp`` matters:
-    without it ``at::parallel_for`` in the extension runs on one thread."""
-    return load_inline(
-        "vnni_matvec", cpp_sources=CPP, functions=["int8_dots", "int8_rows", "int4_dots"],
+def build() -> None:
+    """Compile the extension once (``torch.utils.cpp_extension``'s cache) and load its operators,
+    ``torch.ops.vnni_bench.int8_rows`` and ``int4_rows``. ``-fopenmp`` matters: without it
+    ``at::parallel_for`` in the extension runs on one thread."""
+    load_inline(
+        "vnni_matvec", cpp_sources=CPP, is_python_module=False,
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
     )  # fmt: skip
 
+    @torch.library.register_fake("vnni_bench::int8_rows")
+    def _(xq, scale, values, sums, scales):
+        return values.new_empty(values.shape[0], dtype=torch.float32)
 
-def quantized_row(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """``x (1, IN)`` -> int8 ``(IN,)`` and its scale: ``round(127 x / max|x|)``, as ``w8a8``'s rows."""
-    scale = x.float().abs().amax() / 127
-    return torch.round(x.float()[0] / scale).to(torch.int8), scale.item()
+    @torch.library.register_fake("vnni_bench::int4_rows")
+    def _(xq, scale, values, scales, start):
+        return values.new_empty(values.shape[0], dtype=torch.float32)
+
+
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x (M, IN)`` -> int8 ``(M, IN)`` and float32 scales ``(M, 1)``: ``round(127 x / max|x|)``
+    row by row, as ``w8a8`` quantizes its rows."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127  # (M, 1)
+    return torch.round(x.float() / scale).to(torch.int8), scale
+
+
+def int4_start(xq: torch.Tensor) -> torch.Tensor:
+    """``-8 *`` the sums of 4 consecutive inputs of ``xq (IN,)``, int32 ``(IN/4,)``: where each lane of
+    ``int4_rows`` starts, which takes the 8 of ``q + 8`` out."""
+    return -8 * xq.view(-1, 4).sum(-1, dtype=torch.int32)
 
 
 def int4_bytes(integers: torch.Tensor) -> torch.Tensor:
@@ -209,7 +194,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     options = parser.parse_args()
     (out_features, in_features), group = options.shape, 32
-    ext = build()
+    build()
     torch.manual_seed(0)
     x = torch.randn(1, in_features, dtype=torch.bfloat16)
 
@@ -221,41 +206,40 @@ def main() -> None:
     int4 = random_weights(QuantScheme("int4", group))
     int8_expected = x.float() @ int8[0].dequantize().T  # (1, OUT)
     int4_expected = x.float() @ int4[0].dequantize().T
-    int8_vnni = [(w.values, w.values.sum(-1, dtype=torch.int32), w.scales.float()) for w in int8]
     int4_vnni = [(int4_bytes(w.integers()), w.scales.contiguous()) for w in int4]
     first4 = int4[0].integers()  # (OUT, IN): the kernel's layout replaces them below
     for w in int4:
         kernels.prepare(w)  # the kernel's layout, in place of the plain one
     int4_packed = [w.packed for w in int4]
+    int8_rows, int4_rows = torch.ops.vnni_bench.int8_rows, torch.ops.vnni_bench.int4_rows
 
     def int8_vnni_way(x, weights):
-        xq, sx = quantized_row(x)
-        xu = (xq.to(torch.int16) + 128).to(torch.uint8)
-        return [ext.int8_dots(xu, sx, v, sums, s) for v, sums, s in weights]  # float32 (OUT,) each
+        xq, sx = quantized_rows(x)
+        return [int8_rows(xq[0], sx, v, sums, s) for v, sums, s in weights]  # float32 (OUT,) each
 
     def int4_vnni_way(x, weights):
-        xq, sx = quantized_row(x)
-        start = -8 * xq.view(-1, 4).sum(-1, dtype=torch.int32)  # (IN/4,)
-        return [ext.int4_dots(xq, sx, v, s, start) for v, s in weights]
+        xq, sx = quantized_rows(x)
+        start = int4_start(xq[0])
+        return [int4_rows(xq[0], sx, v, s, start) for v, s in weights]
 
     def int4_kernel_way(x, weights):
         return [torch.ops.aten._weight_int4pack_mm_for_cpu(x, v, group, sz) for v, sz in weights]
 
     reductions = torch.compile(lambda x, ws: [rows_as_reductions(x, v, s) for v, s in ws], dynamic=False)
+    int8_vnni = [(w.values, w.values.sum(-1, dtype=torch.int32), w.scales) for w in int8]
     ways = {
         "int8 reductions": (reductions, [(w.values, w.scales) for w in int8], int8_expected),
         "int8 vnni": (int8_vnni_way, int8_vnni, int8_expected),
         "int4 kernel": (int4_kernel_way, int4_packed, int4_expected),
         "int4 vnni": (int4_vnni_way, int4_vnni, int4_expected),
     }
-    xq, sx = quantized_row(x)  # the vnni ways' integers, exactly
-    xu = (xq.to(torch.int16) + 128).to(torch.uint8)
+    xq, sx = quantized_rows(x)  # the vnni ways' integers: their sums exact, then scaled
     v, sums, s = int8_vnni[0]
-    exact8 = (xu.int() @ v.int().T - 128 * sums).float() * sx * s  # the integer sums exact, then scaled
-    torch.testing.assert_close(ext.int8_dots(xu, sx, v, sums, s), exact8, rtol=1e-6, atol=0)
-    start = -8 * xq.view(-1, 4).sum(-1, dtype=torch.int32)
+    exact8 = (xq.int() @ v.int().T)[0].float() * sx[0] * s.float()
+    torch.testing.assert_close(int8_rows(xq[0], sx, v, sums, s), exact8, rtol=1e-6, atol=0)
     exact4 = ((xq.float() * first4.float()).view(out_features, -1, group).sum(-1) * int4[0].scales.float())
-    torch.testing.assert_close(ext.int4_dots(xq, sx, *int4_vnni[0], start), exact4.sum(-1) * sx, rtol=1e-5, atol=1e-3)
+    got4 = int4_rows(xq[0], sx, *int4_vnni[0], int4_start(xq[0]))
+    torch.testing.assert_close(got4, exact4.sum(-1) * sx[0], rtol=1e-5, atol=1e-3)
     for name, (way, args, expected) in ways.items():
         got = way(x, args)[0].float().view(1, -1)
         torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0, msg=name)
@@ -268,7 +252,7 @@ def main() -> None:
               "threads": torch.get_num_threads()}  # fmt: skip
     for name, samples in times.items():
         ms = statistics.median(samples)
-        bytes_read = read[name.split()[0]] + (4 * out_features if name == "int8 vnni" else 0)
+        bytes_read = read[name.split()[0]] + (4 * out_features if name == "int8 vnni" else 0)  # the row sums
         rates = {"GB/s": round(bytes_read / ms / 1e6, 1), "Gweights/s": round(count / ms / 1e6, 1)}
         result[name] = {"ms": round(ms, 4), **rates}
     print(json.dumps(result))

@@ -26,7 +26,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
 from test_quant_quality import HELDOUT, train_small  # noqa: E402
+from vnni_matvec import quantized_rows  # noqa: E402
 
 from mixtral_infer import load_model  # noqa: E402
 from mixtral_infer.model import linear  # noqa: E402
@@ -37,8 +39,8 @@ QUANTIZED_LINEAR = linear.quantized_linear
 
 def eight_bit_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row of ``x (M, IN)`` rounded to 127 steps of its largest magnitude, in float32."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127  # (M, 1)
-    return torch.round(x.float() / scale) * scale
+    xq, scale = quantized_rows(x)  # (M, IN), (M, 1)
+    return xq.float() * scale
 
 
 def int4_with_eight_bit_rows(x: torch.Tensor, weight) -> torch.Tensor:
