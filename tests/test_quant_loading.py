@@ -96,6 +96,22 @@ def test_a_quantized_folder_missing_scales_is_refused(model_folder, tmp_path):
     save_file(tensors, folder / "consolidated.safetensors")
     with pytest.raises(CheckpointError, match=r"tensor layers.1.attention.wo.scales has shape \(64, 3\), the model config implies \(64, 2\)"):
         load_model(folder)
+    tensors["layers.1.attention.wo.scales"] = torch.ones(64, 2, dtype=torch.int32)  # right shape, not a scale
+    save_file(tensors, folder / "consolidated.safetensors")
+    with pytest.raises(CheckpointError, match="layers.1.attention.wo.scales has dtype torch.int32, expected floating point"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("group_size", [32.0, "32", True, 16])
+def test_a_quantized_folder_with_a_group_size_the_kernels_do_not_take_is_refused(model_folder, tmp_path, group_size):
+    """params.json's group size must be one of the kernels' integers: 32.0 (JSON's float) reached
+    the int4 kernel and failed there, with PyTorch's argument-type traceback."""
+    folder = convert(model_folder, tmp_path / "q4", quantize="int4")
+    params = json.loads((folder / "params.json").read_text())
+    params["quantization"]["group_size"] = group_size
+    (folder / "params.json").write_text(json.dumps(params))
+    with pytest.raises(ConfigError, match=rf"params.json: int4 group_size={group_size!r}: expected one of \(32, 64, 128, 256\)"):
+        load_model(folder)
 
 
 def test_demo_quantize_on_the_command_line():

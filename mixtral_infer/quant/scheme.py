@@ -35,7 +35,7 @@ class QuantScheme:
             raise ConfigError(f"quantize={self.name!r}: expected one of {CHOICES}")
         if self.name == "int8" and self.group_size is not None:
             raise ConfigError("int8 has one scale per output row: give no group_size")
-        if self.name == "int4" and self.group_size not in INT4_GROUP_SIZES:
+        if self.name == "int4" and (type(self.group_size) is not int or self.group_size not in INT4_GROUP_SIZES):
             raise ConfigError(f"int4 group_size={self.group_size!r}: expected one of {INT4_GROUP_SIZES}")
         if self.activations not in (None, "int8") or (self.activations and self.name != "int8"):
             raise ConfigError(f"activations={self.activations!r}: only int8 weights take int8 activations (quantize='w8a8')")
