@@ -314,6 +314,23 @@ def test_prompt_too_long_for_a_model_without_a_window(tmp_path, tokenizer_path):
         thread.join(10)
 
 
+def test_serve_quantizes_while_loading_as_generate_does():
+    """``serve --quantize int8``: the engine's process loads the model as ``load_model(quantize=)``
+    does, and answers with its tokens; a folder stored quantized refuses a second --quantize."""
+    model = load_model("tiny-mistral", dtype=torch.float32, device="cpu", quantize="int8")
+    expected = solo_text((model, Tokenizer.from_folder("tiny-mistral")), "In the beginning", 10)[0]
+    server = Server("--quantize", "int8", "--decode", "eager", "--max-rows", "2", model="tiny-mistral")
+    try:
+        assert "weights int8" in "".join(server.lines)
+        answer = server.client().completions.create(model="tiny-mistral", prompt="In the beginning", max_tokens=10, temperature=0)
+        assert answer.choices[0].text == expected
+    finally:
+        server.stop()
+    from mixtral_infer.cli import commands
+
+    assert commands.main(["serve", "--quantize", "int4-48"]) == 1  # checked before anything loads
+
+
 def test_serve_options_are_checked_before_loading(capsys, monkeypatch):
     from mixtral_infer.cli import commands
 

@@ -511,6 +511,7 @@ def serve(
     device: str = None,
     dtype: str = None,
     decode: str = "auto",
+    quantize: str = None,
     served_model_name: str = None,
     shutdown_timeout: float = 30.0,
     admit_every: int = None,
@@ -534,12 +535,14 @@ def serve(
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         decode: how steps where every row decodes run, all alike in result: auto (the default: the static step compiled before serving, and on cpu chosen per step against the eager pass; uncompiled if compiling fails), eager, static or compiled.
+        quantize: int8, int4 or int4-128: weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
         served_model_name: the model name clients send and /v1/models lists; default: the folder's name.
         shutdown_timeout: seconds running requests may take to finish after SIGTERM before they are cancelled.
         admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token); default 1, or 6 where decode steps run compiled and the steps that read prompts do not (auto and compiled on cpu).
         pin_cpus: run the engine's process on all but one of the CPUs this server may use, and the server's own process (HTTP, JSON) on that one, so that neither interrupts the other.
     """
     check_decode(decode)
+    check_quantize(quantize)
     from mixtral_infer.serve.options import check_serve_options
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every)
@@ -553,7 +556,7 @@ def serve(
     tokenizer = Tokenizer.from_folder(folder)  # this process turns requests into tokens; the engine's loads the model
     name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
     run_server(
-        functools.partial(load, model_path, 1, device, dtype), tokenizer, model_name=str(name), host=str(host),
+        functools.partial(load, model_path, 1, device, dtype, quantize=quantize), tokenizer, model_name=str(name), host=str(host),
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
         prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=None if admit_every is None else int(admit_every),
         shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus),
