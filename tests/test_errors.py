@@ -234,6 +234,26 @@ def test_token_ids_outside_the_vocabulary(model, token):
         generate([[1, 2], [1, token]], model, max_tokens=2)
 
 
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        ("In the beginning", "encoded_prompts='In the beginning': pass a list of prompts, each a list of token ids"),
+        (None, "encoded_prompts=None: pass a list of prompts"),  # a str read as 16 one-letter prompts, None as TypeError
+        (["In the beginning"], r"prompt 0 is text \('In the beginning'\): encode it first"),
+    ],
+)
+def test_text_where_token_ids_belong_is_named(model, prompts, message):
+    with pytest.raises(GenerationError, match=message):
+        generate(prompts, model, max_tokens=2)
+
+
+@pytest.mark.parametrize("eos_id", [-1, 128, "2", 2.0])
+def test_an_eos_id_that_no_token_can_equal_is_refused(model, eos_id):
+    """It would never end a sequence: every answer would run to max_tokens, silently."""
+    with pytest.raises(GenerationError, match=rf"eos_id={eos_id!r} must be a token id in \[0, 128\), or None"):
+        generate([[1, 2]], model, max_tokens=2, eos_id=eos_id)
+
+
 def test_empty_prompt_string_with_and_without_bos(model, tokenizer_path):
     tokenizer = Tokenizer(tokenizer_path)
     assert tokenizer.encode("", bos=True) == [tokenizer.bos_id]

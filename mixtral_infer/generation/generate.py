@@ -18,6 +18,7 @@ from mixtral_infer.fast.decode_step import supports_static_decode
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample, token_logprobs
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
+    as_int,
     check_cache_capacity,
     check_new_cache,
     check_options,
@@ -50,12 +51,18 @@ def check_settings(
     chunk_size: Optional[int],
     max_batch_size: int,
     seed: Optional[int] = None,
+    eos_id: Optional[int] = None,
 ) -> List[List[int]]:
     """Raise GenerationError, before any work, on settings out of range; the prompts as lists of ints.
 
     Token ids may be any integers (numpy's, 0-d torch tensors); they come back as Python ints.
     """
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)
+    if isinstance(encoded_prompts, (str, bytes)) or not hasattr(encoded_prompts, "__len__"):
+        raise GenerationError(
+            f"encoded_prompts={encoded_prompts!r:.40}: pass a list of prompts, each a list of token ids "
+            "(tokenizer.encode(text, bos=True))"
+        )
     if len(encoded_prompts) == 0:
         raise GenerationError("no prompts given: pass a list with at least one encoded prompt")
     if len(encoded_prompts) > max_batch_size:
@@ -67,7 +74,12 @@ def check_settings(
     for index, prompt in enumerate(encoded_prompts):
         if len(prompt) == 0:
             raise GenerationError(f"prompt {index} is empty: encode it with bos=True or give at least one token")
+        if isinstance(prompt, (str, bytes)):
+            raise GenerationError(f"prompt {index} is text ({prompt!r:.40}): encode it first, tokenizer.encode(text, bos=True)")
         prompts.append(token_ids(prompt, index, model.args.vocab_size))
+    eos = None if eos_id is None else as_int(eos_id)
+    if eos_id is not None and (eos is None or not 0 <= eos < model.args.vocab_size):
+        raise GenerationError(f"eos_id={eos_id!r} must be a token id in [0, {model.args.vocab_size}), or None for no end token")
     return prompts
 
 
@@ -201,8 +213,9 @@ def generate(
     """
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
     encoded_prompts = check_settings(
-        encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed
+        encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed, eos_id
     )
+    eos_id = None if eos_id is None else int(eos_id)
     max_tokens, temperature = int(max_tokens), effective_temperature(temperature)
     top_k, chunk_size, seed = (None if v is None else int(v) for v in (top_k, chunk_size, seed))
     mode = decode_mode(decode, model)
