@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from sentencepiece import SentencePieceProcessor
 
-from mixtral_infer.errors import CheckpointError
+from mixtral_infer.errors import CheckpointError, GenerationError
 from mixtral_infer.shipped import resolve_model_folder
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -99,7 +99,11 @@ class Tokenizer:
         return [begin] + self.encode(text, bos=False) + [end]
 
     def decode(self, ids: List[int]) -> str:
-        return self._model.decode(list(ids))
+        ids, n_words = list(ids), self.n_words
+        outside = [i for i in ids if isinstance(i, int) and not 0 <= i < n_words]
+        if outside:
+            raise GenerationError(f"token id {outside[0]} is outside this tokenizer's vocabulary [0, {n_words})")
+        return self._model.decode(ids)
 
     def decode_continuation(self, ids: List[int]) -> str:
         """Tokens that continue a text: sentencepiece drops the space of a first ``▁word``

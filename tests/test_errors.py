@@ -254,6 +254,15 @@ def test_an_eos_id_that_no_token_can_equal_is_refused(model, eos_id):
         generate([[1, 2]], model, max_tokens=2, eos_id=eos_id)
 
 
+@pytest.mark.parametrize("token", [-1, 400, 10**6])
+def test_decoding_an_id_outside_the_vocabulary_names_it(tokenizer_path, token):
+    """sentencepiece said only "piece id is out of range", without the id."""
+    tokenizer = Tokenizer(tokenizer_path)
+    with pytest.raises(GenerationError, match=rf"token id {token} is outside this tokenizer's vocabulary \[0, 400\)"):
+        tokenizer.decode([5, token])
+    assert tokenizer.decode([]) == ""
+
+
 def test_empty_prompt_string_with_and_without_bos(model, tokenizer_path):
     tokenizer = Tokenizer(tokenizer_path)
     assert tokenizer.encode("", bos=True) == [tokenizer.bos_id]

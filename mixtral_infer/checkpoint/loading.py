@@ -45,6 +45,7 @@ from mixtral_infer.checkpoint.quantized import (
 )
 from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
+from mixtral_infer.devices import checked_device, checked_dtype, default_device
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_column_blocks import block_long_rows
 from mixtral_infer.fast.cpu_packed import pack_model
@@ -72,10 +73,6 @@ NamedTensors = Iterator[Tuple[str, torch.Tensor]]
 
 _EXPERT_NAME = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(\d+)\.(w[123])\.weight$")
 _STACKED_NAME = re.compile(r"^layers\.(\d+)\.feed_forward\.(w[123])$")
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def default_dtype(checkpoint: "Checkpoint", device: torch.device, quantize: Optional[QuantScheme] = None) -> torch.dtype:
@@ -249,6 +246,8 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
 
     ``folder`` may also be a shipped model's name (``tiny-mixtral``, ``tiny-mistral``).
     """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise CheckpointError(f"folder={folder!r}: give a model folder's path or a shipped model's name (see `models`)")
     folder = resolve_model_folder(folder)
     if not folder.exists():
         raise CheckpointError(f"{folder}: model folder not found")
@@ -405,13 +404,8 @@ def load_model(
     if pack not in (True, False, "columns"):
         raise ConfigError(f"pack={pack!r}: use True (oneDNN's layout), 'columns' (compiled decoding) or False (plain)")
     scheme = QuantScheme.parse(quantize)
-    if device is not None:
-        try:
-            kind = torch.device(device).type
-        except (RuntimeError, TypeError):
-            raise ConfigError(f"device={device!r} is not a torch device (try 'cpu' or 'cuda')") from None
-        if kind == "meta":
-            raise ConfigError("device='meta' holds no data, so no weights can be loaded onto it: use 'cpu' or 'cuda'")
+    device = checked_device(device, f"device={device!r}")
+    dtype = checked_dtype(dtype, f"dtype={dtype!r}")
     checkpoint = open_checkpoint(folder)
     checkpoint.args = ModelArgs.checked({**vars(checkpoint.args), "max_batch_size": max_batch_size}, "load_model")
     parallel.check(checkpoint.args)
@@ -420,7 +414,6 @@ def load_model(
         raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized as {stored.label} already; load without quantize=")
     if scheme is not None or stored is not None:
         check_quantizable(checkpoint.args, scheme or stored, parallel.tensor_parallel)
-    device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(checkpoint, device, scheme)
     tokenizer = find_tokenizer(checkpoint.folder)
     if tokenizer is not None:

@@ -68,29 +68,9 @@ def check_decode(decode: str) -> None:
 
 def parse_device(name: Optional[str]):
     """The device a model can run on: cpu, cuda[:N] where CUDA is available, mps where MPS is."""
-    import torch
+    from mixtral_infer.devices import checked_device
 
-    if name is None:
-        from mixtral_infer.checkpoint.loading import default_device
-
-        return default_device()
-    try:
-        device = torch.device(name) if isinstance(name, str) else None
-    except RuntimeError:
-        device = None
-    if device is None:
-        raise GenerationError(f"--device {name!r} is not a torch device (try cpu or cuda)")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise GenerationError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise GenerationError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise GenerationError(f"--device {name}: MPS is not available on this machine (use --device cpu)")
-    elif device.type != "cpu":
-        raise GenerationError(f"--device {name}: a model runs on cpu, cuda or mps, not {device.type}")
-    return device
+    return checked_device(name, f"--device {name}")
 
 
 def check_options(

@@ -1,0 +1,59 @@
+"""Where a model can run and what it can compute in: the checks ``load_model`` and the command
+line share, so that a device or dtype this machine cannot give is said before any weight is read.
+
+>>> checked_device("cpu", "device='cpu'"), checked_dtype("bfloat16", "dtype='bfloat16'")
+(device(type='cpu'), torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mixtral_infer.errors import ConfigError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what the command line's --dtype takes
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def checked_device(device: object, label: str) -> torch.device:
+    """``device`` (a name or a torch.device) if a model can run there on this machine, else
+    ConfigError starting with ``label`` (``device='cuda'``, ``--device cuda``); None: the default."""
+    if device is None:
+        return default_device()
+    try:
+        named = isinstance(device, (str, torch.device)) or (isinstance(device, int) and not isinstance(device, bool))
+        place = torch.device(device) if named else None  # an int is a CUDA device's index, as in torch
+    except RuntimeError:
+        if isinstance(device, int):  # torch reads it as an index of this machine's accelerator
+            raise ConfigError(f"{label}: an index names a CUDA or MPS device, and none is available here (use cpu)") from None
+        place = None
+    if place is None:
+        raise ConfigError(f"{label} is not a torch device (try cpu or cuda)")
+    if place.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{label}: CUDA is not available on this machine (torch {torch.__version__}; use cpu)")
+        if place.index is not None and place.index >= torch.cuda.device_count():
+            raise ConfigError(f"{label}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif place.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError(f"{label}: MPS is not available on this machine (use cpu)")
+    elif place.type != "cpu":
+        held = " (it holds no data)" if place.type == "meta" else ""
+        raise ConfigError(f"{label}: a model runs on cpu, cuda or mps, not {place.type}{held}")
+    return place
+
+
+def checked_dtype(dtype: object, label: str) -> Optional[torch.dtype]:
+    """A floating torch dtype, or its name (``"bfloat16"``), as a torch dtype; None stays None."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2:
+        return dtype  # float64 too: a reference to check others against
+    raise ConfigError(f"{label} is not a floating dtype a model computes in: use one of {', '.join(DTYPE_NAMES)}")
