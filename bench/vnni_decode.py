@@ -4,9 +4,10 @@
                                 [--out bench/results_vnni_decode.jsonl]
 
 A measurement for the decision the quantization issue leaves open, not a path of the package.
-Copies of a dense model (Mistral's layout: a mixture of experts would hand the product a gathered
-expert), int8 weight-only, bfloat16 compute, each with its compiled decode step built while one
-function had one meaning: ``int8 reductions``, the package as it is (``pack="columns"``, as
+Copies of a model (dense, or a mixture of experts: at batch 1 the step multiplies its two chosen
+experts one by one, each read in place, the operators given the stacked weights and the expert's
+index, as the package's own expert kernels are), int8 weight-only, bfloat16 compute, each with
+its compiled decode step built while one function had one meaning: ``int8 reductions``, the package as it is (``pack="columns"``, as
 ``main.py --decode compiled`` loads); ``int8 vnni``, plain weights (``pack=False``), whose
 one-row int8 products quantize the row to 8 bits (``w8a8``'s scheme) and multiply integers with
 ``vpdpbusd`` (``torch.ops.vnni_bench.int8_rows``, an operator ``vnni_matvec.py``'s extension
@@ -36,7 +37,7 @@ from vnni_matvec import build, int4_bytes, int4_start, quantized_rows  # noqa: E
 from mixtral_infer import load_model  # noqa: E402
 from mixtral_infer.model import linear  # noqa: E402
 from mixtral_infer.quant import kernels  # noqa: E402
-from mixtral_infer.quant.weights import QuantizedParameter  # noqa: E402
+from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight  # noqa: E402
 
 build()  # torch.ops.vnni_bench.int8_rows and int4_rows (vnni_matvec.py)
 QUANTIZED_LINEAR = kernels.quantized_linear  # the package's, as imported
@@ -49,29 +50,44 @@ def vnni_linear(x: torch.Tensor, weight) -> torch.Tensor:
     if x.shape[0] != 1 or (int8 is None and int4 is None) or not torch.compiler.is_compiling():
         return QUANTIZED_LINEAR(x, weight)
     xq, scale = quantized_rows(x)  # (1, IN), (1, 1): inductor fuses it into the step
-    if int8 is not None:
-        y = torch.ops.vnni_bench.int8_rows(xq[0], scale, weight.values, int8, weight.scales)
+    if int8 is not None:  # an expert of stacked weights (weight.expert, a 0-d tensor) is read in place
+        y = torch.ops.vnni_bench.int8_rows(xq[0], scale, weight.values, int8, weight.scales, weight.expert)
     else:
-        y = torch.ops.vnni_bench.int4_rows(xq[0], scale, int4, weight.scales, int4_start(xq[0]))
+        y = torch.ops.vnni_bench.int4_rows(xq[0], scale, int4, weight.scales, int4_start(xq[0]), weight.expert)
     return y.to(x.dtype)[None]  # (1, OUT)
 
 
+GETITEM = QuantizedWeight.__getitem__
+
+
+def expert_with_layouts(self, index):
+    """``QuantizedWeight.__getitem__``, the expert also carrying the stacked weight's vnni layout
+    (with ``expert = index`` the product picks that expert's part)."""
+    expert = GETITEM(self, index)
+    for name in ("vnni_sums", "vnni_values"):
+        if getattr(self, name, None) is not None:
+            setattr(expert, name, getattr(self, name) if expert.expert is not None else getattr(self, name)[index])
+    return expert
+
+
 def give_vnni_layouts(model) -> None:
-    """What the products read beside a weight of ``model``, as buffers: a plain 2-D int8 weight its
-    rows' sums (``vnni_sums``); a 2-D int4 weight (groups of 32) ``vnni_matvec``'s layout
+    """What the products read beside a weight of ``model``, as buffers: a plain int8 weight its
+    rows' sums (``vnni_sums``); an int4 weight (groups of 32) ``vnni_matvec``'s layout
     (``vnni_values``, read back from the CPU kernel's layout, which stays; the read-back knows that
-    layout for rows in multiples of 64)."""
+    layout for rows in multiples of 64). Stacked experts get them stacked, expert by expert."""
     for module in model.modules():
-        if not isinstance(module, QuantizedParameter) or module.scales.dim() != 1 + (module.scheme.name == "int4"):
+        if not isinstance(module, QuantizedParameter):
             continue
         out_features, in_features = module.shape[-2:]
         if in_features % 64 or out_features % 64:
             continue
-        if module.scheme.name == "int8" and module.values is not None and module.values.dim() == 2:
+        if module.scheme.name == "int8" and module.values is not None:
             module.register_buffer("vnni_sums", module.values.sum(-1, dtype=torch.int32), persistent=False)
         elif module.scheme.name == "int4" and module.scheme.group_size == 32 and module.values is None:
-            nibbles = kernels.dequantize_int4_kernel_layout(_unit_scales(module), torch.float32)
-            module.register_buffer("vnni_values", int4_bytes(nibbles.to(torch.int8)), persistent=False)
+            experts = [module] if module.scales.dim() == 2 else [module[e] for e in range(module.scales.shape[0])]
+            nibbles = [kernels.dequantize_int4_kernel_layout(_unit_scales(w), torch.float32) for w in experts]
+            layouts = [int4_bytes(n.to(torch.int8)) for n in nibbles]  # (OUT, IN/2) each
+            module.register_buffer("vnni_values", layouts[0] if module.scales.dim() == 2 else torch.stack(layouts), persistent=False)
 
 
 class _unit_scales:
@@ -86,6 +102,7 @@ def main(argv=None) -> int:
     parser = copies_parser(__doc__.split("\n")[0])
     parser.add_argument("--schemes", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
     options = parser.parse_args(argv)
+    QuantizedWeight.__getitem__ = expert_with_layouts  # an expert keeps the vnni layouts of its stack
     prompts = [list(range(1, 65))]
     models, compile_s, tokens = {}, {}, {}
     copies = (("int8 reductions", "int8", QUANTIZED_LINEAR, "columns"), ("int8 vnni", "int8", vnni_linear, False),

@@ -61,10 +61,20 @@ CPP = r"""
 // Rows are read in PLACES places at once, OUT / PLACES rows apart (as cpu_reductions.row_sums).
 constexpr int64_t PLACES = 8;
 
+// Expert e of stacked weights (E, ...) where an expert index is given: views, read in place.
+void pick_expert(const std::optional<torch::Tensor>& expert, std::initializer_list<torch::Tensor*> tensors) {
+  if (!expert.has_value()) return;
+  const int64_t e = expert->item<int64_t>();
+  for (torch::Tensor* t : tensors) *t = t->select(0, e);
+}
+
 // y[r] = scale * s[r] * sum_k xq[k] * w[r, k]: xq (IN,) int8, scale 0-d float32, w (OUT, IN) int8,
 // sums (OUT,) int32 (each row's sum), s (OUT,) bfloat16 -> float32 (OUT,). vpdpbusd takes unsigned
-// bytes: xq ^ 0x80 is xq + 128, and - 128 * sums[r] takes the 128 out.
-torch::Tensor int8_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor sums, torch::Tensor s) {
+// bytes: xq ^ 0x80 is xq + 128, and - 128 * sums[r] takes the 128 out. With expert: w (E, OUT, IN),
+// sums and s (E, OUT), and expert e's are read.
+torch::Tensor int8_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor sums, torch::Tensor s,
+                        const std::optional<torch::Tensor>& expert) {
+  pick_expert(expert, {&w, &sums, &s});
   const int64_t OUT = w.size(0), IN = w.size(1), step = OUT / PLACES;
   TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
   auto y = torch::empty({OUT}, torch::kFloat32);
@@ -95,8 +105,10 @@ torch::Tensor int8_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, 
 
 // y[r] = scale * sum_g scales[r, g] * sum_{k in g} q[r, k] * xq[k], groups of 32; w (OUT, IN/2) bytes as
 // the docstring lays them out, scales (OUT, IN/32) bfloat16, start (IN/4,) int32: -8 * the sums of 4 inputs.
+// With expert: w and scales stacked (E, ...), expert e's read.
 torch::Tensor int4_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor scales,
-                        torch::Tensor start) {
+                        torch::Tensor start, const std::optional<torch::Tensor>& expert) {
+  pick_expert(expert, {&w, &scales});
   const int64_t OUT = w.size(0), IN = 2 * w.size(1), step = OUT / PLACES, G = IN / 32;
   TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
   auto y = torch::empty({OUT}, torch::kFloat32);
@@ -138,8 +150,8 @@ torch::Tensor int4_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, 
 
 // Operators, so that a compiled step calls them from C++ (no Python between): torch.ops.vnni_bench.*
 TORCH_LIBRARY(vnni_bench, m) {
-  m.def("int8_rows(Tensor xq, Tensor scale, Tensor w, Tensor sums, Tensor s) -> Tensor");
-  m.def("int4_rows(Tensor xq, Tensor scale, Tensor w, Tensor scales, Tensor start) -> Tensor");
+  m.def("int8_rows(Tensor xq, Tensor scale, Tensor w, Tensor sums, Tensor s, Tensor? expert=None) -> Tensor");
+  m.def("int4_rows(Tensor xq, Tensor scale, Tensor w, Tensor scales, Tensor start, Tensor? expert=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(vnni_bench, CPU, m) {
   m.impl("int8_rows", int8_rows);
@@ -158,12 +170,12 @@ def build() -> None:
     )  # fmt: skip
 
     @torch.library.register_fake("vnni_bench::int8_rows")
-    def _(xq, scale, values, sums, scales):
-        return values.new_empty(values.shape[0], dtype=torch.float32)
+    def _(xq, scale, values, sums, scales, expert=None):
+        return values.new_empty(values.shape[-2], dtype=torch.float32)
 
     @torch.library.register_fake("vnni_bench::int4_rows")
-    def _(xq, scale, values, scales, start):
-        return values.new_empty(values.shape[0], dtype=torch.float32)
+    def _(xq, scale, values, scales, start, expert=None):
+        return values.new_empty(values.shape[-2], dtype=torch.float32)
 
 
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,6 +252,12 @@ def main() -> None:
     exact4 = ((xq.float() * first4.float()).view(out_features, -1, group).sum(-1) * int4[0].scales.float())
     got4 = int4_rows(xq[0], sx, *int4_vnni[0], int4_start(xq[0]))
     torch.testing.assert_close(got4, exact4.sum(-1) * sx[0], rtol=1e-5, atol=1e-3)
+    one = torch.tensor(1)  # expert 1 of stacked weights: the 2-D product of that weight
+    stacked8 = [torch.stack(t) for t in zip(*int8_vnni[:2])]
+    assert torch.equal(int8_rows(xq[0], sx, *stacked8, one), int8_rows(xq[0], sx, *int8_vnni[1]))
+    stacked4 = [torch.stack(t) for t in zip(*int4_vnni[:2])]
+    start = int4_start(xq[0])
+    assert torch.equal(int4_rows(xq[0], sx, *stacked4, start, one), int4_rows(xq[0], sx, *int4_vnni[1], start))
     for name, (way, args, expected) in ways.items():
         got = way(x, args)[0].float().view(1, -1)
         torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0, msg=name)

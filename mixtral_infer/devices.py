@@ -27,9 +27,9 @@ def checked_device(device: object, label: str) -> torch.device:
         return default_device()
     try:
         named = isinstance(device, (str, torch.device)) or (isinstance(device, int) and not isinstance(device, bool))
-        place = torch.device(device) if named else None  # an int is a CUDA device's index, as in torch
+        place = torch.device(device) if named else None  # an int: an index of the accelerator, as torch reads it
     except RuntimeError:
-        if isinstance(device, int):  # torch reads it as an index of this machine's accelerator
+        if isinstance(device, int):  # and this machine has none
             raise ConfigError(f"{label}: an index names a CUDA or MPS device, and none is available here (use cpu)") from None
         place = None
     if place is None:
