@@ -70,6 +70,13 @@ def step_compiler(model: Transformer) -> StepCompiler:
     return compiler
 
 
+def compile_seconds(model: Transformer) -> float:
+    """Seconds spent so far building ``model``'s compiled decode steps (0 if none was built): a
+    caller timing a generation takes the difference out of its tokens/s."""
+    compiler = model.__dict__.get("_step_compiler")
+    return 0.0 if compiler is None else compiler.compile_seconds
+
+
 class StepReader:
     """Copies each step's ``(emitted, logprobs)`` to the host without waiting, reads them later."""
 

@@ -396,6 +396,7 @@ class StepCompiler:
         self.announce = announce if announce is not None else lambda message: print(message, file=sys.stderr)
         self.steps: Dict[tuple, Callable[..., StepOutputs]] = {}
         self.cache: Optional[RotatingBufferCache] = None
+        self.compile_seconds = 0.0  # spent building steps so far: what a tokens/s figure should leave out
 
     def cache_for(self, batch: int, max_seqlen: int) -> RotatingBufferCache:
         """A cache of ``batch`` rows for sequences of up to ``max_seqlen`` tokens, reused when it fits.
@@ -445,7 +446,9 @@ class StepCompiler:
             self.steps[key] = built
             with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
                 outputs = built(*args)  # torch.compile's step compiles here
-            self.announce(f"compiled in {time.perf_counter() - start:.1f}s")
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            self.announce(f"compiled in {seconds:.1f}s")
             return outputs
 
         return first_call
