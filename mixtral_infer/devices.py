@@ -30,7 +30,8 @@ def checked_device(device: object, label: str) -> torch.device:
         place = torch.device(device) if named else None  # an int: an index of the accelerator, as torch reads it
     except RuntimeError:
         if isinstance(device, int):  # and this machine has none
-            raise ConfigError(f"{label}: an index names a CUDA or MPS device, and none is available here (use cpu)") from None
+            message = "an index names a CUDA or MPS device, and none is available here (use cpu)"
+            raise ConfigError(f"{label}: {message}") from None
         place = None
     if place is None:
         raise ConfigError(f"{label} is not a torch device (try cpu or cuda)")

@@ -159,4 +159,5 @@ def test_a_reply_leaves_the_time_its_step_took_to_compile_out_of_its_rate():
     plain = Reply("x", tokens=12, seconds=0.3, first_token_seconds=0.08, hit_max_tokens=False)
     assert plain.stats() == "12 tokens, 40.0 tokens/s, first token after 0.08 s"
     compiled = Reply("x", tokens=12, seconds=40.5, first_token_seconds=40.3, hit_max_tokens=False, compile_seconds=40.2)
-    assert compiled.stats() == "12 tokens, 40.0 tokens/s, first token after 40.30 s (40.2 s compiling the decode step, once)"
+    expected = "12 tokens, 40.0 tokens/s, first token after 40.30 s (40.2 s compiling the decode step, once)"
+    assert compiled.stats() == expected

@@ -238,7 +238,7 @@ def test_token_ids_outside_the_vocabulary(model, token):
     "prompts, message",
     [
         ("In the beginning", "encoded_prompts='In the beginning': pass a list of prompts, each a list of token ids"),
-        (None, "encoded_prompts=None: pass a list of prompts"),  # a str read as 16 one-letter prompts, None as TypeError
+        (None, "encoded_prompts=None: pass a list of prompts"),  # was: a str read as one prompt per letter, None a TypeError
         (["In the beginning"], r"prompt 0 is text \('In the beginning'\): encode it first"),
     ],
 )

@@ -220,7 +220,7 @@ def test_pth_tensor_of_wrong_shape_is_refused_before_the_model_gets_it(tmp_path)
         ("tpu9", "device='tpu9' is not a torch device"),
         (5.5, "device=5.5 is not a torch device"),
         ("cuda:99", r"device='cuda:99': (CUDA is not available on this machine|this machine has \d+ CUDA device\(s\))"),
-        (99, r"device=99: (an index names a CUDA or MPS device, and none is available here|this machine has \d+ CUDA device\(s\))"),
+        (99, r"device=99: (an index names a CUDA or MPS device, and none is available|this machine has \d+ CUDA device)"),
     ],
 )
 def test_a_device_that_cannot_hold_weights_is_named_not_blamed_on_the_checkpoint(hf_folder, device, message):
@@ -231,7 +231,8 @@ def test_a_device_that_cannot_hold_weights_is_named_not_blamed_on_the_checkpoint
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, "fp16", 16])
 def test_a_dtype_a_model_cannot_compute_in_is_refused(hf_folder, dtype):
     """torch.int8 loaded: every weight rounded to an integer; a name reached torch's Tensor.to."""
-    with pytest.raises(ConfigError, match=f"dtype={dtype!r} is not a floating dtype a model computes in: use one of float32"):
+    message = f"dtype={dtype!r} is not a floating dtype a model computes in: use one of float32"
+    with pytest.raises(ConfigError, match=message):
         load_model(hf_folder, dtype=dtype)
 
 

@@ -322,7 +322,8 @@ def test_serve_quantizes_while_loading_as_generate_does():
     server = Server("--quantize", "int8", "--decode", "eager", "--max-rows", "2", model="tiny-mistral")
     try:
         assert "weights int8" in "".join(server.lines)
-        answer = server.client().completions.create(model="tiny-mistral", prompt="In the beginning", max_tokens=10, temperature=0)
+        client = server.client()
+        answer = client.completions.create(model="tiny-mistral", prompt="In the beginning", max_tokens=10, temperature=0)
         assert answer.choices[0].text == expected
     finally:
         server.stop()

@@ -79,7 +79,8 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
         if values.dtype != expected:
             raise CheckpointError(f"{source}: {weight_name} has dtype {values.dtype}, {scheme.name} stores {expected}")
         if not scales.is_floating_point():
-            raise CheckpointError(f"{source}: {scales_name(weight_name)} has dtype {scales.dtype}, expected floating point")
+            name = scales_name(weight_name)
+            raise CheckpointError(f"{source}: {name} has dtype {scales.dtype}, expected floating point")
         in_features = values.shape[-1] * (2 if scheme.name == "int4" else 1)
         weight = prepare(QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features))
         del values, scales, tensor

@@ -298,7 +298,8 @@ def demo(
         print("-" * 40)
     n_tokens = sum(len(t) for t in generated)
     before = f", after {compiling:.1f}s compiling the decode step (once)" if compiling else ""
-    print(f"{n_tokens} tokens in {elapsed:.2f}s ({n_tokens / max(elapsed, 1e-9):.1f} tokens/s){before}", file=sys.stderr)
+    rate = n_tokens / max(elapsed, 1e-9)
+    print(f"{n_tokens} tokens in {elapsed:.2f}s ({rate:.1f} tokens/s){before}", file=sys.stderr)
 
 
 def interactive(

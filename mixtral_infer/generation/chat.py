@@ -41,8 +41,10 @@ class Reply:
         tokens/s, first token after 40.30 s (40.2 s compiling the decode step, once)``."""
         seconds = self.seconds - self.compile_seconds
         rate = self.tokens / seconds if seconds > 0 else 0.0
-        compiling = f" ({self.compile_seconds:.1f} s compiling the decode step, once)" if self.compile_seconds else ""
-        first = f", first token after {self.first_token_seconds:.2f} s{compiling}" if self.first_token_seconds is not None else ""
+        first = ""
+        if self.first_token_seconds is not None:
+            compiling = f" ({self.compile_seconds:.1f} s compiling the decode step, once)" if self.compile_seconds else ""
+            first = f", first token after {self.first_token_seconds:.2f} s{compiling}"
         return f"{self.tokens} tokens, {rate:.1f} tokens/s{first}"
 
 

@@ -75,11 +75,14 @@ def check_settings(
         if len(prompt) == 0:
             raise GenerationError(f"prompt {index} is empty: encode it with bos=True or give at least one token")
         if isinstance(prompt, (str, bytes)):
-            raise GenerationError(f"prompt {index} is text ({prompt!r:.40}): encode it first, tokenizer.encode(text, bos=True)")
+            raise GenerationError(
+                f"prompt {index} is text ({prompt!r:.40}): encode it first, tokenizer.encode(text, bos=True)"
+            )
         prompts.append(token_ids(prompt, index, model.args.vocab_size))
     eos = None if eos_id is None else as_int(eos_id)
     if eos_id is not None and (eos is None or not 0 <= eos < model.args.vocab_size):
-        raise GenerationError(f"eos_id={eos_id!r} must be a token id in [0, {model.args.vocab_size}), or None for no end token")
+        vocab = model.args.vocab_size
+        raise GenerationError(f"eos_id={eos_id!r} must be a token id in [0, {vocab}), or None for no end token")
     return prompts
 
 
