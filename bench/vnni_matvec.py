@@ -58,9 +58,6 @@ CPP = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-// Rows are read in PLACES places at once, OUT / PLACES rows apart (as cpu_reductions.row_sums).
-constexpr int64_t PLACES = 8;
-
 // Expert e of stacked weights (E, ...) where an expert index is given: views, read in place.
 void pick_expert(const std::optional<torch::Tensor>& expert, std::initializer_list<torch::Tensor*> tensors) {
   if (!expert.has_value()) return;
@@ -68,84 +65,123 @@ void pick_expert(const std::optional<torch::Tensor>& expert, std::initializer_li
   for (torch::Tensor* t : tensors) *t = t->select(0, e);
 }
 
-// y[r] = scale * s[r] * sum_k xq[k] * w[r, k]: xq (IN,) int8, scale 0-d float32, w (OUT, IN) int8,
-// sums (OUT,) int32 (each row's sum), s (OUT,) bfloat16 -> float32 (OUT,). vpdpbusd takes unsigned
-// bytes: xq ^ 0x80 is xq + 128, and - 128 * sums[r] takes the 128 out. With expert: w (E, OUT, IN),
-// sums and s (E, OUT), and expert e's are read.
-torch::Tensor int8_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor sums, torch::Tensor s,
-                        const std::optional<torch::Tensor>& expert) {
-  pick_expert(expert, {&w, &sums, &s});
-  const int64_t OUT = w.size(0), IN = w.size(1), step = OUT / PLACES;
-  TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
-  auto y = torch::empty({OUT}, torch::kFloat32);
-  const int8_t* x = xq.data_ptr<int8_t>();
-  const int8_t* W = w.data_ptr<int8_t>();
-  const int32_t* sum = sums.data_ptr<int32_t>();
-  const float sx = scale.item<float>();
-  const at::BFloat16* rs = s.data_ptr<at::BFloat16>();
-  float* Y = y.data_ptr<float>();
+// Rows of the weight are read in P places at once, OUT / P rows apart (as cpu_reductions.row_sums),
+// each against the M activation rows: P * M accumulators, fewer places as M grows (32 registers).
+template <int M> constexpr int places() { return M == 1 ? 8 : M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+
+// y[m, r] = scale[m] * s[r] * sum_k xq[m, k] * w[r, k]: xq (M, IN) int8, scale (M,) float32, w (OUT, IN)
+// int8, sums (OUT,) int32 (each row's sum), s (OUT,) bfloat16 -> y (M, OUT) float32. vpdpbusd takes
+// unsigned bytes: xq ^ 0x80 is xq + 128, and - 128 * sums[r] takes the 128 out.
+template <int M>
+void int8_rows_m(const int8_t* x, const float* sx, const int8_t* W, const int32_t* sum, const at::BFloat16* rs,
+                 float* Y, int64_t OUT, int64_t IN) {
+  constexpr int P = places<M>();
+  const int64_t step = OUT / P;
   const __m512i sign = _mm512_set1_epi8(char(0x80));
   at::parallel_for(0, step, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      __m512i acc[PLACES];
-      for (int p = 0; p < PLACES; ++p) acc[p] = _mm512_setzero_si512();
+      __m512i acc[P][M];
+      for (int p = 0; p < P; ++p)
+        for (int m = 0; m < M; ++m) acc[p][m] = _mm512_setzero_si512();
       for (int64_t k = 0; k < IN; k += 64) {
-        const __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(x + k), sign);  // xq + 128
-        for (int p = 0; p < PLACES; ++p)
-          acc[p] = _mm512_dpbusd_epi32(acc[p], xv, _mm512_loadu_si512(W + (r + p * step) * IN + k));
+        __m512i xv[M];
+        for (int m = 0; m < M; ++m) xv[m] = _mm512_xor_si512(_mm512_loadu_si512(x + m * IN + k), sign);  // + 128
+        for (int p = 0; p < P; ++p) {
+          const __m512i wv = _mm512_loadu_si512(W + (r + p * step) * IN + k);
+          for (int m = 0; m < M; ++m) acc[p][m] = _mm512_dpbusd_epi32(acc[p][m], xv[m], wv);
+        }
       }
-      for (int p = 0; p < PLACES; ++p) {
+      for (int p = 0; p < P; ++p) {
         const int64_t row = r + p * step;
-        Y[row] = sx * float(rs[row]) * float(_mm512_reduce_add_epi32(acc[p]) - 128 * sum[row]);
+        for (int m = 0; m < M; ++m)
+          Y[m * OUT + row] = sx[m] * float(rs[row]) * float(_mm512_reduce_add_epi32(acc[p][m]) - 128 * sum[row]);
       }
     }
   });
-  return y;
 }
 
-// y[r] = scale * sum_g scales[r, g] * sum_{k in g} q[r, k] * xq[k], groups of 32; w (OUT, IN/2) bytes as
-// the docstring lays them out, scales (OUT, IN/32) bfloat16, start (IN/4,) int32: -8 * the sums of 4 inputs.
-// With expert: w and scales stacked (E, ...), expert e's read.
-torch::Tensor int4_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor scales,
-                        torch::Tensor start, const std::optional<torch::Tensor>& expert) {
-  pick_expert(expert, {&w, &scales});
-  const int64_t OUT = w.size(0), IN = 2 * w.size(1), step = OUT / PLACES, G = IN / 32;
-  TORCH_CHECK(IN % 64 == 0 && OUT % PLACES == 0, "IN must be a multiple of 64, OUT of 8");
-  auto y = torch::empty({OUT}, torch::kFloat32);
-  const int8_t* x = xq.data_ptr<int8_t>();
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  const int32_t* C = start.data_ptr<int32_t>();
-  const float sx = scale.item<float>();
-  float* Y = y.data_ptr<float>();
+// y[m, r] = scale[m] * sum_g scales[r, g] * sum_{k in g} q[r, k] * xq[m, k], groups of 32; w (OUT, IN/2)
+// bytes as the docstring lays them out, scales (OUT, IN/32) bfloat16, start (M, IN/4) int32: -8 * the
+// sums of 4 inputs of each row.
+template <int M>
+void int4_rows_m(const int8_t* x, const float* sx, const uint8_t* W, const uint16_t* S, const int32_t* C,
+                 float* Y, int64_t OUT, int64_t IN) {
+  constexpr int P = places<M>();
+  const int64_t step = OUT / P, G = IN / 32;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // lanes 0-7 take the first group's scale (the low 16 bits of two bfloat16), lanes 8-15 the second's
   const __m512i shifts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
   const __m512i high16 = _mm512_set1_epi32(0xFFFF0000);
   at::parallel_for(0, step, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      __m512 acc[PLACES];
-      for (int p = 0; p < PLACES; ++p) acc[p] = _mm512_setzero_ps();
+      __m512 acc[P][M];
+      for (int p = 0; p < P; ++p)
+        for (int m = 0; m < M; ++m) acc[p][m] = _mm512_setzero_ps();
       for (int64_t k = 0; k < IN; k += 64) {
-        const __m512i xv = _mm512_loadu_si512(x + k);
-        const __m512i cv = _mm512_loadu_si512(C + k / 4);
-        for (int p = 0; p < PLACES; ++p) {
+        for (int p = 0; p < P; ++p) {
           const int64_t row = r + p * step;
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + row * (IN / 2) + k / 2));
           const __m256i lo = _mm256_and_si256(bytes, low4);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
           const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-          const __m512i dots = _mm512_dpbusd_epi32(cv, q, xv);  // 16 lanes of 4 products each, minus 8 * sums
           uint32_t two;
           std::memcpy(&two, S + row * G + k / 32, 4);
-          const __m512i s = _mm512_and_si512(_mm512_sllv_epi32(_mm512_set1_epi32(two), shifts), high16);
-          acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_castsi512_ps(s), acc[p]);
+          const __m512i bits = _mm512_and_si512(_mm512_sllv_epi32(_mm512_set1_epi32(two), shifts), high16);
+          const __m512 s = _mm512_castsi512_ps(bits);
+          for (int m = 0; m < M; ++m) {
+            const __m512i xv = _mm512_loadu_si512(x + m * IN + k);
+            const __m512i cv = _mm512_loadu_si512(C + m * (IN / 4) + k / 4);
+            const __m512i dots = _mm512_dpbusd_epi32(cv, q, xv);  // 16 lanes of 4 products each, minus 8 * sums
+            acc[p][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), s, acc[p][m]);
+          }
         }
       }
-      for (int p = 0; p < PLACES; ++p) Y[r + p * step] = sx * _mm512_reduce_add_ps(acc[p]);
+      for (int p = 0; p < P; ++p)
+        for (int m = 0; m < M; ++m) Y[m * OUT + r + p * step] = sx[m] * _mm512_reduce_add_ps(acc[p][m]);
     }
   });
+}
+
+// The number of rows M (1-8) as a template argument. xq (IN,) is one row and gives y (OUT,).
+template <typename Kernel>
+torch::Tensor rows(const torch::Tensor& xq, int64_t OUT, int64_t IN, Kernel kernel) {
+  const int64_t M = xq.dim() == 1 ? 1 : xq.size(0);
+  TORCH_CHECK(IN % 64 == 0 && OUT % 8 == 0 && M >= 1 && M <= 8, "IN must be a multiple of 64, OUT of 8, rows 1-8");
+  auto y = torch::empty(xq.dim() == 1 ? std::vector<int64_t>{OUT} : std::vector<int64_t>{M, OUT}, torch::kFloat32);
+  switch (M) {
+    case 1: kernel(std::integral_constant<int, 1>{}, y.data_ptr<float>()); break;
+    case 2: kernel(std::integral_constant<int, 2>{}, y.data_ptr<float>()); break;
+    case 3: kernel(std::integral_constant<int, 3>{}, y.data_ptr<float>()); break;
+    case 4: kernel(std::integral_constant<int, 4>{}, y.data_ptr<float>()); break;
+    case 5: kernel(std::integral_constant<int, 5>{}, y.data_ptr<float>()); break;
+    case 6: kernel(std::integral_constant<int, 6>{}, y.data_ptr<float>()); break;
+    case 7: kernel(std::integral_constant<int, 7>{}, y.data_ptr<float>()); break;
+    default: kernel(std::integral_constant<int, 8>{}, y.data_ptr<float>());
+  }
   return y;
+}
+
+// With expert: w (E, OUT, IN), sums and s (E, OUT), and expert e's are read.
+torch::Tensor int8_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor sums, torch::Tensor s,
+                        const std::optional<torch::Tensor>& expert) {
+  pick_expert(expert, {&w, &sums, &s});
+  auto sx = scale.contiguous();
+  return rows(xq, w.size(0), w.size(1), [&](auto m, float* y) {
+    int8_rows_m<decltype(m)::value>(xq.data_ptr<int8_t>(), sx.data_ptr<float>(), w.data_ptr<int8_t>(),
+                                    sums.data_ptr<int32_t>(), s.data_ptr<at::BFloat16>(), y, w.size(0), w.size(1));
+  });
+}
+
+// With expert: w and scales stacked (E, ...), expert e's read.
+torch::Tensor int4_rows(torch::Tensor xq, torch::Tensor scale, torch::Tensor w, torch::Tensor scales,
+                        torch::Tensor start, const std::optional<torch::Tensor>& expert) {
+  pick_expert(expert, {&w, &scales});
+  auto sx = scale.contiguous();
+  const uint16_t* S = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  return rows(xq, w.size(0), 2 * w.size(1), [&](auto m, float* y) {
+    int4_rows_m<decltype(m)::value>(xq.data_ptr<int8_t>(), sx.data_ptr<float>(), w.data_ptr<uint8_t>(), S,
+                                    start.data_ptr<int32_t>(), y, w.size(0), 2 * w.size(1));
+  });
 }
 
 // Operators, so that a compiled step calls them from C++ (no Python between): torch.ops.vnni_bench.*
@@ -171,11 +207,11 @@ def build() -> None:
 
     @torch.library.register_fake("vnni_bench::int8_rows")
     def _(xq, scale, values, sums, scales, expert=None):
-        return values.new_empty(values.shape[-2], dtype=torch.float32)
+        return values.new_empty((*xq.shape[:-1], values.shape[-2]), dtype=torch.float32)
 
     @torch.library.register_fake("vnni_bench::int4_rows")
     def _(xq, scale, values, scales, start, expert=None):
-        return values.new_empty(values.shape[-2], dtype=torch.float32)
+        return values.new_empty((*xq.shape[:-1], values.shape[-2]), dtype=torch.float32)
 
 
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,9 +222,9 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int4_start(xq: torch.Tensor) -> torch.Tensor:
-    """``-8 *`` the sums of 4 consecutive inputs of ``xq (IN,)``, int32 ``(IN/4,)``: where each lane of
-    ``int4_rows`` starts, which takes the 8 of ``q + 8`` out."""
-    return -8 * xq.view(-1, 4).sum(-1, dtype=torch.int32)
+    """``-8 *`` the sums of 4 consecutive inputs of ``xq (..., IN)``, int32 ``(..., IN/4)``: where each
+    lane of ``int4_rows`` starts, which takes the 8 of ``q + 8`` out."""
+    return -8 * xq.unflatten(-1, (-1, 4)).sum(-1, dtype=torch.int32)
 
 
 def int4_bytes(integers: torch.Tensor) -> torch.Tensor:
@@ -258,6 +294,12 @@ def main() -> None:
     stacked4 = [torch.stack(t) for t in zip(*int4_vnni[:2])]
     start = int4_start(xq[0])
     assert torch.equal(int4_rows(xq[0], sx, *stacked4, start, one), int4_rows(xq[0], sx, *int4_vnni[1], start))
+    xq3, sx3 = quantized_rows(torch.randn(3, in_features, dtype=torch.bfloat16))  # 3 rows at once = each alone
+    start3 = int4_start(xq3)
+    for m in range(3):
+        assert torch.equal(int8_rows(xq3, sx3, *int8_vnni[0])[m], int8_rows(xq3[m], sx3[m], *int8_vnni[0]))
+        alone = int4_rows(xq3[m], sx3[m], *int4_vnni[0], start3[m])
+        assert torch.equal(int4_rows(xq3, sx3, *int4_vnni[0], start3)[m], alone)
     for name, (way, args, expected) in ways.items():
         got = way(x, args)[0].float().view(1, -1)
         torch.testing.assert_close(got, expected, atol=3e-2 * expected.abs().max().item(), rtol=0, msg=name)
