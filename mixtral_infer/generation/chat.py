@@ -37,8 +37,9 @@ class Reply:
 
     def stats(self) -> str:
         """``12 tokens, 35.1 tokens/s, first token after 0.08 s``. The time a compiled step took to
-        build (before the first token) is left out of the rate and said: ``12 tokens, 35.1
-        tokens/s, first token after 40.30 s (40.2 s compiling the decode step, once)``."""
+        build (before the first token) is left out of the rate and said: 12 tokens in 40.5 s, 40.2
+        of them compiling, give ``12 tokens, 40.0 tokens/s, first token after 40.30 s (40.2 s
+        compiling the decode step, once)`` (the test's example)."""
         seconds = self.seconds - self.compile_seconds
         rate = self.tokens / seconds if seconds > 0 else 0.0
         first = ""
