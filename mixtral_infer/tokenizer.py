@@ -99,11 +99,15 @@ class Tokenizer:
         return [begin] + self.encode(text, bos=False) + [end]
 
     def decode(self, ids: List[int]) -> str:
-        ids, n_words = list(ids), self.n_words
-        outside = [i for i in ids if isinstance(i, int) and not 0 <= i < n_words]
-        if outside:
-            raise GenerationError(f"token id {outside[0]} is outside this tokenizer's vocabulary [0, {n_words})")
-        return self._model.decode(ids)
+        ids = list(ids)
+        try:
+            return self._model.decode(ids)
+        except IndexError:  # sentencepiece's "piece id is out of range", without the id: name it
+            n_words = self.n_words  # only here: a server decodes once per token per request
+            outside = next((i for i in ids if isinstance(i, int) and not 0 <= i < n_words), None)
+            if outside is None:
+                raise
+            raise GenerationError(f"token id {outside} is outside this tokenizer's vocabulary [0, {n_words})") from None
 
     def decode_continuation(self, ids: List[int]) -> str:
         """Tokens that continue a text: sentencepiece drops the space of a first ``▁word``
