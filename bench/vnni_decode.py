@@ -90,11 +90,11 @@ def give_vnni_layouts(model) -> None:
         if module.scheme.name == "int8" and module.values is not None:
             module.register_buffer("vnni_sums", module.values.sum(-1, dtype=torch.int32), persistent=False)
         elif module.scheme.name == "int4" and module.scheme.group_size == 32 and module.values is None:
-            experts = [module] if module.scales.dim() == 2 else [module[e] for e in range(module.scales.shape[0])]
+            stacked = module.scales.dim() == 3  # (E, OUT, IN/32): experts
+            experts = [module[e] for e in range(module.scales.shape[0])] if stacked else [module]
             nibbles = [kernels.dequantize_int4_kernel_layout(_unit_scales(w), torch.float32) for w in experts]
             layouts = [int4_bytes(n.to(torch.int8)) for n in nibbles]  # (OUT, IN/2) each
-            stacked = layouts[0] if module.scales.dim() == 2 else torch.stack(layouts)
-            module.register_buffer("vnni_values", stacked, persistent=False)
+            module.register_buffer("vnni_values", torch.stack(layouts) if stacked else layouts[0], persistent=False)
 
 
 class _unit_scales:
