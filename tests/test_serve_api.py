@@ -202,6 +202,27 @@ def test_a_client_that_disconnects_frees_its_row(server):
     assert 'mixtral_infer_requests_total{finish_reason="cancelled"} 1.0' in metrics
 
 
+def cancelled_requests(server) -> float:
+    metrics = server.request("GET", "/metrics")[2]
+    found = re.search(r'mixtral_infer_requests_total\{finish_reason="cancelled"\} ([\d.]+)', metrics)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(server):
+    # Not streamed: the answer would come in one piece after 5000 tokens. The request produces a
+    # token every step, so it must notice the client's leaving while tokens keep coming.
+    before = cancelled_requests(server)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"prompt": "In the beginning", "max_tokens": 5000, "ignore_eos": True}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    assert wait_for(lambda: server.health()["running"] == 1)
+    time.sleep(0.5)  # tokens are being made
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    assert wait_for(lambda: server.health()["rows_free"] == 4)
+    assert cancelled_requests(server) == before + 1
+
+
 @pytest.mark.parametrize(
     "body, param, message",
     [

@@ -4,8 +4,9 @@ events, plus ``/v1/models``, ``/health`` and ``/metrics``.
 Each request is submitted to the engine before any byte of the response is sent, so a full
 queue is a 429 (``Retry-After``) and a refused prompt a 400. The engine's thread hands the
 request's events to the event loop (``EventPump``: one wake-up per batch of events); a
-streamed response writes the events that have arrived since its last write in one chunk. When the client goes away, the response stops and the ``finally``
-cancels the request: the engine frees its row at the start of its next step.
+streamed response writes the events that have arrived since its last write in one chunk. When the
+client goes away (a stream stops being read; a request for a whole answer polls for it), the request is
+cancelled: the engine frees its row at the start of its next step.
 """
 
 from __future__ import annotations
@@ -127,20 +128,22 @@ def make_app(
 
             return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+        async def cancel_when_disconnected() -> None:
+            # Polled on a clock of its own: a request that keeps producing tokens must notice too.
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+            engine.cancel(handle)
+
         received: List[TokenEvent] = []
+        watcher = asyncio.create_task(cancel_when_disconnected())
         try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
-                if isinstance(event, Finished):
-                    break
+            while not isinstance(event := await events.get(), Finished):
                 received.append(event)
         finally:
+            watcher.cancel()
             engine.cancel(handle)
+        if watcher.done() and not watcher.cancelled():  # the client left: nobody reads an answer
+            return Response(status_code=499)
         if event.reason == "error":
             return JSONResponse(error_body(event.error or "generation failed", "server_error"), status_code=500)
         return JSONResponse(fmt.whole(received, event, parsed.settings.logprobs is not None))
