@@ -234,6 +234,8 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(server):
         ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
         ({"prompt": "x", "seed": -3}, "seed", "seed=-3 must be an integer in [0, 2**63)"),
         ({"prompt": "x", "logprobs": 9}, "logprobs", "logprobs=9 must be an integer in [0, 5]"),
+        ({"prompt": "x", "suffix": "end"}, "suffix", "suffix='end': text after the completion (fill in the middle) is not"),
+        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options", "must be true or false"),
     ],
 )
 def test_bad_completion_requests_are_400s(server, body, param, message):
@@ -241,6 +243,25 @@ def test_bad_completion_requests_are_400s(server, body, param, message):
     assert status == 400
     assert error["error"]["param"] == param and error["error"]["type"] == "invalid_request_error"
     assert message in error["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+    ],
+)
+def test_chat_fields_the_server_cannot_honour_are_refused_not_ignored(server, extra, param):
+    body = {"model": "tiny-mixtral", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    status, _, error = server.request("POST", "/v1/chat/completions", {**body, **extra})
+    assert status == 400 and error["error"]["param"] == param
+    assert "is not supported by this server" in error["error"]["message"]
+    # What asks for nothing is taken: no tools, plain text, the fields that change nothing here.
+    harmless = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "store": False, "user": "u"}
+    assert server.request("POST", "/v1/chat/completions", {**body, **harmless})[0] == 200
 
 
 def test_bad_requests_through_the_openai_client(server):

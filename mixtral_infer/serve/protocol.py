@@ -3,7 +3,8 @@
 Every check raises ``BadRequest`` naming the field (``param``) and what is expected, which
 the server sends as a 400 with OpenAI's error body. Fields of OpenAI's API that change
 nothing here are accepted (``user``, penalties of 0); those this server cannot honour
-(``n`` > 1, ``echo``, non-zero penalties, ``best_of``) are refused, not ignored.
+(``n`` > 1, ``echo``, non-zero penalties, ``best_of``, ``suffix``, tools, a response format other
+than text: ``CANNOT_HONOUR``) are refused, not ignored.
 Extensions, as vLLM has them: ``top_k`` and ``ignore_eos``.
 
 Chat messages become the model's instruct format (``Tokenizer.encode_instruct``)::
@@ -26,6 +27,20 @@ MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # completions: logprobs in [0, 5]
 MAX_CHAT_TOP_LOGPROBS = 20  # chat: top_logprobs in [0, 20]
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
+
+# Fields that would change the answer in ways this server cannot: (name, values that ask for
+# nothing, what the field asks for). Fields that change nothing here (user, store, metadata,
+# parallel_tool_calls, ...) are accepted.
+CANNOT_HONOUR = (
+    ("suffix", (None, ""), "text after the completion (fill in the middle)"),
+    ("tools", (None, []), "tool calling"),
+    ("functions", (None, []), "function calling"),
+    ("tool_choice", (None, "none"), "tool calling"),
+    ("function_call", (None, "none"), "function calling"),
+    ("response_format", (None, {"type": "text"}), "a structured output format"),
+    ("modalities", (None, ["text"]), "output other than text"),
+    ("audio", (None,), "audio output"),
+)
 
 
 class BadRequest(ValueError):
@@ -88,6 +103,9 @@ def _check_unsupported(body: Dict[str, Any]) -> None:
             raise BadRequest(f"{name}={body[name]!r} is not supported (use 0)", name)
     if body.get("logit_bias"):
         raise BadRequest("logit_bias is not supported", "logit_bias")
+    for name, means_nothing, what in CANNOT_HONOUR:
+        if body.get(name) not in means_nothing:
+            raise BadRequest(f"{name}={body[name]!r}: {what} is not supported by this server", name)
 
 
 def _settings(body: Dict[str, Any], max_tokens: Optional[int], logprobs: Optional[int], leading_space: bool) -> RequestSettings:
@@ -132,7 +150,10 @@ def _stream_options(body: Dict[str, Any]) -> tuple[bool, bool]:
     options = _get(body, "stream_options", {})
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
-    return stream, bool(options.get("include_usage", False)) and stream
+    include_usage = _get(options, "include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise BadRequest(f"stream_options.include_usage={include_usage!r} must be true or false", "stream_options")
+    return stream, include_usage and stream
 
 
 def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) -> ParsedRequest:
