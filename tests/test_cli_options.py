@@ -45,6 +45,7 @@ def assert_one_line_error(result, message):
         (["demo", "--device", "mps"], "--device mps: MPS is not available on this machine" if not torch.backends.mps.is_available() else None),
         (["demo", "--tensor_parallel", "abc"], "--tensor_parallel 'abc' must be an integer >= 1"),
         (["convert", "a", "b", "c", "d", "e", "f", "g"], "convert: unexpected argument 'g'"),
+        (["interactive", "tiny-mistral", "hello"], "interactive: unexpected argument 'hello' (a switch such as --instruct"),
     ],
 )
 def test_bad_options_are_refused_before_loading(args, message):

@@ -640,6 +640,10 @@ def check_arguments(argv: List[str]) -> None:
     free = [n for n in names if n not in given]
     if len(positional) > len(free):
         raise MixtralInferError(f"{command}: unexpected argument {positional[len(free)]!r} (takes {', '.join(free) or 'none'})")
+    parameters = inspect.signature(COMMANDS[command]).parameters
+    for value, name in zip(positional, free):
+        if isinstance(parameters[name].default, bool):  # fire would read `interactive MODEL x` as --instruct x
+            raise MixtralInferError(f"{command}: unexpected argument {value!r} (a switch such as --{name} is written as one)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
