@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
@@ -245,6 +246,34 @@ def test_token_ids_outside_the_vocabulary(model, token):
 def test_text_where_token_ids_belong_is_named(model, prompts, message):
     with pytest.raises(GenerationError, match=message):
         generate(prompts, model, max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        # One prompt's ids where a list of prompts belongs: each id was read as a prompt, and len(5)
+        # raised TypeError (or, with more ids than rows, "5 prompts exceed max_batch_size").
+        ([1, 5, 6], r"encoded_prompts=\[1, 5, 6\] holds token ids, not prompts: pass a list of prompts, \[ids\]"),
+        (torch.tensor([1, 5, 6]), r"encoded_prompts=tensor\(\[1, 5, 6\]\) holds token ids, not prompts"),
+        ([[1, 5], None], "prompt 1 is None, not a list of token ids"),
+    ],
+)
+def test_one_prompt_given_as_the_list_of_prompts_is_named(model, prompts, message):
+    with pytest.raises(GenerationError, match=message):
+        generate(prompts, model, max_tokens=2)
+
+
+def test_prompts_and_settings_of_numpy_and_torch_types_are_taken(model):
+    """A (B, T) tensor or array of prompts, numpy numbers as settings: the same tokens as plain Python."""
+    expected = generate([[1, 5, 6]], model, max_tokens=3, temperature=0.5, top_p=0.9, seed=3)
+    for prompts in (torch.tensor([[1, 5, 6]]), np.array([[1, 5, 6]]), [np.array([1, 5, 6])]):
+        settings = dict(temperature=np.float32(0.5), top_p=np.float32(0.9), seed=np.int64(3), max_tokens=np.int64(3))
+        assert generate(prompts, model, **settings) == expected  # np.float32 was "temperature must be >= 0"
+
+
+def test_an_on_token_that_cannot_be_called_is_refused_before_the_prompt_runs(model):
+    with pytest.raises(GenerationError, match="on_token=5 must be a function on_token"):
+        generate([[1, 5, 6]], model, max_tokens=2, on_token=5)  # was a TypeError after the prefill
 
 
 @pytest.mark.parametrize("eos_id", [-1, 128, "2", 2.0])

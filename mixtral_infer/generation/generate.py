@@ -52,10 +52,12 @@ def check_settings(
     max_batch_size: int,
     seed: Optional[int] = None,
     eos_id: Optional[int] = None,
+    on_token: Optional[TokenCallback] = None,
 ) -> List[List[int]]:
     """Raise GenerationError, before any work, on settings out of range; the prompts as lists of ints.
 
     Token ids may be any integers (numpy's, 0-d torch tensors); they come back as Python ints.
+    The prompts may be a list of lists, of tensors or arrays, or a ``(B, T)`` tensor or array.
     """
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)
     if isinstance(encoded_prompts, (str, bytes)) or not hasattr(encoded_prompts, "__len__"):
@@ -65,20 +67,28 @@ def check_settings(
         )
     if len(encoded_prompts) == 0:
         raise GenerationError("no prompts given: pass a list with at least one encoded prompt")
-    if len(encoded_prompts) > max_batch_size:
+    if as_int(encoded_prompts[0]) is not None:  # [1, 415, ...] or a 1-D tensor: one prompt, not a list of them
         raise GenerationError(
-            f"{len(encoded_prompts)} prompts exceed max_batch_size={max_batch_size}: pass fewer prompts or load "
-            "the model with a larger max_batch_size"
+            f"encoded_prompts={encoded_prompts!r:.40} holds token ids, not prompts: pass a list of prompts, [ids]"
         )
     prompts = []
     for index, prompt in enumerate(encoded_prompts):
-        if len(prompt) == 0:
-            raise GenerationError(f"prompt {index} is empty: encode it with bos=True or give at least one token")
         if isinstance(prompt, (str, bytes)):
             raise GenerationError(
                 f"prompt {index} is text ({prompt!r:.40}): encode it first, tokenizer.encode(text, bos=True)"
             )
+        if not hasattr(prompt, "__len__") or as_int(prompt) is not None:
+            raise GenerationError(f"prompt {index} is {prompt!r:.40}, not a list of token ids")
+        if len(prompt) == 0:
+            raise GenerationError(f"prompt {index} is empty: encode it with bos=True or give at least one token")
         prompts.append(token_ids(prompt, index, model.args.vocab_size))
+    if len(prompts) > max_batch_size:
+        raise GenerationError(
+            f"{len(prompts)} prompts exceed max_batch_size={max_batch_size}: pass fewer prompts or load "
+            "the model with a larger max_batch_size"
+        )
+    if on_token is not None and not callable(on_token):
+        raise GenerationError(f"on_token={on_token!r:.40} must be a function on_token(prompt_index, token), or None")
     eos = None if eos_id is None else as_int(eos_id)
     if eos_id is not None and (eos is None or not 0 <= eos < model.args.vocab_size):
         vocab = model.args.vocab_size
@@ -216,7 +226,7 @@ def generate(
     """
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
     encoded_prompts = check_settings(
-        encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed, eos_id
+        encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed, eos_id, on_token
     )
     eos_id = None if eos_id is None else int(eos_id)
     max_tokens, temperature = int(max_tokens), effective_temperature(temperature)

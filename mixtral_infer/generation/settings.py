@@ -8,6 +8,7 @@ the command line checks its options before it even loads the model, or imports t
 
 from __future__ import annotations
 
+import numbers
 import operator
 import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
@@ -47,7 +48,8 @@ def as_int(value: object) -> Optional[int]:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number of any kind (numpy's ``float32`` too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_options(
