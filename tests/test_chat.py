@@ -71,6 +71,17 @@ def test_plain_mode_treats_each_line_as_a_new_prompt(chat_parts):
     assert answer.strip() == tokenizer.decode(expected).strip()
 
 
+def test_turn_seeds_wrap_at_the_largest_seed(chat_parts):
+    """Turn t samples with seed + t: from the largest seed, 2**63 - 1, the second turn draws with 0
+    (it was refused as a seed out of range, one the user never gave)."""
+    model, tokenizer = chat_parts
+    settings = dict(max_tokens=6, temperature=1.0)
+    conversation = Conversation(model, tokenizer, seed=2**63 - 1, **settings)
+    conversation.reply("The module")
+    second = conversation.reply("The module").text
+    assert second == Conversation(model, tokenizer, seed=0, **settings).reply("The module").text
+
+
 def test_text_stream_holds_back_half_characters(tokenizer_path):
     tokenizer = Tokenizer(tokenizer_path)
     shown = []

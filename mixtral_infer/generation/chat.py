@@ -18,6 +18,7 @@ from typing import Callable, List, Optional
 
 from mixtral_infer.fast.decode_loop import compile_seconds
 from mixtral_infer.generation.generate import generate
+from mixtral_infer.generation.settings import SEED_LIMIT
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
@@ -102,7 +103,7 @@ class Conversation:
             seen, cache = 0, None
         prompt = self.history[seen:] + turn
         stream = TextStream(self.tokenizer, leading_space=not self.instruct)
-        seed = None if self.seed is None else self.seed + self.turns
+        seed = None if self.seed is None else (self.seed + self.turns) % SEED_LIMIT  # turn t draws with seed + t
         self.turns += 1
         ended_by_eos = False
         start, compiled_before = time.perf_counter(), compile_seconds(self.model)
