@@ -13,9 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.cli.commands import DEFAULT_MODEL, DEMO_PROMPTS, SHIPPED_MODELS
+from mixtral_infer.generation.perplexity import perplexity
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -236,6 +238,21 @@ def test_demo_completes_each_prompt_given_in_order():
     assert result.stdout == "".join(blocks)
     one = run("demo", "-p", "Blessed are", "--max_tokens", "10", "--temperature", "0")
     assert one.stdout == blocks[0]
+
+
+def test_perplexity_prints_what_the_api_measures(tmp_path):
+    text = "In the beginning God created the heaven and the earth. And the earth was without form, and void."
+    (tmp_path / "text.txt").write_text(text * 3, encoding="utf-8")
+    result = run("perplexity", "tiny-mistral", "--text", tmp_path / "text.txt", "--context", "16", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    model = load_model("tiny-mistral", max_batch_size=4, device="cpu", dtype=torch.float32)
+    tokenizer = Tokenizer.from_folder("tiny-mistral")
+    ids = tokenizer.encode(text * 3, bos=False)
+    expected = perplexity(model, ids, tokenizer.bos_id, context=16)
+    assert len(ids) == 83 and expected.segments == 6  # 15 tokens a segment after its BOS
+    assert 1 < expected.perplexity < 100  # Bible text, which it was trained on
+    assert result.stdout == f"perplexity {expected.perplexity:.4f} over 83 tokens (6 segments of up to 16 tokens)\n"
+    assert "scored in" in result.stderr
 
 
 def run_counting_heavy_imports(*args):

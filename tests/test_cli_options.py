@@ -46,6 +46,10 @@ def assert_one_line_error(result, message):
         (["demo", "--tensor_parallel", "abc"], "--tensor_parallel 'abc' must be an integer >= 1"),
         (["convert", "a", "b", "c", "d", "e", "f", "g"], "convert: unexpected argument 'g'"),
         (["interactive", "tiny-mistral", "hello"], "interactive: unexpected argument 'hello' (a switch such as --instruct"),
+        (["perplexity", "tiny-mistral"], "--text FILE is required: the file whose perplexity to measure"),
+        (["perplexity", "tiny-mistral", "--text", "no-such.txt"], "--text no-such.txt: cannot read it (No such file or directory)"),
+        (["perplexity", "--text", "README.md", "--context", "1"], "--context 1 must be an integer >= 2"),
+        (["perplexity", "--text", "README.md", "--quantize", "int3"], "quantize='int3': expected one of"),
     ],
 )
 def test_bad_options_are_refused_before_loading(args, message):
@@ -74,6 +78,8 @@ def test_option_errors_answer_before_torch_is_imported():
         ["interactive", "--seed", "abc"],
         ["serve", "--port", "abc"],
         ["serve", "--max-rows", "0"],
+        ["perplexity", "--text", "README.md", "--context", "0"],
+        ["perplexity", "--text", "no-such.txt"],
         ["convert", "a", "b", "--quantize", "int4-48"],
     ]
     code = f"ARGS = {cases!r}" + BEFORE_TORCH

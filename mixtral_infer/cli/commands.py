@@ -2,6 +2,7 @@
 
     mixtral-infer demo [MODEL_PATH] [--prompt TEXT]...     complete prompts in one batch
     mixtral-infer interactive [MODEL_PATH] [--instruct]    a prompt loop that streams each answer
+    mixtral-infer perplexity [MODEL_PATH] --text FILE      how well the model predicts a text
     mixtral-infer convert SRC DST [--to mistral|hf]        a model folder in the other layout
     mixtral-infer models                                   the shipped models, by name
 
@@ -472,6 +473,73 @@ def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_siz
     print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
 
 
+def perplexity(
+    model_path: str = None,
+    text: str = None,
+    context: int = None,
+    chunk_size: int = None,
+    device: str = None,
+    dtype: str = None,
+    quantize: str = None,
+    tensor_parallel: int = 1,
+    num_pipeline_ranks: int = 1,
+) -> None:
+    """Perplexity of a text file under the model: how a quantization or a dtype changes its predictions.
+
+    Prints "perplexity P over N tokens (...)" on stdout and the time on stderr. Every token of the
+    text is predicted once, from the tokens before it in its segment (each segment starts with BOS).
+
+    Args:
+        model_path: MODEL_PATH, also given as the first argument: {MODEL_PATH}.
+        text: the text file to score (UTF-8); /dev/stdin for standard input.
+        context: tokens a segment at most, BOS included; default: the whole text as one segment for a model with a sliding window (its cache keeps the window whatever the length), 4096 for a model without.
+        chunk_size: tokens of each segment per forward pass; default 2048 shared by the segments read at once. Any value gives the same perplexity.
+        device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
+        dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
+        quantize: int8, w8a8, int4 or int4-128: quantize the weights while loading, to measure what it costs.
+        tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
+        num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
+    """
+    check_quantize(quantize)
+    check_options(0, 0.0, 1.0, None, chunk_size, None, device, dtype, tensor_parallel, num_pipeline_ranks)
+    from mixtral_infer.generation.settings import as_int
+
+    if context is not None and (as_int(context) is None or as_int(context) < 2):
+        raise GenerationError(f"--context {context!r} must be an integer >= 2 (a BOS and one token to score)")
+    words = read_text(text)
+    from mixtral_infer.checkpoint.loading import open_checkpoint
+    from mixtral_infer.generation.generate import PREFILL_TOKENS
+    from mixtral_infer.generation.perplexity import DEFAULT_CONTEXT
+    from mixtral_infer.generation.perplexity import perplexity as text_perplexity
+
+    args = open_checkpoint(model_folder(model_path)).args  # the configuration only: is there a window?
+    if context is None and args.sliding_window is None:
+        context = DEFAULT_CONTEXT
+    batch = 1 if context is None else max(1, min(64, PREFILL_TOKENS // int(context)))  # segments read at once
+    model, tokenizer = load(model_path, batch, device, dtype, tensor_parallel, num_pipeline_ranks, 0, quantize)
+    ids = tokenizer.encode(words, bos=False)
+    progress = ProgressBar("scoring")
+    start = time.perf_counter()
+    result = text_perplexity(
+        model, ids, tokenizer.bos_id, context=context, chunk_size=chunk_size,
+        on_segments=progress if is_main_process() else None,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    if is_main_process():
+        print(result)
+        print(f"scored in {elapsed:.2f}s ({result.tokens / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
+
+
+def read_text(path: object) -> str:
+    """The text of the file ``--text`` names (/dev/stdin for standard input)."""
+    if path is None or isinstance(path, bool):  # fire reads `--text` alone, or `--text -`, as True
+        raise GenerationError("--text FILE is required: the file whose perplexity to measure (/dev/stdin for standard input)")
+    try:
+        return Path(str(path)).read_text(encoding="utf-8", errors="replace")
+    except OSError as error:
+        raise GenerationError(f"--text {path}: cannot read it ({error.strerror or error})") from None
+
+
 def models() -> None:
     """List the models shipped with the package; their names work wherever MODEL_PATH is asked for."""
     from mixtral_infer.checkpoint.loading import read_params
@@ -547,8 +615,10 @@ def serve(
     )  # fmt: skip
 
 
-COMMANDS = {"demo": demo, "interactive": interactive, "convert": convert, "models": models, "serve": serve}
-for _command in (demo, interactive, serve):
+COMMANDS = {
+    "demo": demo, "interactive": interactive, "perplexity": perplexity, "convert": convert, "models": models, "serve": serve,
+}  # fmt: skip
+for _command in (demo, interactive, perplexity, serve):
     _command.__doc__ = _command.__doc__.replace("{MODEL_PATH}", MODEL_PATH_HELP)
 
 USAGE = f"""usage: mixtral-infer COMMAND [ARGS] [--OPTIONS]   (also: python main.py ..., python -m mixtral_infer ...)
@@ -556,6 +626,7 @@ USAGE = f"""usage: mixtral-infer COMMAND [ARGS] [--OPTIONS]   (also: python main
 commands:
   demo [MODEL_PATH] [--prompt TEXT]...     complete prompts in one batch (without --prompt: three built-in ones)
   interactive [MODEL_PATH] [--instruct]    a prompt loop that streams each answer
+  perplexity [MODEL_PATH] --text FILE      how well the model predicts a text (e.g. after --quantize)
   convert SRC DST [--to mistral|hf]        write a model folder in the other layout
   models                                   list the shipped models
   serve [MODEL_PATH] [--port 8000]         an OpenAI-compatible HTTP server (the serve extra)

@@ -81,16 +81,18 @@ def effective_temperature(temperature: float) -> float:
     return 0.0 if temperature < GREEDY_BELOW else float(temperature)
 
 
-def token_ids(prompt: Sequence[object], index: int, vocab_size: int) -> List[int]:
-    """A prompt's token ids as Python ints; GenerationError naming the first one that is not an id."""
+def token_ids(prompt: Sequence[object], index: int | str, vocab_size: int) -> List[int]:
+    """A prompt's token ids as Python ints; GenerationError naming the first one that is not an id
+    (and the prompt: ``index``, or a name such as ``"the text"``)."""
+    name = f"prompt {index}" if isinstance(index, int) else index
     ids = [as_int(token) for token in prompt]
     for token, value in zip(prompt, ids):
         if value is None:
             raise GenerationError(
-                f"prompt {index} has token id {token!r} of type {type(token).__name__}: token ids must be integers"
+                f"{name} has token id {token!r} of type {type(token).__name__}: token ids must be integers"
             )
         if not 0 <= value < vocab_size:
-            raise GenerationError(f"prompt {index} has token id {value!r} outside the vocabulary [0, {vocab_size})")
+            raise GenerationError(f"{name} has token id {value!r} outside the vocabulary [0, {vocab_size})")
     return ids
 
 
