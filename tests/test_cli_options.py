@@ -48,7 +48,7 @@ def assert_one_line_error(result, message):
         (["interactive", "tiny-mistral", "hello"], "interactive: unexpected argument 'hello' (a switch such as --instruct"),
         (["perplexity", "tiny-mistral"], "--text FILE is required: the file whose perplexity to measure"),
         (["perplexity", "tiny-mistral", "--text", "no-such.txt"], "--text no-such.txt: cannot read it (No such file or directory)"),
-        (["perplexity", "--text", "README.md", "--context", "1"], "--context 1 must be an integer >= 2"),
+        (["perplexity", "--text", "README.md", "--context", "1"], "--context=1 must be an integer >= 2"),
         (["perplexity", "--text", "README.md", "--quantize", "int3"], "quantize='int3': expected one of"),
     ],
 )

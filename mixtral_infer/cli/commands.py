@@ -502,10 +502,9 @@ def perplexity(
     """
     check_quantize(quantize)
     check_options(0, 0.0, 1.0, None, chunk_size, None, device, dtype, tensor_parallel, num_pipeline_ranks)
-    from mixtral_infer.generation.settings import as_int
+    from mixtral_infer.generation.settings import check_context
 
-    if context is not None and (as_int(context) is None or as_int(context) < 2):
-        raise GenerationError(f"--context {context!r} must be an integer >= 2 (a BOS and one token to score)")
+    context = check_context(context, "--context")
     words = read_text(text)
     from mixtral_infer.checkpoint.loading import open_checkpoint
     from mixtral_infer.generation.generate import PREFILL_TOKENS
@@ -515,7 +514,7 @@ def perplexity(
     args = open_checkpoint(model_folder(model_path)).args  # the configuration only: is there a window?
     if context is None and args.sliding_window is None:
         context = DEFAULT_CONTEXT
-    batch = 1 if context is None else max(1, min(64, PREFILL_TOKENS // int(context)))  # segments read at once
+    batch = 1 if context is None else max(1, min(64, PREFILL_TOKENS // context))  # segments read at once
     model, tokenizer = load(model_path, batch, device, dtype, tensor_parallel, num_pipeline_ranks, 0, quantize)
     ids = tokenizer.encode(words, bos=False)
     progress = ProgressBar("scoring")

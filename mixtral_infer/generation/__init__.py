@@ -2,7 +2,8 @@
 
 ``generate`` (prefill in chunks, then decode), ``sampling`` (temperature, top-p, top-k on the
 device), ``settings`` (checks every setting before any heavy work), ``chat`` (the instruct
-format and a conversation's state) and ``perplexity`` (a text's, scored as prompts). The static-shaped CUDA decode step is in ``mixtral_infer.fast``.
+format and a conversation's state) and ``perplexity`` (a text's, its segments scored as prompts).
+The static-shaped CUDA decode step is in ``mixtral_infer.fast``.
 
 Nothing is imported here (the function is ``mixtral_infer.generate``, or
 ``mixtral_infer.generation.generate.generate``): ``fast.decode_step`` uses

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.generate import generate
-from mixtral_infer.generation.settings import as_int, check_cache_fits, kv_cache_bytes, token_ids
+from mixtral_infer.generation.settings import check_cache_fits, check_context, kv_cache_bytes, token_ids
 from mixtral_infer.model.transformer import Transformer
 
 DEFAULT_CONTEXT = 4096  # tokens a segment for a model without a sliding window (BOS included)
@@ -64,12 +64,9 @@ def perplexity(
     whole text for a model with a sliding window, ``DEFAULT_CONTEXT`` for one without.
     ``on_segments(done, total)`` is called after each batch of segments (progress).
     """
-    window = model.args.sliding_window
-    if context is None and window is None:
+    context = check_context(context)
+    if context is None and model.args.sliding_window is None:
         context = DEFAULT_CONTEXT
-    if context is not None and (as_int(context) is None or as_int(context) < 2):
-        raise GenerationError(f"context={context!r} must be an integer >= 2 (a BOS and one token to score)")
-    context = None if context is None else as_int(context)
     if isinstance(ids, (str, bytes)):
         raise GenerationError("ids is text: pass its token ids, tokenizer.encode(text, bos=False)")
     ids = token_ids(ids, "the text", model.args.vocab_size)

@@ -76,6 +76,14 @@ def check_options(
         raise GenerationError(f"seed={seed!r} must be an integer in [0, 2**63) (or None for a random one)")
 
 
+def check_context(context: object, label: str = "context") -> Optional[int]:
+    """A perplexity segment's length (``generation.perplexity``): None, or an integer >= 2 (a BOS
+    and one token to score)."""
+    if context is not None and (as_int(context) is None or as_int(context) < 2):
+        raise GenerationError(f"{label}={context!r} must be an integer >= 2 (a BOS and one token to score)")
+    return None if context is None else as_int(context)
+
+
 def effective_temperature(temperature: float) -> float:
     """0 (greedy) for temperatures below ``GREEDY_BELOW``, which sample the top token anyway."""
     return 0.0 if temperature < GREEDY_BELOW else float(temperature)
