@@ -25,8 +25,12 @@ def test_text_segments_worked_example():
 
 @torch.no_grad()
 def naive_perplexity(model, segments) -> float:
-    """Each segment's logits from one forward pass over it (no cache, no chunks), cross-entropy of every id after BOS."""
-    nll = sum(F.cross_entropy(model(torch.tensor(s[:-1]), [len(s) - 1]).double(), torch.tensor(s[1:]), reduction="sum") for s in segments)
+    """Each segment's logits from one forward pass over it (no cache, no chunks), cross-entropy of
+    every id after BOS."""
+    nll = 0.0
+    for segment in segments:
+        logits = model(torch.tensor(segment[:-1]), [len(segment) - 1]).double()  # (T - 1, V)
+        nll += F.cross_entropy(logits, torch.tensor(segment[1:]), reduction="sum").item()
     return math.exp(nll / sum(len(s) - 1 for s in segments))
 
 

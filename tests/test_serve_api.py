@@ -234,8 +234,8 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(server):
         ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
         ({"prompt": "x", "seed": -3}, "seed", "seed=-3 must be an integer in [0, 2**63)"),
         ({"prompt": "x", "logprobs": 9}, "logprobs", "logprobs=9 must be an integer in [0, 5]"),
-        ({"prompt": "x", "suffix": "end"}, "suffix", "suffix='end': text after the completion (fill in the middle) is not"),
-        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, "stream_options", "must be true or false"),
+        ({"prompt": "x", "suffix": "end"}, "suffix", "suffix='end': text after the completion (fill in the middle)"),
+        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options", "must be true or"),
     ],
 )
 def test_bad_completion_requests_are_400s(server, body, param, message):

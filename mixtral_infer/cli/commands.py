@@ -532,7 +532,9 @@ def perplexity(
 def read_text(path: object) -> str:
     """The text of the file ``--text`` names (/dev/stdin for standard input)."""
     if path is None or isinstance(path, bool):  # fire reads `--text` alone, or `--text -`, as True
-        raise GenerationError("--text FILE is required: the file whose perplexity to measure (/dev/stdin for standard input)")
+        raise GenerationError(
+            "--text FILE is required: the file whose perplexity to measure (/dev/stdin for standard input)"
+        )
     try:
         return Path(str(path)).read_text(encoding="utf-8", errors="replace")
     except OSError as error:
@@ -615,7 +617,8 @@ def serve(
 
 
 COMMANDS = {
-    "demo": demo, "interactive": interactive, "perplexity": perplexity, "convert": convert, "models": models, "serve": serve,
+    "demo": demo, "interactive": interactive, "perplexity": perplexity,
+    "convert": convert, "models": models, "serve": serve,
 }  # fmt: skip
 for _command in (demo, interactive, perplexity, serve):
     _command.__doc__ = _command.__doc__.replace("{MODEL_PATH}", MODEL_PATH_HELP)
@@ -713,7 +716,9 @@ def check_arguments(argv: List[str]) -> None:
     parameters = inspect.signature(COMMANDS[command]).parameters
     for value, name in zip(positional, free):
         if isinstance(parameters[name].default, bool):  # fire would read `interactive MODEL x` as --instruct x
-            raise MixtralInferError(f"{command}: unexpected argument {value!r} (a switch such as --{name} is written as one)")
+            raise MixtralInferError(
+                f"{command}: unexpected argument {value!r} (a switch such as --{name} is written as one)"
+            )
 
 
 def main(argv: Optional[List[str]] = None) -> int:

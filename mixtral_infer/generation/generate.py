@@ -226,7 +226,8 @@ def generate(
     """
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
     encoded_prompts = check_settings(
-        encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed, eos_id, on_token
+        encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed, eos_id,
+        on_token,
     )
     eos_id = None if eos_id is None else int(eos_id)
     max_tokens, temperature = int(max_tokens), effective_temperature(temperature)
