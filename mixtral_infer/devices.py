@@ -1,5 +1,6 @@
 """Where a model can run and what it can compute in: the checks ``load_model`` and the command
 line share, so that a device or dtype this machine cannot give is said before any weight is read.
+torch is imported where a check needs it: the command line reads ``DTYPE_NAMES`` without it.
 
 >>> checked_device("cpu", "device='cpu'"), checked_dtype("bfloat16", "dtype='bfloat16'")
 (device(type='cpu'), torch.bfloat16)
@@ -7,22 +8,27 @@ line share, so that a device or dtype this machine cannot give is said before an
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from mixtral_infer.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what the command line's --dtype takes
 
 
 def default_device() -> torch.device:
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def checked_device(device: object, label: str) -> torch.device:
     """``device`` (a name or a torch.device) if a model can run there on this machine, else
     ConfigError starting with ``label`` (``device='cuda'``, ``--device cuda``); None: the default."""
+    import torch
+
     if device is None:
         return default_device()
     try:
@@ -51,6 +57,8 @@ def checked_device(device: object, label: str) -> torch.device:
 
 def checked_dtype(dtype: object, label: str) -> Optional[torch.dtype]:
     """A floating torch dtype, or its name (``"bfloat16"``), as a torch dtype; None stays None."""
+    import torch
+
     if dtype is None:
         return None
     if isinstance(dtype, str) and dtype in DTYPE_NAMES:

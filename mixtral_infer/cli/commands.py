@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from mixtral_infer.devices import DTYPE_NAMES
 from mixtral_infer.errors import GenerationError, MixtralInferError
 from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, is_shipped, resolve_model_folder, shipped_models
 
@@ -36,7 +37,6 @@ DEMO_PROMPTS = [
     "And the LORD spake unto Moses, saying,",
     "Blessed are",
 ]
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODEL_PATH_HELP = (
     "a model folder (Mistral: params.json + consolidated.safetensors; Hugging Face: config.json + "
     f"model.safetensors) or a shipped model's name ({', '.join(shipped_models())}; see `models`); default {DEFAULT_MODEL_NAME}"
