@@ -9,7 +9,7 @@ from test_model import random_prompts
 
 import mixtral_infer.fast.decode_step as decode_step
 from mixtral_infer import Tokenizer, generate
-from mixtral_infer.fast.cpu_aot_step import AotStep, builds_ahead_of_time
+from mixtral_infer.fast.cpu_aot_step import AotStep, BuildCache, build_key, builds_ahead_of_time
 from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.fast.decode_loop import step_compiler
 from mixtral_infer.quant.model import quantize_model
@@ -94,18 +94,36 @@ def test_which_steps_are_built_ahead_of_time(weights, ahead):
     assert builds_ahead_of_time(model) is ahead
 
 
-def test_inductor_s_one_value_constants_are_handed_over_and_copies_of_weights_refused(monkeypatch):
+@pytest.fixture
+def build_cache(tmp_path, monkeypatch):
+    """An empty folder of kept builds (``BuildCache``), this test's own."""
+    monkeypatch.setattr(BuildCache, "root", classmethod(lambda cls: str(tmp_path)))
+    return tmp_path
+
+
+def no_build(*args, **kwargs):
+    raise AssertionError("built, where the kept build should have been loaded")
+
+
+def test_inductor_s_one_value_constants_are_handed_over_and_copies_of_weights_refused(monkeypatch, build_cache):
     """int4's product is lowered to a call taking the group size as a one-value tensor, a constant
     AOTInductor adds and does not keep: the build records it (the step then decodes as
-    torch.compile's, test above). w8a8's lowering adds fbgemm's packed matrices, copies of the
-    weights: the build refuses them and the step goes to torch.compile."""
-    model = random_model(tiny_args(moe=False, max_batch_size=1), seed=45).to(torch.bfloat16)
-    quantize_model(model, "int4")
-    prompts = random_prompts([4], model.args.vocab_size, seed=12)
-    generate(prompts, model, decode="compiled", max_tokens=3)
-    (step,) = step_compiler(model).steps.values()
-    assert isinstance(step, AotStep) and len(step.scalars) >= 2 * model.args.n_layers
-    assert {int(value) for value in step.scalars.values()} == {32}  # int4's group size, one a product
+    torch.compile's, test above), and keeps it with the build, so a step loaded from the cache has
+    it too. w8a8's lowering adds fbgemm's packed matrices, copies of the weights: the build refuses
+    them, keeps nothing, and the step goes to torch.compile."""
+    prompts = random_prompts([4], 128, seed=12)
+    build = torch._inductor.aoti_compile_and_package
+    for seed, built in [(45, True), (46, False)]:  # another model of the same shapes loads the first one's build
+        model = random_model(tiny_args(moe=False, max_batch_size=1), seed=seed).to(torch.bfloat16)
+        quantize_model(model, "int4")
+        tokens, _ = generate(prompts, model, decode="compiled", max_tokens=3)
+        (step,) = step_compiler(model).steps.values()
+        assert isinstance(step, AotStep) and step.loaded is not built and len(step.scalars) >= 2 * model.args.n_layers
+        assert {int(value) for value in step.scalars.values()} == {32}  # int4's group size, one a product
+        assert tokens == generate(prompts, model, decode="static", max_tokens=3)[0]  # its own weights read
+        monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_build)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", build)
+    assert len(list(build_cache.iterdir())) == 1
 
     model = random_model(tiny_args(moe=False, max_batch_size=1), seed=45).to(torch.bfloat16)
     quantize_model(model, "w8a8")
@@ -116,6 +134,50 @@ def test_inductor_s_one_value_constants_are_handed_over_and_copies_of_weights_re
     assert any("(NotAheadOfTime: AOTInductor made" in message for message in messages), messages
     assert steps_built(model) != ["AotStep"]
     assert tokens == generate(prompts, model, decode="static", max_tokens=3)[0]
+    assert len(list(build_cache.iterdir())) == 1  # the refused build was not kept
+
+
+class Product(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+def key_of(weight: torch.Tensor, x: torch.Tensor) -> str:
+    return build_key(torch.export.export(Product(weight), (x,), strict=False))
+
+
+def test_a_build_is_found_again_by_its_graph_and_layouts_not_by_its_weights_values():
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(4, 3, generator=g), torch.randn(2, 3, generator=g)
+    key = key_of(weight, x)
+    assert key_of(torch.randn(4, 3, generator=g), torch.randn(2, 3, generator=g)) == key  # other values: the same build
+    others = [
+        key_of(torch.randn(5, 3), x),  # another shape of weight
+        key_of(weight.to(torch.bfloat16), x.to(torch.bfloat16)),  # another dtype
+        key_of(torch.randn(3, 4).T, x),  # the same shape, transposed in memory: the library indexes it otherwise
+        key_of(weight, torch.randn(1, 3)),  # another batch
+    ]
+    assert len({key, *others}) == 5
+
+
+def test_a_kept_build_that_does_not_load_is_removed_and_caches_can_be_switched_off(tmp_path, monkeypatch):
+    entry = BuildCache(str(tmp_path / "entry"))
+    assert entry.load() is None  # nothing kept
+    entry.save(str(tmp_path / "missing.pt2"), {})  # nothing to keep: skipped, nothing half-written
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "entry").mkdir()
+    (tmp_path / "entry" / BuildCache.PACKAGE).write_bytes(b"cut short")
+    assert entry.load() is None and not (tmp_path / "entry").exists()
+
+    exported = torch.export.export(Product(torch.ones(2, 2)), (torch.ones(1, 2),), strict=False)
+    monkeypatch.setattr(BuildCache, "root", classmethod(lambda cls: str(tmp_path)))
+    assert BuildCache.for_graph(exported).folder == str(tmp_path / build_key(exported))
+    with torch._inductor.config.patch(force_disable_caches=True):  # TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
+        assert BuildCache.for_graph(exported) is None
 
 
 def test_a_step_aot_cannot_build_falls_back_to_torch_compile_and_says_why(monkeypatch):

@@ -6,6 +6,7 @@ from conftest import random_model, tiny_args
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast.cpu_aot_step import BuildCache
 from mixtral_infer.fast.decode_loop import GUARDED_STEPS
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.generation.settings import kv_cache_bytes
@@ -133,6 +134,7 @@ def no_cpp_compiler(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", compile)
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", build)
+    monkeypatch.setattr(BuildCache, "load", lambda self: None)  # nor any build kept from a machine that had one
 
 
 @pytest.mark.parametrize("decode", ["eager", "static", "compiled", "compiled-prompts", "auto", "auto-uncompiled"])

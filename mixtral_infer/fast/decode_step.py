@@ -448,7 +448,8 @@ class StepCompiler:
                 outputs = built(*args)  # torch.compile's step compiles here
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
-            self.announce(f"compiled in {seconds:.1f}s")
+            kept = isinstance(built, AotStep) and built.loaded  # built by an earlier run (cpu_aot_step.BuildCache)
+            self.announce(f"compiled in {seconds:.1f}s" + (" (kept from an earlier build)" if kept else ""))
             return outputs
 
         return first_call
