@@ -293,9 +293,10 @@ def test_prompts_join_in_groups_with_admit_every(tiny):
 
 def test_warm_up_compiles_the_decode_step_and_leaves_the_cache(tiny):
     """A compiled engine compiles before its first request; the cache is as it was, and requests then
-    get their solo tokens."""
+    get their solo tokens. (The engine of ``test_each_request_gets_its_solo_tokens[compiled-prompts]``:
+    its steps' builds are kept, from there or here.)"""
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer, rows=2, prefill_tokens=7, decode="compiled", compile_prompts=True)
+    engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode="compiled", compile_prompts=True)
     engine.cache.cache_k.normal_()  # anything: warm-up must not write it
     before = engine.cache.cache_k.clone(), engine.cache.cache_v.clone()
     engine.warm_up()
