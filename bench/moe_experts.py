@@ -1,15 +1,18 @@
-"""Plain experts in compiled CPU decoding: gathered into one batched product, or one by one.
+"""Experts in compiled CPU decoding: plain ones gathered or one by one; quantized ones at B * k = E.
 
     python bench/moe_experts.py FOLDER [--dtype bfloat16] [--batch 1] [--rounds 5]
-                                [--out bench/results_moe_experts.jsonl]
+                                [--quantize int8|int4] [--out bench/results_moe_experts.jsonl]
 
 ``fast/decode_step.moe_one_token`` multiplies the chosen experts of a step with fewer assignments
-than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or more), each product a reduction read in 8
-places, where the batched product of the gathered experts is one loop read in one place per core.
-One copy of the model each way, its compiled decode step built while the switch had that value
-(``compile_s``), then compiled decode of 128 tokens after a 64-token prompt at ``--batch``, the
-copies alternating, ``--rounds`` times. Prints (and appends to ``--out``) one JSON line: medians
-and every run, tokens/s, and the first 32 greedy tokens of each copy beside the eager loop's.
+than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or more), each product a
+reduction read in 8 places, where the batched product of the gathered experts is one loop read in
+one place per core. With ``--quantize``, the copies are quantized experts at a batch whose
+assignments equal the experts (``--batch 4`` for top-2 of 8): every expert on every row, or the
+chosen ones one by one (``CPU_QUANTIZED_CHOSEN_AT_EQUAL``). One copy of the model each way, its
+compiled decode step built while the switch had that value (``compile_s``), then compiled decode of
+128 tokens after a 64-token prompt at ``--batch``, the copies alternating, ``--rounds`` times.
+Prints (and appends to ``--out``) one JSON line: medians and every run, tokens/s, and the first 32
+greedy tokens of each copy beside the eager loop's.
 """
 
 from __future__ import annotations
@@ -41,23 +44,29 @@ def tokens_in_common(tokens: list, reference: list) -> int:
 
 
 def main(argv=None) -> int:
-    options = copies_parser(__doc__.split("\n")[0]).parse_args(argv)
+    parser = copies_parser(__doc__.split("\n")[0])
+    parser.add_argument("--quantize", default=None, choices=["int8", "int4"])
+    options = parser.parse_args(argv)
     prompts = [list(range(1 + i, 65 + i)) for i in range(options.batch)]
     models, compile_s, tokens = {}, {}, {}
-    for way, min_weights in (("gathered", sys.maxsize), ("one by one", 0)):
-        decode_step.CPU_ONE_BY_ONE_MIN_WEIGHTS = min_weights
+    if options.quantize:
+        switch, ways = "CPU_QUANTIZED_CHOSEN_AT_EQUAL", (("every expert", False), ("chosen", True))
+    else:
+        switch, ways = "CPU_ONE_BY_ONE_MIN_WEIGHTS", (("gathered", sys.maxsize), ("one by one", 0))
+    for way, value in ways:
+        setattr(decode_step, switch, value)
         model = load_model(options.folder, max_batch_size=options.batch, device="cpu",
-                           dtype=getattr(torch, options.dtype), pack="columns")  # fmt: skip
+                           dtype=getattr(torch, options.dtype), pack="columns", quantize=options.quantize)  # fmt: skip
         start = time.perf_counter()
         decode_seconds(model, prompts, "compiled", NEW_TOKENS)  # builds the step at the timed shapes
         compile_s[way] = round(time.perf_counter() - start, 1)
         tokens[way] = greedy(model, prompts, "compiled")
         models[way] = model
-    eager = greedy(models["gathered"], prompts, "eager")
+    eager = greedy(next(iter(models.values())), prompts, "eager")
     runs = alternating_tok_s(models, prompts, options.rounds, NEW_TOKENS)
     same = {way: tokens_in_common(tokens[way], eager) for way in models}
-    report_copies(runs, options.out, folder=options.folder, dtype=options.dtype, batch=options.batch,
-                  compile_s=compile_s, greedy_tokens_as_eager=same)  # fmt: skip
+    report_copies(runs, options.out, folder=options.folder, dtype=options.dtype, quantize=options.quantize,
+                  batch=options.batch, compile_s=compile_s, greedy_tokens_as_eager=same)  # fmt: skip
     return 0
 
 

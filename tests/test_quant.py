@@ -294,12 +294,36 @@ def test_quantized_static_decode_equals_eager(moe, scheme, dtype):
             assert got == pytest.approx(expected, abs=tolerance)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 2, 3])
 def test_quantized_moe_one_token_equals_the_grouped_layer(batch):
     layer = quantize_model(random_model(tiny_args(moe=True), seed=25), "int4").layers["0"].feed_forward
     x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch))
     with torch.no_grad():
         torch.testing.assert_close(moe_one_token(layer, x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", None])
+def test_quantized_experts_go_one_by_one_while_the_assignments_equal_the_experts(scheme, monkeypatch):
+    """4 experts, top-2: batch 1 (2 assignments) reads its chosen experts, batch 3 (6) every expert,
+    and batch 2 (4 = E) the chosen ones where the experts are quantized (the same 4 expert matrices
+    read, one row each); plain experts, or the switch off, run every expert there."""
+    from mixtral_infer.fast import decode_step
+
+    model = random_model(tiny_args(moe=True), seed=25)
+    layer = (quantize_model(model, scheme) if scheme else model).layers["0"].feed_forward
+    forms = []
+    for name in ("_experts_one_by_one", "_gathered_experts", "_every_expert_one_by_one", "_every_expert_batched"):
+        form = getattr(decode_step, name)
+        monkeypatch.setattr(decode_step, name, lambda *a, form=form, name=name: forms.append(name) or form(*a))
+    for at_equal in (True, False):
+        monkeypatch.setattr(decode_step, "CPU_QUANTIZED_CHOSEN_AT_EQUAL", at_equal)
+        for batch in (1, 2, 3):
+            x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch))
+            with torch.no_grad():
+                torch.testing.assert_close(moe_one_token(layer, x), layer(x), atol=1e-5, rtol=1e-5)
+    chosen = "_experts_one_by_one" if scheme else "_gathered_experts"  # tiny plain experts: gathered
+    every = "_every_expert_one_by_one" if scheme else "_every_expert_batched"
+    assert forms == [chosen, chosen if scheme else every, every, chosen, every, every]
 
 
 def test_quantized_step_compiles_and_equals_eager():
