@@ -1,4 +1,4 @@
-"""Experts in compiled CPU decoding: plain ones gathered or one by one; quantized ones at B * k = E.
+"""Experts in compiled CPU decoding: plain ones gathered or one by one; quantized ones at B * k >= E.
 
     python bench/moe_experts.py FOLDER [--dtype bfloat16] [--batch 1] [--rounds 5]
                                 [--quantize int8|int4] [--out bench/results_moe_experts.jsonl]
@@ -6,9 +6,9 @@
 ``fast/decode_step.moe_one_token`` multiplies the chosen experts of a step with fewer assignments
 than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or more), each product a
 reduction read in 8 places, where the batched product of the gathered experts is one loop read in
-one place per core. With ``--quantize``, the copies are quantized experts at a batch whose
-assignments equal the experts (``--batch 4`` for top-2 of 8): every expert on every row, or the
-chosen ones one by one (``CPU_QUANTIZED_CHOSEN_AT_EQUAL``). One copy of the model each way, its
+one place per core. With ``--quantize``, the copies are quantized experts at a batch with at least
+as many assignments as experts (``--batch 4`` or more for top-2 of 8): every expert on every row,
+or the chosen ones one by one (``CPU_QUANTIZED_CHOSEN_UP_TO``). One copy of the model each way, its
 compiled decode step built while the switch had that value (``compile_s``), then compiled decode of
 128 tokens after a 64-token prompt at ``--batch``, the copies alternating, ``--rounds`` times.
 Prints (and appends to ``--out``) one JSON line: medians and every run, tokens/s, and the first 32
@@ -50,11 +50,14 @@ def main(argv=None) -> int:
     prompts = [list(range(1 + i, 65 + i)) for i in range(options.batch)]
     models, compile_s, tokens = {}, {}, {}
     if options.quantize:
-        switch, ways = "CPU_QUANTIZED_CHOSEN_AT_EQUAL", (("every expert", False), ("chosen", True))
+        ways = (("every expert", 0), ("chosen", sys.maxsize))
     else:
-        switch, ways = "CPU_ONE_BY_ONE_MIN_WEIGHTS", (("gathered", sys.maxsize), ("one by one", 0))
+        ways = (("gathered", sys.maxsize), ("one by one", 0))
     for way, value in ways:
-        setattr(decode_step, switch, value)
+        if options.quantize:
+            decode_step.CPU_QUANTIZED_CHOSEN_UP_TO = {options.quantize: value}
+        else:
+            decode_step.CPU_ONE_BY_ONE_MIN_WEIGHTS = value
         model = load_model(options.folder, max_batch_size=options.batch, device="cpu",
                            dtype=getattr(torch, options.dtype), pack="columns", quantize=options.quantize)  # fmt: skip
         start = time.perf_counter()

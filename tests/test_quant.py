@@ -303,27 +303,30 @@ def test_quantized_moe_one_token_equals_the_grouped_layer(batch):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", None])
-def test_quantized_experts_go_one_by_one_while_the_assignments_equal_the_experts(scheme, monkeypatch):
-    """4 experts, top-2: batch 1 (2 assignments) reads its chosen experts, batch 3 (6) every expert,
-    and batch 2 (4 = E) the chosen ones where the experts are quantized (the same 4 expert matrices
-    read, one row each); plain experts, or the switch off, run every expert there."""
+def test_quantized_experts_go_one_by_one_up_to_their_scheme_s_share_of_assignments(scheme, monkeypatch):
+    """4 experts, top-2: batch 1 (2 assignments) reads its chosen experts; batch 2 (4 = E) the chosen
+    ones where the experts are quantized (the same 4 expert matrices read, one row each), batch 4
+    (8 = 2E) where they are int4 (``CPU_QUANTIZED_CHOSEN_UP_TO``), else every expert. Plain experts,
+    or the switch at 0, run every expert from batch 2 on. Each form equals the grouped layer."""
     from mixtral_infer.fast import decode_step
 
     model = random_model(tiny_args(moe=True), seed=25)
     layer = (quantize_model(model, scheme) if scheme else model).layers["0"].feed_forward
-    forms = []
-    for name in ("_experts_one_by_one", "_gathered_experts", "_every_expert_one_by_one", "_every_expert_batched"):
+    forms, letters = [], {"_experts_one_by_one": "c", "_gathered_experts": "g", "_every_expert_one_by_one": "v",
+                          "_every_expert_batched": "v"}  # fmt: skip
+    for name, letter in letters.items():
         form = getattr(decode_step, name)
-        monkeypatch.setattr(decode_step, name, lambda *a, form=form, name=name: forms.append(name) or form(*a))
-    for at_equal in (True, False):
-        monkeypatch.setattr(decode_step, "CPU_QUANTIZED_CHOSEN_AT_EQUAL", at_equal)
-        for batch in (1, 2, 3):
+        monkeypatch.setattr(decode_step, name, lambda *a, form=form, letter=letter: forms.append(letter) or form(*a))
+    for up_to in (dict(decode_step.CPU_QUANTIZED_CHOSEN_UP_TO), {}):
+        monkeypatch.setattr(decode_step, "CPU_QUANTIZED_CHOSEN_UP_TO", up_to)
+        for batch in (1, 2, 3, 4):
             x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch))
             with torch.no_grad():
                 torch.testing.assert_close(moe_one_token(layer, x), layer(x), atol=1e-5, rtol=1e-5)
-    chosen = "_experts_one_by_one" if scheme else "_gathered_experts"  # tiny plain experts: gathered
-    every = "_every_expert_one_by_one" if scheme else "_every_expert_batched"
-    assert forms == [chosen, chosen if scheme else every, every, chosen, every, every]
+    # c: the chosen experts one by one (quantized), g: gathered (plain), v: every expert
+    expected = {"int8": "ccvv" + "cvvv", "int4": "cccc" + "cvvv", None: "gvvv" + "gvvv"}[scheme]
+    assert "".join(forms) == expected
+
 
 
 def test_quantized_step_compiles_and_equals_eager():

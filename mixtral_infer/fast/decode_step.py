@@ -166,10 +166,11 @@ def one_query_attention(
 # copy each way (0: always; ``sys.maxsize``: never).
 CPU_ONE_BY_ONE_MIN_WEIGHTS = 1 << 20
 
-# Quantized experts on CPU: the chosen ones one by one while the assignments are at most the experts
-# (``B * k <= E``; False: only while fewer, ``B * k < E``, as plain experts). Read when a step is
-# traced, so ``bench/moe_experts.py --quantize`` can build a copy each way.
-CPU_QUANTIZED_CHOSEN_AT_EQUAL = True
+# Quantized experts on CPU, by scheme: the chosen ones one by one while the assignments are at most
+# this many times the experts (``B * k <= n * E``; top-2 of 8: int8 to batch 4, int4 to batch 8),
+# every expert on every row beyond (0: only while fewer, ``B * k < E``, as plain experts). Read
+# when a step is traced, so ``bench/moe_experts.py --quantize`` can build a copy each way.
+CPU_QUANTIZED_CHOSEN_UP_TO = {"int8": 1, "int4": 2}
 
 
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
@@ -198,20 +199,23 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     Every expert on every row stays one batched product on CPU: one by one, compiling mixtral-bench's
     step for batch 4 took 620 s. On CUDA the compiled gather is one reduction too.
 
-    Quantized experts on CPU go one by one while ``B * k == E`` too (batch 4, top-2 of 8): both
-    forms then read E expert matrices, but one row a product costs less arithmetic and compiles in a
-    fraction of the time (``CPU_QUANTIZED_CHOSEN_AT_EQUAL``). mixtral-bench, compiled decode batch 4,
-    tokens/s over the batch (``bench/moe_experts.py --quantize``): int4 48.0 every expert -> 66.6
-    chosen (compiled in 79 s and 71 s); int8 chosen 55.5, compiled in 292 s, where every expert's
-    4-row reductions compiled for over 20 minutes (through the int8 kernel instead: 23-27).
+    Quantized experts on CPU go one by one further (``CPU_QUANTIZED_CHOSEN_UP_TO``): at ``B * k = E``
+    (batch 4, top-2 of 8) both forms read E expert matrices, but one row a product costs less
+    arithmetic, and compiles sooner; int4's kernel is slow enough per row that reading the chosen
+    experts still wins at ``B * k = 2E`` (batch 8: 16 expert matrices read against 8).
+    mixtral-bench, compiled decode, tokens/s over the batch, every expert -> chosen
+    (``bench/moe_experts.py --quantize``; ``bench/PERFORMANCE_LOG.md``): int4 batch 4 55.0 -> 76.5
+    (compiled in 72 s and 47 s), batch 8 75.1 -> 88.2 (73 s, 71 s); int8 batch 4: chosen 55.5,
+    compiled in 292 s, where every expert's 4-row reductions compiled for over 20 minutes (through
+    the int8 kernel instead: 23-27 tokens/s). int8 at batch 5-8 is not measured either way.
     """
     x = materialized(x)  # compiled on CPU: in memory, not recomputed for each row of the experts (fast.cpu_reductions)
     experts, weights = moe.route(x)  # (B, A), (B, A)
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
     two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
-    at_equal = CPU_QUANTIZED_CHOSEN_AT_EQUAL and isinstance(moe.w1, QuantizedWeight) and x.device.type == "cpu"
-    if batch * k < n_experts or (at_equal and batch * k == n_experts):
+    scheme = moe.w1.scheme.name if isinstance(moe.w1, QuantizedWeight) and x.device.type == "cpu" else None
+    if batch * k < n_experts or batch * k <= CPU_QUANTIZED_CHOSEN_UP_TO.get(scheme, 0) * n_experts:
         large = math.prod(moe.w1.shape[1:]) >= CPU_ONE_BY_ONE_MIN_WEIGHTS  # (I, D): one expert's matrix
         one_by_one = two_d or (x.device.type == "cpu" and large)
         return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
