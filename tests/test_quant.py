@@ -328,7 +328,6 @@ def test_quantized_experts_go_one_by_one_up_to_their_scheme_s_share_of_assignmen
     assert "".join(forms) == expected
 
 
-
 def test_quantized_step_compiles_and_equals_eager():
     """int4 kernels inside torch.compile(fullgraph=True), batch 1 (gathered experts), bfloat16."""
     model = quantize_model(random_model(tiny_args(moe=True, max_batch_size=1), seed=7).to(torch.bfloat16), "int4")
