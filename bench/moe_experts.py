@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         ways = (("gathered", sys.maxsize), ("one by one", 0))
     for way, value in ways:
         if options.quantize:
-            decode_step.CPU_QUANTIZED_CHOSEN_UP_TO = {options.quantize: value}
+            decode_step.CPU_QUANTIZED_CHOSEN_UP_TO = value
         else:
             decode_step.CPU_ONE_BY_ONE_MIN_WEIGHTS = value
         model = load_model(options.folder, max_batch_size=options.batch, device="cpu",

@@ -303,11 +303,11 @@ def test_quantized_moe_one_token_equals_the_grouped_layer(batch):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", None])
-def test_quantized_experts_go_one_by_one_up_to_their_scheme_s_share_of_assignments(scheme, monkeypatch):
-    """4 experts, top-2: batch 1 (2 assignments) reads its chosen experts; batch 2 (4 = E) the chosen
-    ones where the experts are quantized (the same 4 expert matrices read, one row each), batch 4
-    (8 = 2E) where they are int4 (``CPU_QUANTIZED_CHOSEN_UP_TO``), else every expert. Plain experts,
-    or the switch at 0, run every expert from batch 2 on. Each form equals the grouped layer."""
+def test_quantized_experts_go_one_by_one_up_to_twice_as_many_assignments_as_experts(scheme, monkeypatch):
+    """4 experts, top-2: batch 1 (2 assignments) reads its chosen experts; quantized experts are read
+    one by one up to batch 4 (8 = 2E assignments, ``CPU_QUANTIZED_CHOSEN_UP_TO``; at batch 2 the
+    same 4 expert matrices as every expert would read, one row each). Plain experts, or the switch
+    at 0, run every expert from batch 2 on. Each form equals the grouped layer."""
     from mixtral_infer.fast import decode_step
 
     model = random_model(tiny_args(moe=True), seed=25)
@@ -317,14 +317,14 @@ def test_quantized_experts_go_one_by_one_up_to_their_scheme_s_share_of_assignmen
     for name, letter in letters.items():
         form = getattr(decode_step, name)
         monkeypatch.setattr(decode_step, name, lambda *a, form=form, letter=letter: forms.append(letter) or form(*a))
-    for up_to in (dict(decode_step.CPU_QUANTIZED_CHOSEN_UP_TO), {}):
+    for up_to in (decode_step.CPU_QUANTIZED_CHOSEN_UP_TO, 0):
         monkeypatch.setattr(decode_step, "CPU_QUANTIZED_CHOSEN_UP_TO", up_to)
         for batch in (1, 2, 3, 4):
             x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch))
             with torch.no_grad():
                 torch.testing.assert_close(moe_one_token(layer, x), layer(x), atol=1e-5, rtol=1e-5)
     # c: the chosen experts one by one (quantized), g: gathered (plain), v: every expert
-    expected = {"int8": "ccvv" + "cvvv", "int4": "cccc" + "cvvv", None: "gvvv" + "gvvv"}[scheme]
+    expected = {"int8": "cccc" + "cvvv", "int4": "cccc" + "cvvv", None: "gvvv" + "gvvv"}[scheme]
     assert "".join(forms) == expected
 
 

@@ -166,11 +166,11 @@ def one_query_attention(
 # copy each way (0: always; ``sys.maxsize``: never).
 CPU_ONE_BY_ONE_MIN_WEIGHTS = 1 << 20
 
-# Quantized experts on CPU, by scheme: the chosen ones one by one while the assignments are at most
-# this many times the experts (``B * k <= n * E``; top-2 of 8: int8 to batch 4, int4 to batch 8),
-# every expert on every row beyond (0: only while fewer, ``B * k < E``, as plain experts). Read
-# when a step is traced, so ``bench/moe_experts.py --quantize`` can build a copy each way.
-CPU_QUANTIZED_CHOSEN_UP_TO = {"int8": 1, "int4": 2}
+# Quantized experts on CPU: the chosen ones one by one while the assignments are at most this many
+# times the experts (``B * k <= n * E``; top-2 of 8: to batch 8), every expert on every row beyond
+# (0: only while fewer, ``B * k < E``, as plain experts). Read when a step is traced, so
+# ``bench/moe_experts.py --quantize`` can build a copy each way.
+CPU_QUANTIZED_CHOSEN_UP_TO = 2
 
 
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
@@ -201,21 +201,20 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
 
     Quantized experts on CPU go one by one further (``CPU_QUANTIZED_CHOSEN_UP_TO``): at ``B * k = E``
     (batch 4, top-2 of 8) both forms read E expert matrices, but one row a product costs less
-    arithmetic, and compiles sooner; int4's kernel is slow enough per row that reading the chosen
-    experts still wins at ``B * k = 2E`` (batch 8: 16 expert matrices read against 8).
-    mixtral-bench, compiled decode, tokens/s over the batch, every expert -> chosen
-    (``bench/moe_experts.py --quantize``; ``bench/PERFORMANCE_LOG.md``): int4 batch 4 55.0 -> 76.5
-    (compiled in 72 s and 47 s), batch 8 75.1 -> 88.2 (73 s, 71 s); int8 batch 4: chosen 55.5,
-    compiled in 292 s, where every expert's 4-row reductions compiled for over 20 minutes (through
-    the int8 kernel instead: 23-27 tokens/s). int8 at batch 5-8 is not measured either way.
+    arithmetic, and compiles sooner; the kernels' cost a row is such that reading the chosen experts
+    still wins at ``B * k = 2E`` (batch 8: 16 expert matrices read against 8). mixtral-bench,
+    compiled decode, tokens/s over the batch, every expert -> chosen (``bench/moe_experts.py
+    --quantize``; ``bench/PERFORMANCE_LOG.md``): int4 batch 4 55.0 -> 76.5 (compiled in 72 s and
+    47 s), batch 8 75.1 -> 88.2 (73 s, 71 s); int8 batch 4 chosen 55.5 (292 s), batch 8 112.8 (476
+    s), where every expert's reductions of 4 or 8 rows compiled for over 20 minutes, unfinished.
     """
     x = materialized(x)  # compiled on CPU: in memory, not recomputed for each row of the experts (fast.cpu_reductions)
     experts, weights = moe.route(x)  # (B, A), (B, A)
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
     two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
-    scheme = moe.w1.scheme.name if isinstance(moe.w1, QuantizedWeight) and x.device.type == "cpu" else None
-    if batch * k < n_experts or batch * k <= CPU_QUANTIZED_CHOSEN_UP_TO.get(scheme, 0) * n_experts:
+    quantized_on_cpu = isinstance(moe.w1, QuantizedWeight) and x.device.type == "cpu"
+    if batch * k < n_experts or (quantized_on_cpu and batch * k <= CPU_QUANTIZED_CHOSEN_UP_TO * n_experts):
         large = math.prod(moe.w1.shape[1:]) >= CPU_ONE_BY_ONE_MIN_WEIGHTS  # (I, D): one expert's matrix
         one_by_one = two_d or (x.device.type == "cpu" and large)
         return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
