@@ -760,8 +760,8 @@ class CpuDecodeStep:
     AOTInductor (``static_step.built_ahead_of_time``: the kernels torch.compile would make, called
     from C++ without dynamo's Python, 0.5-1 ms less a step at the bench shapes), by torch.compile
     where it cannot be. What it builds is kept with the model (``built_steps``), so a new engine on
-    the same model and rows reuses it without exporting it again (AOTInductor's builds are kept on disk,
-``cpu_aot_step.BuildCache``, but finding one takes an export of the step).
+    the same model and rows reuses it without exporting it again (AOTInductor's builds are kept on
+    disk, ``cpu_aot_step.BuildCache``, but finding one takes an export of the step).
 
     The library reads the weights the model held when it was built; whether they are still the
     model's (``AotStep.current``) is checked on the first call and when the engine starts work
