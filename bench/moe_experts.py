@@ -1,4 +1,4 @@
-"""Experts in compiled CPU decoding: plain ones gathered or one by one; quantized ones at B * k >= E.
+"""Experts in compiled CPU decoding: plain ones gathered or one by one; every expert or the chosen at B * k >= E.
 
     python bench/moe_experts.py FOLDER [--dtype bfloat16] [--batch 1] [--rounds 5]
                                 [--quantize int8|int4] [--out bench/results_moe_experts.jsonl]
@@ -6,9 +6,10 @@
 ``fast/decode_step.moe_one_token`` multiplies the chosen experts of a step with fewer assignments
 than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or more), each product a
 reduction read in 8 places, where the batched product of the gathered experts is one loop read in
-one place per core. With ``--quantize``, the copies are quantized experts at a batch with at least
-as many assignments as experts (``--batch 4`` or more for top-2 of 8): every expert on every row,
-or the chosen ones one by one (``CPU_QUANTIZED_CHOSEN_UP_TO``). One copy of the model each way, its
+one place per core. At a batch with at least as many assignments as experts (``--batch 4`` or more
+for top-2 of 8), the copies are every expert on every row, or the chosen ones one by one
+(``CPU_PLAIN_CHOSEN_UP_TO``; with ``--quantize``, quantized experts, ``CPU_QUANTIZED_CHOSEN_UP_TO``,
+at any batch). One copy of the model each way, its
 compiled decode step built while the switch had that value (``compile_s``), then compiled decode of
 128 tokens after a 64-token prompt at ``--batch``, the copies alternating, ``--rounds`` times.
 Prints (and appends to ``--out``) one JSON line: medians and every run, tokens/s, and the first 32
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_modes import alternating_tok_s, copies_parser, decode_seconds, report_copies  # noqa: E402
 
 from mixtral_infer import generate, load_model  # noqa: E402
+from mixtral_infer.checkpoint.loading import open_checkpoint  # noqa: E402
 from mixtral_infer.fast import decode_step  # noqa: E402
 
 NEW_TOKENS = 128
@@ -49,15 +51,14 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     prompts = [list(range(1 + i, 65 + i)) for i in range(options.batch)]
     models, compile_s, tokens = {}, {}, {}
-    if options.quantize:
+    moe = open_checkpoint(options.folder).args.moe
+    if options.quantize or options.batch * moe.num_experts_per_tok >= moe.num_experts:
+        switch = "CPU_QUANTIZED_CHOSEN_UP_TO" if options.quantize else "CPU_PLAIN_CHOSEN_UP_TO"
         ways = (("every expert", 0), ("chosen", sys.maxsize))
     else:
-        ways = (("gathered", sys.maxsize), ("one by one", 0))
+        switch, ways = "CPU_ONE_BY_ONE_MIN_WEIGHTS", (("gathered", sys.maxsize), ("one by one", 0))
     for way, value in ways:
-        if options.quantize:
-            decode_step.CPU_QUANTIZED_CHOSEN_UP_TO = value
-        else:
-            decode_step.CPU_ONE_BY_ONE_MIN_WEIGHTS = value
+        setattr(decode_step, switch, value)
         model = load_model(options.folder, max_batch_size=options.batch, device="cpu",
                            dtype=getattr(torch, options.dtype), pack="columns", quantize=options.quantize)  # fmt: skip
         start = time.perf_counter()

@@ -168,9 +168,11 @@ CPU_ONE_BY_ONE_MIN_WEIGHTS = 1 << 20
 
 # Quantized experts on CPU: the chosen ones one by one while the assignments are at most this many
 # times the experts (``B * k <= n * E``; top-2 of 8: to batch 8), every expert on every row beyond
-# (0: only while fewer, ``B * k < E``, as plain experts). Read when a step is traced, so
-# ``bench/moe_experts.py --quantize`` can build a copy each way.
+# (0: only while fewer, ``B * k < E``). Plain experts that go one by one (as large as
+# ``CPU_ONE_BY_ONE_MIN_WEIGHTS``), likewise up to ``CPU_PLAIN_CHOSEN_UP_TO`` times (top-2 of 8: to
+# batch 4). Read when a step is traced, so ``bench/moe_experts.py`` can build a copy each way.
 CPU_QUANTIZED_CHOSEN_UP_TO = 2
+CPU_PLAIN_CHOSEN_UP_TO = 1
 
 
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +201,12 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     Every expert on every row stays one batched product on CPU: one by one, compiling mixtral-bench's
     step for batch 4 took 620 s. On CUDA the compiled gather is one reduction too.
 
+    Large plain experts on CPU stay the chosen ones up to ``B * k = E`` (``CPU_PLAIN_CHOSEN_UP_TO``):
+    there both forms read E expert matrices, one row each or B rows each. mixtral-bench bfloat16,
+    compiled decode, tokens/s over the batch, every expert (each with its own rows,
+    ``_expert_products``) -> chosen: batch 4 33.9 -> 52.3 (the step compiled in 96 s -> 300 s);
+    batch 8 (2E assignments) 53.3 -> 49.6 (35 s -> 322 s), so from there every expert.
+
     Quantized experts on CPU go one by one further (``CPU_QUANTIZED_CHOSEN_UP_TO``): at ``B * k = E``
     (batch 4, top-2 of 8) both forms read E expert matrices, but one row a product costs less
     arithmetic, and compiles sooner; the kernels' cost a row is such that reading the chosen experts
@@ -213,10 +221,15 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
     two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
-    quantized_on_cpu = isinstance(moe.w1, QuantizedWeight) and x.device.type == "cpu"
-    if batch * k < n_experts or (quantized_on_cpu and batch * k <= CPU_QUANTIZED_CHOSEN_UP_TO * n_experts):
-        large = math.prod(moe.w1.shape[1:]) >= CPU_ONE_BY_ONE_MIN_WEIGHTS  # (I, D): one expert's matrix
-        one_by_one = two_d or (x.device.type == "cpu" and large)
+    on_cpu = x.device.type == "cpu"
+    large = math.prod(moe.w1.shape[1:]) >= CPU_ONE_BY_ONE_MIN_WEIGHTS  # (I, D): one expert's matrix
+    one_by_one = two_d or (on_cpu and large)
+    up_to = 0  # the chosen experts are read while B * k <= up_to * E (and always while B * k < E)
+    if on_cpu and isinstance(moe.w1, QuantizedWeight):
+        up_to = CPU_QUANTIZED_CHOSEN_UP_TO
+    elif on_cpu and large and not two_d:
+        up_to = CPU_PLAIN_CHOSEN_UP_TO
+    if batch * k < n_experts or batch * k <= up_to * n_experts:
         return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
     return (_every_expert_one_by_one if two_d else _every_expert_batched)(moe, x, experts, weights)
 
