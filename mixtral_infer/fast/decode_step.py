@@ -205,7 +205,8 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     there both forms read E expert matrices, one row each or B rows each. mixtral-bench bfloat16,
     compiled decode, tokens/s over the batch, every expert (each with its own rows,
     ``_expert_products``) -> chosen: batch 4 33.9 -> 52.3 (the step compiled in 96 s -> 300 s);
-    batch 8 (2E assignments) 53.3 -> 49.6 (35 s -> 322 s), so from there every expert.
+    batch 8 (2E assignments) 53.3 -> 49.6 (35 s -> 322 s), so from there every expert; float32
+    batch 4 14.8 -> 27.5 (96 s -> 218 s).
 
     Quantized experts on CPU go one by one further (``CPU_QUANTIZED_CHOSEN_UP_TO``): at ``B * k = E``
     (batch 4, top-2 of 8) both forms read E expert matrices, but one row a product costs less
