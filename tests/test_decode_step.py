@@ -324,9 +324,10 @@ def test_moe_one_token_equals_the_grouped_layer(batch):
 @pytest.mark.parametrize("form", [_gathered_experts, _every_expert_batched], ids=["gathered", "every-expert"])
 def test_batched_expert_products_give_each_expert_its_own_rows(form):
     """The batched forms multiply each expert by its own copy of the rows: one bmm a matrix (then one
-    that mixes the experts' outputs), a batch entry per expert, ``(E, B, I)`` for every expert on B rows, ``(B * A, 1, I)`` for each row's A
-    chosen ones. Shared rows left to einsum's broadcast made one product of all the experts' rows
-    side by side, ``(1, B, E * I)``, which ran 46x slower in bfloat16 on CPU (``_expert_products``)."""
+    that mixes the experts' outputs), a batch entry per expert, ``(E, B, I)`` for every expert on B
+    rows, ``(B * A, 1, I)`` for each row's A chosen ones. Shared rows left to einsum's broadcast
+    made one product of all the experts' rows side by side, ``(1, B, E * I)``, which ran 46x slower
+    in bfloat16 on CPU (``_expert_products``)."""
     model = random_model(tiny_args(moe=True), seed=25).to(torch.bfloat16)
     layer = model.layers["0"].feed_forward
     x = torch.randn(3, model.args.dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # (B, D)
