@@ -198,8 +198,9 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     sit in the cache, the step's time is its kernels' count (tiny-mixtral, 256 x 128 experts,
     batch 1: 3769 tokens/s gathered, 3025 one by one), hence ``CPU_ONE_BY_ONE_MIN_WEIGHTS``
     (mixtral-bench's experts are 3584 x 1024, Mixtral 8x7B's 14336 x 4096).
-    Every expert on every row stays one batched product on CPU: one by one, compiling mixtral-bench's
-    step for batch 4 took 620 s. On CUDA the compiled gather is one reduction too.
+    Every expert on every row stays one batched product on CPU: as 8 products of 4 rows one by one,
+    compiling mixtral-bench's step for batch 4 took 620 s. On CUDA the compiled gather is one
+    reduction too.
 
     Large plain experts on CPU stay the chosen ones up to ``B * k = E`` (``CPU_PLAIN_CHOSEN_UP_TO``):
     there both forms read E expert matrices, one row each or B rows each. mixtral-bench bfloat16,
