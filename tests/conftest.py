@@ -15,22 +15,6 @@ from mixtral_infer.checkpoint.loading import build_model
 
 WINDOW = 8
 
-# The test files that take longest (their compiles), longest first: with a cold compile cache on the
-# 2-core CI machine 185, 178, 158, 114, 84 and 59 s of a 10-minute suite. xdist hands out whole
-# files in collection order (pyproject.toml): started first, the short files that follow even out
-# the two workers' ends (simulated from measured file times: 625 -> 607 s; handed out by test
-# count, xdist's default, the slowest file started last).
-SLOWEST_FILES = (
-    "test_cpu_aot_step.py", "test_cpu_column_blocks.py", "test_decode_step.py",
-    "test_cli.py", "test_serve_engine.py", "test_serve_api.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items):
-    """``SLOWEST_FILES`` first, in that order; every other file after them, as collected."""
-    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests stay in order
-
 
 def tiny_args(moe: bool = True, sliding_window: int | None = WINDOW, max_batch_size: int = 4) -> ModelArgs:
     """2 layers, GQA ratio 2, head_dim 16; MoE with 4 experts, top-2."""
