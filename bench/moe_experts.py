@@ -8,7 +8,7 @@ than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or mor
 reduction read in 8 places, where the batched product of the gathered experts is one loop read in
 one place per core. At a batch with at least as many assignments as experts (``--batch 4`` or more
 for top-2 of 8), the copies are every expert on every row, or the chosen ones one by one
-(``CPU_PLAIN_CHOSEN_UP_TO``, for float32 ``CPU_FLOAT32_CHOSEN_UP_TO``; with ``--quantize``,
+(``CPU_PLAIN_CHOSEN_UP_TO``, for bfloat16 ``CPU_BFLOAT16_CHOSEN_UP_TO``; with ``--quantize``,
 quantized experts, ``CPU_QUANTIZED_CHOSEN_UP_TO``, at any batch). One copy of the model each way, its
 compiled decode step built while the switch had that value (``compile_s``), then compiled decode of
 128 tokens after a 64-token prompt at ``--batch``, the copies alternating, ``--rounds`` times.
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     moe = open_checkpoint(options.folder).args.moe
     if options.quantize or options.batch * moe.num_experts_per_tok >= moe.num_experts:
         switch = "CPU_QUANTIZED_CHOSEN_UP_TO" if options.quantize else "CPU_PLAIN_CHOSEN_UP_TO"
-        if not options.quantize and options.dtype == "float32":
-            switch = "CPU_FLOAT32_CHOSEN_UP_TO"
+        if not options.quantize and options.dtype == "bfloat16":
+            switch = "CPU_BFLOAT16_CHOSEN_UP_TO"
         ways = (("every expert", 0), ("chosen", sys.maxsize))
     else:
         switch, ways = "CPU_ONE_BY_ONE_MIN_WEIGHTS", (("gathered", sys.maxsize), ("one by one", 0))

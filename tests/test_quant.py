@@ -302,21 +302,23 @@ def test_quantized_moe_one_token_equals_the_grouped_layer(batch):
         torch.testing.assert_close(moe_one_token(layer, x), layer(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "plain-large", "plain-large-float32", "plain-small"])
+@pytest.mark.parametrize(
+    "scheme", ["int8", "int4", "plain-large", "plain-large-float16", "plain-large-bfloat16", "plain-small"]
+)
 def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as_experts(scheme, monkeypatch):
     """4 experts, top-2: batch 1 (2 assignments) reads its chosen experts; quantized experts are read
     one by one up to batch 4 (8 = 2E assignments, ``CPU_QUANTIZED_CHOSEN_UP_TO``; at batch 2 the
-    same 4 expert matrices as every expert would read, one row each), large plain bfloat16 ones up
-    to batch 2 (4 = E, ``CPU_PLAIN_CHOSEN_UP_TO``; the threshold lowered to the tiny model's
-    experts), large float32 ones up to batch 4 (``CPU_FLOAT32_CHOSEN_UP_TO``), small plain ones are
-    gathered at batch 1 only. With the switch at 0, every expert from batch 2 on. Each form equals
-    the grouped layer."""
+    same 4 expert matrices as every expert would read, one row each), large plain float32 and
+    float16 ones too (``CPU_PLAIN_CHOSEN_UP_TO``; the threshold lowered to the tiny model's
+    experts), large bfloat16 ones up to batch 2 (4 = E, ``CPU_BFLOAT16_CHOSEN_UP_TO``), small plain
+    ones are gathered at batch 1 only. With the switch at 0, every expert from batch 2 on. Each form
+    equals the grouped layer."""
     from mixtral_infer.fast import decode_step
 
     model = random_model(tiny_args(moe=True), seed=25)
     quantized = scheme.startswith("int")
-    if scheme in ("plain-large", "plain-small"):
-        model = model.to(torch.bfloat16)
+    dtypes = {"plain-large-float16": torch.float16, "plain-large-bfloat16": torch.bfloat16, "plain-small": torch.bfloat16}
+    model = model.to(dtypes.get(scheme, torch.float32))
     layer = (quantize_model(model, scheme) if quantized else model).layers["0"].feed_forward
     if scheme.startswith("plain-large"):
         monkeypatch.setattr(decode_step, "CPU_ONE_BY_ONE_MIN_WEIGHTS", 0)
@@ -325,7 +327,7 @@ def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as
     for name, letter in letters.items():
         form = getattr(decode_step, name)
         monkeypatch.setattr(decode_step, name, lambda *a, form=form, letter=letter: forms.append(letter) or form(*a))
-    switch = {"plain-large-float32": "CPU_FLOAT32_CHOSEN_UP_TO"}.get(
+    switch = {"plain-large-bfloat16": "CPU_BFLOAT16_CHOSEN_UP_TO"}.get(
         scheme, "CPU_QUANTIZED_CHOSEN_UP_TO" if quantized else "CPU_PLAIN_CHOSEN_UP_TO"
     )
     close = dict(atol=1e-5, rtol=1e-5) if model.dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -336,8 +338,9 @@ def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as
             with torch.no_grad():
                 torch.testing.assert_close(moe_one_token(layer, x), layer(x), **close)
     # c: the chosen experts one by one, g: gathered (small plain experts), v: every expert
-    expected = {"int8": "cccc" + "cvvv", "int4": "cccc" + "cvvv", "plain-large": "ccvv" + "cvvv",
-                "plain-large-float32": "cccc" + "cvvv", "plain-small": "gvvv" + "gvvv"}[scheme]  # fmt: skip
+    expected = {"int8": "cccc" + "cvvv", "int4": "cccc" + "cvvv", "plain-large": "cccc" + "cvvv",
+                "plain-large-float16": "cccc" + "cvvv", "plain-large-bfloat16": "ccvv" + "cvvv",
+                "plain-small": "gvvv" + "gvvv"}[scheme]  # fmt: skip
     assert "".join(forms) == expected
 
 

@@ -169,12 +169,12 @@ CPU_ONE_BY_ONE_MIN_WEIGHTS = 1 << 20
 # Quantized experts on CPU: the chosen ones one by one while the assignments are at most this many
 # times the experts (``B * k <= n * E``; top-2 of 8: to batch 8), every expert on every row beyond
 # (0: only while fewer, ``B * k < E``). Plain experts that go one by one (as large as
-# ``CPU_ONE_BY_ONE_MIN_WEIGHTS``), likewise up to ``CPU_PLAIN_CHOSEN_UP_TO`` times (top-2 of 8: to
-# batch 4), float32 ones up to ``CPU_FLOAT32_CHOSEN_UP_TO`` times (to batch 8). Read when a step is
-# traced, so ``bench/moe_experts.py`` can build a copy each way.
+# ``CPU_ONE_BY_ONE_MIN_WEIGHTS``), likewise up to ``CPU_PLAIN_CHOSEN_UP_TO`` times (float32,
+# float16; top-2 of 8: to batch 8), bfloat16 ones up to ``CPU_BFLOAT16_CHOSEN_UP_TO`` times (to
+# batch 4). Read when a step is traced, so ``bench/moe_experts.py`` can build a copy each way.
 CPU_QUANTIZED_CHOSEN_UP_TO = 2
-CPU_PLAIN_CHOSEN_UP_TO = 1
-CPU_FLOAT32_CHOSEN_UP_TO = 2
+CPU_PLAIN_CHOSEN_UP_TO = 2
+CPU_BFLOAT16_CHOSEN_UP_TO = 1
 
 
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
@@ -204,15 +204,17 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     compiling mixtral-bench's step for batch 4 took 620 s. On CUDA the compiled gather is one
     reduction too.
 
-    Large plain experts on CPU stay the chosen ones up to ``B * k = E`` (``CPU_PLAIN_CHOSEN_UP_TO``):
-    there both forms read E expert matrices, one row each or B rows each. mixtral-bench bfloat16,
-    compiled decode, tokens/s over the batch, every expert (each with its own rows,
-    ``_expert_products``) -> chosen: batch 4 33.9 -> 52.3 (the step compiled in 96 s -> 300 s);
-    batch 6 66.1 -> 65.0 (53 s -> 203 s), batch 8 (2E assignments) 53.3 -> 49.6 (35 s -> 322 s),
-    so from there every expert. float32 experts stay the chosen ones up to ``B * k = 2E``
-    (``CPU_FLOAT32_CHOSEN_UP_TO``): every expert on 4 or 8 float32 rows runs off the bandwidth
-    (batch 8 reads half the bytes and runs at 0.78x), batch 4 14.8 -> 27.5 (96 s -> 218 s), batch 8
-    27.6 -> 35.5 (146 s -> 380 s).
+    Large plain bfloat16 experts on CPU stay the chosen ones up to ``B * k = E``
+    (``CPU_BFLOAT16_CHOSEN_UP_TO``): there both forms read E expert matrices, one row each or B rows
+    each. mixtral-bench bfloat16, compiled decode, tokens/s over the batch, every expert (each with
+    its own rows, ``_expert_products``) -> chosen: batch 4 33.9 -> 52.3 (the step compiled in 96 s
+    -> 300 s); batch 6 66.1 -> 65.0 (53 s -> 203 s), batch 8 (2E assignments) 53.3 -> 49.6 (35 s ->
+    322 s), so from there every expert. float32 and float16 experts stay the chosen ones up to
+    ``B * k = 2E`` (``CPU_PLAIN_CHOSEN_UP_TO``): every expert on 4 or 8 rows is one batched product
+    that runs far under the bandwidth in these dtypes (bfloat16's runs on the CPU's AMX tiles, which
+    this Xeon has for bfloat16 only), while one row a product reads near it: float32 batch 4 14.8
+    -> 27.5 (96 s -> 218 s), batch 8 27.6 -> 35.5 (146 s -> 380 s); float16 batch 4 25.1 -> 61.2
+    (88 s -> 227 s), batch 8 49.2 -> 65.2 (43 s -> 237 s).
 
     Quantized experts on CPU go one by one further (``CPU_QUANTIZED_CHOSEN_UP_TO``): at ``B * k = E``
     (batch 4, top-2 of 8) both forms read E expert matrices, but one row a product costs less
@@ -235,7 +237,7 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     if on_cpu and isinstance(moe.w1, QuantizedWeight):
         up_to = CPU_QUANTIZED_CHOSEN_UP_TO
     elif on_cpu and large and not two_d:
-        up_to = CPU_FLOAT32_CHOSEN_UP_TO if moe.w1.dtype == torch.float32 else CPU_PLAIN_CHOSEN_UP_TO
+        up_to = CPU_BFLOAT16_CHOSEN_UP_TO if moe.w1.dtype == torch.bfloat16 else CPU_PLAIN_CHOSEN_UP_TO
     if batch * k < n_experts or batch * k <= up_to * n_experts:
         return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
     return (_every_expert_one_by_one if two_d else _every_expert_batched)(moe, x, experts, weights)
