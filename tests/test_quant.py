@@ -317,7 +317,8 @@ def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as
 
     model = random_model(tiny_args(moe=True), seed=25)
     quantized = scheme.startswith("int")
-    dtypes = {"plain-large-float16": torch.float16, "plain-large-bfloat16": torch.bfloat16, "plain-small": torch.bfloat16}
+    dtypes = {"plain-large-float16": torch.float16, "plain-large-bfloat16": torch.bfloat16,
+              "plain-small": torch.bfloat16}  # fmt: skip
     model = model.to(dtypes.get(scheme, torch.float32))
     layer = (quantize_model(model, scheme) if quantized else model).layers["0"].feed_forward
     if scheme.startswith("plain-large"):
