@@ -9,9 +9,9 @@ reduction read in 8 places, where the batched product of the gathered experts is
 one place per core. At a batch with at least as many assignments as experts (``--batch 4`` or more
 for top-2 of 8), the copies are every expert on every row, or the chosen ones one by one
 (``CPU_PLAIN_CHOSEN_UP_TO``, for bfloat16 ``CPU_BFLOAT16_CHOSEN_UP_TO``; with ``--quantize``,
-quantized experts, ``CPU_QUANTIZED_CHOSEN_UP_TO``, at any batch). One copy of the model each way, its
-compiled decode step built while the switch had that value (``compile_s``), then compiled decode of
-128 tokens after a 64-token prompt at ``--batch``, the copies alternating, ``--rounds`` times.
+quantized experts, ``CPU_QUANTIZED_CHOSEN_UP_TO``, at any batch). One copy of the model each way,
+its compiled decode step built while the switch had that value (``compile_s``), then compiled decode
+of 128 tokens after a 64-token prompt at ``--batch``, the copies alternating, ``--rounds`` times.
 Prints (and appends to ``--out``) one JSON line: medians and every run, tokens/s, and the first 32
 greedy tokens of each copy beside the eager loop's.
 """
