@@ -7,13 +7,13 @@
 than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or more), each product a
 reduction read in 8 places, where the batched product of the gathered experts is one loop read in
 one place per core. At a batch with at least as many assignments as experts (``--batch 4`` or more
-for top-2 of 8), the copies are every expert on every row, or the chosen ones one by one
-(``CPU_PLAIN_CHOSEN_UP_TO``, for bfloat16 ``CPU_BFLOAT16_CHOSEN_UP_TO``; with ``--quantize``,
-quantized experts, ``CPU_QUANTIZED_CHOSEN_UP_TO``, at any batch). One copy of the model each way,
-its compiled decode step built while the switch had that value (``compile_s``), then compiled decode
-of 128 tokens after a 64-token prompt at ``--batch``, the copies alternating, ``--rounds`` times.
-Prints (and appends to ``--out``) one JSON line: medians and every run, tokens/s, and the first 32
-greedy tokens of each copy beside the eager loop's.
+for top-2 of 8), the copies are every expert on every row, or the chosen ones one by one (the
+experts' entry of ``CPU_CHOSEN_UP_TO``: "plain", "plain bfloat16", or with ``--quantize``
+"quantized", at any batch). One copy of the model each way, its compiled decode step built while the
+switch had that value (``compile_s``), then compiled decode of 128 tokens after a 64-token prompt at
+``--batch``, the copies alternating, ``--rounds`` times. Prints (and appends to ``--out``) one JSON
+line: medians and every run, tokens/s, and the first 32 greedy tokens of each copy beside the eager
+loop's.
 """
 
 from __future__ import annotations
@@ -52,17 +52,17 @@ def main(argv=None) -> int:
     prompts = [list(range(1 + i, 65 + i)) for i in range(options.batch)]
     models, compile_s, tokens = {}, {}, {}
     moe = open_checkpoint(options.folder).args.moe
-    if options.quantize or options.batch * moe.num_experts_per_tok >= moe.num_experts:
-        switch = "CPU_QUANTIZED_CHOSEN_UP_TO" if options.quantize else "CPU_PLAIN_CHOSEN_UP_TO"
-        if not options.quantize and options.dtype == "bfloat16":
-            switch = "CPU_BFLOAT16_CHOSEN_UP_TO"
-        ways = (("every expert", 0), ("chosen", sys.maxsize))
-    else:
-        switch, ways = "CPU_ONE_BY_ONE_MIN_WEIGHTS", (("gathered", sys.maxsize), ("one by one", 0))
+    every_or_chosen = options.quantize or options.batch * moe.num_experts_per_tok >= moe.num_experts
+    ways = (("every expert", 0), ("chosen", sys.maxsize))
+    if not every_or_chosen:
+        ways = (("gathered", sys.maxsize), ("one by one", 0))
     for way, value in ways:
-        setattr(decode_step, switch, value)
         model = load_model(options.folder, max_batch_size=options.batch, device="cpu",
                            dtype=getattr(torch, options.dtype), pack="columns", quantize=options.quantize)  # fmt: skip
+        if every_or_chosen:  # the experts' own entry (decode_step.cpu_experts_kind), read when the step is built
+            decode_step.CPU_CHOSEN_UP_TO[decode_step.cpu_experts_kind(model.layers["0"].feed_forward)] = value
+        else:
+            decode_step.CPU_ONE_BY_ONE_MIN_WEIGHTS = value
         start = time.perf_counter()
         decode_seconds(model, prompts, "compiled", NEW_TOKENS)  # builds the step at the timed shapes
         compile_s[way] = round(time.perf_counter() - start, 1)

@@ -307,12 +307,12 @@ def test_quantized_moe_one_token_equals_the_grouped_layer(batch):
 )
 def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as_experts(scheme, monkeypatch):
     """4 experts, top-2: batch 1 (2 assignments) reads its chosen experts; quantized experts are read
-    one by one up to batch 4 (8 = 2E assignments, ``CPU_QUANTIZED_CHOSEN_UP_TO``; at batch 2 the
+    one by one up to batch 4 (8 = 2E assignments, ``CPU_CHOSEN_UP_TO["quantized"]``; at batch 2 the
     same 4 expert matrices as every expert would read, one row each), large plain float32 and
-    float16 ones too (``CPU_PLAIN_CHOSEN_UP_TO``; the threshold lowered to the tiny model's
-    experts), large bfloat16 ones up to batch 2 (4 = E, ``CPU_BFLOAT16_CHOSEN_UP_TO``), small plain
-    ones are gathered at batch 1 only. With the switch at 0, every expert from batch 2 on. Each form
-    equals the grouped layer."""
+    float16 ones too (``CPU_CHOSEN_UP_TO["plain"]``; the threshold lowered to the tiny model's
+    experts), large bfloat16 ones up to batch 2 (4 = E, ``CPU_CHOSEN_UP_TO["plain bfloat16"]``),
+    small plain ones are gathered at batch 1 only. With the switch at 0, every expert from batch 2
+    on. Each form equals the grouped layer."""
     from mixtral_infer.fast import decode_step
 
     model = random_model(tiny_args(moe=True), seed=25)
@@ -328,12 +328,14 @@ def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as
     for name, letter in letters.items():
         form = getattr(decode_step, name)
         monkeypatch.setattr(decode_step, name, lambda *a, form=form, letter=letter: forms.append(letter) or form(*a))
-    switch = {"plain-large-bfloat16": "CPU_BFLOAT16_CHOSEN_UP_TO"}.get(
-        scheme, "CPU_QUANTIZED_CHOSEN_UP_TO" if quantized else "CPU_PLAIN_CHOSEN_UP_TO"
+    kind = decode_step.cpu_experts_kind(layer)
+    assert kind == {"plain-large-bfloat16": "plain bfloat16", "plain-small": None}.get(
+        scheme, "quantized" if quantized else "plain"
     )
     close = dict(atol=1e-5, rtol=1e-5) if model.dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for up_to in (getattr(decode_step, switch), 0):
-        monkeypatch.setattr(decode_step, switch, up_to)
+    for up_to in (decode_step.CPU_CHOSEN_UP_TO.get(kind, 0), 0):
+        if kind is not None:
+            monkeypatch.setitem(decode_step.CPU_CHOSEN_UP_TO, kind, up_to)
         for batch in (1, 2, 3, 4):
             x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch)).to(model.dtype)
             with torch.no_grad():

@@ -166,15 +166,24 @@ def one_query_attention(
 # copy each way (0: always; ``sys.maxsize``: never).
 CPU_ONE_BY_ONE_MIN_WEIGHTS = 1 << 20
 
-# Quantized experts on CPU: the chosen ones one by one while the assignments are at most this many
-# times the experts (``B * k <= n * E``; top-2 of 8: to batch 8), every expert on every row beyond
-# (0: only while fewer, ``B * k < E``). Plain experts that go one by one (as large as
-# ``CPU_ONE_BY_ONE_MIN_WEIGHTS``), likewise up to ``CPU_PLAIN_CHOSEN_UP_TO`` times (float32,
-# float16; top-2 of 8: to batch 8), bfloat16 ones up to ``CPU_BFLOAT16_CHOSEN_UP_TO`` times (to
-# batch 4). Read when a step is traced, so ``bench/moe_experts.py`` can build a copy each way.
-CPU_QUANTIZED_CHOSEN_UP_TO = 2
-CPU_PLAIN_CHOSEN_UP_TO = 2
-CPU_BFLOAT16_CHOSEN_UP_TO = 1
+# How far the chosen experts go one by one on CPU, by the experts' kind (``cpu_experts_kind``): while
+# the assignments are at most this many times the experts (``B * k <= n * E``; top-2 of 8: 2 is to
+# batch 8, 1 to batch 4), every expert on every row beyond (0: only while fewer, ``B * k < E``).
+# Quantized experts and large plain float32 / float16 ones to 2E, large plain bfloat16 ones to E
+# (``moe_one_token`` says why). Read when a step is traced, so ``bench/moe_experts.py`` can build a
+# copy each way.
+CPU_CHOSEN_UP_TO = {"quantized": 2, "plain": 2, "plain bfloat16": 1}
+
+
+def cpu_experts_kind(moe: MoeLayer) -> str | None:
+    """The key of ``CPU_CHOSEN_UP_TO`` for these experts on CPU: "quantized"; "plain bfloat16" or
+    "plain" (float32, float16) for plain experts of at least ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` weights
+    each; None for smaller plain experts and oneDNN-packed ones (read gathered / every expert)."""
+    if isinstance(moe.w1, QuantizedWeight):
+        return "quantized"
+    if isinstance(moe.w1, PackedWeight) or math.prod(moe.w1.shape[1:]) < CPU_ONE_BY_ONE_MIN_WEIGHTS:
+        return None
+    return "plain bfloat16" if moe.w1.dtype == torch.bfloat16 else "plain"
 
 
 def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
@@ -205,25 +214,26 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     reduction too.
 
     Large plain bfloat16 experts on CPU stay the chosen ones up to ``B * k = E``
-    (``CPU_BFLOAT16_CHOSEN_UP_TO``): there both forms read E expert matrices, one row each or B rows
-    each. mixtral-bench bfloat16, compiled decode, tokens/s over the batch, every expert (each with
-    its own rows, ``_expert_products``) -> chosen: batch 4 33.9 -> 52.3 (the step compiled in 96 s
-    -> 300 s); batch 6 66.1 -> 65.0 (53 s -> 203 s), batch 8 (2E assignments) 53.3 -> 49.6 (35 s ->
-    322 s), so from there every expert. float32 and float16 experts stay the chosen ones up to
-    ``B * k = 2E`` (``CPU_PLAIN_CHOSEN_UP_TO``): every expert on 4 or 8 rows is one batched product
-    that runs far under the bandwidth in these dtypes (bfloat16's runs on the CPU's AMX tiles, which
-    this Xeon has for bfloat16 only), while one row a product reads near it: float32 batch 4 14.8
-    -> 27.5 (96 s -> 218 s), batch 8 27.6 -> 35.5 (146 s -> 380 s); float16 batch 4 25.1 -> 61.2
-    (88 s -> 227 s), batch 8 49.2 -> 65.2 (43 s -> 237 s).
+    (``CPU_CHOSEN_UP_TO["plain bfloat16"]``): there both forms read E expert matrices, one row each
+    or B rows each. mixtral-bench bfloat16, compiled decode, tokens/s over the batch, every expert
+    (each with its own rows, ``_expert_products``) -> chosen: batch 4 33.9 -> 52.3 (the step
+    compiled in 96 s -> 300 s); batch 6 66.1 -> 65.0 (53 s -> 203 s), batch 8 (2E assignments) 53.3
+    -> 49.6 (35 s -> 322 s), so from there every expert. float32 and float16 experts stay the chosen
+    ones up to ``B * k = 2E`` (``CPU_CHOSEN_UP_TO["plain"]``): every expert on 4 or 8 rows is one
+    batched product that runs far under the bandwidth in these dtypes (bfloat16's runs on the CPU's
+    AMX tiles, which this Xeon has for bfloat16 only), while one row a product reads near it:
+    float32 batch 4 14.8 -> 27.5 (96 s -> 218 s), batch 8 27.6 -> 35.5 (146 s -> 380 s); float16
+    batch 4 25.1 -> 61.2 (88 s -> 227 s), batch 8 49.2 -> 65.2 (43 s -> 237 s).
 
-    Quantized experts on CPU go one by one further (``CPU_QUANTIZED_CHOSEN_UP_TO``): at ``B * k = E``
-    (batch 4, top-2 of 8) both forms read E expert matrices, but one row a product costs less
-    arithmetic, and compiles sooner; the kernels' cost a row is such that reading the chosen experts
-    still wins at ``B * k = 2E`` (batch 8: 16 expert matrices read against 8). mixtral-bench,
-    compiled decode, tokens/s over the batch, every expert -> chosen (``bench/moe_experts.py
-    --quantize``; ``bench/PERFORMANCE_LOG.md``): int4 batch 4 55.0 -> 76.5 (compiled in 72 s and
-    47 s), batch 8 75.1 -> 88.2 (73 s, 71 s); int8 batch 4 chosen 55.5 (292 s), batch 8 112.8 (476
-    s), where every expert's reductions of 4 or 8 rows compiled for over 20 minutes, unfinished.
+    Quantized experts on CPU go one by one further (``CPU_CHOSEN_UP_TO["quantized"]``): at
+    ``B * k = E`` (batch 4, top-2 of 8) both forms read E expert matrices, but one row a product
+    costs less arithmetic, and compiles sooner; the kernels' cost a row is such that reading the
+    chosen experts still wins at ``B * k = 2E`` (batch 8: 16 expert matrices read against 8).
+    mixtral-bench, compiled decode, tokens/s over the batch, every expert -> chosen
+    (``bench/moe_experts.py --quantize``; ``bench/PERFORMANCE_LOG.md``): int4 batch 4 55.0 -> 76.5
+    (compiled in 72 s and 47 s), batch 8 75.1 -> 88.2 (73 s, 71 s); int8 batch 4 chosen 55.5 (292
+    s), batch 8 112.8 (476 s), where every expert's reductions of 4 or 8 rows compiled for over 20
+    minutes, unfinished.
     """
     x = materialized(x)  # compiled on CPU: in memory, not recomputed for each row of the experts (fast.cpu_reductions)
     experts, weights = moe.route(x)  # (B, A), (B, A)
@@ -233,11 +243,8 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     on_cpu = x.device.type == "cpu"
     large = math.prod(moe.w1.shape[1:]) >= CPU_ONE_BY_ONE_MIN_WEIGHTS  # (I, D): one expert's matrix
     one_by_one = two_d or (on_cpu and large)
-    up_to = 0  # the chosen experts are read while B * k <= up_to * E (and always while B * k < E)
-    if on_cpu and isinstance(moe.w1, QuantizedWeight):
-        up_to = CPU_QUANTIZED_CHOSEN_UP_TO
-    elif on_cpu and large and not two_d:
-        up_to = CPU_BFLOAT16_CHOSEN_UP_TO if moe.w1.dtype == torch.bfloat16 else CPU_PLAIN_CHOSEN_UP_TO
+    # the chosen experts are read while B * k <= up_to * E (and always while B * k < E)
+    up_to = CPU_CHOSEN_UP_TO.get(cpu_experts_kind(moe), 0) if on_cpu else 0
     if batch * k < n_experts or batch * k <= up_to * n_experts:
         return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
     return (_every_expert_one_by_one if two_d else _every_expert_batched)(moe, x, experts, weights)
