@@ -9,7 +9,14 @@ from test_model import random_prompts
 
 import mixtral_infer.fast.decode_step as decode_step
 from mixtral_infer import Tokenizer, generate
-from mixtral_infer.fast.cpu_aot_step import AotStep, BuildCache, build_key, builds_ahead_of_time
+from mixtral_infer.fast.cpu_aot_step import (
+    CPU_INDUCTOR_OPTIONS,
+    INDUCTOR_CONFIGS,
+    AotStep,
+    BuildCache,
+    build_key,
+    builds_ahead_of_time,
+)
 from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.fast.decode_loop import step_compiler
 from mixtral_infer.quant.model import quantize_model
@@ -178,6 +185,25 @@ def test_a_kept_build_that_does_not_load_is_removed_and_caches_can_be_switched_o
     assert BuildCache.for_graph(exported).folder == str(tmp_path / build_key(exported))
     with torch._inductor.config.patch(force_disable_caches=True):  # TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
         assert BuildCache.for_graph(exported) is None
+
+
+def test_cpu_steps_fuse_each_multiply_and_add():
+    """``CPU_INDUCTOR_OPTIONS`` (every CPU step's, the AOTInductor builds' too): ``a * b + c`` is one
+    fused multiply-add, rounded once. Worked example: ``a = b = 1 + 2**-13`` gives ``a * b = 1 +
+    2**-12 + 2**-26``, which float32 rounds to ``1 + 2**-12`` (its steps there are 2**-23); with
+    ``c = -(1 + 2**-12)`` the sum is 0 when the product is rounded first, ``2**-26`` when fused.
+    (The AOTInductor step equals torch.compile's bit for bit, above: both are built so.)"""
+    assert INDUCTOR_CONFIGS.items() >= CPU_INDUCTOR_OPTIONS.items()
+    a = torch.full((64,), 1 + 2**-13)
+    c = torch.full((64,), -(1 + 2**-12))
+
+    def multiply_add(a, b, c):
+        return a * b + c
+
+    assert torch.equal(multiply_add(a, a, c), torch.zeros(64))  # op by op: rounded twice
+    torch._dynamo.reset()
+    fused = torch.compile(multiply_add, dynamic=False, options=CPU_INDUCTOR_OPTIONS)(a, a, c)
+    assert torch.equal(fused, torch.full((64,), 2.0**-26))
 
 
 def test_a_step_aot_cannot_build_falls_back_to_torch_compile_and_says_why(monkeypatch):

@@ -86,7 +86,16 @@ class _StepModule(torch.nn.Module):
         return self.decode_one_token(*args)
 
 
-INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}  # the weights are handed over, not built in
+# Inductor's options for every step compiled on CPU (by AOTInductor here, by torch.compile where it
+# cannot). A multiply and the add after it are one fused multiply-add (gcc's ``-ffp-contract=fast``;
+# inductor's default, ``off``, keeps them two instructions, each rounded): fewer instructions a
+# weight in the decode loops' multiply-and-sums, which widen each 16-bit or int8 weight before they
+# multiply, and one rounding where there were two. 2-core AMD EPYC (Zen 4), compiled decode batch 1,
+# one process alternating a copy built each way, medians, tokens/s: mixtral-bench int8 80.4 -> 91.9
+# (5 of 5 rounds), mistral-bench int8 149.8 -> 161.1, bfloat16 103.3 -> 106.9; mixtral-bench
+# bfloat16 45.2 -> 45.3 (``bench/PERFORMANCE_LOG.md``, last section).
+CPU_INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
+INDUCTOR_CONFIGS = {**CPU_INDUCTOR_OPTIONS, "aot_inductor.package_constants_in_so": False}  # weights handed over
 
 
 class AotStep:

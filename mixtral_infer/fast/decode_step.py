@@ -42,7 +42,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.cpu_aot_step import AotStep, builds_ahead_of_time
+from mixtral_infer.fast.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.fast.cpu_reductions import materialized
@@ -493,7 +493,7 @@ class StepCompiler:
             built = built_ahead_of_time(self.model, step, args, self.announce) if on_cpu else None
             if built is None:
                 cuda = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
-                options = cuda if cache.cache_k.is_cuda else None
+                options = cuda if cache.cache_k.is_cuda else CPU_INDUCTOR_OPTIONS
                 built = torch.compile(step, fullgraph=True, dynamic=False, options=options)
             self.steps[key] = built
             with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):

@@ -44,7 +44,7 @@ import torch
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.fast import decode_step as static_step
-from mixtral_infer.fast.cpu_aot_step import AotStep
+from mixtral_infer.fast.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep
 from mixtral_infer.fast.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.fast.decode_step import decode_logits, finite_rows, supports_static_decode
 from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
@@ -624,7 +624,7 @@ class Engine:
         if cuda:
             torch._dynamo.mark_static_address(self.cache.cache_k)
             torch._dynamo.mark_static_address(self.cache.cache_v)
-        options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if cuda else None
+        options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if cuda else CPU_INDUCTOR_OPTIONS
         if cuda or mixed:
             return torch.compile(step, fullgraph=True, dynamic=False, options=options)
         return CpuDecodeStep(model, step, grouped_moe)
@@ -794,7 +794,7 @@ class CpuDecodeStep:
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
         built = static_step.built_ahead_of_time(self.model, self.step, args, warn)
-        return built or torch.compile(self.step, fullgraph=True, dynamic=False)
+        return built or torch.compile(self.step, fullgraph=True, dynamic=False, options=CPU_INDUCTOR_OPTIONS)
 
 
 def built_steps(model: Transformer) -> Dict[tuple, Callable[..., torch.Tensor]]:
