@@ -421,11 +421,13 @@ def test_decode_mode_choices():
 def test_guards_are_skipped_only_within_one_loop_after_two_checked_steps(monkeypatch):
     """From the third compiled step of a loop on, dynamo runs only the guards that tell its graphs
     apart (``GUARDED_STEPS``); the caller's on_token keeps every guard, and a model edited
-    between two calls is seen by the next call's checked steps."""
+    between two calls is seen by the next call's checked steps. The step is the fullgraph test's
+    mixture (same shapes, sampling and EOS): on CPU its build is kept on disk and loaded here."""
     from mixtral_infer.fast import decode_loop
 
-    model = random_model(tiny_args(moe=True, max_batch_size=2), seed=29)
-    prompts = random_prompts([5, 2 * WINDOW + 3], model.args.vocab_size, seed=7)
+    model = random_model(tiny_args(moe=True, max_batch_size=3), seed=23)
+    prompts = random_prompts([2 * WINDOW + 1, 3, 6], model.args.vocab_size, seed=6)
+    settings = dict(max_tokens=6, eos_id=eos_that_stops_some(model, prompts, 3 * WINDOW), **SAMPLINGS["top-k top-p"])
     schedule, in_callback = [], []
     checked = decode_loop.guards_checked
     monkeypatch.setattr(decode_loop, "guards_checked", lambda ok: schedule.append(ok) or checked(ok))
@@ -433,12 +435,13 @@ def test_guards_are_skipped_only_within_one_loop_after_two_checked_steps(monkeyp
     def on_token(index, token):
         in_callback.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
 
-    before = generate(prompts, model, decode="compiled", max_tokens=6, on_token=on_token)
+    before = generate(prompts, model, decode="compiled", on_token=on_token, **settings)
+    assert [len(tokens) for tokens in before[0]] == [6, 6, 6]  # none met the EOS this early
     assert schedule == [True, True, False, False, False]  # steps 2..6: the first token comes from the prompt's pass
-    assert len(in_callback) == 12 and not any(in_callback)
-    assert_same(generate(prompts, model, decode="eager", max_tokens=6), before)
+    assert len(in_callback) == 18 and not any(in_callback)
+    assert_same(generate(prompts, model, decode="eager", **settings), before)
 
     model.output.weight = torch.nn.Parameter(-model.output.weight.detach())  # a new object, not an in-place edit
-    after = generate(prompts, model, decode="compiled", max_tokens=6)
+    after = generate(prompts, model, decode="compiled", **settings)
     assert after[0] != before[0]
-    assert_same(generate(prompts, model, decode="eager", max_tokens=6), after)
+    assert_same(generate(prompts, model, decode="eager", **settings), after)
