@@ -100,6 +100,15 @@ def test_static_decode_without_a_window_equals_eager():
     assert_same(generate(prompts, model, decode="eager", **settings), generate(prompts, model, decode="static", **settings))
 
 
+def compiled_case(moe: bool):
+    """``(model, prompts, eos_id)`` of the fullgraph test: 3 ragged prompts, one of them longer than
+    twice the window, and an EOS that stops some sequences. The guards test decodes the mixture too,
+    so that on CPU it loads the step built here (kept on disk, ``cpu_aot_step.BuildCache``)."""
+    model = random_model(tiny_args(moe=moe, max_batch_size=3), seed=23)
+    prompts = random_prompts([2 * WINDOW + 1, 3, 6], model.args.vocab_size, seed=6)
+    return model, prompts, eos_that_stops_some(model, prompts, 3 * WINDOW)
+
+
 @pytest.mark.parametrize("moe, samplings", [(False, ["greedy"]), (True, ["top-k top-p"])], ids=["mistral", "mixtral"])
 def test_the_step_compiles_with_fullgraph_and_equals_eager(moe, samplings):
     """torch.compile(fullgraph=True) fails on any graph break (.item(), .tolist(), boolean-mask
@@ -108,11 +117,9 @@ def test_the_step_compiles_with_fullgraph_and_equals_eager(moe, samplings):
     model: one sampling a model (each step is a build, 15-25 s with a cold compile cache). The other
     pairs are built elsewhere: a dense model sampling top-k top-p in ``test_cpu_aot_step.py``, a
     mixture greedy in ``test_quant.py`` and the serving tests (tiny-mixtral, per-row samplings)."""
-    model = random_model(tiny_args(moe=moe, max_batch_size=3), seed=23)
-    prompts = random_prompts([2 * WINDOW + 1, 3, 6], model.args.vocab_size, seed=6)
+    model, prompts, eos_id = compiled_case(moe)
     messages = []
     step_compiler(model).announce = messages.append
-    eos_id = eos_that_stops_some(model, prompts, 3 * WINDOW)
     for name in samplings:
         settings = dict(max_tokens=3 * WINDOW, eos_id=eos_id, **SAMPLINGS[name])
         assert_same(generate(prompts, model, decode="eager", **settings), generate(prompts, model, decode="compiled", **settings))
@@ -421,13 +428,12 @@ def test_decode_mode_choices():
 def test_guards_are_skipped_only_within_one_loop_after_two_checked_steps(monkeypatch):
     """From the third compiled step of a loop on, dynamo runs only the guards that tell its graphs
     apart (``GUARDED_STEPS``); the caller's on_token keeps every guard, and a model edited
-    between two calls is seen by the next call's checked steps. The step is the fullgraph test's
-    mixture (same shapes, sampling and EOS): on CPU its build is kept on disk and loaded here."""
+    between two calls is seen by the next call's checked steps. The fullgraph test's mixture, with
+    its sampling (``compiled_case``): the same step, loaded where that test built it."""
     from mixtral_infer.fast import decode_loop
 
-    model = random_model(tiny_args(moe=True, max_batch_size=3), seed=23)
-    prompts = random_prompts([2 * WINDOW + 1, 3, 6], model.args.vocab_size, seed=6)
-    settings = dict(max_tokens=6, eos_id=eos_that_stops_some(model, prompts, 3 * WINDOW), **SAMPLINGS["top-k top-p"])
+    model, prompts, eos_id = compiled_case(moe=True)
+    settings = dict(max_tokens=6, eos_id=eos_id, **SAMPLINGS["top-k top-p"])
     schedule, in_callback = [], []
     checked = decode_loop.guards_checked
     monkeypatch.setattr(decode_loop, "guards_checked", lambda ok: schedule.append(ok) or checked(ok))
