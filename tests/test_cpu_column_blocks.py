@@ -158,13 +158,13 @@ def assert_compiled_step_equals_plain(moe: bool, dtype: torch.dtype, batch: int)
 
 
 def compiled_block_product(rows: int, seed: int):
-    """A random (OUT=40, IN=96) bfloat16 weight in 2 blocks of 48 times ``rows`` random rows, compiled:
+    """A random (OUT=128, IN=96) bfloat16 weight in 2 blocks of 48 times ``rows`` random rows, compiled:
     ``(weight, x, product, generated code)``."""
     from torch._inductor.utils import run_and_get_code
 
     g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(40, 96, generator=g).to(torch.bfloat16)  # (OUT, IN)
-    blocks = to_blocks(weight, 48)  # (2, 40, 48)
+    weight = torch.randn(128, 96, generator=g).to(torch.bfloat16)  # (OUT, IN)
+    blocks = to_blocks(weight, 48)  # (2, 128, 48)
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     torch._dynamo.reset()
     got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocks), fullgraph=True), x)
@@ -172,18 +172,18 @@ def compiled_block_product(rows: int, seed: int):
 
 
 def test_compiled_products_walk_the_blocks_one_after_the_other():
-    """One loop per block, each over the 40 rows of its contiguous (OUT, B) matrix as a plain
-    weight's is (so both threads share every block), in 4 places (``cpu_reductions.row_sums``): 10 steps,
-    block 0 read at weight index ``x1 + 48*x0`` (row x0, column x1) and 3 more places 480 apart, block 1
-    from ``1920 + x1 + 48*x0``; the plain weight's loop would step 96 columns a row.
+    """One loop per block, each over the 128 rows of its contiguous (OUT, B) matrix as a plain
+    weight's is (so both threads share every block), in 4 places (``cpu_reductions.row_sums``): 32
+    steps, block 0 read at weight index ``x1 + 48*x0`` (row x0, column x1) and 3 more places 1536
+    apart, block 1 from ``6144 + x1 + 48*x0``; the plain weight's loop would step 96 columns a row.
     The result is the plain product's."""
     weight, x, got, code = compiled_block_product(rows=1, seed=7)
-    row_by_row = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(10L); x0+=static_cast<int64_t>(1L))"
+    row_by_row = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(32L); x0+=static_cast<int64_t>(1L))"
     over_rows = [loop for loop in generated_loops([code]) if loop.startswith(row_by_row)]
     assert len(over_rows) == 2
-    assert "(x1 + 48L*x0)" in over_rows[0] and "1920L" not in over_rows[0]
-    assert "(1440L + x1 + 48L*x0)" in over_rows[0]  # the 4th place of block 0
-    assert "(1920L + x1 + 48L*x0)" in over_rows[1]
+    assert "(x1 + 48L*x0)" in over_rows[0] and "6144L" not in over_rows[0]
+    assert "(4608L + x1 + 48L*x0)" in over_rows[0]  # the 4th place of block 0
+    assert "(6144L + x1 + 48L*x0)" in over_rows[1]
     assert "96L*x" not in code
     torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.07, rtol=0.01)
 
@@ -257,7 +257,7 @@ def test_compiled_products_of_more_rows_multiply_block_by_block():
     copy of the plain weight (no (OUT, IN) buffer) in the generated code; equal to the plain product
     within the rounding of each block's product to bfloat16."""
     weight, x, got, code = compiled_block_product(rows=5, seed=8)
-    assert "extern_kernels.bmm" in code and "(40, 96)" not in code
+    assert "extern_kernels.bmm" in code and "(128, 96)" not in code
     assert torch.equal(cpu_column_blocks.block_products(x, to_blocks(weight, 48)), got)
     torch.testing.assert_close(got, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0.15, rtol=0.02)
 

@@ -74,7 +74,7 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
     torch._dynamo.reset()
     got, (code,) = run_and_get_code(torch.compile(normed_product, fullgraph=True), h)
     loops = generated_loops([code])
-    over_rows = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(12L)"  # 96 rows read in 8 places
+    over_rows = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(48L)"  # 96 rows read in 2 places
     (weight_loop,) = [loop for loop in loops if loop.startswith(over_rows) and "x1<static_cast<int64_t>(64L)" in loop]
     assert "sqrt" in code and "sqrt" not in weight_loop
     want = normed_product(h)  # op by op: the norm's output rounded to bfloat16, which compiled code skips
@@ -84,13 +84,14 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
 def test_streams_worked_example():
     """fast.cpu_reductions.streams' examples: the largest power of two up to STREAMS dividing OUT into
     groups of at least MIN_GROUP_ROWS rows."""
-    assert (cpu_reductions.STREAMS, cpu_reductions.MIN_GROUP_ROWS) == (8, 8)
-    assert [cpu_reductions.streams(out) for out in (48, 32000, 7, 1024, 8, 16, 96)] == [4, 8, 1, 8, 1, 2, 8]
+    assert (cpu_reductions.STREAMS, cpu_reductions.MIN_GROUP_ROWS) == (8, 32)
+    outs = (256, 32000, 128, 96, 48, 7, 1024, 8, 64, 3584)
+    assert [cpu_reductions.streams(out) for out in outs] == [8, 8, 4, 2, 1, 1, 8, 1, 2, 8]
 
 
 @pytest.mark.parametrize(
     "weight_dtype, out, places, rows",
-    [(torch.int8, 96, 8, 1), (torch.int8, 96, 8, 3), (torch.bfloat16, 48, 4, 1), (torch.float32, 96, 8, 2),
+    [(torch.int8, 256, 8, 1), (torch.int8, 256, 8, 3), (torch.bfloat16, 128, 4, 1), (torch.float32, 96, 2, 2),
      (torch.bfloat16, 7, 1, 1)],
 )
 def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weight_dtype, out, places, rows):
