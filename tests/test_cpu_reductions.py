@@ -12,7 +12,10 @@ import torch.nn.functional as F
 from conftest import generated_loops
 
 from mixtral_infer.fast import cpu_reductions
+from mixtral_infer.hardware import CpuInfo
 from mixtral_infer.model.linear import linear
+
+INTEL, AMD = CpuInfo(vendor="GenuineIntel"), CpuInfo(vendor="AuthenticAMD")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -53,7 +56,7 @@ def test_rows_as_reductions_worked_example():
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16, torch.float32])
-def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
+def test_compiled_reductions_read_their_rows_from_memory(weight_dtype, monkeypatch):
     """fast.cpu_reductions: the RMSNorm before a product runs once, into a buffer; inductor would
     otherwise recompute it inside the loop over the weight's rows (one square root per row here).
     The result equals the product op by op within bfloat16's rounding of the norm's output."""
@@ -71,6 +74,7 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
         x = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).to(h.dtype) * norm_weight  # (1, IN)
         return cpu_reductions.rows_as_reductions(x, weight, scales)  # (1, OUT)
 
+    monkeypatch.setattr(cpu_reductions, "STREAMS", 8)  # whatever the CPU's vendor: 96 rows in 2 places
     torch._dynamo.reset()
     got, (code,) = run_and_get_code(torch.compile(normed_product, fullgraph=True), h)
     loops = generated_loops([code])
@@ -81,12 +85,44 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
     torch.testing.assert_close(got, want, atol=0.01 * want.abs().max().item(), rtol=2**-7)
 
 
-def test_streams_worked_example():
-    """fast.cpu_reductions.streams' examples: the largest power of two up to STREAMS dividing OUT into
-    groups of at least MIN_GROUP_ROWS rows."""
-    assert (cpu_reductions.STREAMS, cpu_reductions.MIN_GROUP_ROWS) == (8, 32)
+def test_streams_worked_example(monkeypatch):
+    """fast.cpu_reductions.streams' examples: the largest power of two up to max_streams() (8 here)
+    dividing OUT into groups of at least MIN_GROUP_ROWS rows."""
+    monkeypatch.setattr(cpu_reductions, "STREAMS", 8)
+    assert cpu_reductions.MIN_GROUP_ROWS == 32
     outs = (256, 32000, 128, 96, 48, 7, 1024, 8, 64, 3584)
     assert [cpu_reductions.streams(out) for out in outs] == [8, 8, 4, 2, 1, 1, 8, 1, 2, 8]
+
+
+def test_amd_cpus_read_each_weight_in_2_places_others_in_8(monkeypatch):
+    """max_streams: by the CPU's vendor (AMD 2, Intel and unknown 8) unless STREAMS forces it."""
+    assert (cpu_reductions.VENDOR_STREAMS, cpu_reductions.DEFAULT_STREAMS) == ({"AuthenticAMD": 2}, 8)
+    assert cpu_reductions.STREAMS is None  # by vendor
+    for info, places in [(INTEL, 8), (AMD, 2), (CpuInfo(), 8)]:
+        monkeypatch.setattr(cpu_reductions, "cpu_info", lambda info=info: info)
+        assert cpu_reductions.max_streams() == places
+        assert cpu_reductions.streams(32000) == places
+    monkeypatch.setattr(cpu_reductions, "STREAMS", 4)
+    assert cpu_reductions.max_streams() == 4  # forced, on the AMD CPU too
+
+
+@pytest.mark.parametrize("info, places", [(INTEL, 8), (AMD, 2)], ids=["intel", "amd"])
+def test_compiled_code_reads_the_weight_in_the_vendor_s_places(monkeypatch, info, places):
+    """Compiled, a 256-row weight is read in 8 places on Intel (a loop over 32 rows with 8 sums), in
+    2 on AMD (a loop over 128 rows with 2 sums); the product is the weight's."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(cpu_reductions, "cpu_info", lambda: info)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(256, 64, generator=g).to(torch.bfloat16)  # (OUT, IN)
+    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    torch._dynamo.reset()
+    got, (code,) = run_and_get_code(torch.compile(lambda x: cpu_reductions.rows_as_reductions(x, weight)), x)
+    over_rows = f"static_cast<int64_t>(0L); x0<static_cast<int64_t>({256 // places}L)"
+    (loop,) = [loop for loop in generated_loops([code]) if loop.startswith(over_rows) and "x1<" in loop]
+    assert len(set(re.findall(r"tmp_acc\d+_vec ", loop))) == places
+    want = F.linear(x.float(), weight.float()).to(x.dtype)
+    torch.testing.assert_close(got, want, atol=1e-3 * want.abs().max().item(), rtol=2**-7)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +137,7 @@ def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weig
     same bits as one reduction over all the weight's rows (STREAMS = 1), also for column blocks."""
     from torch._inductor.utils import run_and_get_code
 
+    monkeypatch.setattr(cpu_reductions, "STREAMS", 8)  # as on Intel CPUs (AMD ones read in 2 places)
     g = torch.Generator().manual_seed(out + rows)
     weight = (torch.randn(out, 64, generator=g) * 40).to(weight_dtype)  # (OUT, IN)
     scales = torch.rand(out, generator=g) / 40 if weight_dtype == torch.int8 else None

@@ -92,14 +92,40 @@ same procedure before the commit: bfloat16 60.5 -> 95.7, float32 42.1 -> 53.2; b
 -> 384.1, bfloat16 166.0 -> 236.6; batch 8 float32 200.6 -> 211.4; mixtral-bench batch 1 int8 69.7
 -> 105.4. More places read no faster: Mistral 7B's widths (mistral-wide, int8, 1 GB a step, batch 1),
 8 places 25.2 tokens/s, 16 places 24.5 (same script and file).
-(Not measured on the AMD EPYC of the earlier tables, which this session did not have.)
+
+**Fewer places on AMD.** On a 2-core Zen 4 AMD EPYC (torch 2.13.0) the same whole-model measurement
+goes the other way: more places read slower. ``bench/reduction_streams.py`` (and a scratch copy of it),
+compiled decode batch 1, one process alternating 5-7 rounds, medians, tokens/s, 8 places -> 1 -> 2:
+
+=================================  ==========  ==========  ==========
+model, dtype                        8           1           2
+=================================  ==========  ==========  ==========
+mixtral-bench bfloat16               60.0        82.3        (4: 57.8)
+mixtral-bench bfloat16 (again)       44.7        58.4        55.5
+mixtral-bench bfloat16 (script)      45.4        61.3        55.1
+mixtral-bench int8                   74.0        93.7        92.8
+mixtral-bench float32                33.8        35.8        37.2
+mistral-bench bfloat16               92.1        100.0       106.5
+mistral-bench int8                   149.4       152.3       180.7
+mistral-bench float32                58.7        65.3        68.7
+=================================  ==========  ==========  ==========
+
+So AMD CPUs read in 2 places (``VENDOR_STREAMS``), Intel ones in 8 as above: 2 is best or level on
+every row but mixtral-bench bfloat16, where 1 is faster still. Inductor fuses the loops of a
+Mixtral's two chosen experts (they read the same row) into one, which then reads 2 x 2 places, which
+may be why; one place for the experts alone was not taken (one number per CPU is what this module
+keeps). The weights alone (``bench/fused_places.py``: one bfloat16 row times 3584 x 1024 weights,
+1 or 2 of them per loop, GB/s by places 1 / 2 / 4 / 8): one per loop 22.4 / 22.1 / 22.2 / 20.1, two
+per loop 24.7 / 24.6 / 22.6 / 18.7 (``bench/results_fused_places.jsonl``). Not measured: other AMD
+generations, Intel client CPUs, batches of more than one row.
 
 **Small weights in fewer places.** Each place is a sum per row of ``x`` in the loop inductor writes
 and compiles, and a weight that sits in the cache gains nothing from being read in several: places
 come in groups of at least ``MIN_GROUP_ROWS`` (32) rows. Every weight of Mistral 7B, Mixtral 8x7B
-and the bench shapes has 256 rows or more, and is read in 8 places as before; the shipped tiny
-models' 64-128-row weights in 2-4, the test models' in 1-4. 2-core Zen 4 EPYC, compiled decode,
-build with an empty compile cache and best of 3 x 200 tokens, groups of 8 -> 32 rows, two runs each:
+and the bench shapes has 256 rows or more, and is read in as many places as before (8 on Intel);
+with 8, the shipped tiny models' 64-128-row weights in 2-4, the test models' in 1-4. 2-core Zen 4
+EPYC (with 8 places), compiled decode, build with an empty compile cache and best of 3 x 200
+tokens, groups of 8 -> 32 rows, two runs each:
 tiny-mistral bfloat16 33.1 / 31.5 -> 30.2 / 29.7 s, 4652 / 3508 -> 5212 / 5233 tokens/s;
 tiny-mixtral bfloat16 28.8 / 27.4 -> 26.1 / 26.0 s, 4451 / 3432 -> 4293 / 4902 tokens/s. The test
 suite with an empty compile cache: 10:45 -> 9:32 (one int8 AOTInductor test 58 -> 30 s alone).
@@ -114,15 +140,23 @@ from typing import Optional
 
 import torch
 
+from mixtral_infer.hardware import cpu_info
+
 # Compiled products of at most this many rows are reductions, by the weight's dtype (the docstring's
 # second table): float32 and int8 to 8 rows, 16-bit to 4.
 REDUCTION_ROWS = {torch.float32: 8, torch.int8: 8, torch.bfloat16: 4, torch.float16: 4}
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# A weight's rows are read in this many places at once (``row_sums``; module docstring).
-STREAMS = 8
-# ... but only in groups of at least this many rows (``streams``): every weight of the real shapes has
-# 256 or more rows, so is read in 8 places; a smaller weight sits in the cache, where more places gain
-# nothing and each is one more sum per row to generate and compile (module docstring, last paragraph).
+# A weight's rows are read in up to this many places at once (``row_sums``; module docstring,
+# "Reading in several places"), by the CPU's vendor: 8 on Intel CPUs (and unknown ones), 2 on AMD
+# ones, which read slower from more ("Fewer places on AMD"). ``STREAMS`` forces a number (None: by
+# vendor, ``max_streams``).
+VENDOR_STREAMS = {"AuthenticAMD": 2}
+DEFAULT_STREAMS = 8
+STREAMS: Optional[int] = None
+# ... but only in groups of at least this many rows (``streams``): every weight of the real shapes
+# has 256 or more rows, so is read in all of them; a smaller weight sits in the cache, where more
+# places gain nothing and each is one more sum per row to generate and compile (module docstring,
+# "Small weights").
 MIN_GROUP_ROWS = 32
 
 
@@ -161,14 +195,25 @@ def row_sums(row: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def streams(out: int) -> int:
     """How many places ``row_sums`` reads a weight of ``out`` rows in: the largest power of two up to
-    ``STREAMS`` that divides ``out`` into groups of at least ``MIN_GROUP_ROWS`` rows (256 -> 8,
-    32000 -> 8, 128 -> 4, 96 -> 2, 48 -> 1, 7 -> 1). A few rows (the MoE router's 8) are read in one
-    place: reading them is no time, and inductor would fold the norm before them into a loop of
-    single-row sums."""
-    k = STREAMS
+    ``max_streams()`` that divides ``out`` into groups of at least ``MIN_GROUP_ROWS`` rows (with 8:
+    256 -> 8, 32000 -> 8, 128 -> 4, 96 -> 2, 48 -> 1, 7 -> 1). A few rows (the MoE router's 8) are
+    read in one place: reading them is no time, and inductor would fold the norm before them into a
+    loop of single-row sums."""
+    k = max_streams()
     while k > 1 and (out % k or out // k < MIN_GROUP_ROWS):
         k //= 2
     return k
+
+
+def max_streams() -> int:
+    """``STREAMS`` where set, else this CPU vendor's number: ``VENDOR_STREAMS``, or ``DEFAULT_STREAMS``
+    for a vendor not in it."""
+    return _vendor_streams() if STREAMS is None else STREAMS
+
+
+@torch.compiler.assume_constant_result  # compiled code reads it once, when traced
+def _vendor_streams() -> int:
+    return VENDOR_STREAMS.get(cpu_info().vendor, DEFAULT_STREAMS)
 
 
 def block_sums(row: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

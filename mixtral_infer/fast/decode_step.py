@@ -200,8 +200,8 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
 
     The chosen experts go one by one on CPU too. Compiled, both forms read the experts where they
     lie (the index fused into the loops' loads), but one by one each product is
-    ``cpu_reductions.rows_as_reductions``, whose loop reads a weight in 8 places at once from a row
-    widened once, where inductor writes the gathered product as one loop over all chosen experts'
+    ``cpu_reductions.rows_as_reductions``, whose loop reads a weight in several places at once from
+    a row widened once, where inductor writes the gathered product as one loop over all chosen experts'
     rows, read in one place per core (mixtral-bench, compiled decode, one process alternating,
     medians of 5, tokens/s: bfloat16 batch 1 45.7 -> 52.5, batch 2 50.6 -> 58.0; float32 batch 1
     30.5 -> 32.4; ``bench/moe_experts.py``). The step takes longer to compile (mixtral-bench batch 1:
