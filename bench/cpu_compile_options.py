@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     models, compile_s = {}, {}
     package = cpu_aot_step.CPU_INDUCTOR_OPTIONS[FLAG]
     for way, flag in (("contract off (inductor's default)", "off"), (f"contract {package} (the package's)", package)):
-        # the same dicts decode_step and the serving engine read when they build a step
-        cpu_aot_step.CPU_INDUCTOR_OPTIONS[FLAG] = cpu_aot_step.INDUCTOR_CONFIGS[FLAG] = flag
+        # the dict decode_step, the serving engine and the AOTInductor builds read when they build a step
+        cpu_aot_step.CPU_INDUCTOR_OPTIONS[FLAG] = flag
         model = load_model(options.folder, max_batch_size=options.batch, device="cpu",
                            dtype=getattr(torch, options.dtype), pack="columns", quantize=options.quantize)  # fmt: skip
         start = time.perf_counter()

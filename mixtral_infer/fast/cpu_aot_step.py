@@ -95,7 +95,12 @@ class _StepModule(torch.nn.Module):
 # (5 of 5 rounds), mistral-bench int8 149.8 -> 161.1, bfloat16 103.3 -> 106.9; mixtral-bench
 # bfloat16 45.2 -> 45.3 (``bench/PERFORMANCE_LOG.md``, last section).
 CPU_INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
-INDUCTOR_CONFIGS = {**CPU_INDUCTOR_OPTIONS, "aot_inductor.package_constants_in_so": False}  # weights handed over
+
+
+def inductor_configs() -> Dict[str, object]:
+    """AOTInductor's options for a build: ``CPU_INDUCTOR_OPTIONS`` as they are now, and the weights
+    handed over at load, not built into the library."""
+    return {**CPU_INDUCTOR_OPTIONS, "aot_inductor.package_constants_in_so": False}
 
 
 class AotStep:
@@ -138,7 +143,7 @@ def _build(exported: torch.export.ExportedProgram, tensors: Dict[str, torch.Tens
     recorded: Dict[str, torch.Tensor] = {}
     with tempfile.TemporaryDirectory() as folder, _scalar_constants_recorded(recorded):
         package = torch._inductor.aoti_compile_and_package(
-            exported, package_path=os.path.join(folder, BuildCache.PACKAGE), inductor_configs=INDUCTOR_CONFIGS
+            exported, package_path=os.path.join(folder, BuildCache.PACKAGE), inductor_configs=inductor_configs()
         )
         runner = torch._inductor.aoti_load_package(package)
         scalars = _handed_over(runner, tensors, recorded)  # NotAheadOfTime before anything is kept
@@ -222,7 +227,7 @@ def build_key(exported: torch.export.ExportedProgram) -> str:
             digest.update(str(part).encode())
             digest.update(b"\0")
 
-    options = {**torch._inductor.config.save_config_portable(), **INDUCTOR_CONFIGS}
+    options = {**torch._inductor.config.save_config_portable(), **inductor_configs()}
     add(torch.__version__, __version__, sorted(options.items(), key=str), _cpu_description(), exported.graph_signature)
     for node in exported.graph.nodes:
         add(node.format_node(), _layout(node.meta.get("val")))
