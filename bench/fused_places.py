@@ -2,7 +2,7 @@
 
     python bench/fused_places.py [--fused 1 2 4] [--places 1 2 4 8] [--rounds 9]
 
-``cpu_reductions.row_sums`` reads a weight in up to ``STREAMS`` (8) places at once. Products that
+``cpu_reductions.row_sums`` reads a weight in up to ``max_streams()`` places at once (8 on Intel CPUs). Products that
 read the same row of activations and loop over as many weight rows are fused by inductor into one
 loop: a bfloat16 Mixtral's two chosen experts' ``w1`` (and their ``w3``, and each block of their
 ``w2``) are one loop reading 2 x 8 places. Here one bfloat16 row times 96 weights of 3584 x 1024
@@ -24,21 +24,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mixtral_infer.fast import cpu_reductions  # noqa: E402
 from mixtral_infer.fast.cpu_aot_step import CPU_INDUCTOR_OPTIONS  # noqa: E402
-from mixtral_infer.fast.cpu_reductions import materialized  # noqa: E402
 
 OUT, IN, WEIGHTS = 3584, 1024, 96
 
 
-def row_sums(row: torch.Tensor, weight: torch.Tensor, places: int) -> torch.Tensor:
-    """``cpu_reductions.row_sums`` with the places given, not ``streams(OUT)``."""
-    groups = weight.float().reshape(places, OUT // places, IN)  # (places, OUT / places, IN)
-    return torch.cat([(row * group).sum(-1) for group in groups.unbind(0)])  # (OUT,)
-
-
 def products(x: torch.Tensor, weights: list, places: int) -> torch.Tensor:
-    row = materialized(x.float())[0]  # (IN,)
-    return torch.cat([row_sums(row, weight, places) for weight in weights]).to(x.dtype)  # (len(weights) * OUT,)
+    """``x (1, IN)`` times each of ``weights`` as the package multiplies them, each read in ``places``
+    places (``cpu_reductions.STREAMS``, read when traced; ``places`` keys the compiled variant)."""
+    return torch.cat([cpu_reductions.rows_as_reductions(x, weight) for weight in weights], -1)  # (1, n * OUT)
 
 
 def main() -> None:
@@ -55,9 +50,11 @@ def main() -> None:
     compiled = torch.compile(products, dynamic=False, options=dict(CPU_INDUCTOR_OPTIONS))
     variants = [(fused, places) for fused in options.fused for places in options.places]
     for fused, places in variants:
+        cpu_reductions.STREAMS = places  # OUT = 3584 is read in all of them (``streams``)
         compiled(x, weights[:fused], places)
 
     def gb_s(fused: int, places: int) -> float:
+        cpu_reductions.STREAMS = places  # so that the variant's guards hold
         start = time.perf_counter()
         for i in range(0, WEIGHTS, fused):
             compiled(x, weights[i : i + fused], places)
