@@ -106,6 +106,58 @@ def test_amd_cpus_read_each_weight_in_2_places_others_in_8(monkeypatch):
     assert cpu_reductions.max_streams() == 4  # forced, on the AMD CPU too
 
 
+def test_chosen_experts_read_in_their_vendor_s_places(monkeypatch):
+    """Inside chosen_experts(): AMD CPUs read in 1 place (2 outside), Intel ones as outside (8);
+    STREAMS forces both, EXPERT_STREAMS the experts' only; the setting ends with the block, nested too."""
+    assert cpu_reductions.VENDOR_EXPERT_STREAMS == {"AuthenticAMD": 1} and cpu_reductions.EXPERT_STREAMS is None
+    for info, outside, inside in [(INTEL, 8, 8), (AMD, 2, 1), (CpuInfo(), 8, 8)]:
+        monkeypatch.setattr(cpu_reductions, "cpu_info", lambda info=info: info)
+        with cpu_reductions.chosen_experts():
+            with cpu_reductions.chosen_experts():
+                assert cpu_reductions.max_streams() == inside
+            assert (cpu_reductions.max_streams(), cpu_reductions.streams(3584)) == (inside, inside)
+        assert cpu_reductions.max_streams() == outside
+    monkeypatch.setattr(cpu_reductions, "STREAMS", 4)
+    with cpu_reductions.chosen_experts():
+        assert cpu_reductions.max_streams() == 4  # forced for every product, experts too
+        monkeypatch.setattr(cpu_reductions, "EXPERT_STREAMS", 2)
+        assert cpu_reductions.max_streams() == 2  # the experts' own number comes first
+    assert cpu_reductions.max_streams() == 4
+
+
+def test_compiled_chosen_experts_read_in_one_place_on_amd(monkeypatch):
+    """Compiled on an AMD CPU, one graph: the product traced inside chosen_experts() reads its 256-row
+    weight in one loop over all 256 rows with one sum, the other in a loop over 128 rows with 2; both
+    are the product's bits (the places change the loops, not the sums)."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(cpu_reductions, "cpu_info", lambda: AMD)
+    g = torch.Generator().manual_seed(5)
+    weights = torch.randn(2, 256, 64, generator=g).to(torch.bfloat16)  # (2, OUT, IN): an expert, a plain weight
+    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+
+    def products(x):
+        with cpu_reductions.chosen_experts():
+            expert = cpu_reductions.rows_as_reductions(x, weights[0])
+        return expert, cpu_reductions.rows_as_reductions(x, weights[1])
+
+    torch._dynamo.reset()
+    (expert, plain), (code,) = run_and_get_code(torch.compile(products, fullgraph=True), x)
+    sums = {}
+    for loop in generated_loops([code]):
+        rows = re.match(r"static_cast<int64_t>\(0L\); x0<static_cast<int64_t>\((\d+)L\)", loop)
+        if rows and "x1<static_cast<int64_t>(64L)" in loop:
+            sums[int(rows.group(1))] = len(set(re.findall(r"tmp_acc\d+_vec ", loop)))
+    assert sums == {256: 1, 128: 2}
+    for got, weight in [(expert, weights[0]), (plain, weights[1])]:
+        want = F.linear(x.float(), weight.float()).to(x.dtype)
+        torch.testing.assert_close(got, want, atol=1e-3 * want.abs().max().item(), rtol=2**-7)
+    monkeypatch.setattr(cpu_reductions, "STREAMS", 1)
+    torch._dynamo.reset()
+    one_place = torch.compile(products, fullgraph=True)(x)
+    assert torch.equal(expert, one_place[0]) and torch.equal(plain, one_place[1])
+
+
 @pytest.mark.parametrize("info, places", [(INTEL, 8), (AMD, 2)], ids=["intel", "amd"])
 def test_compiled_code_reads_the_weight_in_the_vendor_s_places(monkeypatch, info, places):
     """Compiled, a 256-row weight is read in 8 places on Intel (a loop over 32 rows with 8 sums), in

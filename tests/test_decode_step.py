@@ -328,6 +328,29 @@ def test_moe_one_token_equals_the_grouped_layer(batch):
             torch.testing.assert_close(form(layer, x, experts, weights), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_chosen_experts_are_traced_as_chosen_experts(monkeypatch):
+    """``_experts_one_by_one`` runs each chosen expert inside ``cpu_reductions.chosen_experts()``
+    (compiled on an AMD CPU: their products read in 1 place), and the setting is off after it."""
+    from mixtral_infer.fast import cpu_reductions
+
+    model = random_model(tiny_args(moe=True), seed=25)
+    layer = model.layers["0"].feed_forward
+    x = torch.randn(2, model.args.dim, generator=torch.Generator().manual_seed(2))  # (B, D)
+    seen, expert = [], type(layer).expert
+
+    def noting_expert(self, e, rows):
+        seen.append(cpu_reductions._tracing_experts)
+        return expert(self, e, rows)
+
+    with torch.no_grad():
+        expected = layer(x)
+        experts, weights = layer.route(x)
+        monkeypatch.setattr(type(layer), "expert", noting_expert)
+        out = _experts_one_by_one(layer, x, experts, weights)
+    assert seen == [True] * 4 and not cpu_reductions._tracing_experts  # B * A = 4 chosen experts
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("form", [_gathered_experts, _every_expert_batched], ids=["gathered", "every-expert"])
 def test_batched_expert_products_give_each_expert_its_own_rows(form):
     """The batched forms multiply each expert by its own copy of the rows: one bmm a matrix (then one

@@ -111,13 +111,31 @@ mistral-bench float32                58.7        65.3        68.7
 =================================  ==========  ==========  ==========
 
 So AMD CPUs read in 2 places (``VENDOR_STREAMS``), Intel ones in 8 as above: 2 is best or level on
-every row but mixtral-bench bfloat16, where 1 is faster still. Inductor fuses the loops of a
-Mixtral's two chosen experts (they read the same row) into one, which then reads 2 x 2 places, which
-may be why; one place for the experts alone was not taken (one number per CPU is what this module
-keeps). The weights alone (``bench/fused_places.py``: one bfloat16 row times 3584 x 1024 weights,
-1 or 2 of them per loop, GB/s by places 1 / 2 / 4 / 8): one per loop 22.4 / 22.1 / 22.2 / 20.1, two
-per loop 24.7 / 24.6 / 22.6 / 18.7 (``bench/results_fused_places.jsonl``). Not measured: other AMD
-generations, Intel client CPUs, batches of more than one row.
+every row but mixtral-bench bfloat16, where 1 is faster still (next paragraph). The weights alone
+(``bench/fused_places.py``: one bfloat16 row times 3584 x 1024 weights, 1 or 2 of them per loop,
+GB/s by places 1 / 2 / 4 / 8): one per loop 22.4 / 22.1 / 22.2 / 20.1, two per loop 24.7 / 24.6 /
+22.6 / 18.7 (``bench/results_fused_places.jsonl``): the fewer places a loop reads in all, the faster,
+down to 2-4. Not measured: other AMD generations, Intel client CPUs, batches of more than one row.
+
+**The chosen experts in fewer places.** A Mixtral's chosen experts read the same row, and inductor
+fuses their loops: the w1 and w3 of both experts in one loop, 4 weights in 2 places each. So the
+experts' products are traced inside ``chosen_experts()`` (``decode_step._experts_one_by_one``), and
+on the vendors in ``VENDOR_EXPERT_STREAMS`` (AMD: 1) read in that many places; every other product,
+and Intel's experts, as before. Zen 4, mixtral-bench, compiled decode, copies whose experts read in
+2 places and in 1 (``bench/reduction_streams.py --experts``), alternating, medians, tokens/s:
+
+=================================  ==========  ==========  ==============
+model, dtype, batch                 2 places    1 place     rounds 1 won
+=================================  ==========  ==========  ==============
+bfloat16, batch 1 (scratch copy)     55.7        61.4        3 of 5
+bfloat16, batch 1 (1 loaded first)   62.3        60.7        4 of 5
+bfloat16, batch 1                    57.4        66.3        6 of 7
+bfloat16, batch 2                    63.8        65.6        5 of 5
+int8, batch 1 (scratch copy)         101.8       114.3       5 of 5
+int8, batch 1                        87.3        87.6        3 of 5
+float32, batch 1 (scratch copy)      39.2        42.8        5 of 5
+float32, batch 1                     41.2        46.4        5 of 5
+=================================  ==========  ==========  ==============
 
 **Small weights in fewer places.** Each place is a sum per row of ``x`` in the loop inductor writes
 and compiles, and a weight that sits in the cache gains nothing from being read in several: places
@@ -136,6 +154,7 @@ Example, one row times a 3 x 2 weight: ``[1, 2] @ [[1, 0], [0, 1], [1, 1]].T`` i
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -153,6 +172,13 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 VENDOR_STREAMS = {"AuthenticAMD": 2}
 DEFAULT_STREAMS = 8
 STREAMS: Optional[int] = None
+# The chosen experts' products (traced inside ``chosen_experts()``) read the same row, and inductor
+# fuses the experts' loops into one: on the vendors listed here each reads in this many places instead
+# ("The chosen experts in fewer places"); elsewhere as every product. ``EXPERT_STREAMS`` forces a
+# number for them (None: ``STREAMS`` where set, else by vendor).
+VENDOR_EXPERT_STREAMS = {"AuthenticAMD": 1}
+EXPERT_STREAMS: Optional[int] = None
+_tracing_experts = False  # True inside ``chosen_experts()``
 # ... but only in groups of at least this many rows (``streams``): every weight of the real shapes
 # has 256 or more rows, so is read in all of them; a smaller weight sits in the cache, where more
 # places gain nothing and each is one more sum per row to generate and compile (module docstring,
@@ -207,13 +233,37 @@ def streams(out: int) -> int:
 
 def max_streams() -> int:
     """``STREAMS`` where set, else this CPU vendor's number: ``VENDOR_STREAMS``, or ``DEFAULT_STREAMS``
-    for a vendor not in it."""
-    return _vendor_streams() if STREAMS is None else STREAMS
+    for a vendor not in it. Inside ``chosen_experts()``: ``EXPERT_STREAMS`` where set, else as
+    outside but for the vendors in ``VENDOR_EXPERT_STREAMS`` (AMD: 1)."""
+    if _tracing_experts and EXPERT_STREAMS is not None:
+        return EXPERT_STREAMS
+    if STREAMS is not None:
+        return STREAMS
+    return _vendor_expert_streams() if _tracing_experts else _vendor_streams()
 
 
 @torch.compiler.assume_constant_result  # compiled code reads it once, when traced
 def _vendor_streams() -> int:
     return VENDOR_STREAMS.get(cpu_info().vendor, DEFAULT_STREAMS)
+
+
+@torch.compiler.assume_constant_result
+def _vendor_expert_streams() -> int:
+    return VENDOR_EXPERT_STREAMS.get(cpu_info().vendor, _vendor_streams())
+
+
+@contextmanager
+def chosen_experts():
+    """The products traced inside are the chosen experts' of one step (``decode_step``), which
+    inductor fuses into shared loops: they read in ``max_streams()``'s experts' number of places.
+    A setting read when code is traced (by ``torch.compile`` or ``torch.export``), like ``STREAMS``:
+    it changes the generated loops, not the products' values."""
+    global _tracing_experts
+    outer, _tracing_experts = _tracing_experts, True
+    try:
+        yield
+    finally:
+        _tracing_experts = outer
 
 
 def block_sums(row: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
