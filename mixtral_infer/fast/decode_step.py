@@ -295,8 +295,9 @@ def _experts_one_by_one(
     expert's 2-D weight through ``linear()`` (``moe.expert``; ``e`` a 0-d tensor, read in place).
     Compiled on CPU, inductor fuses the experts' reductions into shared loops, so they are traced
     as ``cpu_reductions.chosen_experts()``: on AMD CPUs each reads its weight in 1 place, not 2
-    (mixtral-bench batch 1, one process alternating, tokens/s: bfloat16 55.7 -> 61.4, int8 101.8 ->
-    114.3, float32 39.2 -> 42.8; ``cpu_reductions``, "The chosen experts in fewer places")."""
+    (mixtral-bench batch 1, one process alternating, tokens/s: bfloat16 57.4 -> 66.3, float32 41.2
+    -> 46.4, int8 87.3 -> 87.6 and 101.8 -> 114.3; ``cpu_reductions``, "The chosen experts in
+    fewer places")."""
     batch, k = experts.shape
     expert = moe.expert  # e: an int, or a 0-d tensor the products read; rows (N, D) -> (N, D)
     with chosen_experts():
