@@ -115,10 +115,14 @@ every row but mixtral-bench bfloat16, where 1 is faster still (next paragraph). 
 (``bench/fused_places.py``: one bfloat16 row times 3584 x 1024 weights, 1 or 2 of them per loop,
 GB/s by places 1 / 2 / 4 / 8): one per loop 22.4 / 22.1 / 22.2 / 20.1, two per loop 24.7 / 24.6 /
 22.6 / 18.7 (``bench/results_fused_places.jsonl``): the fewer places a loop reads in all, the faster,
-down to 2-4. Not measured: other AMD generations, Intel client CPUs, batches of more than one row.
+down to 2-4. At batch 4 (mistral-bench, 3 rounds, ``--streams 2 8 --batch 4``) 2 places are level
+with 8: bfloat16 234.4 against 232.4 tokens/s, int8 347.8 against 361.5 (2 of 3 rounds won by 2).
+Not measured: other AMD generations, Intel client CPUs.
 
 **The chosen experts in fewer places.** A Mixtral's chosen experts read the same row, and inductor
-fuses their loops: the w1 and w3 of both experts in one loop, 4 weights in 2 places each. So the
+fuses their loops: the w1 and w3 of both experts in one loop, 4 weights in 2 places each (8 sums
+over a quarter of the rows, in the generated code of a tiny Mixtral with ``EXPERT_STREAMS = 2``;
+1 place: 4 sums over all of them). So the
 experts' products are traced inside ``chosen_experts()`` (``decode_step._experts_one_by_one``), and
 on the vendors in ``VENDOR_EXPERT_STREAMS`` (AMD: 1) read in that many places; every other product,
 and Intel's experts, as before. Zen 4, mixtral-bench, compiled decode, copies whose experts read in
