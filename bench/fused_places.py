@@ -2,10 +2,11 @@
 
     python bench/fused_places.py [--fused 1 2 4] [--places 1 2 4 8] [--rounds 9]
 
-``cpu_reductions.row_sums`` reads a weight in up to ``max_streams()`` places at once (8 on Intel CPUs). Products that
-read the same row of activations and loop over as many weight rows are fused by inductor into one
-loop: a bfloat16 Mixtral's two chosen experts' ``w1`` (and their ``w3``, and each block of their
-``w2``) are one loop reading 2 x 8 places. Here one bfloat16 row times 96 weights of 3584 x 1024
+``cpu_reductions.row_sums`` reads a weight in up to ``max_streams()`` places at once (8 on Intel
+CPUs, 2 on AMD ones). Products that read the same row of activations and loop over as many weight
+rows are fused by inductor into one loop: on AMD a bfloat16 Mixtral's two chosen experts' ``w1``
+and ``w3`` were one loop reading 4 x 2 places (hence ``cpu_reductions.VENDOR_EXPERT_STREAMS``, 1
+place for them there). Here one bfloat16 row times 96 weights of 3584 x 1024
 (Mixtral-bench's experts; 700 MB, more than any cache), ``--fused`` of them per compiled call, each
 read in ``--places`` places: every variant compiled in one process, then all of them in turn for
 ``--rounds`` rounds (this VM's bandwidth moves by 20% within minutes, so compare within a round).
