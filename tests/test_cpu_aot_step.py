@@ -88,7 +88,7 @@ def test_a_replaced_weight_makes_a_new_build_and_an_edited_one_is_read_in_place(
 
 
 @pytest.mark.parametrize(
-    "weights, ahead", [("bfloat16", True), ("int8", True), ("int4", True), ("w8a8", False), ("packed", False)]
+    "weights, ahead", [("bfloat16", True), ("int8", True), ("int4", True), ("nf4-32", True), ("w8a8", False), ("packed", False)]
 )
 def test_which_steps_are_built_ahead_of_time(weights, ahead):
     """w8a8's kernels take packed matrices that AOTInductor would make constants of its own,

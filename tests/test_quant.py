@@ -14,12 +14,13 @@ from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.cpu_reductions import REDUCTION_ROWS
 from mixtral_infer.fast.decode_step import moe_one_token
 from mixtral_infer.model.linear import linear
-from mixtral_infer.quant import kernels
+from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import prepare, quantized_linear, reference_linear, uses_cpu_kernel
 from mixtral_infer.quant.model import is_quantized, is_quantized_published, quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 
 INT8, INT4 = QuantScheme.parse("int8"), QuantScheme.parse("int4")
+needs_nf4_kernel = pytest.mark.skipif(nf4.kernel() is None, reason="bitsandbytes' NF4 kernel needs an x86 CPU with AVX512-BF16")
 SCHEMES = {"int8": INT8, "int4-32": INT4, "int4-128": QuantScheme.parse("int4-128")}
 
 
@@ -218,7 +219,7 @@ def test_scheme_names_and_errors():
         QuantScheme.parse("int3")
     with pytest.raises(ConfigError, match=r"int4 group_size=48: expected one of \(32, 64, 128, 256\)"):
         QuantScheme.parse("int4-48")
-    with pytest.raises(ConfigError, match="only int4 takes a group size"):
+    with pytest.raises(ConfigError, match="only int4 and nf4 take a group size"):
         QuantScheme.parse("int8-32")
     with pytest.raises(ConfigError, match="96 inputs are not a multiple of the int4 group size 64"):
         quantize(torch.randn(16, 96), QuantScheme("int4", 64))
@@ -262,7 +263,7 @@ def test_quantizing_in_memory_frees_each_float_weight_as_it_goes(monkeypatch):
     assert alive_at_each_call == list(range(len(floats), 0, -1))  # the one being quantized and those after it
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4-32"])
 def test_quantized_model_equals_the_float_model_of_its_dequantized_weights(scheme):
     """The grouped MoE path and every linear() call site read the quantized weights: a float model
     holding the dequantized weights gives the same logits (float32, the reference path)."""
@@ -357,7 +358,7 @@ def test_quantized_step_compiles_and_equals_eager():
     assert compiled_logprobs[0] == pytest.approx(eager_logprobs[0], abs=0.1)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4-32"])
 def test_an_expert_picked_by_a_tensor_is_read_in_place_on_cpu(scheme):
     """``w[tensor(e)]`` keeps the stacked tensors and the index (no copy of the expert's weights);
     the kernel's op multiplies by expert e's views: the same numbers as ``w[e]``, exactly."""
@@ -374,7 +375,11 @@ def test_an_expert_picked_by_a_tensor_is_read_in_place_on_cpu(scheme):
 
 @pytest.mark.parametrize(
     "scheme, op, calls",
-    [("int4", "mixtral_infer::int4_expert_mm", 3), ("w8a8", "mixtral_infer::packed_linear", 2)],
+    [
+        ("int4", "mixtral_infer::int4_expert_mm", 3),
+        pytest.param("nf4-32", "mixtral_infer::nf4_expert_mm", 3, marks=needs_nf4_kernel),
+        ("w8a8", "mixtral_infer::packed_linear", 2),
+    ],
 )
 def test_the_compiled_moe_step_multiplies_experts_in_place(scheme, op, calls):
     """Compiled, batch 1 (2 of 4 experts): each expert matrix goes through the expert op (w8a8: fbgemm

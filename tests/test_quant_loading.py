@@ -35,7 +35,8 @@ def logits(model, seed=1):
         return model(ids, seqlens=[20])
 
 
-STORED_SCHEMES = {"int8": {"scheme": "int8"}, "w8a8": {"scheme": "int8", "activations": "int8"}, "int4": {"scheme": "int4", "group_size": 32}}
+STORED_SCHEMES = {"int8": {"scheme": "int8"}, "w8a8": {"scheme": "int8", "activations": "int8"}, "int4": {"scheme": "int4", "group_size": 32},
+                  "nf4-32": {"scheme": "nf4", "group_size": 32}}  # fmt: skip
 
 
 @pytest.mark.parametrize("scheme", STORED_SCHEMES)
@@ -48,12 +49,13 @@ def test_a_quantized_folder_loads_as_quantizing_on_load_does(model_folder, tmp_p
     assert params["quantization"] == STORED_SCHEMES[scheme]
     entries = {e.name: e for e in read_header(folder / "consolidated.safetensors")}
     wq, scales = entries["layers.0.attention.wq.weight"], entries["layers.0.attention.wq.scales"]
-    if scheme != "int4":
+    four_bit = scheme in ("int4", "nf4-32")
+    if not four_bit:
         assert (wq.dtype, wq.shape, scales.shape) == (torch.int8, (64, 64), (64,))
     else:  # two values per byte, one scale per 32 inputs
         assert (wq.dtype, wq.shape, scales.shape) == (torch.uint8, (64, 32), (64, 2))
     assert scales.dtype == torch.bfloat16
-    assert entries["layers.0.feed_forward.experts.3.w2.weight"].shape == ((64, 48) if scheme == "int4" else (64, 96))
+    assert entries["layers.0.feed_forward.experts.3.w2.weight"].shape == ((64, 48) if four_bit else (64, 96))
     assert entries["tok_embeddings.weight"].dtype == entries["layers.0.feed_forward.gate.weight"].dtype == torch.float32
     assert "layers.0.feed_forward.gate.scales" not in entries and "norm.scales" not in entries
     for dtype in (torch.bfloat16, torch.float32):
@@ -123,7 +125,7 @@ def test_demo_quantize_on_the_command_line():
     assert result.returncode == 0, result.stderr
     assert "weights int4 (groups of 32)" in result.stderr and "And the LORD spake unto Moses" in result.stdout
     refused = run("demo", "--quantize", "int3")
-    assert refused.returncode == 1 and refused.stderr.strip() == "error: quantize='int3': expected one of int8, w8a8, int4 or int4-<group size>"
+    assert refused.returncode == 1 and refused.stderr.strip() == "error: quantize='int3': expected one of int8, w8a8, int4, int4-<group size>, nf4 or nf4-<group size>"
 
 
 PEAK_SCRIPT = textwrap.dedent(
@@ -161,7 +163,7 @@ def large_bfloat16_folder(tmp_path_factory):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4", "w8a8"])
 def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_folder, scheme):
     """Peak resident memory of a fresh process loading with quantize= stays within 1.2x what the
     quantized model holds (bfloat16 checkpoint: 2.0x the int8 model, 2.9x the int4 one)."""
@@ -171,7 +173,7 @@ def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_f
     )  # fmt: skip
     peak, held = map(int, result.stdout.split())
     checkpoint = (large_bfloat16_folder / "consolidated.safetensors").stat().st_size
-    assert held < checkpoint / (2.5 if scheme == "int4" else 1.9)
+    assert held < checkpoint / (2.5 if scheme in ("int4", "nf4") else 1.9)
     assert peak <= 1.2 * held, f"peak {peak / 1e6:.0f} MB for a quantized model of {held / 1e6:.0f} MB"
 
 
@@ -195,12 +197,12 @@ def test_tensor_parallel_ranks_quantize_their_own_share(tmp_path, moe):
     """2 gloo ranks, int4 groups of 32: each rank quantizes its rows, its half of wo's and w2's inputs
     (64 of 128), or its experts, from the float checkpoint; the groups fall alike, so the logits
     equal one process's int4 model (float32 activations: the reference path). Each rank also reads
-    its share of int8 and int4 folders (``checkpoint.quantized.stored_select``): = one process."""
+    its share of int8, int4 and nf4 folders (``checkpoint.quantized.stored_select``): = one process."""
     args = dataclasses.replace(tiny_args(moe=moe, max_batch_size=1), hidden_dim=128)
     save_consolidated(random_model(args, seed=9), tmp_path / "model")
     out_path = tmp_path / "logits"
     loads = [(str(tmp_path / "model"), "int4")]
-    for scheme in ("int8", "int4"):  # and the folders convert --quantize writes, each rank reading its share
+    for scheme in ("int8", "int4", "nf4-32"):  # and the folders convert --quantize writes, each rank reading its share
         loads.append((str(convert(tmp_path / "model", tmp_path / scheme, quantize=scheme)), None))
     mp.start_processes(parallel_worker, args=(2, free_port(), loads, str(out_path)), nprocs=2, start_method="spawn")
     for index, (folder, quantize) in enumerate(loads):

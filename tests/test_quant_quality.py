@@ -23,7 +23,7 @@ from mixtral_infer.shipped import SHIPPED_MODELS
 
 REPO = Path(__file__).resolve().parents[1]
 HELDOUT = REPO / "tests" / "data" / "kjv_heldout.txt"
-BOUNDS = {"int8": 1.01, "w8a8": 1.01, "int4": 1.05}  # the issue's: int8 within +1% of bfloat16 (w8a8 too), int4 within +5%
+BOUNDS = {"int8": 1.01, "w8a8": 1.01, "int4": 1.05, "nf4": 1.05}  # the issue's: int8 within +1% of bfloat16 (w8a8 too), 4-bit within +5%
 
 
 def train_small():

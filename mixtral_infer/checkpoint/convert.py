@@ -65,7 +65,7 @@ def convert(
     folder of a conversion that was killed is removed, and ``notify`` says so.
 
     ``max_shard_size`` (bytes, or "5GB", "500MB"): the largest Hugging Face shard.
-    ``quantize`` ("int8", "w8a8", "int4", "int4-128"): write a quantized Mistral folder (integers
+    ``quantize`` ("int8", "w8a8", "int4", "int4-128", "nf4"): write a quantized Mistral folder (integers
     and scales, ``checkpoint/quantized.py``) that loads without quantizing again.
     """
     scheme = QuantScheme.parse(quantize)

@@ -387,8 +387,9 @@ def load_model(
     ``dtype``: what the model computes in; by default the checkpoint's own dtype where the
     device has native arithmetic for it, else float32 (``checkpoint.compute_dtype``).
     With ``parallel``, only this rank's share of the weights is read and kept.
-    ``quantize``: ``"int8"``, ``"int4"`` (groups of 32 inputs) or ``"int4-128"``: weight-only
-    quantization while loading (``quant/``); ``"w8a8"``: int8 weights, and on CPU int8 activations
+    ``quantize``: ``"int8"``, ``"int4"`` (groups of 32 inputs), ``"int4-128"`` or ``"nf4"`` (4-bit
+    NormalFloat, groups of 64; ``quant/nf4.py``): weight-only quantization while loading
+    (``quant/``); ``"w8a8"``: int8 weights, and on CPU int8 activations
     too (``quant/int8_activations.py``); without ``dtype`` the model then computes in
     bfloat16, the dtype of the CPU kernels. A folder written by ``convert --quantize``
     loads quantized without it.

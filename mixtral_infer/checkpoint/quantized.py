@@ -81,7 +81,7 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
         if not scales.is_floating_point():
             name = scales_name(weight_name)
             raise CheckpointError(f"{source}: {name} has dtype {scales.dtype}, expected floating point")
-        in_features = values.shape[-1] * (2 if scheme.name == "int4" else 1)
+        in_features = values.shape[-1] * (2 if scheme.four_bit else 1)
         weight = prepare(QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features))
         del values, scales, tensor
         release_freed_memory()
@@ -96,8 +96,8 @@ def stored_select(select: Callable[[str], Optional[Selection]], scheme: QuantSch
     """A rank's share of a quantized folder's tensors, from ``select``, the share of the float weights.
 
     Rows (output units) are cut alike in the integers and the scales. Columns (inputs: ``wo`` and
-    ``w2`` under tensor parallelism) are elements of int8 integers, bytes of int4 ones (two inputs
-    each), groups of int4 scales, and none of int8 scales: one scale per output row, computed over
+    ``w2`` under tensor parallelism) are elements of int8 integers, bytes of int4 and nf4 ones (two
+    inputs each), groups of their scales, and none of int8 scales: one scale per output row, computed over
     the whole row, so each rank's share of a row keeps it (and the model equals the one-process one).
     Example, int4 groups of 32, a rank keeping inputs 2048:4096 of ``wo``: integers columns
     1024:2048, scales columns 64:128.
@@ -114,7 +114,7 @@ def stored_select(select: Callable[[str], Optional[Selection]], scheme: QuantSch
         if name.endswith(".scales"):
             per = scheme.group_size
             return Selection(part.rows, None if per is None else slice(columns.start // per, columns.stop // per))
-        if scheme.name == "int4":
+        if scheme.four_bit:
             return Selection(part.rows, slice(columns.start // 2, columns.stop // 2))
         return part
 

@@ -263,7 +263,7 @@ def demo(
         tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step compiled: by torch.compile, as a CUDA graph on cuda, by AOTInductor on cpu; on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
-        quantize: int8, int4 or int4-128: weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
+        quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
     check_quantize(quantize)
@@ -341,7 +341,7 @@ def interactive(
         tensor_parallel: under torchrun, cut each layer across N processes; rank 0 reads the input and shares each line.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager, static or compiled (on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
-        quantize: int8, int4 or int4-128: weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
+        quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
     check_quantize(quantize)
@@ -459,7 +459,7 @@ def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_siz
         to: mistral (params.json + consolidated.safetensors) or hf (config.json + sharded model.safetensors, with the tokenizer files transformers reads); default: the layout SRC is not in.
         dtype: float32, bfloat16 or float16; default: as stored.
         max_shard_size: largest shard of a Hugging Face folder, e.g. 5GB or 500MB.
-        quantize: int8, w8a8, int4 or int4-128: write a quantized Mistral folder (integers + scales) that loads without quantizing again.
+        quantize: int8, w8a8, int4, int4-128 or nf4: write a quantized Mistral folder (integers + scales) that loads without quantizing again.
     """
     check_quantize(quantize)
     torch_dtype = parse_dtype(dtype)  # both refused before the conversion code (and torch) is imported
@@ -496,7 +496,7 @@ def perplexity(
         chunk_size: tokens of each segment per forward pass; default 2048 shared by the segments read at once. Any value gives the same perplexity.
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
-        quantize: int8, w8a8, int4 or int4-128: quantize the weights while loading, to measure what it costs.
+        quantize: int8, w8a8, int4, int4-128 or nf4: quantize the weights while loading, to measure what it costs.
         tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
     """
@@ -588,7 +588,7 @@ def serve(
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         decode: how steps where every row decodes run, all alike in result: auto (the default: the static step compiled before serving, and on cpu chosen per step against the eager pass; uncompiled if compiling fails), eager, static or compiled.
-        quantize: int8, int4 or int4-128: weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
+        quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
         served_model_name: the model name clients send and /v1/models lists; default: the folder's name.
         shutdown_timeout: seconds running requests may take to finish after SIGTERM before they are cancelled.
         admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token); default 1, or 6 where decode steps run compiled and the steps that read prompts do not (auto and compiled on cpu).

@@ -10,7 +10,7 @@ A quantized weight replaces its ``nn.Parameter`` under the same attribute name, 
 
 On disk (a folder written by ``convert --quantize``) a quantized weight is two tensors
 under its published name: ``X.weight`` holds the integers (int8, or uint8 with two int4
-values per byte) and ``X.scales`` the scales; ``params.json`` records the scheme as
+or nf4 codes per byte) and ``X.scales`` the scales; ``params.json`` records the scheme as
 ``"quantization": {"scheme": "int4", "group_size": 32}``.
 """
 
@@ -65,7 +65,7 @@ def stored_shapes(name: str, shape: Tuple[int, ...], scheme: QuantScheme) -> Tup
 
 
 def check_quantizable(args, scheme: QuantScheme, tensor_parallel: int = 1) -> None:
-    """ConfigError, before any weight is read, when int4 groups do not divide a weight's inputs
+    """ConfigError, before any weight is read, when 4-bit groups do not divide a weight's inputs
     (with tensor parallelism, each rank's share of ``wo`` and ``w2`` inputs: ranks quantize their own)."""
     if scheme.group_size is None:
         return
@@ -73,7 +73,7 @@ def check_quantizable(args, scheme: QuantScheme, tensor_parallel: int = 1) -> No
     for name, inputs in (("dim", args.dim), ("n_heads * head_dim", args.n_heads * args.head_dim // n), ("hidden_dim", args.hidden_dim // n)):
         if inputs % scheme.group_size:
             share = f" / tensor_parallel={n}" if n > 1 and name != "dim" else ""
-            raise ConfigError(f"{name}{share} = {inputs} inputs is not a multiple of the int4 group size {scheme.group_size}: choose a group size that divides it")
+            raise ConfigError(f"{name}{share} = {inputs} inputs is not a multiple of the {scheme.name} group size {scheme.group_size}: choose a group size that divides it")
 
 
 def replace_parameter(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:

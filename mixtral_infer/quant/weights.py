@@ -5,7 +5,7 @@ Decoding reads every weight once per token, so a weight stored in 8 or 4 bits is
 embeddings, the norms and the MoE router stay in the model's dtype (except with ``w8a8``:
 int8 weights whose CPU products quantize their activations too, ``quant/int8_activations.py``).
 
-Two schemes, both symmetric (zero maps to zero):
+Three schemes, all symmetric (zero maps to zero):
 
 * **int8**, one scale per output row: ``w[o, i] ~= q[o, i] * scale[o]``, ``q`` in
   [-127, 127], ``scale[o] = max_i |w[o, i]| / 127``.
@@ -13,6 +13,8 @@ Two schemes, both symmetric (zero maps to zero):
   ``w[o, i] ~= (n[o, i] - 8) * scale[o, i // G]``, ``n`` in [1, 15], ``scale = max |w| / 7``
   over the group. Two values per byte: byte ``j`` of a row holds input ``2j`` in its low
   nibble and input ``2j + 1`` in its high nibble (the *plain* layout, written to disk).
+* **nf4**, as int4 but the 16 values are QLoRA's NormalFloat code and the scale is the group's
+  largest magnitude: ``w[o, i] ~= NF4[n[o, i]] * scale[o, i // G]`` (``quant/nf4.py``).
 
 Scales are rounded to bfloat16 *before* the integers are chosen, so the scale a file
 stores is the scale the integers were rounded with.
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
+from mixtral_infer.quant import nf4
 from mixtral_infer.quant.scheme import QuantScheme
 
 SCALE_DTYPE = torch.bfloat16  # scales are bfloat16 numbers, whatever dtype holds them
@@ -41,8 +44,8 @@ SCALE_DTYPE = torch.bfloat16  # scales are bfloat16 numbers, whatever dtype hold
 class QuantizedWeight:
     """A weight ``(..., OUT, IN)`` stored as integers and scales; ``linear(x, weight)`` takes it.
 
-    ``values``: int8 ``(..., OUT, IN)``, or for int4 uint8 ``(..., OUT, IN/2)`` in the plain
-    layout. ``scales``: ``(..., OUT)`` for int8, ``(..., OUT, IN/G)`` for int4, in the dtype
+    ``values``: int8 ``(..., OUT, IN)``, or for int4 and nf4 uint8 ``(..., OUT, IN/2)`` in the plain
+    layout. ``scales``: ``(..., OUT)`` for int8, ``(..., OUT, IN/G)`` for int4 and nf4, in the dtype
     of the activations. Leading dimensions are stacked experts: ``weight[e]`` is expert e
     (views for an int ``e``), a plain object that compiled code can make.
 
@@ -69,7 +72,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> torch.Size:
-        stacked = self.scales.shape[: -1 if self.scheme.name == "int4" else None]
+        stacked = self.scales.shape[: -1 if self.scheme.four_bit else None]
         return torch.Size((*stacked[0 if self.expert is None else 1 :], self.in_features))
 
     @property
@@ -112,19 +115,21 @@ class QuantizedWeight:
         return QuantizedWeight(self.scheme, values, pick(self.scales), self.in_features, packed)
 
     def integers(self) -> torch.Tensor:
-        """The signed integers ``(..., OUT, IN)``: int8 as stored, int4 unpacked to [-8, 7]."""
+        """The integers ``(..., OUT, IN)``: int8 as stored, int4 unpacked to [-8, 7], nf4's codes [0, 15]."""
         if self.expert is not None:
             return self.resolved().integers()
         if self.values is None and self.prepacked is not None:  # fbgemm's matrices give their integers back
             return self.prepacked.dense().to(self.device)  # (on CPU; the scales may have moved with the model)
         if self.values is None and self.scheme.name == "int8" and self.packed is not None:
             return ColumnBlocks(self.packed[0]).dense()  # int8 in column blocks (fast.cpu_column_blocks)
+        if self.values is None and self.scheme.name == "nf4" and self.packed is not None:
+            return nf4.nibbles(nf4.plain_layout(self.packed[0])).to(torch.int8)  # bitsandbytes' layout, read back
         if self.values is None:
             raise RuntimeError("this weight holds only its kernel layout; quantize again to get the integers")
         if self.scheme.name == "int8":
             return self.values
-        low, high = self.values & 15, self.values >> 4  # (..., OUT, IN/2) each
-        return torch.stack([low, high], dim=-1).flatten(-2).to(torch.int8) - 8  # inputs 2j, 2j+1 side by side
+        codes = nf4.nibbles(self.values).to(torch.int8)  # (..., OUT, IN): inputs 2j, 2j+1 side by side
+        return codes if self.scheme.name == "nf4" else codes - 8
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The readable reference: the weight ``(..., OUT, IN)`` these integers and scales stand for."""
@@ -134,6 +139,8 @@ class QuantizedWeight:
         scales = self.scales.to(torch.float32)
         if self.scheme.name == "int8":
             return (q * scales[..., None]).to(dtype)
+        if self.scheme.name == "nf4":
+            q = nf4.code_values(q.device)[q.long()]  # (..., OUT, IN): the codes' values
         groups = scales.repeat_interleave(self.scheme.group_size, dim=-1)  # (..., OUT, IN)
         return (q * groups).to(dtype)
 
@@ -173,7 +180,7 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme, dtype: Optional[torch.dt
     rows = weight.reshape(-1, weight.shape[-1])  # (R, IN): every output row of every expert
     # The results are allocated first and filled block by block: the working copies, freed
     # after each block, then leave no holes between the tensors the model keeps.
-    packed_in = weight.shape[-1] // (2 if scheme.name == "int4" else 1)
+    packed_in = weight.shape[-1] // (2 if scheme.four_bit else 1)
     values = torch.empty(rows.shape[0], packed_in, dtype=torch.int8 if scheme.name == "int8" else torch.uint8, device=weight.device)
     n_scales = 1 if scheme.name == "int8" else weight.shape[-1] // scheme.group_size
     scales = torch.empty(rows.shape[0], n_scales, dtype=out_dtype, device=weight.device)
@@ -192,6 +199,10 @@ def _quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, 
         scales = _bfloat16_scale(w.abs().amax(dim=-1) / 127)  # (R,)
         return w.div_(scales[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
     groups = w.unflatten(-1, (-1, scheme.group_size))  # (R, IN/G, G)
+    if scheme.name == "nf4":
+        scales = _bfloat16_scale(groups.abs().amax(dim=-1))  # (R, IN/G): NF4 spans [-1, 1]
+        n = nf4.nearest_codes(groups.div_(scales[..., None])).flatten(-2)  # (R, IN)
+        return n[:, 0::2] | (n[:, 1::2] << 4), scales
     scales = _bfloat16_scale(groups.abs().amax(dim=-1) / 7)  # (R, IN/G)
     n = groups.div_(scales[..., None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8).flatten(-2)  # (R, IN)
     return n[:, 0::2] | (n[:, 1::2] << 4), scales  # (R, IN/2): inputs 2j and 2j+1 in one byte

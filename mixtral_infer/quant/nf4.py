@@ -1,0 +1,141 @@
+"""NF4: 4-bit weights from QLoRA's NormalFloat code, multiplied on CPU by bitsandbytes' kernel.
+
+int4 spaces its 16 values evenly; NF4 (Dettmers et al., "QLoRA", 2023) places them at the
+quantiles of a normal distribution scaled to [-1, 1], where trained weights are dense, with an
+exact 0. One scale per group of ``group_size`` consecutive inputs of a row, the group's largest
+magnitude (``absmax``): ``w[o, i] ~= NF4[n[o, i]] * absmax[o, i // G]``, ``n`` the nearest code.
+Two codes per byte in the plain layout int4 uses (input ``2j`` in the low nibble of byte ``j``).
+
+Worked example, G = 4, one row ``w = [0.5, -0.25, 0.1, 0.0]``: absmax 0.5, ``w / 0.5 = [1.0,
+-0.5, 0.2, 0.0]``, nearest codes ``n = [15, 2, 9, 7]`` (NF4[2] = -0.5251, NF4[9] = 0.1609),
+bytes ``[15 | 2 << 4, 9 | 7 << 4] = [47, 121]``; dequantized ``[0.5, -0.2625, 0.0805, 0.0]``.
+
+Why a second 4-bit scheme: on CPU every int4 product in PyTorch converts each weight to a float
+and multiplies, about as many weights a second as our int8 loop (``bench/int4_reductions.py``),
+so int4 halves the bytes but not the time. bitsandbytes ships an AVX512-BF16 kernel for NF4 rows
+(``gemv_4bit_inference_cpu_nf4_bf16``: a 16-entry table lookup per nibble, bfloat16 dot
+products) that multiplies 1.3-2.0x as many weights a second as our int8 reductions
+(``bench/nf4_kernel.py``, one row, op by op, the 2-core AMD EPYC, billions of weights a second:
+3584 x 1024 31.9 against 23.2, 14336 x 4096 43.5 against 22.0; PyTorch's int4 kernel 24.9, 30.1). It is loaded from the
+installed ``bitsandbytes`` package as a plain library (``kernel()``), not through bitsandbytes'
+Python side, which probes for CUDA and looks for kernels on the network. Without the package, or
+on a CPU without AVX512-BF16 (the library's own ``has_avx512bf16_cpu``), or on a GPU, NF4 takes
+the reference path: dequantize, then ``F.linear``.
+
+The kernel reads its own layout (``kernel_layout``), blocked by 32 output rows; the scales go
+transposed, ``(IN/G, OUT)``. The tests check the layout by the products the kernel returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+# The 16 NormalFloat4 values (QLoRA, appendix E), code n -> value; NF4[7] = 0 exactly.
+NF4 = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982251167297, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
+ROW_BLOCK = 32  # output rows per block of the kernel's layout
+
+
+def code_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """``NF4`` as a float32 tensor ``(16,)``."""
+    return torch.tensor(NF4, dtype=torch.float32, device=device)
+
+
+def nearest_codes(v: torch.Tensor) -> torch.Tensor:
+    """The code of the NF4 value nearest each of ``v`` (values in [-1, 1]), as uint8: how many of
+    the 15 midpoints between neighbouring codes lie below it (a value on a midpoint takes the lower
+    code). 15 comparisons of the whole block: 2.4x ``torch.bucketize``'s speed here."""
+    codes = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for below, above in zip(NF4[:-1], NF4[1:]):
+        codes += v > (below + above) / 2
+    return codes
+
+
+def nibbles(values: torch.Tensor) -> torch.Tensor:
+    """Plain bytes ``(..., OUT, IN/2)`` -> the codes ``(..., OUT, IN)``, one a byte."""
+    return torch.stack([values & 15, values >> 4], dim=-1).flatten(-2)
+
+
+def kernel_layout(values: torch.Tensor) -> torch.Tensor:
+    """Plain bytes ``(..., OUT, IN/2)`` in the order bitsandbytes' CPU kernel reads them (OUT a
+    multiple of 32): for each block of 32 rows and each pair of inputs ``2i, 2i + 1``, 32 bytes;
+    byte ``t`` holds row ``32b + t // 2``, input ``2i + t % 2`` in its low nibble and row
+    ``32b + 16 + t // 2``, same input, in its high one. Example, OUT = 32, IN = 2, codes
+    ``n[row][input]``: byte 0 is ``n[0][0] | n[16][0] << 4``, byte 1 ``n[0][1] | n[16][1] << 4``."""
+    *lead, out_features, half = values.shape
+    codes = nibbles(values).view(*lead, out_features // ROW_BLOCK, ROW_BLOCK, half, 2)  # (..., OUT/32, 32, IN/2, 2)
+    pairs = codes.transpose(-3, -2).reshape(*lead, out_features // ROW_BLOCK, half, 2 * ROW_BLOCK)  # (..., OUT/32, IN/2, 64)
+    low, high = pairs[..., :ROW_BLOCK], pairs[..., ROW_BLOCK:]  # rows 0-15 and 16-31 of the block
+    return (low | (high << 4)).reshape(*lead, out_features, half)
+
+
+def plain_layout(packed: torch.Tensor) -> torch.Tensor:
+    """``kernel_layout``'s inverse: the kernel's bytes ``(..., OUT, IN/2)`` back in the plain layout."""
+    *lead, out_features, half = packed.shape
+    blocks = packed.reshape(*lead, out_features // ROW_BLOCK, half, ROW_BLOCK)  # (..., OUT/32, IN/2, 32)
+    pairs = torch.cat([blocks & 15, blocks >> 4], dim=-1).view(*lead, out_features // ROW_BLOCK, half, ROW_BLOCK, 2)
+    codes = pairs.transpose(-3, -2).reshape(*lead, out_features, 2 * half)  # (..., OUT, IN)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel() -> Optional[ctypes._CFuncPtr]:
+    """bitsandbytes' ``gemv_4bit_inference_cpu_nf4_bf16``, or None: not installed, no CPU
+    library in it, or a CPU without AVX512-BF16. Arguments: ``M, N, K`` (rows, outputs, inputs),
+    pointers to ``x (M, K)``, the kernel's bytes ``(N, K/2)``, the scales ``(K/G, N)`` and
+    ``out (M, N)`` (all bfloat16 but the bytes), then ``G`` and the row strides of ``x`` and ``out``."""
+    spec = importlib.util.find_spec("bitsandbytes")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "libbitsandbytes_cpu.so"
+    try:
+        library = ctypes.CDLL(str(path))
+        if not library.has_avx512bf16_cpu():
+            return None
+        function = library.gemv_4bit_inference_cpu_nf4_bf16
+    except (OSError, AttributeError):
+        return None
+    function.restype = None
+    function.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    return function
+
+
+def _nf4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x (M, IN) bfloat16 @ W.T`` -> ``(M, OUT)`` by the kernel, ``packed (OUT, IN/2)`` in its
+    layout, ``scales (IN/G, OUT)`` bfloat16."""
+    rows, out_features = x.shape[0], packed.shape[0]
+    x = x.contiguous()
+    out = x.new_empty(rows, out_features)
+    kernel()(rows, out_features, x.shape[1], x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(),
+             group_size, x.stride(0), out.stride(0))  # fmt: skip
+    return out
+
+
+# Ops, so that compiled code calls the kernel as it calls PyTorch's own (declared with
+# torch.library.Library as quant.kernels' expert ops: the dispatcher calls the function directly).
+# nf4_expert_mm multiplies by expert ``expert`` (a 0-d tensor) of stacked weights, in place.
+_LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
+_LIBRARY.define("nf4_mm(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor")
+_LIBRARY.define("nf4_expert_mm(Tensor x, Tensor packed, Tensor scales, int group_size, Tensor expert) -> Tensor")
+_LIBRARY.impl("nf4_mm", _nf4_mm, "CPU")
+_LIBRARY.impl("nf4_expert_mm", lambda x, packed, scales, g, expert: _nf4_mm(x, packed[int(expert)], scales[int(expert)], g), "CPU")
+
+
+@torch.library.register_fake("mixtral_infer::nf4_mm")
+def _(x, packed, scales, group_size):
+    return x.new_empty(x.shape[0], packed.shape[-2])
+
+
+@torch.library.register_fake("mixtral_infer::nf4_expert_mm")
+def _(x, packed, scales, group_size, expert):
+    return x.new_empty(x.shape[0], packed.shape[-2])

@@ -1,0 +1,138 @@
+"""NF4 (quant/nf4.py): the code, its worked example, bitsandbytes' layout, and its kernel against
+the dequantize reference, alone, per expert, compiled and in a decoding model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import WINDOW, random_model, tiny_args
+from test_model import random_prompts
+
+from mixtral_infer import generate
+from mixtral_infer.model.linear import linear
+from mixtral_infer.quant import nf4
+from mixtral_infer.quant.kernels import prepare, quantized_linear
+from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.quant.weights import QuantScheme, quantize
+
+NF4_32 = QuantScheme.parse("nf4-32")  # the tiny models' 96 inputs take groups of 32
+needs_kernel = pytest.mark.skipif(
+    nf4.kernel() is None, reason="bitsandbytes' NF4 kernel needs an x86 CPU with AVX512-BF16"
+)
+
+
+def test_the_default_group_is_64_and_the_scheme_is_recorded():
+    assert QuantScheme.parse("nf4") == QuantScheme("nf4", 64)
+    assert QuantScheme.parse({"scheme": "nf4", "group_size": 128}).to_params() == {"scheme": "nf4", "group_size": 128}
+    assert QuantScheme.parse("nf4-32").label == "nf4 (groups of 32)"
+
+
+def test_nf4_worked_example():
+    """The module docstring's example: G = 4, w = [0.5, -0.25, 0.1, 0.0]."""
+    scheme = object.__new__(QuantScheme)  # group size 4 is below what the kernels take: only for the example
+    object.__setattr__(scheme, "name", "nf4")
+    object.__setattr__(scheme, "group_size", 4)
+    weight = quantize(torch.tensor([[0.5, -0.25, 0.1, 0.0]]), scheme)
+    assert weight.scales.tolist() == [[0.5]]
+    assert weight.integers().tolist() == [[15, 2, 9, 7]]
+    assert weight.values.tolist() == [[47, 121]]
+    expected = [0.5, 0.5 * -0.5250730514526367, 0.5 * 0.16093020141124725, 0.0]
+    torch.testing.assert_close(weight.dequantize(), torch.tensor([expected]))
+
+
+def test_each_value_takes_the_nearest_code():
+    v = torch.rand(10_000, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    brute = (v[:, None] - nf4.code_values()[None, :]).abs().argmin(dim=1)  # (N,)
+    assert torch.equal(nf4.nearest_codes(v).long(), brute)
+    assert nf4.code_values()[7] == 0 and nf4.nearest_codes(torch.tensor([0.0, 1.0, -1.0])).tolist() == [7, 15, 0]
+
+
+def test_the_kernel_layout_worked_example_and_its_inverse():
+    """The ``kernel_layout`` docstring's example (OUT = 32, IN = 2), and the round trip over stacked experts."""
+    codes = torch.arange(64, dtype=torch.uint8).view(32, 2) % 16  # n[row][input]
+    plain = codes[:, 0] | (codes[:, 1] << 4)  # (32,): one byte a row
+    packed = nf4.kernel_layout(plain.view(32, 1))
+    assert packed.view(-1)[:2].tolist() == [int(codes[0, 0] | codes[16, 0] << 4), int(codes[0, 1] | codes[16, 1] << 4)]
+    values = torch.randint(0, 256, (3, 96, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(nf4.plain_layout(nf4.kernel_layout(values)), values)
+
+
+def test_each_weight_is_its_group_s_scale_times_the_nearest_code():
+    """Quantizing then dequantizing moves each weight, in units of its group's scale, to the nearest
+    NF4 value (brute force over the 16), and the scale is the group's largest magnitude."""
+    w = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(2))
+    weight = quantize(w, NF4_32)
+    torch.testing.assert_close(weight.scales, w.unflatten(-1, (4, 32)).abs().amax(-1).bfloat16().float())
+    v = w / weight.scales.repeat_interleave(32, -1)  # (2, 32, 128)
+    nearest = (v[..., None] - nf4.code_values()).abs().min(dim=-1).values
+    moved = (v - weight.dequantize() / weight.scales.repeat_interleave(32, -1)).abs()
+    torch.testing.assert_close(moved, nearest, atol=1e-6, rtol=0)
+    torch.testing.assert_close(weight[1].dequantize(), weight.dequantize()[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_kernel_equals_the_dequantize_reference(rows, group):
+    """bitsandbytes' kernel on its layout equals dequantize-then-matmul in float32 up to bfloat16
+    rounding of the result (a layout mistake would be off by the whole value), per expert too, and
+    an expert picked by a tensor (compiled code's routing) reads the stacked bytes in place."""
+    g = torch.Generator().manual_seed(rows)
+    weight = quantize(torch.randn(2, 96, 256, generator=g), QuantScheme("nf4", group), torch.bfloat16)
+    reference = weight.dequantize()  # (2, 96, 256)
+    prepare(weight)
+    assert weight.values is None and weight.packed[0].shape == (2, 96, 128)
+    assert torch.equal(weight.dequantize(), reference)  # read back from the kernel's layout
+    x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+    for expert in range(2):
+        got = linear(x, weight[expert]).float()
+        expected = x.float() @ reference[expert].T
+        assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+        assert torch.equal(quantized_linear(x, weight[torch.tensor(expert)]), linear(x, weight[expert]))
+
+
+@needs_kernel
+def test_many_rows_and_other_dtypes_take_the_reference_path(monkeypatch):
+    weight = prepare(quantize(torch.randn(64, 128), NF4_32, torch.bfloat16))
+    calls = []
+    monkeypatch.setattr(nf4, "_nf4_mm", lambda *a: calls.append(1))  # the op's function, were it called
+    for x in (torch.randn(512, 128).bfloat16(), torch.randn(3, 128)):
+        torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight.dequantize(x.dtype)))
+    assert calls == []
+
+
+def test_without_the_kernel_nf4_keeps_its_plain_layout_and_the_reference_path(monkeypatch):
+    monkeypatch.setattr(nf4, "kernel", lambda: None)
+    weight = prepare(quantize(torch.randn(64, 128), NF4_32, torch.bfloat16))
+    assert weight.packed is None and weight.values is not None
+    x = torch.randn(2, 128).bfloat16()
+    torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight.dequantize(torch.bfloat16)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_an_nf4_model_decodes_alike_eager_and_static(moe):
+    """bfloat16 through the kernel: batch 1 (the MoE's chosen experts by the expert op) and a ragged
+    batch of 3 past the window (every expert), the same tokens, logprobs as close as bfloat16 is."""
+    model = quantize_model(random_model(tiny_args(moe=moe), seed=5).to(torch.bfloat16), NF4_32)
+    assert model.layers["0"].attention.wq.weight.packed is not None
+    for lengths in ([5], [2 * WINDOW + 1, 3, 6]):
+        prompts = random_prompts(lengths, 128, seed=len(lengths))
+        eager_tokens, eager_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="eager")
+        static_tokens, static_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="static")
+        assert static_tokens == eager_tokens
+        for got, expected in zip(static_logprobs, eager_logprobs):
+            assert got == pytest.approx(expected, abs=0.1)
+
+
+@needs_kernel
+def test_the_compiled_nf4_step_equals_eager():
+    """The ops inside the compiled step (built ahead of time on CPU), batch 1, past the window. Greedy
+    tokens of a random bfloat16 model can flip at near-ties between differently fused steps; this
+    seed has none (as test_quant's int4 step)."""
+    model = quantize_model(random_model(tiny_args(moe=True, max_batch_size=1), seed=7).to(torch.bfloat16), NF4_32)
+    prompts = random_prompts([WINDOW + 3], 128, seed=8)
+    eager_tokens, eager_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="eager")
+    compiled_tokens, compiled_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="compiled")
+    assert compiled_tokens == eager_tokens
+    assert compiled_logprobs[0] == pytest.approx(eager_logprobs[0], abs=0.1)
