@@ -38,7 +38,7 @@ def main():
     parser.add_argument("folder")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
-        "--quantize", default=None, help="int8, int4 or int4-128 (weights only; compute in --dtype), or w8a8 (int8 activations too)"
+        "--quantize", default=None, help="int8, int4, int4-128 or nf4 (weights only; compute in --dtype), or w8a8 (int8 activations too)"
     )
     parser.add_argument("--what", nargs="+", default=["decode", "prefill"])
     parser.add_argument("--decode", default="loop", choices=["loop", "eager", "static", "compiled"])

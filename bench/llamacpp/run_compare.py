@@ -6,7 +6,7 @@ Usage: python bench/llamacpp/run_compare.py [--rounds 3] [--models mixtral-bench
 Pairs (llama.cpp GGUF type -> ours): f32 -> float32, bf16 -> bfloat16, q8_0 -> bfloat16 with
 ``--quantize int8`` (per-row scales; Q8_0 has one per 32 weights; ``--q8-0-as w8a8`` for int8
 activations too, as Q8_0 multiplies), q4_0 -> ``--quantize int4``
-(groups of 32, as Q4_0). Our side runs ``bench/ours_run.py`` (the current API).
+(groups of 32, as Q4_0; ``--q4-0-as nf4`` for NF4, groups of 64, bitsandbytes' kernel). Our side runs ``bench/ours_run.py`` (the current API).
 
 Per (model, dtype) and round: wait until other processes use < --quiet cores (10 s, /proc/stat), log
 /proc/loadavg and `top -bn1 | head -15`; read bandwidth; run A = llama-bench; read bandwidth;
@@ -196,8 +196,11 @@ def main():
                     help="how ours_run.py decodes: loop (eager forward per token) and/or compiled (generate, decode='compiled')")
     ap.add_argument("--q8-0-as", default="int8", choices=["int8", "w8a8"],
                     help="what ours runs beside Q8_0: int8 (weight-only) or w8a8 (int8 activations too, as Q8_0 does)")
+    ap.add_argument("--q4-0-as", default="int4", choices=["int4", "nf4"],
+                    help="what ours runs beside Q4_0: int4 (groups of 32) or nf4 (quant/nf4.py)")
     a = ap.parse_args()
     OURS["q8_0"] = ["--dtype", "bfloat16", "--quantize", a.q8_0_as]
+    OURS["q4_0"] = ["--dtype", "bfloat16", "--quantize", a.q4_0_as]
     LOG = open(a.out.with_suffix(".log"), "a")
     results = json.loads(a.out.read_text()) if a.out.is_file() else {}
     for name in a.models:

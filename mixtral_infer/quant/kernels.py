@@ -12,7 +12,7 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   does not build its x86 int8-activation x int4 op (``da8w4_linear_cpu``: NotImplementedError on CPU).
 * **CPU nf4** (``quant/nf4.py``): bitsandbytes' AVX512-BF16 kernel (``nf4.kernel()``), through the
   op ``mixtral_infer::nf4_mm``, for fewer than ``DEQUANTIZE_ROWS`` rows; more rows, or no kernel
-  on this CPU, take the reference path. 1.5-1.9x the speed of our int8 reductions a weight.
+  on this CPU, take the reference path. 1.4-2.0x the weights a second of our int8 reductions.
 * **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
   to bfloat16 (2 ms; ``dequantize_int8``) and multiplying with ``F.linear`` beats the int8 kernel, which is
   compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
