@@ -9,9 +9,9 @@ from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
 from mixtral_infer import generate
-from mixtral_infer.model.linear import linear
+from mixtral_infer.model.linear import linear, linears
 from mixtral_infer.quant import nf4
-from mixtral_infer.quant.kernels import prepare, quantized_linear
+from mixtral_infer.quant.kernels import joined_linear, prepare, quantized_linear
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantScheme, quantize
 
@@ -136,3 +136,26 @@ def test_the_compiled_nf4_step_equals_eager():
     compiled_tokens, compiled_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="compiled")
     assert compiled_tokens == eager_tokens
     assert compiled_logprobs[0] == pytest.approx(eager_logprobs[0], abs=0.1)
+
+
+@needs_kernel
+def test_weights_of_one_input_are_joined_and_multiplied_in_one_call():
+    """wq wk wv, and each expert's w1 w3, are one matrix of the kernel's layout (``join_side_by_side``):
+    each weight's bytes a view of it, and ``linears`` multiplies the group in one call, giving the
+    numbers of one call a weight exactly; a part of a group, or a group out of order, goes one by one."""
+    model = quantize_model(random_model(tiny_args(moe=True), seed=5).to(torch.bfloat16), NF4_32)
+    attention, moe = model.layers["0"].attention, model.layers["0"].feed_forward
+    wq, wk, wv = attention.wq.weight, attention.wk.weight, attention.wv.weight
+    assert [w.joined_rows for w in (wq, wk, wv)] == [(0, 64, 128), (64, 96, 128), (96, 128, 128)]
+    assert wq.joined[0].shape == (128, 32) and wq.joined[1].shape == (2, 128) and wk.joined is None
+    assert wk.packed[0].data_ptr() == wq.joined[0][64:].data_ptr()  # a view: no second copy
+    assert moe.w1.joined[0].shape == (4, 192, 32) and moe.w3.joined_rows == (96, 192, 192)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    for together, alone in zip(linears(x, wq, wk, wv), [linear(x, w) for w in (wq, wk, wv)]):
+        assert torch.equal(together, alone)
+    e = torch.tensor(2)  # compiled code's expert index: the joined experts read in place
+    alone = [linear(x[:1], moe.w1[2]), linear(x[:1], moe.w3[2])]
+    for together, one in zip(linears(x[:1], moe.w1[e], moe.w3[e]), alone):
+        assert torch.equal(together, one)
+    assert joined_linear(x, [wq, wk]) is None and joined_linear(x, [wq, wv, wk]) is None
+    assert joined_linear(x, [moe.w1[e], moe.w3[torch.tensor(2)]]) is None  # not provably one expert

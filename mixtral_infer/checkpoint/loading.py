@@ -54,7 +54,7 @@ from mixtral_infer.memory import keep_freed_memory
 from mixtral_infer.model.parallel import Parallel, Selection
 from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.quant import int8_activations
-from mixtral_infer.quant.model import check_quantizable, install
+from mixtral_infer.quant.model import check_quantizable, install, join_side_by_side
 from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme
 from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
@@ -424,6 +424,7 @@ def load_model(
         select = stored_select(select, stored)  # a quantized folder's integers and scales
     tensors = checkpoint.published_tensors(progress, select)
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
+    join_side_by_side(model)  # nf4 on CPU: wq wk wv, and w1 w3, one kernel call each
     int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
     if pack == "columns":
         model = block_long_rows(model)

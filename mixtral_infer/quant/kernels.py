@@ -161,10 +161,35 @@ def int8_blocks_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
 def quantized_linears(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> List[torch.Tensor]:
     """``[quantized_linear(x, w) for w in weights]``, in one product where they are w8a8 weights
     packed side by side (``int8_activations.pack_weights``) and the product quantizes activations."""
+    joined = joined_linear(x, weights)
+    if joined is not None:
+        return joined
     whole = side_by_side([w.prepacked for w in weights])
     if whole is None or not uses_int8_activations(x, weights[0]):
         return [quantized_linear(x, w) for w in weights]
     return list(int8_activations_linear(x, whole).split([w.shape[-2] for w in weights], dim=-1))
+
+
+def joined_linear(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> Optional[List[torch.Tensor]]:
+    """``[quantized_linear(x, w) for w in weights]`` in one call of the nf4 kernel, where ``weights``
+    are a whole group joined side by side (``quant.model.join_side_by_side``), in order, of one
+    expert; else None."""
+    first = weights[0]
+    if first.joined is None or not uses_cpu_kernel(x, first) or x.shape[0] >= DEQUANTIZE_ROWS:
+        return None
+    rows = [w.joined_rows for w in weights]
+    ends = [0] + [stop for _, stop, _ in rows]
+    if any(r is None for r in rows) or [start for start, _, _ in rows] != ends[:-1] or ends[-1] != rows[0][2]:
+        return None
+    if not all(w.expert is first.expert for w in weights):
+        return None
+    values, scales = first.joined
+    group_size, x = first.scheme.group_size, x.contiguous()
+    if first.expert is None:
+        out = torch.ops.mixtral_infer.nf4_mm(x, values, scales, group_size)
+    else:
+        out = torch.ops.mixtral_infer.nf4_expert_mm(x, values, scales, group_size, first.expert)
+    return list(out.split([w.shape[-2] for w in weights], dim=-1))
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -74,7 +74,7 @@ def kernel_layout(values: torch.Tensor) -> torch.Tensor:
     ``n[row][input]``: byte 0 is ``n[0][0] | n[16][0] << 4``, byte 1 ``n[0][1] | n[16][1] << 4``."""
     *lead, out_features, half = values.shape
     codes = nibbles(values).view(*lead, out_features // ROW_BLOCK, ROW_BLOCK, half, 2)  # (..., OUT/32, 32, IN/2, 2)
-    pairs = codes.transpose(-3, -2).reshape(*lead, out_features // ROW_BLOCK, half, 2 * ROW_BLOCK)  # (..., OUT/32, IN/2, 64)
+    pairs = codes.transpose(-3, -2).reshape(*lead, out_features // ROW_BLOCK, half, 2 * ROW_BLOCK)  # (.., OUT/32, IN/2, 64)
     low, high = pairs[..., :ROW_BLOCK], pairs[..., ROW_BLOCK:]  # rows 0-15 and 16-31 of the block
     return (low | (high << 4)).reshape(*lead, out_features, half)
 
@@ -128,7 +128,7 @@ _LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
 _LIBRARY.define("nf4_mm(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor")
 _LIBRARY.define("nf4_expert_mm(Tensor x, Tensor packed, Tensor scales, int group_size, Tensor expert) -> Tensor")
 _LIBRARY.impl("nf4_mm", _nf4_mm, "CPU")
-_LIBRARY.impl("nf4_expert_mm", lambda x, packed, scales, g, expert: _nf4_mm(x, packed[int(expert)], scales[int(expert)], g), "CPU")
+_LIBRARY.impl("nf4_expert_mm", lambda x, packed, scales, g, e: _nf4_mm(x, packed[int(e)], scales[int(e)], g), "CPU")
 
 
 @torch.library.register_fake("mixtral_infer::nf4_mm")

@@ -60,6 +60,11 @@ class QuantizedWeight:
 
     expert: Optional[torch.Tensor] = None  # see the docstring; QuantizedParameter never has one
     prepacked = None  # w8a8 on CPU: a fast.cpu_packed.PackedWeight in fbgemm's layout (quant.int8_activations)
+    # nf4 weights joined side by side (quant.model.join_side_by_side): on the group's first weight,
+    # ``joined = (bytes, scales)`` of all its weights in the kernel's layout; on each weight,
+    # ``joined_rows = (start, stop, total)``, its rows among them (its own ``packed`` is a view).
+    joined: Optional[tuple] = None
+    joined_rows: Optional[tuple] = None
 
     def __init__(self, scheme: QuantScheme, values: Optional[torch.Tensor], scales: torch.Tensor, in_features: int,
                  packed: Optional[tuple] = None, expert: Optional[torch.Tensor] = None, prepacked=None):  # fmt: skip
@@ -91,11 +96,20 @@ class QuantizedWeight:
         prepacked = None if self.prepacked is None else self.prepacked[index]
         if isinstance(index, torch.Tensor):
             if self.device.type == "cpu":
-                return QuantizedWeight(self.scheme, self.values, self.scales, self.in_features, self.packed, index, prepacked)
+                weight = QuantizedWeight(self.scheme, self.values, self.scales, self.in_features, self.packed, index,
+                                         prepacked)  # fmt: skip
+                return self._with_joined(weight, self.joined)
             return self._gathered(index)
         packed = None if self.packed is None else tuple(t[index] for t in self.packed)
         values = None if self.values is None else self.values[index]
-        return QuantizedWeight(self.scheme, values, self.scales[index], self.in_features, packed, prepacked=prepacked)
+        weight = QuantizedWeight(self.scheme, values, self.scales[index], self.in_features, packed, prepacked=prepacked)
+        return self._with_joined(weight, None if self.joined is None else tuple(t[index] for t in self.joined))
+
+    def _with_joined(self, weight: "QuantizedWeight", joined: Optional[tuple]) -> "QuantizedWeight":
+        """``weight`` (an expert of this one) with this weight's place among joined weights."""
+        if self.joined_rows is not None:
+            weight.joined, weight.joined_rows = joined, self.joined_rows
+        return weight
 
     def resolved(self) -> "QuantizedWeight":
         """This weight with its own tensors: ``self``, or the gathered copy of its ``expert``."""
@@ -158,10 +172,16 @@ class QuantizedParameter(nn.Module, QuantizedWeight):
         self.register_buffer("kernel_values", kernel_values, persistent=False)
         self.register_buffer("kernel_scales", kernel_scales, persistent=False)
         self.prepacked = weight.prepacked
+        self.register_buffer("joined_values", None, persistent=False)
+        self.register_buffer("joined_scales", None, persistent=False)
 
     @property
     def packed(self) -> Optional[tuple]:
         return None if self.kernel_values is None else (self.kernel_values, self.kernel_scales)
+
+    @property
+    def joined(self) -> Optional[tuple]:
+        return None if self.joined_values is None else (self.joined_values, self.joined_scales)
 
     def extra_repr(self) -> str:
         size = f", group_size={self.scheme.group_size}" if self.scheme.group_size else ""
