@@ -14,6 +14,7 @@ from mixtral_infer.quant import nf4
 from mixtral_infer.quant.kernels import joined_linear, prepare, quantized_linear
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantScheme, quantize
+from mixtral_infer.serve.sizing import held_bytes, weight_bytes
 
 NF4_32 = QuantScheme.parse("nf4-32")  # the tiny models' 96 inputs take groups of 32
 needs_kernel = pytest.mark.skipif(
@@ -159,3 +160,22 @@ def test_weights_of_one_input_are_joined_and_multiplied_in_one_call():
         assert torch.equal(together, one)
     assert joined_linear(x, [wq, wk]) is None and joined_linear(x, [wq, wv, wk]) is None
     assert joined_linear(x, [moe.w1[e], moe.w3[torch.tensor(2)]]) is None  # not provably one expert
+
+
+def test_held_bytes_counts_views_once():
+    """``held_bytes``' docstring example, a strided view, and a joined nf4 model: its weights' bytes
+    counted once, as the same model's without joining (plus the joined scales, a second copy)."""
+    w = torch.zeros(1000, dtype=torch.uint8)
+    assert held_bytes([w, w[:300]]) == 1000 and held_bytes([w[:300], w[500:600]]) == 400
+    stacked = torch.zeros(4, 6, 8, dtype=torch.bfloat16)
+    assert held_bytes([stacked[:, 2:4], stacked]) == stacked.numel() * 2
+    model = quantize_model(random_model(tiny_args(moe=True), seed=5).to(torch.bfloat16), NF4_32)
+    apart = quantize_model(random_model(tiny_args(moe=True), seed=5).to(torch.bfloat16), "nf4-32")
+    joined_scales = 0
+    for module in apart.modules():
+        if getattr(module, "joined_values", None) is not None:
+            joined_scales += module.joined_scales.numel() * 2
+            module.joined_values = module.joined_scales = None  # the views alone: bytes as before joining
+    if nf4.kernel() is not None:
+        assert joined_scales > 0
+    assert weight_bytes(model) == weight_bytes(apart) + joined_scales

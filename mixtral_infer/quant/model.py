@@ -24,6 +24,7 @@ from torch import nn
 
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.cpu_packed import side_by_side_groups
+from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
@@ -135,6 +136,7 @@ def join_side_by_side(model: nn.Module) -> nn.Module:
             member.kernel_values = values[..., start:stop, :]
             member.joined_rows = (start, stop, values.shape[-2])
             start = stop
+        release_freed_memory()  # the members' own bytes, now copied: their pages back to the system
     return model
 
 

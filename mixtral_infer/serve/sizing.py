@@ -98,10 +98,33 @@ def measure_step_peak(model: Transformer, n_tokens: int, slots: int) -> Optional
 
 def weight_bytes(model: Transformer) -> int:
     """Bytes the model's weights take: parameters, buffers (quantized weights' integers and scales),
-    matrices packed for oneDNN (``fast.cpu_packed``) and w8a8's int8 matrices packed for fbgemm."""
-    plain = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    matrices packed for oneDNN (``fast.cpu_packed``) and w8a8's int8 matrices packed for fbgemm.
+    Tensors that are views of one another (nf4 weights joined side by side: each weight's bytes a
+    view of its group's) count once."""
+    plain = held_bytes([*model.parameters(), *model.buffers()])
     fbgemm = sum(m.prepacked.numel() for m in model.modules() if isinstance(m, QuantizedParameter) and m.prepacked is not None)
     return plain + packed_numel(model) * model.dtype.itemsize + fbgemm  # fbgemm's: a byte per weight
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of memory ``tensors`` span, each byte once: the union, per storage, of the byte ranges
+    the tensors reach (a view inside another tensor adds nothing). Example: ``w`` of 1000 bytes and
+    ``w[:300]`` hold 1000 bytes."""
+    spans = {}  # storage -> [(first byte, end)]
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        start = t.storage_offset() * t.element_size()
+        reach = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1  # elements, first to last
+        storage = id(t) if t.is_meta else t.untyped_storage().data_ptr()  # meta tensors have no memory to share
+        spans.setdefault(storage, []).append((start, start + reach * t.element_size()))
+    total = 0
+    for ranges in spans.values():
+        end = -1
+        for first, stop in sorted(ranges):
+            total += max(0, stop - max(first, end))
+            end = max(end, stop)
+    return total
 
 
 def plan_rows(
