@@ -90,7 +90,7 @@ def kernels() -> list:
     return rows_out
 
 
-SCHEMES = ("int8", "w8a8", "int4")
+SCHEMES = ("int8", "w8a8", "int4", "nf4")
 
 
 @torch.inference_mode()
