@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
+from test_quant import example_scheme
 
 from mixtral_infer import generate
 from mixtral_infer.model.linear import linear, linears
@@ -30,10 +31,7 @@ def test_the_default_group_is_64_and_the_scheme_is_recorded():
 
 def test_nf4_worked_example():
     """The module docstring's example: G = 4, w = [0.5, -0.25, 0.1, 0.0]."""
-    scheme = object.__new__(QuantScheme)  # group size 4 is below what the kernels take: only for the example
-    object.__setattr__(scheme, "name", "nf4")
-    object.__setattr__(scheme, "group_size", 4)
-    weight = quantize(torch.tensor([[0.5, -0.25, 0.1, 0.0]]), scheme)
+    weight = quantize(torch.tensor([[0.5, -0.25, 0.1, 0.0]]), example_scheme("nf4", 4))
     assert weight.scales.tolist() == [[0.5]]
     assert weight.integers().tolist() == [[15, 2, 9, 7]]
     assert weight.values.tolist() == [[47, 121]]

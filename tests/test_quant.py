@@ -26,12 +26,18 @@ needs_nf4_kernel = pytest.mark.skipif(
 SCHEMES = {"int8": INT8, "int4-32": INT4, "int4-128": QuantScheme.parse("int4-128")}
 
 
+def example_scheme(name: str, group_size: int) -> QuantScheme:
+    """A 4-bit scheme with a group size below what the kernels take (QuantScheme refuses it): for
+    the docstrings' worked examples only."""
+    scheme = object.__new__(QuantScheme)
+    object.__setattr__(scheme, "name", name)
+    object.__setattr__(scheme, "group_size", group_size)
+    return scheme
+
+
 def test_int4_worked_example():
     """The module docstring's example: G = 4, w = [0.7, -0.35, 0.1, 0.0]."""
-    scheme = object.__new__(QuantScheme)  # group size 4 is below what the kernels take: only for the example
-    object.__setattr__(scheme, "name", "int4")
-    object.__setattr__(scheme, "group_size", 4)
-    weight = quantize(torch.tensor([[0.7, -0.35, 0.1, 0.0]]), scheme)
+    weight = quantize(torch.tensor([[0.7, -0.35, 0.1, 0.0]]), example_scheme("int4", 4))
     assert weight.scales.tolist() == [[0.10009765625]]
     assert weight.values.tolist() == [[95, 137]]
     assert weight.integers().tolist() == [[7, -3, 1, 0]]
