@@ -157,6 +157,7 @@ def test_weights_of_one_input_are_joined_and_multiplied_in_one_call():
     for together, one in zip(linears(x[:1], moe.w1[e], moe.w3[e]), alone):
         assert torch.equal(together, one)
     assert joined_linear(x, [wq, wk]) is None and joined_linear(x, [wq, wv, wk]) is None
+    assert joined_linear(x, [wq, attention.wo.weight]) is None  # wo is in no group
     assert joined_linear(x, [moe.w1[e], moe.w3[torch.tensor(2)]]) is None  # not provably one expert
 
 

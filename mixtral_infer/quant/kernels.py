@@ -12,7 +12,7 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   does not build its x86 int8-activation x int4 op (``da8w4_linear_cpu``: NotImplementedError on CPU).
 * **CPU nf4** (``quant/nf4.py``): bitsandbytes' AVX512-BF16 kernel (``nf4.kernel()``), through the
   op ``mixtral_infer::nf4_mm``, for fewer than ``DEQUANTIZE_ROWS`` rows; more rows, or no kernel
-  on this CPU, take the reference path. 1.4-2.0x the weights a second of our int8 reductions.
+  on this CPU, take the reference path. 1.3-2.0x the weights a second of our int8 reductions.
 * **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
   to bfloat16 (2 ms; ``dequantize_int8``) and multiplying with ``F.linear`` beats the int8 kernel, which is
   compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
@@ -178,8 +178,10 @@ def joined_linear(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> Option
     if first.joined is None or not uses_cpu_kernel(x, first) or x.shape[0] >= DEQUANTIZE_ROWS:
         return None
     rows = [w.joined_rows for w in weights]
+    if any(r is None for r in rows):
+        return None
     ends = [0] + [stop for _, stop, _ in rows]
-    if any(r is None for r in rows) or [start for start, _, _ in rows] != ends[:-1] or ends[-1] != rows[0][2]:
+    if [start for start, _, _ in rows] != ends[:-1] or ends[-1] != rows[0][2]:
         return None
     if not all(w.expert is first.expert for w in weights):
         return None
@@ -275,7 +277,8 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
 
     Only 4-bit weights in bfloat16 have layouts of their own: int4 one per device, nf4 one on CPUs
     that have bitsandbytes' kernel (``_prepare_nf4``); the kernels take the scales' dtype as their
-    activations'; other weights keep the plain layout and take the reference path. Both int4 kernels take the scales as ``(IN/G, OUT, 2)`` pairs ``[scale, 0]`` (they compute
+    activations'; other weights keep the plain layout and take the reference path. Both int4
+    kernels take the scales as ``(IN/G, OUT, 2)`` pairs ``[scale, 0]`` (they compute
     ``(n - 8) * scale + zero``).
 
     * CPU, rows in multiples of 16: per expert (``(OUT, IN/2)`` matrix),

@@ -121,8 +121,8 @@ def join_side_by_side(model: nn.Module) -> nn.Module:
     scales stay (the kernel reads a weight's scales whole)."""
     modules = dict(model.named_modules())
     names = [name for name, module in modules.items()
-             if isinstance(module, QuantizedParameter) and module.scheme.name == "nf4" and module.kernel_values is not None
-             and module.joined_rows is None]  # fmt: skip
+             if isinstance(module, QuantizedParameter) and module.scheme.name == "nf4"
+             and module.kernel_values is not None and module.joined_rows is None]  # fmt: skip
     for group in side_by_side_groups(names, lambda name: modules[name].shape):
         members = [modules[name] for name in group]
         if len(members) < 2:

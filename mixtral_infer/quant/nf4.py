@@ -16,9 +16,9 @@ so int4 halves the bytes but not the time. bitsandbytes ships an AVX512-BF16 ker
 (``gemv_4bit_inference_cpu_nf4_bf16``: a 16-entry table lookup per nibble, bfloat16 dot
 products) that multiplies 1.3-2.0x as many weights a second as our int8 reductions
 (``bench/nf4_kernel.py``, one row, op by op, the 2-core AMD EPYC, billions of weights a second:
-3584 x 1024 31.9 against 23.2, 14336 x 4096 43.5 against 22.0; PyTorch's int4 kernel 24.9, 30.1). It is loaded from the
-installed ``bitsandbytes`` package as a plain library (``kernel()``), not through bitsandbytes'
-Python side, which probes for CUDA and looks for kernels on the network. Without the package, or
+3584 x 1024 31.9 against 23.2, 14336 x 4096 43.5 against 22.0; PyTorch's int4 kernel 24.9, 30.1).
+It is loaded from the installed ``bitsandbytes`` package as a plain library (``kernel()``), not
+through bitsandbytes' Python side, which probes for CUDA and looks for kernels on the network. Without the package, or
 on a CPU without AVX512-BF16 (the library's own ``has_avx512bf16_cpu``), or on a GPU, NF4 takes
 the reference path: dequantize, then ``F.linear``.
 
