@@ -11,7 +11,7 @@ from test_quant import example_scheme
 
 from mixtral_infer import generate
 from mixtral_infer.model.linear import linear, linears
-from mixtral_infer.quant import nf4
+from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import joined_linear, prepare, quantized_linear
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantScheme, quantize
@@ -91,12 +91,17 @@ def test_the_kernel_equals_the_dequantize_reference(rows, group):
 
 
 @needs_kernel
-def test_many_rows_and_other_dtypes_take_the_reference_path(monkeypatch):
-    weight = prepare(quantize(torch.randn(64, 128), NF4_32, torch.bfloat16))
+def test_prompts_dequantize_to_the_reference_s_numbers_and_other_dtypes_take_the_reference(monkeypatch):
+    """From ``NF4_DEQUANTIZE_ROWS`` rows on the weight is dequantized from the kernel's layout
+    (``dequantize_nf4_kernel_layout``: ``dequantize``'s numbers bit for bit, here in three blocks of
+    conversion), then ``F.linear``: the reference path's product exactly; float32 takes the reference."""
+    weight = prepare(quantize(torch.randn(640, 128), NF4_32, torch.bfloat16))
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(kernels.dequantize_nf4_kernel_layout(weight, dtype), weight.dequantize(dtype))
     calls = []
     monkeypatch.setattr(nf4, "_nf4_mm", lambda *a: calls.append(1))  # the op's function, were it called
-    for x in (torch.randn(512, 128).bfloat16(), torch.randn(3, 128)):
-        torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight.dequantize(x.dtype)))
+    for x in (torch.randn(kernels.NF4_DEQUANTIZE_ROWS, 128).bfloat16(), torch.randn(3, 128)):
+        assert torch.equal(linear(x, weight), kernels.reference_linear(x, weight))
     assert calls == []
 
 

@@ -11,8 +11,8 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   (``Int4WeightOnlyConfig`` needs the CUDA-only ``mslk`` package), and its PyPI wheel declares but
   does not build its x86 int8-activation x int4 op (``da8w4_linear_cpu``: NotImplementedError on CPU).
 * **CPU nf4** (``quant/nf4.py``): bitsandbytes' AVX512-BF16 kernel (``nf4.kernel()``), through the
-  op ``mixtral_infer::nf4_mm``, for fewer than ``DEQUANTIZE_ROWS`` rows; more rows, or no kernel
-  on this CPU, take the reference path. 1.3-2.0x the weights a second of our int8 reductions.
+  op ``mixtral_infer::nf4_mm``, for fewer than ``NF4_DEQUANTIZE_ROWS`` rows; more rows dequantize
+  (``dequantize_nf4_kernel_layout``, the reference's numbers); no kernel on this CPU: the reference. 1.3-2.0x the weights a second of our int8 reductions.
 * **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
   to bfloat16 (2 ms; ``dequantize_int8``) and multiplying with ``F.linear`` beats the int8 kernel, which is
   compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
@@ -87,6 +87,9 @@ def int4_layout(weight: QuantizedWeight) -> Optional[str]:
 
 
 DEQUANTIZE_ROWS = 512  # CPU int8: from this many rows on, dequantize + F.linear is faster (module docstring)
+# CPU nf4: from this many rows on, dequantize_nf4_kernel_layout + F.linear (3584 x 1024 on the Zen 4,
+# ms, kernel against dequantize + F.linear: 512 rows 13.9 / 6.4 + 9.2, 1024 rows 29.4 / 6.4 + 20.6).
+NF4_DEQUANTIZE_ROWS = 1024
 INT4_DEQUANTIZE_ROWS = 1024  # CPU int4, where float32 multiplies faster: reading the layout back costs more
 
 
@@ -175,7 +178,7 @@ def joined_linear(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> Option
     are a whole group joined side by side (``quant.model.join_side_by_side``), in order, of one
     expert; else None."""
     first = weights[0]
-    if first.joined is None or not uses_cpu_kernel(x, first) or x.shape[0] >= DEQUANTIZE_ROWS:
+    if first.joined is None or not uses_cpu_kernel(x, first) or x.shape[0] >= NF4_DEQUANTIZE_ROWS:
         return None
     rows = [w.joined_rows for w in weights]
     if any(r is None for r in rows):
@@ -209,8 +212,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
             return out
         weight = weight.resolved()
     if weight.scheme.name == "nf4":
-        if weight.packed is not None and uses_cpu_kernel(x, weight) and x.shape[0] < DEQUANTIZE_ROWS:
-            return torch.ops.mixtral_infer.nf4_mm(x.contiguous(), *weight.packed, weight.scheme.group_size)
+        if weight.packed is not None and uses_cpu_kernel(x, weight):
+            if x.shape[0] < NF4_DEQUANTIZE_ROWS:
+                return torch.ops.mixtral_infer.nf4_mm(x.contiguous(), *weight.packed, weight.scheme.group_size)
+            if weight.packed[0].dim() == 2:  # prompts: reference_linear's numbers, dequantized 3.5x faster
+                return F.linear(x, dequantize_nf4_kernel_layout(weight, x.dtype))
         return reference_linear(x, weight)
     if uses_cpu_kernel(x, weight):
         x = x.contiguous()
@@ -270,6 +276,28 @@ def dequantize_int4_kernel_layout(weight: QuantizedWeight, dtype: torch.dtype = 
     # numbers): 14336 x 4096 into bfloat16, 75 against 262 ms through float32 copies.
     grouped = nibbles.view(out_features, -1, weight.scheme.group_size).sub_(8)  # (OUT, IN/G, G)
     return grouped.mul_(weight.scales[..., None]).view(out_features, in_features)
+
+
+def dequantize_nf4_kernel_layout(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight.dequantize(dtype)`` of an nf4 weight ``(OUT, IN)`` held in bitsandbytes' layout, bit for
+    bit, for prompts: ``ROWS_PER_CONVERSION`` rows at a time, both values of each byte looked up at once
+    (``nf4.byte_values``), put back in row order, scaled in float32 in place and rounded once.
+    3584 x 1024 into bfloat16: 6.4 against 22.7 ms through the readable path (``NF4_DEQUANTIZE_ROWS``
+    says when it pays). Byte ``t`` of a block's input pair ``i`` holds rows ``t // 2`` and
+    ``16 + t // 2`` (``nf4.kernel_layout``), inputs ``2i + t % 2``."""
+    packed, _ = weight.packed  # (OUT, IN/2), the kernel's layout
+    out_features, in_features = weight.shape
+    table, block, group = nf4.byte_values(), nf4.ROW_BLOCK, weight.scheme.group_size
+    out = torch.empty(out_features, in_features, dtype=dtype)
+    for start in range(0, out_features, ROWS_PER_CONVERSION):  # a multiple of the 32-row blocks
+        part = packed[start : start + ROWS_PER_CONVERSION]
+        rows = part.shape[0]
+        codes = part.reshape(rows // block, in_features // 2, block // 2, 2).long()  # (B, IN/2, 16, 2): byte t = (t // 2, t % 2)
+        pairs = F.embedding(codes, table)  # (B, IN/2, 16, 2, 2): [low, high] of each byte (3x table[codes] here)
+        values = pairs.permute(0, 4, 2, 1, 3).reshape(rows, in_features)  # (B, high?, row, pair, input of pair)
+        scales = weight.scales[start : start + rows, :, None].to(torch.float32)  # (rows, IN/G, 1)
+        out[start : start + rows] = values.view(rows, -1, group).mul_(scales).view(rows, in_features)
+    return out
 
 
 def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:

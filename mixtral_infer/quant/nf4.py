@@ -61,6 +61,12 @@ def nearest_codes(v: torch.Tensor) -> torch.Tensor:
     return codes
 
 
+def byte_values() -> torch.Tensor:
+    """``(256, 2)`` float32: the values of the two codes of each byte, ``[NF4[b & 15], NF4[b >> 4]]``."""
+    b, table = torch.arange(256), code_values()
+    return torch.stack([table[b & 15], table[b >> 4]], dim=-1)
+
+
 def nibbles(values: torch.Tensor) -> torch.Tensor:
     """Plain bytes ``(..., OUT, IN/2)`` -> the codes ``(..., OUT, IN)``, one a byte."""
     return torch.stack([values & 15, values >> 4], dim=-1).flatten(-2)
