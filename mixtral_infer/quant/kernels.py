@@ -12,7 +12,8 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   does not build its x86 int8-activation x int4 op (``da8w4_linear_cpu``: NotImplementedError on CPU).
 * **CPU nf4** (``quant/nf4.py``): bitsandbytes' AVX512-BF16 kernel (``nf4.kernel()``), through the
   op ``mixtral_infer::nf4_mm``, for fewer than ``NF4_DEQUANTIZE_ROWS`` rows; more rows dequantize
-  (``dequantize_nf4_kernel_layout``, the reference's numbers); no kernel on this CPU: the reference. 1.3-2.0x the weights a second of our int8 reductions.
+  (``dequantize_nf4_kernel_layout``, the reference's numbers); no kernel on this CPU: the reference.
+  1.3-2.0x the weights a second of our int8 reductions.
 * **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
   to bfloat16 (2 ms; ``dequantize_int8``) and multiplying with ``F.linear`` beats the int8 kernel, which is
   compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
@@ -292,9 +293,11 @@ def dequantize_nf4_kernel_layout(weight: QuantizedWeight, dtype: torch.dtype = t
     for start in range(0, out_features, ROWS_PER_CONVERSION):  # a multiple of the 32-row blocks
         part = packed[start : start + ROWS_PER_CONVERSION]
         rows = part.shape[0]
-        codes = part.reshape(rows // block, in_features // 2, block // 2, 2).long()  # (B, IN/2, 16, 2): byte t = (t // 2, t % 2)
-        pairs = F.embedding(codes, table)  # (B, IN/2, 16, 2, 2): [low, high] of each byte (3x table[codes] here)
-        values = pairs.permute(0, 4, 2, 1, 3).reshape(rows, in_features)  # (B, high?, row, pair, input of pair)
+        # byte t of block b, input pair i -> (b, i, t // 2, t % 2), each byte's [low, high] values last
+        codes = part.reshape(rows // block, in_features // 2, block // 2, 2).long()  # (B, IN/2, 16, 2)
+        pairs = F.embedding(codes, table)  # (B, IN/2, 16, 2, 2); 3x the speed of table[codes] here
+        # (b, nibble, t // 2, i, t % 2): row 32b + 16 * nibble + t // 2, input 2i + t % 2
+        values = pairs.permute(0, 4, 2, 1, 3).reshape(rows, in_features)
         scales = weight.scales[start : start + rows, :, None].to(torch.float32)  # (rows, IN/G, 1)
         out[start : start + rows] = values.view(rows, -1, group).mul_(scales).view(rows, in_features)
     return out

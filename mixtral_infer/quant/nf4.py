@@ -79,8 +79,9 @@ def kernel_layout(values: torch.Tensor) -> torch.Tensor:
     ``32b + 16 + t // 2``, same input, in its high one. Example, OUT = 32, IN = 2, codes
     ``n[row][input]``: byte 0 is ``n[0][0] | n[16][0] << 4``, byte 1 ``n[0][1] | n[16][1] << 4``."""
     *lead, out_features, half = values.shape
-    codes = nibbles(values).view(*lead, out_features // ROW_BLOCK, ROW_BLOCK, half, 2)  # (..., OUT/32, 32, IN/2, 2)
-    pairs = codes.transpose(-3, -2).reshape(*lead, out_features // ROW_BLOCK, half, 2 * ROW_BLOCK)  # (.., OUT/32, IN/2, 64)
+    blocks = out_features // ROW_BLOCK
+    codes = nibbles(values).view(*lead, blocks, ROW_BLOCK, half, 2)  # (..., OUT/32, 32, IN/2, 2)
+    pairs = codes.transpose(-3, -2).reshape(*lead, blocks, half, 2 * ROW_BLOCK)  # (.., OUT/32, IN/2, 64): r at 2r + k
     low, high = pairs[..., :ROW_BLOCK], pairs[..., ROW_BLOCK:]  # rows 0-15 and 16-31 of the block
     return (low | (high << 4)).reshape(*lead, out_features, half)
 
