@@ -327,16 +327,24 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
         return weight
     if weight.device.type != "cpu" or weight.shape[-2] % 16:
         return weight
-    # Without keep_values the kernel layout overwrites the plain one: no new memory for the weight.
+    def convert(part: torch.Tensor) -> torch.Tensor:  # (rows, IN/2) plain bytes -> the kernel's
+        nibbles = torch.stack([part & 15, part >> 4], dim=-1).flatten(-2).to(torch.int32)  # (rows, IN)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+
+    return _in_kernel_layout(weight, convert, _scales_and_zeros(weight), keep_values)
+
+
+def _in_kernel_layout(weight: QuantizedWeight, convert: Callable, scales: torch.Tensor, keep_values: bool):
+    """``weight`` with ``packed = (bytes, scales)``, the bytes its plain ones rewritten by ``convert``
+    ``ROWS_PER_CONVERSION`` rows at a time, one expert at a time (the CPU layouts are blocked by 32
+    or 64 rows, so slices convert alike). Without ``keep_values`` the kernel layout overwrites the
+    plain one, and the plain values are dropped: no new memory for the weight."""
     packed = weight.values.clone() if keep_values else weight.values  # (..., OUT, IN/2)
-    scales_and_zeros = _scales_and_zeros(weight)
-    rows = ROWS_PER_CONVERSION
     for matrix in packed.view(-1, *packed.shape[-2:]):  # one expert (OUT, IN/2) at a time, in place
-        for start in range(0, matrix.shape[0], rows):  # the layout is blocked by 64 rows: slices convert alike
-            part = matrix[start : start + rows]
-            nibbles = torch.stack([part & 15, part >> 4], dim=-1).flatten(-2).to(torch.int32)  # (rows, IN)
-            part.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1))
-    weight.packed = (packed, scales_and_zeros)
+        for start in range(0, matrix.shape[0], ROWS_PER_CONVERSION):
+            part = matrix[start : start + ROWS_PER_CONVERSION]
+            part.copy_(convert(part))
+    weight.packed = (packed, scales)
     if not keep_values:
         weight.values = None
     return weight
@@ -347,15 +355,7 @@ def _prepare_nf4(weight: QuantizedWeight, keep_values: bool) -> QuantizedWeight:
     ``(..., IN/G, OUT)``) on a CPU that has the kernel, for rows in multiples of 32."""
     if weight.device.type != "cpu" or weight.shape[-2] % nf4.ROW_BLOCK or nf4.kernel() is None:
         return weight
-    packed = weight.values.clone() if keep_values else weight.values  # (..., OUT, IN/2)
-    for matrix in packed.view(-1, *packed.shape[-2:]):  # one expert at a time, in place
-        for start in range(0, matrix.shape[0], ROWS_PER_CONVERSION):  # blocked by 32 rows: slices convert alike
-            part = matrix[start : start + ROWS_PER_CONVERSION]
-            part.copy_(nf4.kernel_layout(part))
-    weight.packed = (packed, weight.scales.transpose(-1, -2).contiguous())
-    if not keep_values:
-        weight.values = None
-    return weight
+    return _in_kernel_layout(weight, nf4.kernel_layout, weight.scales.transpose(-1, -2).contiguous(), keep_values)
 
 
 def _scales_and_zeros(weight: QuantizedWeight) -> torch.Tensor:
