@@ -46,6 +46,20 @@ def test_each_value_takes_the_nearest_code():
     assert nf4.code_values()[7] == 0 and nf4.nearest_codes(torch.tensor([0.0, 1.0, -1.0])).tolist() == [7, 15, 0]
 
 
+def test_nearest_codes_by_bins_equal_counting_midpoints_at_every_edge():
+    """The bin lookup = the count of midpoints below each value, where a rounding could go wrong:
+    every midpoint and bin edge and their float32 neighbours; the docstring's example (0.1205 ->
+    9, bin 2294 holds the midpoint 0.12026), NaN to an end of the table rather than out of it."""
+    mids = nf4.midpoints()
+    edges = torch.arange(nf4.BINS + 1, dtype=torch.float32) * (2 / nf4.BINS) - 1
+    points = torch.cat([mids, edges, torch.tensor([0.1205, 1.004, -1.004])])
+    v = torch.cat([points, torch.nextafter(points, points + 1), torch.nextafter(points, points - 1)])
+    assert torch.equal(nf4.nearest_codes(v).long(), (v[:, None] > mids[None, :]).sum(dim=1))
+    below, next_midpoint = nf4._bin_tables()
+    assert (below[2294], next_midpoint[2294]) == (8, mids[8]) and nf4.nearest_codes(torch.tensor(0.1205)) == 9
+    assert nf4.nearest_codes(torch.tensor([float("nan")])).item() in (0, 15)
+
+
 def test_the_kernel_layout_worked_example_and_its_inverse():
     """The ``kernel_layout`` docstring's example (OUT = 32, IN = 2), and the round trip over stacked experts."""
     codes = torch.arange(64, dtype=torch.uint8).view(32, 2) % 16  # n[row][input]
