@@ -32,11 +32,12 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
   ours ``generate.prefill`` (last logits only) at the default chunk, transformers
   ``model(prompt, logits_to_keep=1)``; with the peak GPU memory over what was allocated before.
 
-* quantized decode (``--quantize int8 int4``, default both; ``--quantize`` alone for none): the
-  same model's weights quantized (``quant.model.quantize_model``: int8 per output row, int4 in
-  groups of 32), decode at batch 1 eager and fast, with the greedy agreement of its tokens with
-  the bfloat16 model's (``same_tokens``: leading tokens equal). A copy is quantized where one
-  fits beside the bfloat16 model; else the model itself, and later schemes are skipped.
+* quantized decode (``--quantize int8 int4``, default both, or ``nf4``; ``--quantize`` alone for
+  none): the same model's weights quantized (``quant.model.quantize_model``: int8 per output row,
+  int4 in groups of 32, nf4 in groups of 64 through bitsandbytes' CUDA kernel), decode at batch
+  1 eager and fast, with the greedy agreement of its tokens with the bfloat16 model's
+  (``same_tokens``: leading tokens equal). A copy is quantized where one fits beside the
+  bfloat16 model; else the model itself, and later schemes are skipped.
 
   ``--modes compiled`` skips the eager rows (and the agreement, which needs the bfloat16 model's
   eager tokens). Targets of issue 15 on an H100/H200: Mistral-7B int8 >= 1.6x bfloat16 fast,
@@ -484,7 +485,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-hf-compile", action="store_true", help="skip transformers + StaticCache + torch.compile")
-    parser.add_argument("--quantize", nargs="*", default=["int8", "int4"], choices=["int8", "int4"], help="quantized decode rows")
+    parser.add_argument("--quantize", nargs="*", default=["int8", "int4"], choices=["int8", "int4", "nf4"],
+                        help="quantized decode rows")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
                         help="decode modes of the quantized rows (without eager: no token agreement)")  # fmt: skip
     parser.add_argument("--without-transformers", action="store_true", help="ours alone, every layer, random weights")

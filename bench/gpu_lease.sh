@@ -5,6 +5,7 @@
 #
 #   bash bench/gpu_lease.sh matvec    # which int8 / int4 product reads fastest (no model): ~3 min
 #   bash bench/gpu_lease.sh quant     # Mistral-7B decode batch 1: bf16, int8, int4 (2 k-tiles), compiled: ~9 min
+#   bash bench/gpu_lease.sh nf4       # Mistral-7B decode batch 1: bf16 and nf4 (bitsandbytes' kernel), compiled
 #   bash bench/gpu_lease.sh batches   # Mistral-7B decode batch 8 and 32, prefill 2048 and 8192, beside transformers
 #   bash bench/gpu_lease.sh mixtral   # Mixtral-8x7B (layers cut to fit twice) beside transformers, batch 1
 #   bash bench/gpu_lease.sh serve     # the serving engine on CUDA, Mistral-7B shape, 8 layers
@@ -13,21 +14,28 @@
 # Mixtral-8x7B int8 >= 150 tok/s. On the device machine the pure-Python wheels travel in
 # .gpu_site (see bench/PERFORMANCE_LOG.md); the tool's command then starts
 # `export PYTHONPATH=$PWD/.gpu_site:$PWD PYTHONUNBUFFERED=1; bash bench/gpu_lease.sh STEP`.
+# nf4's CUDA kernel is bitsandbytes' CUDA library, which the machine lacks and whose wheel (43 MB)
+# is too large to carry beside the others: carry only the library for its CUDA, as a folder our
+# loader finds (quant/nf4.cuda_kernel reads no Python of the package):
+#   mkdir -p .gpu_site/bitsandbytes
+#   cp .venv/lib/python3.11/site-packages/bitsandbytes/libbitsandbytes_cuda130.so .gpu_site/bitsandbytes/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
 mkdir -p "$out"
-step="${1:?a step: matvec, quant, batches, mixtral or serve}"
+step="${1:?a step: matvec, quant, nf4, batches, mixtral or serve}"
 run() { timeout -s INT "$1" "${@:2}" 2>&1 | tee "$out/$step.log"; }
 case "$step" in
   matvec)  run 290 python bench/gpu_matvec.py --out "$out/matvec.json" ;;
   quant)   run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
              --quantize int8 int4 --modes compiled --repeats 2 --out "$out/quant.json" ;;
+  nf4)     run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
+             --quantize nf4 --modes compiled --repeats 2 --out "$out/nf4.json" ;;
   batches) run 580 python bench/bench_gpu.py --models mistral-7b --batches 8 32 --prefill 2048 8192 --quantize \
              --repeats 2 --out "$out/batches.json" ;;
   mixtral) run 580 python bench/bench_gpu.py --models mixtral-8x7b --batches 1 --prefill 2048 --quantize \
              --repeats 2 --out "$out/mixtral.json" ;;
   serve)   run 580 python bench/bench_serve.py --shape mistral-7b --layers 8 --device cuda --dtype bfloat16 \
              --requests 96 --clients 32 --out "$out/serve.json" ;;
-  *) echo "unknown step $step: matvec, quant, batches, mixtral or serve" >&2; exit 2 ;;
+  *) echo "unknown step $step: matvec, quant, nf4, batches, mixtral or serve" >&2; exit 2 ;;
 esac

@@ -10,6 +10,9 @@ Each way's output is checked against the dequantize-then-matmul reference first 
   compiles it (``coordinate_descent_tuning``; gpt-fast's int8 product) — ours today;
 * ``int8 _weight_int8pack_mm``: PyTorch's weight-only int8 op, where it has a CUDA kernel;
 * ``int4 tinygemm tiles=K``: ``_weight_int4pack_mm`` (groups of 32) with inner_k_tiles K;
+* ``nf4 bitsandbytes``: bitsandbytes' fused CUDA kernel (``cgemm_4bit_bf16``, groups of 64, its
+  own format: ``quant/nf4.py``), what ``quantize="nf4"`` runs on CUDA; ``nf4 bitsandbytes gemv``:
+  its older one-row kernel (``cgemm_4bit_inference_naive_bf16``), for comparison;
 * ``int8 words`` and ``int4 words``: the plain integers read as int32 words, 4 int8 or 8 int4
   values a load, unpacked by shifts in the compiled reduction (``int8_words``, ``int4_words``).
   Not yet run on a GPU: a guess at why int8 is no faster than bfloat16 for 14336 x 4096 (a
@@ -34,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_gpu import cuda_graph_of  # noqa: E402
 
-from mixtral_infer.quant.kernels import _scales_and_zeros, tinygemm_bytes  # noqa: E402
+from mixtral_infer.model.linear import linear  # noqa: E402
+from mixtral_infer.quant import nf4  # noqa: E402
+from mixtral_infer.quant.kernels import _scales_and_zeros, tinygemm_bytes, with_cuda_nf4_layout  # noqa: E402
 from mixtral_infer.quant.weights import QuantScheme, quantize  # noqa: E402
 
 FFN_SHAPE = (14336, 4096)  # w1 and w3 of Mistral 7B: (OUT, IN)
@@ -66,6 +71,32 @@ def tinygemm_products(x: torch.Tensor, weights: list, tiles: int) -> Callable[[]
                 layout = torch.ops.aten._convert_weight_to_int4pack(tinygemm_bytes(q.values).contiguous(), tiles)
                 packed.append((layout, _scales_and_zeros(q)))
         return [torch.ops.aten._weight_int4pack_mm(x, layout, 32, pairs) for layout, pairs in packed]
+
+    return run
+
+
+def bitsandbytes_gemv(x: torch.Tensor, weights: list) -> Callable[[], list]:
+    """bitsandbytes' older one-row CUDA kernel, ``cgemm_4bit_inference_naive_bf16(M, N, K, x, bytes,
+    scales, code, out, lda, ldb, ldc, G, stream)``, on the same format as ``nf4_cuda_mm``'s."""
+    import ctypes
+    import importlib.util
+
+    folder = Path(next(iter(importlib.util.find_spec("bitsandbytes").submodule_search_locations)))
+    library = ctypes.CDLL(str(folder / f"libbitsandbytes_cuda{torch.version.cuda.replace('.', '')}.so"))
+    gemv = library.cgemm_4bit_inference_naive_bf16
+    gemv.argtypes = [ctypes.c_int32] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int32] * 4 + [ctypes.c_void_p]
+    code = nf4.code_values(x.device)
+
+    def run() -> list:
+        outs = []
+        for q in weights:
+            (packed, scales), (out_features, in_features) = q.packed, q.shape
+            out = x.new_empty(1, out_features)
+            gemv(out_features, 1, in_features, x.data_ptr(), packed.data_ptr(), scales.data_ptr(), code.data_ptr(),
+                 out.data_ptr(), out_features, in_features // 2, out_features, q.scheme.group_size,
+                 torch.cuda.current_stream().cuda_stream)  # fmt: skip
+            outs.append(out)
+        return outs
 
     return run
 
@@ -154,6 +185,16 @@ def main(argv=None) -> int:
     ways["int4 words"] = (lambda: int4_words_compiled(x, words4, scales4), "int4", n // 2 + 2 * n // 32)
     for tiles in (8, 4, 2):
         ways[f"int4 tinygemm tiles={tiles}"] = (tinygemm_products(x, int4, tiles), "int4", n // 2 + 4 * n // 32)
+    nf4_weights = [with_cuda_nf4_layout(quantize(w, QuantScheme.parse("nf4"), bf16)) for w in floats]
+    references["nf4"] = [F.linear(x.float(), q.dequantize(torch.float32)) for q in nf4_weights]
+    nf4_bytes = n // 2 + 4 * n // 64  # the codes and a float32 scale a group
+    def nf4_products() -> list:
+        if nf4.cuda_kernel() is None:  # linear() would take the reference: not the kernel's row
+            raise RuntimeError("bitsandbytes' CUDA library for this torch's CUDA did not load")
+        return [linear(x, q) for q in nf4_weights]
+
+    ways["nf4 bitsandbytes"] = (nf4_products, "nf4", nf4_bytes)
+    ways["nf4 bitsandbytes gemv"] = (bitsandbytes_gemv(x, nf4_weights), "nf4", nf4_bytes)
 
     results: List[Dict] = []
     for name, (run, kind, nbytes) in ways.items():

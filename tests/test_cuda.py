@@ -1,7 +1,8 @@
 """The CUDA paths, on a GPU: logits against transformers, the compiled CUDA-graph step, quantized
 kernels and the serving engine, each against the readable path on the same device.
 
-Skipped without a GPU (CI has none); run on a lent H200 with ``pytest tests/test_cuda.py``. The
+Skipped without a GPU (CI has none); run on a lent H200 with ``pytest tests/test_cuda.py`` (nf4's
+tests need bitsandbytes' CUDA library there: ``bench/gpu_lease.sh`` says how to carry it). The
 CPU suite checks the same logic through each kernel's reference semantics (``test_varlen_attention``,
 ``test_quant``'s tinygemm layout); these check that the kernels themselves agree.
 """
@@ -17,9 +18,11 @@ from test_decode_step import SAMPLINGS, assert_same, eos_that_stops_some
 from test_model import TOLERANCE, cached_logits, hf_logits, random_prompts
 
 from mixtral_infer import Tokenizer, generate, load_model
-from mixtral_infer.quant import kernels
+from mixtral_infer.model.linear import linear
+from mixtral_infer.quant import kernels, nf4
+from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.model import quantize_model
-from mixtral_infer.quant.weights import QuantizedParameter
+from mixtral_infer.quant.weights import QuantizedParameter, QuantScheme, quantize
 from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA paths: no GPU here")
@@ -108,16 +111,40 @@ def test_bfloat16_decoding_on_cuda_scores_its_tokens_as_float32_does(cuda_model)
         assert_scored_alike(logprobs, forced_logprobs(cuda_model, prompts, generated))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_cuda_nf4_kernel_equals_the_dequantize_reference(rows, group):
+    """bitsandbytes' CUDA kernel on its format (``with_cuda_nf4_layout``; the CPU suite reads that
+    format back with bitsandbytes' CPU reader) equals dequantize-then-matmul in float32 up to
+    bfloat16 rounding, each expert of stacked weights; 8 rows on take the reference."""
+    assert nf4.cuda_kernel() is not None, "bitsandbytes' CUDA library for this torch's CUDA did not load"
+    g = torch.Generator().manual_seed(rows)
+    weight = quantize(torch.randn(2, 256, 512, generator=g).to(CUDA), QuantScheme("nf4", group), torch.bfloat16)
+    reference = weight.dequantize()  # (2, 256, 512) float32
+    prepare(weight)
+    assert kernels.nf4_layout(weight) == "cuda" and weight.values is None
+    x = torch.randn(rows, 512, generator=g).to(CUDA, torch.bfloat16)
+    for expert in range(2):
+        got = linear(x, weight[expert]).float()
+        expected = x.float() @ reference[expert].T
+        assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+    many = torch.randn(kernels.CUDA_NF4_KERNEL_ROWS, 512, generator=g).to(CUDA, torch.bfloat16)
+    assert torch.equal(linear(many, weight[0]), kernels.reference_linear(many, weight[0]))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4-32"])
 @pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
 def test_quantized_cuda_decoding_scores_its_tokens_as_its_dequantized_model(moe, scheme):
     """bfloat16 activations through the CUDA kernels (int4: tinygemm; int8: the dequantizing
-    product), eager and compiled, batch 1 (the MoE gathers 2 experts) and 3 (every expert runs):
-    the logprobs of their tokens are a float32 model's holding the dequantized weights."""
+    product; nf4: bitsandbytes'), eager and compiled, batch 1 (the MoE gathers 2 experts) and 3
+    (every expert runs): the logprobs of their tokens are a float32 model's holding the dequantized
+    weights."""
     float_model = random_model(tiny_args(moe=moe), seed=5).to(CUDA)
     quantized = quantize_model(copy.deepcopy(float_model).to(torch.bfloat16), scheme)
     if scheme == "int4":
         assert kernels.int4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"
+    if scheme.startswith("nf4"):
+        assert kernels.nf4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"
     with torch.no_grad():
         for name, module in quantized.named_modules():
             if isinstance(module, QuantizedParameter):

@@ -3,6 +3,11 @@ the dequantize reference, alone, per expert, compiled and in a decoding model.""
 
 from __future__ import annotations
 
+import copy
+import ctypes
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
@@ -13,8 +18,8 @@ from mixtral_infer import generate
 from mixtral_infer.model.linear import linear, linears
 from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import joined_linear, prepare, quantized_linear
-from mixtral_infer.quant.model import quantize_model
-from mixtral_infer.quant.weights import QuantScheme, quantize
+from mixtral_infer.quant.model import install, join_side_by_side, quantize_model
+from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 from mixtral_infer.serve.sizing import held_bytes, weight_bytes
 
 NF4_32 = QuantScheme.parse("nf4-32")  # the tiny models' 96 inputs take groups of 32
@@ -154,6 +159,73 @@ def test_the_compiled_nf4_step_equals_eager():
     compiled_tokens, compiled_logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode="compiled")
     assert compiled_tokens == eager_tokens
     assert compiled_logprobs[0] == pytest.approx(eager_logprobs[0], abs=0.1)
+
+
+def bitsandbytes_cpu_reader():
+    """bitsandbytes' CPU reader of its own 4-bit format, ``cdequantize_blockwise_cpu_nf4_bf16(bytes,
+    float32 scales, out, G, rows, inputs)``, or None: the format its CUDA kernel reads."""
+    spec = importlib.util.find_spec("bitsandbytes")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        library = ctypes.CDLL(str(Path(next(iter(spec.submodule_search_locations))) / "libbitsandbytes_cpu.so"))
+        function = library.cdequantize_blockwise_cpu_nf4_bf16
+    except (OSError, AttributeError):
+        return None
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_longlong] * 3
+    return function
+
+
+def test_the_cuda_layout_worked_example_is_its_own_inverse():
+    """``nf4.cuda_layout``'s docstring: byte 47 (inputs [15, 2]) becomes 242; twice gives the bytes back."""
+    values = torch.randint(0, 256, (3, 64, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    assert nf4.cuda_layout(torch.tensor([47], dtype=torch.uint8)).tolist() == [242]
+    assert torch.equal(nf4.cuda_layout(nf4.cuda_layout(values)), values)
+
+
+@pytest.mark.skipif(bitsandbytes_cpu_reader() is None, reason="bitsandbytes' CPU library is not installed")
+@pytest.mark.parametrize("group", [32, 64, 256])
+def test_the_cuda_layout_is_bitsandbytes_format_read_back_by_its_own_reader(group):
+    """What the CUDA kernel is handed (``with_cuda_nf4_layout``: the bytes, float32 scales), read by
+    bitsandbytes' CPU reader of that same format, is ``dequantize``'s bfloat16 weight bit for bit,
+    for each expert of stacked weights; our own reading back (``integers``) gives the codes again.
+    The CUDA kernel's products themselves are tests/test_cuda.py's (on a GPU)."""
+    g = torch.Generator().manual_seed(group)
+    weight = quantize(torch.randn(2, 96, 512, generator=g), QuantScheme("nf4", group), torch.bfloat16)
+    codes, reference = weight.integers(), weight.dequantize(torch.bfloat16)  # (2, 96, 512)
+    kernels.with_cuda_nf4_layout(weight)
+    packed, scales = weight.packed
+    assert weight.values is None and kernels.nf4_layout(weight) == "cuda" and scales.dtype == torch.float32
+    assert torch.equal(weight.integers(), codes) and torch.equal(weight.dequantize(torch.bfloat16), reference)
+    read = bitsandbytes_cpu_reader()
+    for expert in range(2):
+        out = torch.empty(96, 512, dtype=torch.bfloat16)
+        matrix, expert_scales = packed[expert].contiguous(), scales[expert].contiguous()
+        read(matrix.data_ptr(), expert_scales.data_ptr(), out.data_ptr(), group, 96, 512)
+        assert torch.equal(out, reference[expert])
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_the_cuda_layout_off_a_gpu_takes_the_reference_and_is_never_joined(monkeypatch, moe):
+    """A model moved between devices keeps its layout: on a CPU, weights in the CUDA layout are
+    multiplied by the reference (never by the CPU kernel, which reads another layout; experts
+    too), and ``join_side_by_side`` leaves them apart: the same tokens and logprobs, exactly, as
+    the same weights in the plain layout."""
+    monkeypatch.setattr(nf4, "kernel", lambda: None)  # the plain layout, held by the reference
+    plain = quantize_model(random_model(tiny_args(moe=moe), seed=4).to(torch.bfloat16), NF4_32)
+    moved = copy.deepcopy(plain)
+    for name, module in list(moved.named_modules()):
+        if isinstance(module, QuantizedParameter):
+            weight = QuantizedWeight(module.scheme, module.values.clone(), module.scales, module.in_features)
+            install(moved, name, kernels.with_cuda_nf4_layout(weight))
+    monkeypatch.undo()  # the CPU kernel back, where this CPU has it
+    join_side_by_side(moved)
+    wq = moved.layers["0"].attention.wq.weight
+    assert kernels.nf4_layout(wq) == "cuda" and wq.values is None and wq.joined_rows is None
+    prompts = random_prompts([5, WINDOW + 2], 128, seed=2)
+    expected = generate(prompts, plain, max_tokens=WINDOW, decode="eager")
+    assert generate(prompts, moved, max_tokens=WINDOW, decode="eager") == expected
 
 
 @needs_kernel

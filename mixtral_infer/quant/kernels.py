@@ -14,6 +14,10 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   op ``mixtral_infer::nf4_mm``, for fewer than ``NF4_DEQUANTIZE_ROWS`` rows; more rows dequantize
   (``dequantize_nf4_kernel_layout``, the reference's numbers); no kernel on this CPU: the reference.
   1.3-2.0x the weights a second of our int8 reductions.
+* **CUDA nf4** (``quant/nf4.py``): bitsandbytes' fused CUDA kernel (``nf4.cuda_kernel()``,
+  ``cgemm_4bit_bf16``), through the op ``mixtral_infer::nf4_cuda_mm``, for fewer than
+  ``CUDA_NF4_KERNEL_ROWS`` rows; more rows, or no library for this CUDA: the reference. Not
+  measured (module's end).
 * **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
   to bfloat16 (2 ms; ``dequantize_int8``) and multiplying with ``F.linear`` beats the int8 kernel, which is
   compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
@@ -42,8 +46,10 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   dequantize. The CUDA ops exist only there: this machine tests the layout handed to them
   (``tinygemm_layout``), a CUDA test the product itself.
 
-Not measured on CUDA: no GPU was lent to the sessions that wrote this (``bench/bench_gpu.py``
-has the rows; ``CUDA_INT4_DEQUANTIZE_ROWS`` is the public numbers' guess until then).
+Measured on CUDA (an H200, ``bench/bench_gpu.py``): int8 and int4 at batch 1 (README). Not
+measured: the CUDA nf4 kernel (no GPU lent to the session that wrote it; ``bench/gpu_matvec.py``
+and ``bench/gpu_lease.sh quant`` have its rows), and prompt lengths, so ``CUDA_INT4_DEQUANTIZE_ROWS``
+and ``CUDA_NF4_KERNEL_ROWS`` are the public numbers' guesses until then.
 """
 
 from __future__ import annotations
@@ -71,11 +77,21 @@ def uses_cpu_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
 
 
+def uses_cuda_nf4_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    return (x.device.type == "cuda" and x.dtype == weight.dtype == torch.bfloat16 and x.shape[0] < CUDA_NF4_KERNEL_ROWS
+            and nf4.cuda_kernel() is not None)  # fmt: skip
+
+
 def uses_int8_activations(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     """w8a8 packed for fbgemm (``quant.int8_activations``), and a CPU product: every one, of any
     float dtype (fbgemm takes float32; bfloat16 converts) and any number of rows (prompts too:
     fbgemm's integer product is 1.7x float32's there, 29 against 49 ms for 2048 x 1024 x 3584)."""
     return weight.prepacked is not None and x.device.type == "cpu"
+
+
+def nf4_layout(weight: QuantizedWeight) -> Optional[str]:
+    """Which of bitsandbytes' layouts an nf4 ``weight.packed`` holds (``nf4.held_layout``), or None."""
+    return None if weight.packed is None else nf4.held_layout(weight.packed)
 
 
 def int4_layout(weight: QuantizedWeight) -> Optional[str]:
@@ -91,6 +107,10 @@ DEQUANTIZE_ROWS = 512  # CPU int8: from this many rows on, dequantize + F.linear
 # CPU nf4: from this many rows on, dequantize_nf4_kernel_layout + F.linear (3584 x 1024 on the Zen 4,
 # ms, kernel against dequantize + F.linear: 512 rows 13.9 / 6.4 + 9.2, 1024 rows 29.4 / 6.4 + 20.6).
 NF4_DEQUANTIZE_ROWS = 1024
+# CUDA nf4: below this many rows, bitsandbytes' fused kernel; from it on, dequantize + F.linear.
+# bitsandbytes' own dispatch on Hopper keeps its kernel for up to 4 rows always and for 5-7 on most
+# shapes, and hands larger weights from 8 rows on to dequantize + F.linear on many shapes.
+CUDA_NF4_KERNEL_ROWS = 8
 INT4_DEQUANTIZE_ROWS = 1024  # CPU int4, where float32 multiplies faster: reading the layout back costs more
 
 
@@ -139,7 +159,7 @@ def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
     if weight.scheme.name == "int4" and int4_layout(weight) == "cpu":
         packed, scales_and_zeros = weight.packed
         return torch.ops.mixtral_infer.int4_expert_mm(x, packed, weight.scheme.group_size, scales_and_zeros, weight.expert)
-    if weight.scheme.name == "nf4" and weight.packed is not None:
+    if weight.scheme.name == "nf4" and nf4_layout(weight) == "cpu":
         return torch.ops.mixtral_infer.nf4_expert_mm(x, *weight.packed, weight.scheme.group_size, weight.expert)
     return None
 
@@ -213,7 +233,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
             return out
         weight = weight.resolved()
     if weight.scheme.name == "nf4":
-        if weight.packed is not None and uses_cpu_kernel(x, weight):
+        if nf4_layout(weight) == "cuda" and uses_cuda_nf4_kernel(x, weight):
+            return torch.ops.mixtral_infer.nf4_cuda_mm(x.contiguous(), *weight.packed, weight.scheme.group_size)
+        if nf4_layout(weight) == "cpu" and uses_cpu_kernel(x, weight):
             if x.shape[0] < NF4_DEQUANTIZE_ROWS:
                 return torch.ops.mixtral_infer.nf4_mm(x.contiguous(), *weight.packed, weight.scheme.group_size)
             if weight.packed[0].dim() == 2:  # prompts: reference_linear's numbers, dequantized 3.5x faster
@@ -337,8 +359,9 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
 def _in_kernel_layout(weight: QuantizedWeight, convert: Callable, scales: torch.Tensor, keep_values: bool):
     """``weight`` with ``packed = (bytes, scales)``, the bytes its plain ones rewritten by ``convert``
     ``ROWS_PER_CONVERSION`` rows at a time, one expert at a time (the CPU layouts are blocked by 32
-    or 64 rows, so slices convert alike). Without ``keep_values`` the kernel layout overwrites the
-    plain one, and the plain values are dropped: no new memory for the weight."""
+    or 64 rows, the CUDA nf4 one is byte by byte: slices convert alike). Without ``keep_values``
+    the kernel layout overwrites the plain one, and the plain values are dropped: no new memory
+    for the bytes."""
     packed = weight.values.clone() if keep_values else weight.values  # (..., OUT, IN/2)
     for matrix in packed.view(-1, *packed.shape[-2:]):  # one expert (OUT, IN/2) at a time, in place
         for start in range(0, matrix.shape[0], ROWS_PER_CONVERSION):
@@ -351,11 +374,21 @@ def _in_kernel_layout(weight: QuantizedWeight, convert: Callable, scales: torch.
 
 
 def _prepare_nf4(weight: QuantizedWeight, keep_values: bool) -> QuantizedWeight:
-    """``packed = (bytes, scales)`` in bitsandbytes' layout (``nf4.kernel_layout``; scales
-    ``(..., IN/G, OUT)``) on a CPU that has the kernel, for rows in multiples of 32."""
+    """``packed = (bytes, scales)`` in the layout of bitsandbytes' kernel for the device: on a CPU
+    that has the kernel, for rows in multiples of 32, ``nf4.kernel_layout`` (scales ``(..., IN/G,
+    OUT)``); on a GPU where bitsandbytes' CUDA library loads, ``with_cuda_nf4_layout``."""
+    if weight.device.type == "cuda" and nf4.cuda_kernel() is not None:
+        return with_cuda_nf4_layout(weight, keep_values)
     if weight.device.type != "cpu" or weight.shape[-2] % nf4.ROW_BLOCK or nf4.kernel() is None:
         return weight
     return _in_kernel_layout(weight, nf4.kernel_layout, weight.scales.transpose(-1, -2).contiguous(), keep_values)
+
+
+def with_cuda_nf4_layout(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:
+    """``weight`` with ``packed = (nf4.cuda_layout(values), scales as float32 (..., OUT, IN/G))``,
+    what bitsandbytes' CUDA kernel reads, written over the plain bytes unless ``keep_values``. On any
+    device: the CPU tests build it and read it back through bitsandbytes' CPU reader of that format."""
+    return _in_kernel_layout(weight, nf4.cuda_layout, weight.scales.to(torch.float32).contiguous(), keep_values)
 
 
 def _scales_and_zeros(weight: QuantizedWeight) -> torch.Tensor:

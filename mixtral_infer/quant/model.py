@@ -26,7 +26,7 @@ from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.cpu_packed import side_by_side_groups
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant import int8_activations
-from mixtral_infer.quant.kernels import prepare
+from mixtral_infer.quant.kernels import nf4_layout, prepare
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 
 # Internal parameter names (experts stacked) and published names (one tensor per expert).
@@ -122,7 +122,7 @@ def join_side_by_side(model: nn.Module) -> nn.Module:
     modules = dict(model.named_modules())
     names = [name for name, module in modules.items()
              if isinstance(module, QuantizedParameter) and module.scheme.name == "nf4"
-             and module.kernel_values is not None and module.joined_rows is None]  # fmt: skip
+             and nf4_layout(module) == "cpu" and module.joined_rows is None]  # fmt: skip
     for group in side_by_side_groups(names, lambda name: modules[name].shape):
         members = [modules[name] for name in group]
         if len(members) < 2:

@@ -24,6 +24,12 @@ the reference path: dequantize, then ``F.linear``.
 
 The kernel reads its own layout (``kernel_layout``), blocked by 32 output rows; the scales go
 transposed, ``(IN/G, OUT)``. The tests check the layout by the products the kernel returns.
+
+On CUDA, the same package's CUDA library has a fused dequantize-and-multiply for few rows
+(``cuda_kernel()``: ``cgemm_4bit_bf16``, which picks its own SIMT or tensor-core variant per GPU).
+It reads bitsandbytes' own format (``cuda_layout``: the plain bytes with their nibbles swapped)
+and float32 scales ``(OUT, IN/G)``. Not measured here (no GPU lent to the session that wrote it):
+this machine checks the format with bitsandbytes' CPU reader of it, a GPU test the products.
 """
 
 from __future__ import annotations
@@ -157,17 +163,77 @@ def _nf4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_s
     return out
 
 
+def cuda_layout(values: torch.Tensor) -> torch.Tensor:
+    """Plain bytes ``(..., OUT, IN/2)`` in bitsandbytes' own format, which its CUDA kernel reads:
+    input ``2j`` in the high nibble of byte ``j``, ``2j + 1`` in the low one (the plain layout has
+    them the other way round), rows and groups in order. Its own inverse. Byte 47 = 15 | 2 << 4
+    (inputs [15, 2]) becomes 15 << 4 | 2 = 242."""
+    return (values << 4) | (values >> 4)  # uint8: the shifted-out nibbles drop
+
+
+def held_layout(packed: tuple) -> str:
+    """Which layout an nf4 weight's ``packed = (bytes, scales)`` holds: ``"cuda"`` (``cuda_layout``,
+    float32 scales ``(..., OUT, IN/G)``) or ``"cpu"`` (``kernel_layout``, bfloat16 scales
+    ``(..., IN/G, OUT)``). A model moved between devices keeps its layout, which the other
+    device's kernel must not read."""
+    return "cuda" if packed[1].dtype == torch.float32 else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernel() -> Optional[ctypes._CFuncPtr]:
+    """bitsandbytes' ``cgemm_4bit_bf16`` from the CUDA library built for this torch's CUDA
+    (``libbitsandbytes_cuda130.so`` for CUDA 13.0), or None: no CUDA, not installed, no such
+    library. Arguments: pointers to ``x (M, K)``, the bytes ``(N, K/2)`` (``cuda_layout``), the
+    float32 scales ``(N, K/G)``, three for nested scales (null here), ``out (M, N)`` and a bias
+    (null), then ``M, N, K, G``, the code (2: NF4) and the CUDA stream."""
+    spec = importlib.util.find_spec("bitsandbytes")
+    if torch.version.cuda is None or spec is None or not spec.submodule_search_locations:
+        return None
+    name = "libbitsandbytes_cuda" + torch.version.cuda.replace(".", "") + ".so"
+    try:
+        torch.cuda.init()  # CUDA's libraries loaded first: the library needs libcudart and cuBLAS
+        function = ctypes.CDLL(str(Path(next(iter(spec.submodule_search_locations))) / name)).cgemm_4bit_bf16
+    except (OSError, AttributeError, RuntimeError):
+        return None
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int32] * 5 + [ctypes.c_void_p]
+    return function
+
+
+CUDA_NF4 = 2  # bitsandbytes' code for NF4 (1: FP4)
+
+
+def _nf4_cuda_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x (M, IN) bfloat16 @ W.T`` -> ``(M, OUT)`` on a GPU by ``cuda_kernel()``, ``packed (OUT,
+    IN/2)`` in ``cuda_layout``, ``scales (OUT, IN/G)`` float32; on the current stream, so a CUDA
+    graph captures it."""
+    rows, out_features = x.shape[0], packed.shape[0]
+    x = x.contiguous()
+    out = x.new_empty(rows, out_features)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    cuda_kernel()(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), None, None, None, out.data_ptr(), None,
+                  rows, out_features, x.shape[1], group_size, CUDA_NF4, stream)  # fmt: skip
+    return out
+
+
 # Ops, so that compiled code calls the kernel as it calls PyTorch's own (declared with
 # torch.library.Library as quant.kernels' expert ops: the dispatcher calls the function directly).
 # nf4_expert_mm multiplies by expert ``expert`` (a 0-d tensor) of stacked weights, in place.
 _LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
 _LIBRARY.define("nf4_mm(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor")
 _LIBRARY.define("nf4_expert_mm(Tensor x, Tensor packed, Tensor scales, int group_size, Tensor expert) -> Tensor")
+_LIBRARY.define("nf4_cuda_mm(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor")
 _LIBRARY.impl("nf4_mm", _nf4_mm, "CPU")
+_LIBRARY.impl("nf4_cuda_mm", _nf4_cuda_mm, "CUDA")
 _LIBRARY.impl("nf4_expert_mm", lambda x, packed, scales, g, e: _nf4_mm(x, packed[int(e)], scales[int(e)], g), "CPU")
 
 
 @torch.library.register_fake("mixtral_infer::nf4_mm")
+def _(x, packed, scales, group_size):
+    return x.new_empty(x.shape[0], packed.shape[-2])
+
+
+@torch.library.register_fake("mixtral_infer::nf4_cuda_mm")
 def _(x, packed, scales, group_size):
     return x.new_empty(x.shape[0], packed.shape[-2])
 

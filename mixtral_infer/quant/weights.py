@@ -136,8 +136,9 @@ class QuantizedWeight:
             return self.prepacked.dense().to(self.device)  # (on CPU; the scales may have moved with the model)
         if self.values is None and self.scheme.name == "int8" and self.packed is not None:
             return ColumnBlocks(self.packed[0]).dense()  # int8 in column blocks (fast.cpu_column_blocks)
-        if self.values is None and self.scheme.name == "nf4" and self.packed is not None:
-            return nf4.nibbles(nf4.plain_layout(self.packed[0])).to(torch.int8)  # bitsandbytes' layout, read back
+        if self.values is None and self.scheme.name == "nf4" and self.packed is not None:  # bitsandbytes' layouts
+            layout = nf4.cuda_layout if nf4.held_layout(self.packed) == "cuda" else nf4.plain_layout
+            return nf4.nibbles(layout(self.packed[0])).to(torch.int8)
         if self.values is None:
             raise RuntimeError("this weight holds only its kernel layout; quantize again to get the integers")
         if self.scheme.name == "int8":
