@@ -223,6 +223,9 @@ def test_the_cuda_layout_off_a_gpu_takes_the_reference_and_is_never_joined(monke
     join_side_by_side(moved)
     wq = moved.layers["0"].attention.wq.weight
     assert kernels.nf4_layout(wq) == "cuda" and wq.values is None and wq.joined_rows is None
+    x = torch.randn(3, wq.in_features).bfloat16()  # the op itself, off the GPU: the reference's product
+    product = torch.ops.mixtral_infer.nf4_cuda_mm(x, *wq.packed, wq.scheme.group_size)
+    assert torch.equal(product, kernels.reference_linear(x, plain.layers["0"].attention.wq.weight))
     prompts = random_prompts([5, WINDOW + 2], 128, seed=2)
     expected = generate(prompts, plain, max_tokens=WINDOW, decode="eager")
     assert generate(prompts, moved, max_tokens=WINDOW, decode="eager") == expected

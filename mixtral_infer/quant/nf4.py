@@ -206,8 +206,13 @@ CUDA_NF4 = 2  # bitsandbytes' code for NF4 (1: FP4)
 def _nf4_cuda_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """``x (M, IN) bfloat16 @ W.T`` -> ``(M, OUT)`` on a GPU by ``cuda_kernel()``, ``packed (OUT,
     IN/2)`` in ``cuda_layout``, ``scales (OUT, IN/G)`` float32; on the current stream, so a CUDA
-    graph captures it."""
+    graph captures it. Where the library does not load (a model laid out in another process, or off
+    the GPU), the reference's product: the weight dequantized, then ``F.linear``."""
     rows, out_features = x.shape[0], packed.shape[0]
+    if x.device.type != "cuda" or cuda_kernel() is None:
+        values = code_values(x.device)[nibbles(cuda_layout(packed)).long()]  # (OUT, IN) float32
+        weight = values * scales.repeat_interleave(group_size, dim=-1)  # as QuantizedWeight.dequantize
+        return torch.nn.functional.linear(x, weight.to(x.dtype))
     x = x.contiguous()
     out = x.new_empty(rows, out_features)
     stream = torch.cuda.current_stream(x.device).cuda_stream
@@ -225,6 +230,7 @@ _LIBRARY.define("nf4_expert_mm(Tensor x, Tensor packed, Tensor scales, int group
 _LIBRARY.define("nf4_cuda_mm(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor")
 _LIBRARY.impl("nf4_mm", _nf4_mm, "CPU")
 _LIBRARY.impl("nf4_cuda_mm", _nf4_cuda_mm, "CUDA")
+_LIBRARY.impl("nf4_cuda_mm", _nf4_cuda_mm, "CPU")  # the reference's product: what the CPU tests check
 _LIBRARY.impl("nf4_expert_mm", lambda x, packed, scales, g, e: _nf4_mm(x, packed[int(e)], scales[int(e)], g), "CPU")
 
 
