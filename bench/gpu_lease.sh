@@ -19,10 +19,18 @@
 # loader finds (quant/nf4.cuda_kernel reads no Python of the package):
 #   mkdir -p .gpu_site/bitsandbytes
 #   cp .venv/lib/python3.11/site-packages/bitsandbytes/libbitsandbytes_cuda130.so .gpu_site/bitsandbytes/
+#
+# Compiling a step takes 170-250 s of a lease's device time. Inductor's and Triton's caches (graphs,
+# kernels, coordinate-descent results) go to .gpu_cache, packed into $OUT/gpu_cache.tgz at the end
+# (if under the 16 MiB a returned file may have); unpacked into .gpu_cache here and carried with the
+# next lease (carry: [".gpu_site", ".gpu_cache"]), the same step on the same machine kind finds its
+# graphs and kernels compiled:  mkdir -p .gpu_cache && tar xzf FILES_AT/gpu_cache.tgz -C .gpu_cache
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
-mkdir -p "$out"
+mkdir -p "$out" .gpu_cache/inductor .gpu_cache/triton
+export TORCHINDUCTOR_CACHE_DIR="$PWD/.gpu_cache/inductor" TRITON_CACHE_DIR="$PWD/.gpu_cache/triton"
+trap 'tar czf "$out/gpu_cache.tgz" -C .gpu_cache . 2>/dev/null || true' EXIT
 step="${1:?a step: matvec, quant, nf4, batches, mixtral or serve}"
 run() { timeout -s INT "$1" "${@:2}" 2>&1 | tee "$out/$step.log"; }
 case "$step" in
