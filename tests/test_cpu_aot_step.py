@@ -169,6 +169,11 @@ def test_a_build_is_found_again_by_its_graph_and_layouts_not_by_its_weights_valu
         key_of(weight, torch.randn(1, 3)),  # another batch
     ]
     assert len({key, *others}) == 5
+    # AOTInductor writes the device it built for into its options at a process's first build (as
+    # here): the key stays, or a build kept by one process's first step is not found by a later one.
+    device = {"AOTI_DEVICE_KEY": "cpu", "AOTI_CPU_ISA": "AVX512"}
+    with torch._inductor.config.patch({"aot_inductor.metadata": device}):
+        assert key_of(weight, x) == key
 
 
 def test_a_kept_build_that_does_not_load_is_removed_and_caches_can_be_switched_off(tmp_path, monkeypatch):

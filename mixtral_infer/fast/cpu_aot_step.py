@@ -228,6 +228,10 @@ def build_key(exported: torch.export.ExportedProgram) -> str:
             digest.update(b"\0")
 
     options = {**torch._inductor.config.save_config_portable(), **inductor_configs()}
+    # AOTInductor writes the device it builds for into this option, in place, at a process's first
+    # build: left in, a step's key would change after that build, so the first step built in one
+    # process and a later one in another would never find each other's build (the CPU is below).
+    options.pop("aot_inductor.metadata", None)
     add(torch.__version__, __version__, sorted(options.items(), key=str), _cpu_description(), exported.graph_signature)
     for node in exported.graph.nodes:
         add(node.format_node(), _layout(node.meta.get("val")))
