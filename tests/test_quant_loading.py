@@ -24,6 +24,7 @@ from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.checkpoint.safetensors_reader import read_header
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.model.parallel import Parallel
+from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantizedWeight
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +103,39 @@ def test_a_quantized_folder_missing_scales_is_refused(model_folder, tmp_path):
     save_file(tensors, folder / "consolidated.safetensors")
     with pytest.raises(CheckpointError, match="wo.scales has dtype torch.int32, expected floating point"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_infinite_weights_and_scales_are_refused_by_name(model_folder, tmp_path, bad):
+    """A float weight holding NaN or inf cannot be quantized (its group's scale would be NaN or inf,
+    every product of the weight garbage, which CPU attention can even hide from the logits' check);
+    a quantized folder whose scales hold them is damaged. Both refused, naming the tensor, before a
+    model is made; convert leaves nothing half-written."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_folder / "consolidated.safetensors")
+    tensors["layers.1.attention.wk.weight"][0, 3] = bad
+    save_file(tensors, model_folder / "consolidated.safetensors")
+    message = "layers.1.attention.wk.weight holds NaN or infinite values: the checkpoint is damaged"
+    for scheme in ("int8", "int4", "nf4-32"):
+        with pytest.raises(CheckpointError, match=message):
+            load_model(model_folder, quantize=scheme)
+    with pytest.raises(CheckpointError, match=message):
+        convert(model_folder, tmp_path / "q", quantize="nf4-32")
+    assert not (tmp_path / "q").exists()
+    tensors["layers.1.attention.wk.weight"][0, 3] = 0.0
+    save_file(tensors, model_folder / "consolidated.safetensors")
+    folder = convert(model_folder, tmp_path / "q", quantize="nf4-32")
+    stored = load_file(folder / "consolidated.safetensors")
+    stored["layers.0.feed_forward.experts.1.w2.scales"][5, 1] = bad
+    save_file(stored, folder / "consolidated.safetensors")
+    with pytest.raises(CheckpointError, match="w2.scales holds NaN or infinite scales: the folder is damaged"):
+        load_model(folder)
+    model = random_model(tiny_args(), seed=1)  # quantized in memory
+    with torch.no_grad():
+        dict(model.named_parameters())["layers.0.feed_forward.w2"][1, 1] = bad
+    with pytest.raises(CheckpointError, match="layers.0.feed_forward.w2 holds NaN or infinite values"):
+        quantize_model(model, "int8")
 
 
 @pytest.mark.parametrize("group_size", [32.0, "32", True, 16])

@@ -24,7 +24,7 @@ from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.model.parallel import Selection
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant.kernels import prepare
-from mixtral_infer.quant.model import is_quantized_published, scales_name, stored_shapes
+from mixtral_infer.quant.model import check_finite_scales, is_quantized_published, scales_name, stored_shapes
 from mixtral_infer.quant.model import weight_name as weight_name_of  # weight_name is a local name here
 from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight, QuantScheme, quantize
 
@@ -38,7 +38,9 @@ def quantize_published(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype
     in the layout of ``device``'s kernel, scales in ``dtype``; other tensors pass unchanged."""
     for name, tensor in tensors:
         if is_quantized_published(name):
-            weight = prepare(quantize(tensor.to(device), scheme, dtype))
+            weight = quantize(tensor.to(device), scheme, dtype)
+            check_finite_scales(name, weight.scales)
+            weight = prepare(weight)
             del tensor
             release_freed_memory()
             yield name, weight
@@ -58,6 +60,7 @@ def to_stored(tensors: Tensors, scheme: QuantScheme) -> Tensors:
             yield scales_name(name), torch.empty(scales_shape, dtype=SCALE_DTYPE, device="meta")
         else:
             weight = quantize(tensor, scheme, SCALE_DTYPE)
+            check_finite_scales(name, weight.scales)
             yield name, weight.values
             yield scales_name(name), weight.scales
 
@@ -81,6 +84,7 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
         if not scales.is_floating_point():
             name = scales_name(weight_name)
             raise CheckpointError(f"{source}: {name} has dtype {scales.dtype}, expected floating point")
+        check_finite_scales(scales_name(weight_name), scales, source)
         in_features = values.shape[-1] * (2 if scheme.four_bit else 1)
         weight = prepare(QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features))
         del values, scales, tensor

@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-from mixtral_infer.errors import ConfigError
+from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_packed import side_by_side_groups
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant import int8_activations
@@ -97,6 +97,18 @@ def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtyp
     return prepare(quantize(tensor.to(device), scheme, dtype))
 
 
+def check_finite_scales(name: str, scales: torch.Tensor, source: Optional[str] = None) -> None:
+    """CheckpointError when ``scales`` hold NaN or inf: quantized from a weight that held them
+    (``name`` the float weight), or damaged on disk (``name`` the stored scales, read from
+    ``source``). Either makes every product of the weight NaN or garbage, far from where it shows
+    (bfloat16 attention on CPU can even hide a NaN key from the logits' check)."""
+    if bool(torch.isfinite(scales).all()):
+        return
+    if source is None:
+        raise CheckpointError(f"{name} holds NaN or infinite values: the checkpoint is damaged, so it cannot be quantized")
+    raise CheckpointError(f"{source}: {name} holds NaN or infinite scales: the folder is damaged; write it again (convert --quantize)")
+
+
 def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     """Quantize a model already in memory, in place (loading does it tensor by tensor instead)."""
     scheme = QuantScheme.parse(scheme)
@@ -105,7 +117,9 @@ def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     # weight is freed as its quantized one takes its place.
     for name in [name for name, _ in model.named_parameters() if is_quantized(name)]:
         param = model.get_parameter(name)
-        install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device))
+        weight = quantize_tensor(param.data, scheme, param.dtype, param.device)
+        check_finite_scales(name, weight.scales)
+        install(model, name, weight)
     join_side_by_side(model)  # nf4 on CPU: wq wk wv, and w1 w3, one kernel call each
     return int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
 

@@ -230,6 +230,8 @@ def _quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, 
 
 
 def _bfloat16_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Round to bfloat16 (as stored), and keep all-zero rows or groups from dividing by zero."""
+    """Round to bfloat16 (as stored), and keep all-zero rows or groups from dividing by zero. A row
+    or group holding NaN or inf keeps its NaN or inf scale, for the loaders to refuse by name
+    (``quant.model.check_finite_scales``), rather than a scale of 1 that would zero its weights."""
     scale = scale.to(SCALE_DTYPE).to(torch.float32)
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale != 0, scale, torch.ones_like(scale))
