@@ -48,7 +48,7 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
 
 Measured on CUDA (an H200, ``bench/bench_gpu.py``): int8 and int4 at batch 1 (README). Not
 measured: the CUDA nf4 kernel (no GPU lent to the session that wrote it; ``bench/gpu_matvec.py``
-and ``bench/gpu_lease.sh quant`` have its rows), and prompt lengths, so ``CUDA_INT4_DEQUANTIZE_ROWS``
+and ``bench/gpu_lease.sh nf4`` have its rows), and prompt lengths, so ``CUDA_INT4_DEQUANTIZE_ROWS``
 and ``CUDA_NF4_KERNEL_ROWS`` are the public numbers' guesses until then.
 """
 

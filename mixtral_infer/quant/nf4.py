@@ -1,4 +1,4 @@
-"""NF4: 4-bit weights from QLoRA's NormalFloat code, multiplied on CPU by bitsandbytes' kernel.
+"""NF4: 4-bit weights from QLoRA's NormalFloat code, multiplied by bitsandbytes' kernels (CPU, CUDA).
 
 int4 spaces its 16 values evenly; NF4 (Dettmers et al., "QLoRA", 2023) places them at the
 quantiles of a normal distribution scaled to [-1, 1], where trained weights are dense, with an
