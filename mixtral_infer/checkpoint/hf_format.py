@@ -26,6 +26,7 @@ from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.moe import MoeArgs
 from mixtral_infer.model.parallel import LAYER_TENSOR
 from mixtral_infer.model.transformer import ModelArgs
+from mixtral_infer.quant.weights import QuantizedWeight
 
 
 def hf_rows_to_published(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -166,10 +167,19 @@ def hf_to_published(tensors: Iterable[Tuple[str, torch.Tensor]], args: ModelArgs
             continue
         published = hf_name_to_published(name)
         if published.endswith("attention.wq.weight"):
-            tensor = hf_rows_to_published(tensor, args.n_heads)
+            tensor = _rows_to_published(tensor, args.n_heads)
         elif published.endswith("attention.wk.weight"):
-            tensor = hf_rows_to_published(tensor, args.n_kv_heads)
+            tensor = _rows_to_published(tensor, args.n_kv_heads)
         yield published, tensor
+
+
+def _rows_to_published(weight: torch.Tensor | QuantizedWeight, n_heads: int) -> torch.Tensor | QuantizedWeight:
+    """``hf_rows_to_published`` of a float weight, or of a 4-bit one's codes and scales (read from a
+    bitsandbytes folder: a row's codes and scales stay together)."""
+    if not isinstance(weight, QuantizedWeight):
+        return hf_rows_to_published(weight, n_heads)
+    values, scales = (hf_rows_to_published(t, n_heads) for t in (weight.values, weight.scales))
+    return QuantizedWeight(weight.scheme, values, scales, weight.in_features)
 
 
 _PUBLISHED_ATTENTION = {v: k for k, v in _ATTENTION.items()}

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from mixtral_infer.checkpoint import bnb_4bit
 from mixtral_infer.checkpoint.compute_dtype import compute_dtype, stored_dtype
 from mixtral_infer.checkpoint.hf_format import (
     args_from_hf_config,
@@ -54,7 +55,7 @@ from mixtral_infer.memory import keep_freed_memory
 from mixtral_infer.model.parallel import Parallel, Selection
 from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.quant import int8_activations
-from mixtral_infer.quant.model import check_quantizable, install, join_side_by_side
+from mixtral_infer.quant.model import check_quantizable, install, is_quantized_published, join_side_by_side
 from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme
 from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
@@ -79,7 +80,7 @@ def default_dtype(checkpoint: "Checkpoint", device: torch.device, quantize: Opti
     """What ``load_model`` computes in without ``dtype=``: bfloat16 for quantized weights (the CPU
     kernels' dtype), else the checkpoint's own dtype where ``device`` can compute in it (``compute_dtype``).
     w8a8's product takes any float dtype: bfloat16 where ``device`` computes in it, else float32."""
-    scheme = quantize or checkpoint.quantization
+    scheme = quantize or checkpoint.quantization or checkpoint.bitsandbytes
     if scheme is not None and scheme.activations and device.type == "cpu" and torch.bfloat16 not in cpu_info().native:
         return torch.float32
     if scheme is not None:
@@ -165,6 +166,7 @@ class Checkpoint:
     args: ModelArgs
     weight_files: List[Path]
     quantization: Optional[QuantScheme] = None  # how the stored weights are quantized (convert --quantize)
+    bitsandbytes: Optional[QuantScheme] = None  # nf4: a Hugging Face folder of bitsandbytes' 4-bit weights (bnb_4bit)
 
     def stored_dtype(self) -> Optional[torch.dtype]:
         """The floating dtype holding most of the weights, from the file headers (nothing is read)."""
@@ -182,24 +184,32 @@ class Checkpoint:
         ``select(published_name)`` keeps part of a tensor or skips it; in the Mistral
         layout skipped tensors are not even read.
         """
+        if self.format == "mistral":
+            yield from self._raw_tensors(progress, select)
+            return
+        raw = self._raw_tensors(progress, _hf_file_select(select))
+        if self.bitsandbytes is not None:  # each weight's packed codes and quant state as one nf4 weight
+            raw = bnb_4bit.gathered(raw, str(self.folder))
+        for name, tensor in raw:
+            yield from _selected(hf_to_published([(name, tensor)], self.args), select)
+
+    def _raw_tensors(self, progress: Optional[Progress], select: Optional[Selector]) -> NamedTensors:
+        """Every file's tensors under the file's own names, each shape checked before a file is read."""
         total = sum(_tensor_count(p) for p in self.weight_files) if progress is not None else 0
         done = 0
         check_shape = check_published_shape if self.format == "mistral" else check_hf_shape
         if self.quantization is not None:
             check_shape = lambda name, shape, args, source: check_stored_shape(name, shape, args, self.quantization, source)  # noqa: E731
+        if self.bitsandbytes is not None:
+            check_shape = bnb_4bit.check_bnb_shape
         for path in self.weight_files:
-            file_select = select if self.format == "mistral" else _hf_file_select(select)
             check = lambda name, shape, path=path: check_shape(name, shape, self.args, str(path))  # noqa: E731
             read = iter_tensors if path.suffix == ".safetensors" else _pth_tensors
-            raw = read(path, file_select, check)
-            for name, tensor in raw:
+            for name, tensor in read(path, select, check):
                 done += 1
                 if progress is not None:
                     progress(done, total)
-                if self.format == "mistral":
-                    yield name, tensor
-                    continue
-                yield from _selected(hf_to_published([(name, tensor)], self.args), select)
+                yield name, tensor
 
 
 def _hf_file_select(select: Optional[Selector]) -> Optional[Selector]:
@@ -267,7 +277,9 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
             raise ConfigError(f"{config_path}: architectures={architectures!r} must be a list of names, e.g. {list(HF_ARCHITECTURES[:1])}")
         if not set(architectures) & set(HF_ARCHITECTURES):
             raise CheckpointError(f"{config_path}: architectures={architectures}, expected one of {list(HF_ARCHITECTURES)}")
-        return Checkpoint(folder, "hf", args_from_hf_config(config, str(config_path)), _hf_weight_files(folder))
+        args = args_from_hf_config(config, str(config_path))
+        bitsandbytes = bnb_4bit.scheme_from_config(config, str(config_path))
+        return Checkpoint(folder, "hf", args, _hf_weight_files(folder), bitsandbytes=bitsandbytes)
     raise CheckpointError(f"{folder}: neither {PARAMS_FILE} (Mistral format) nor {HF_CONFIG_FILE} (Hugging Face format) found")
 
 
@@ -413,6 +425,10 @@ def load_model(
     stored = checkpoint.quantization
     if scheme is not None and stored is not None:
         raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized as {stored.label} already; load without quantize=")
+    if checkpoint.bitsandbytes is not None and scheme is not None:
+        raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized by bitsandbytes (nf4) already; load without quantize=")
+    if checkpoint.bitsandbytes is not None and parallel != Parallel():
+        raise ConfigError(f"{checkpoint.folder}: a bitsandbytes 4-bit folder loads in one process only; load the float original to split it")
     if scheme is not None or stored is not None:
         check_quantizable(checkpoint.args, scheme or stored, parallel.tensor_parallel)
     dtype = dtype or default_dtype(checkpoint, device, scheme)
@@ -423,6 +439,8 @@ def load_model(
     if select is not None and stored is not None:
         select = stored_select(select, stored)  # a quantized folder's integers and scales
     tensors = checkpoint.published_tensors(progress, select)
+    if checkpoint.bitsandbytes is not None:
+        tensors = bnb_4bit.placed(tensors, is_quantized_published, dtype, device)
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
     join_side_by_side(model)  # nf4 on CPU: wq wk wv, and w1 w3, one kernel call each
     int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
