@@ -16,7 +16,12 @@ from safetensors.torch import load_file, save_file
 from mixtral_infer import load_model
 from mixtral_infer.checkpoint import bnb_4bit
 from mixtral_infer.checkpoint.convert import convert
-from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_name_to_published, hf_rows_to_published, published_to_hf
+from mixtral_infer.checkpoint.hf_format import (
+    hf_config_from_args,
+    hf_name_to_published,
+    hf_rows_to_published,
+    published_to_hf,
+)
 from mixtral_infer.checkpoint.loading import internal_to_published
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.parallel import Parallel
@@ -24,7 +29,8 @@ from mixtral_infer.quant import kernels
 from mixtral_infer.quant.model import model_scheme
 from mixtral_infer.quant.weights import QuantizedWeight
 
-bnb_functional = pytest.importorskip("bitsandbytes.functional")  # a dependency; its import warns of no GPU
+# A dependency; its import warns that the `kernels` package is missing (so nothing is fetched).
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
 QUANTIZATION_CONFIG = {
     "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
@@ -49,7 +55,9 @@ def write_bnb_folder(folder, state, args, blocksize=64, nested=True):
         if not quantized_by_bitsandbytes(name, tensor):
             tensors[name] = tensor
             continue
-        packed, quant_state = bnb_functional.quantize_4bit(tensor, blocksize=blocksize, quant_type="nf4", compress_statistics=nested)
+        packed, quant_state = bnb_functional.quantize_4bit(
+            tensor, blocksize=blocksize, quant_type="nf4", compress_statistics=nested
+        )
         tensors[name] = packed
         tensors.update({f"{name}.{key}": value for key, value in quant_state.as_dict(packed=True).items()})
         dequantized[name] = bnb_functional.dequantize_4bit(packed, quant_state).float()
@@ -123,17 +131,18 @@ def test_logits_are_transformers_on_the_weights_bitsandbytes_reads(tmp_path):
 
 
 def test_the_module_docstring_worked_example():
-    """OUT = 1, IN = 4, blocksize 4 (as a test of the reading, below our smallest group size): bytes
-    [242, 151], absmax [0.5] -> codes [15, 2, 9, 7] -> [0.5, -0.2625, 0.0805, 0.0]."""
-    state = json.dumps({"quant_type": "nf4", "blocksize": 32, "dtype": "bfloat16", "shape": [1, 64]})
-    codes = torch.tensor([242, 151] + [7 << 4 | 7] * 30, dtype=torch.uint8).view(32, 1)
+    """OUT = 1, IN = 32, blocksize 32: bytes [242, 151, 119, ...], absmax [0.5] -> codes [15, 2, 9, 7,
+    7, ...] (plain bytes [47, 121, 119, ...]) -> [0.5, -0.2625, 0.0805, 0.0, 0.0, ...]."""
+    state = json.dumps({"quant_type": "nf4", "blocksize": 32, "dtype": "bfloat16", "shape": [1, 32]})
+    codes = torch.tensor([242, 151] + [119] * 14, dtype=torch.uint8).view(16, 1)
     parts = {
-        "": codes, "absmax": torch.tensor([0.5, 1.0]), "quant_map": torch.tensor(bnb_4bit.nf4.NF4),
+        "": codes, "absmax": torch.tensor([0.5]), "quant_map": torch.tensor(bnb_4bit.nf4.NF4),
         bnb_4bit.STATE: torch.tensor(list(state.encode()), dtype=torch.uint8),
     }  # fmt: skip
     weight = bnb_4bit.decoded("w", parts, "example")
-    assert weight.integers()[0, :4].tolist() == [15, 2, 9, 7] and weight.values[0, :2].tolist() == [47, 121]
-    torch.testing.assert_close(weight.dequantize()[0, :4], torch.tensor([0.5, 0.5 * -0.5250730514526367, 0.5 * 0.16093020141124725, 0.0]))
+    assert weight.integers()[0, :5].tolist() == [15, 2, 9, 7, 7] and weight.values[0, :3].tolist() == [47, 121, 119]
+    expected = torch.tensor([0.5, 0.5 * -0.5250730514526367, 0.5 * 0.16093020141124725] + [0.0] * 29)
+    torch.testing.assert_close(weight.dequantize()[0], expected)
 
 
 def test_a_bitsandbytes_folder_decodes_in_bfloat16_through_the_nf4_kernels(tmp_path):
@@ -161,7 +170,7 @@ def test_what_a_bitsandbytes_folder_cannot_be(tmp_path):
         load_model(folder, quantize="int8")
     with pytest.raises(ConfigError, match="loads in one process only"):
         load_model(folder, parallel=Parallel(tensor_parallel=2, rank=0))
-    with pytest.raises(CheckpointError, match="bitsandbytes' 4-bit nf4, which load as they are; convert the float original"):
+    with pytest.raises(CheckpointError, match="bitsandbytes' 4-bit nf4, which load as they are; convert the float"):
         convert(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     config = json.loads((folder / "config.json").read_text())
@@ -170,7 +179,8 @@ def test_what_a_bitsandbytes_folder_cannot_be(tmp_path):
         ({"load_in_4bit": False, "load_in_8bit": True}, "8-bit .LLM.int8. weights are not read"),
         ({"quant_method": "gptq"}, "weights quantized by 'gptq'"),
     ]:
-        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {**QUANTIZATION_CONFIG, **change}}))
+        quantization = {**QUANTIZATION_CONFIG, **change}
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
         with pytest.raises(ConfigError, match=message):
             load_model(folder)
     (folder / "config.json").write_text(json.dumps(config))
@@ -178,10 +188,11 @@ def test_what_a_bitsandbytes_folder_cannot_be(tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     broken = {key: value for key, value in tensors.items() if key != f"{name}.absmax"}
     save_file(broken, folder / "model.safetensors")
-    with pytest.raises(CheckpointError, match=rf"{name}: bitsandbytes' 4-bit weight is incomplete: {name}.absmax missing"):
+    with pytest.raises(CheckpointError, match=rf"{name}: bitsandbytes' 4-bit weight is incomplete: {name}.absmax"):
         load_model(folder)
     state = json.loads(bytes(tensors[f"{name}.{bnb_4bit.STATE}"].tolist()))
-    for change, message in [({"blocksize": 256}, "blocks of 256 values over 128 inputs"), ({"quant_type": "fp4"}, "only nf4 is read")]:
+    changes = [({"blocksize": 256}, "blocks of 256 values over 128 inputs"), ({"quant_type": "fp4"}, "only nf4 is read")]
+    for change, message in changes:
         bad = torch.tensor(list(json.dumps({**state, **change}).encode()), dtype=torch.uint8)
         save_file({**tensors, f"{name}.{bnb_4bit.STATE}": bad}, folder / "model.safetensors")
         with pytest.raises(CheckpointError, match=message):

@@ -19,9 +19,10 @@ bnb_4bit_quant_type="nf4")``): ``config.json`` says ``"quantization_config": {"q
 A block of the flattened weight is a group of one row when ``blocksize`` divides IN: then the
 weight is this package's nf4 with ``group_size = blocksize`` and scales the blocks' absmax,
 rounded to bfloat16 as every scale here is (a relative change of at most 2^-9 of a weight).
-Worked example, OUT = 1, IN = 4, blocksize 4: codes ``[15, 2, 9, 7]`` are stored as bytes
-``[15 << 4 | 2, 9 << 4 | 7] = [242, 151]``, absmax ``[0.5]``: the weight ``[0.5, -0.2625,
-0.0805, 0.0]`` (``quant/nf4.py``'s example). Weights this package does not quantize (a Mixtral's
+Worked example, OUT = 1, IN = 32, blocksize 32: codes ``[15, 2, 9, 7, 7, ...]`` are stored as
+bytes ``[15 << 4 | 2, 9 << 4 | 7, 7 << 4 | 7, ...] = [242, 151, 119, ...]`` (plain layout ``[47,
+121, 119, ...]``), absmax ``[0.5]``: the weight ``[0.5, -0.2625, 0.0805, 0.0, 0.0, ...]``
+(``quant/nf4.py``'s example). Weights this package does not quantize (a Mixtral's
 router) are dequantized to floats; weights stored as floats (the output matrix, by default)
 stay floats.
 """
@@ -61,12 +62,18 @@ def scheme_from_config(config: dict, source: str) -> Optional[QuantScheme]:
         raise ConfigError(f"{source}: quantization_config={quantization!r} must be an object")
     method = quantization.get("quant_method")
     if method != "bitsandbytes":
-        raise ConfigError(f"{source}: weights quantized by {method!r}; only bitsandbytes' 4-bit NF4 is read: load the float original")
+        raise ConfigError(
+            f"{source}: weights quantized by {method!r}; only bitsandbytes' 4-bit NF4 is read: load the float original"
+        )
     if quantization.get("load_in_8bit"):
-        raise ConfigError(f"{source}: bitsandbytes 8-bit (LLM.int8) weights are not read: load the float original (--quantize int8)")
+        raise ConfigError(
+            f"{source}: bitsandbytes 8-bit (LLM.int8) weights are not read: load the float original (--quantize int8)"
+        )
     kind = quantization.get("bnb_4bit_quant_type", "fp4")
     if not quantization.get("load_in_4bit") or kind != "nf4":
-        raise ConfigError(f"{source}: bitsandbytes 4-bit {kind!r} weights: only nf4 is read: load the float original (--quantize nf4)")
+        raise ConfigError(
+            f"{source}: bitsandbytes 4-bit {kind!r} weights: only nf4 is read: load the float original (--quantize nf4)"
+        )
     return QuantScheme("nf4", DEFAULT_GROUP_SIZES["nf4"])
 
 
@@ -88,7 +95,8 @@ def check_bnb_shape(name: str, shape: Tuple[int, ...], args: ModelArgs, source: 
     expected = hf_shape(weight, args)
     if part is not None and expected is not None:
         return
-    if part is None and expected is not None and len(shape) == 2 and shape[1] == 1 and 2 * shape[0] == math.prod(expected):
+    packed = len(shape) == 2 and shape[1] == 1  # (OUT * IN / 2, 1)
+    if part is None and expected is not None and packed and 2 * shape[0] == math.prod(expected):
         return
     check_hf_shape(name, shape, args, source)
 
@@ -127,7 +135,10 @@ def gathered(tensors: Tensors, source: str) -> Iterator[Tuple[str, torch.Tensor 
                 schemes.add(quantized.scheme)
                 if len(schemes) > 1:
                     sizes = sorted(scheme.group_size for scheme in schemes)
-                    raise CheckpointError(f"{source}: {weight}: blocks of {sizes[0]} and {sizes[1]} values in one model; one block size is read")
+                    raise CheckpointError(
+                        f"{source}: {weight}: blocks of {sizes[0]} and {sizes[1]} values in one model; "
+                        "one block size is read"
+                    )
                 yield weight, quantized
     if waiting:
         weight, parts = sorted(waiting.items())[0]
@@ -147,11 +158,14 @@ def decoded(weight: str, parts: Dict[str, torch.Tensor], source: str) -> Quantiz
         raise CheckpointError(f"{where}: quant state shape={shape!r}, expected [OUT, IN]")
     out_features, in_features = shape
     if blocksize not in INT4_GROUP_SIZES or in_features % blocksize:
-        raise CheckpointError(f"{where}: blocks of {blocksize!r} values over {in_features} inputs: groups of one row of "
-                              f"{INT4_GROUP_SIZES} values are read (load the float original)")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: blocks of {blocksize!r} values over {in_features} inputs: groups of one row of "
+            f"{INT4_GROUP_SIZES} values are read (load the float original)"
+        )
     codes = parts[""]
     if codes.dtype != torch.uint8 or codes.numel() * 2 != out_features * in_features:
-        raise CheckpointError(f"{where}: {tuple(codes.shape)} {codes.dtype}, expected {out_features * in_features // 2} uint8 codes")
+        expected = out_features * in_features // 2
+        raise CheckpointError(f"{where}: {tuple(codes.shape)} {codes.dtype}, expected {expected} uint8 codes")
     quant_map = parts["quant_map"].to(torch.float32).flatten()
     if quant_map.numel() != 16 or not torch.allclose(quant_map, nf4.code_values(), atol=1e-6, rtol=0):
         raise CheckpointError(f"{where}.quant_map: not NF4's 16 values")
@@ -174,7 +188,9 @@ def _absmax(parts: Dict[str, torch.Tensor], state: dict, blocks: int, where: str
         return absmax.to(torch.float32)
     nested_blocksize, offset = state.get("nested_blocksize"), state.get("nested_offset")
     if not isinstance(nested_blocksize, int) or nested_blocksize <= 0 or not isinstance(offset, (int, float)):
-        raise CheckpointError(f"{where}: nested_blocksize={nested_blocksize!r}, nested_offset={offset!r} in its quant state")
+        raise CheckpointError(
+            f"{where}: nested_blocksize={nested_blocksize!r}, nested_offset={offset!r} in its quant state"
+        )
     code = parts["nested_quant_map"].to(torch.float32).flatten()
     nested = parts["nested_absmax"].to(torch.float32).flatten()
     if code.numel() != 256 or nested.numel() != math.ceil(blocks / nested_blocksize):
@@ -194,6 +210,5 @@ def placed(tensors: Iterator[Tuple[str, torch.Tensor | QuantizedWeight]], quanti
         elif not quantized(name):
             yield name, tensor.dequantize(torch.float32)
         else:
-            weight = QuantizedWeight(tensor.scheme, tensor.values.to(device), tensor.scales.to(device=device, dtype=dtype),
-                                     tensor.in_features)  # fmt: skip
-            yield name, prepare(weight)
+            scales = tensor.scales.to(device=device, dtype=dtype)
+            yield name, prepare(QuantizedWeight(tensor.scheme, tensor.values.to(device), scales, tensor.in_features))
