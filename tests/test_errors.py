@@ -159,6 +159,28 @@ def test_tensor_of_wrong_shape(model_folder):
         load(model_folder)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_or_infinite_weights_are_named_when_loaded(model_folder, bad, dtype):
+    """In bfloat16 a NaN key would not even reach the logits' check: CPU attention drops its scores."""
+
+    def damaged(tensors):
+        tensors["layers.1.attention.wk.weight"][3, 5] = bad
+        return tensors
+
+    rewrite_weights(model_folder, damaged)
+    message = r"layers\.1\.attention\.wk\.weight holds NaN or infinite values: the checkpoint is damaged"
+    with pytest.raises(CheckpointError, match=message):
+        load_model(model_folder, dtype=dtype)
+
+
+def test_weights_beyond_float16_s_range_name_the_dtypes_that_hold_them(model_folder):
+    rewrite_weights(model_folder, lambda t: {**t, "norm.weight": torch.full((64,), 1e5)})
+    with pytest.raises(CheckpointError, match=r"norm\.weight holds values beyond torch.float16's range: load in bfloat16"):
+        load_model(model_folder, dtype=torch.float16)
+    assert load_model(model_folder, dtype=torch.bfloat16).norm.weight.float().max().item() == pytest.approx(1e5, rel=2**-8)
+
+
 def test_tokenizer_vocabulary_must_match_before_weights_are_read(model_folder, monkeypatch):
     edit_params(model_folder, vocab_size=500)
     import mixtral_infer.checkpoint.loading as checkpoint
