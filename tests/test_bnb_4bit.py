@@ -191,7 +191,7 @@ def test_what_a_bitsandbytes_folder_cannot_be(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{name}: bitsandbytes' 4-bit weight is incomplete: {name}.absmax"):
         load_model(folder)
     state = json.loads(bytes(tensors[f"{name}.{bnb_4bit.STATE}"].tolist()))
-    changes = [({"blocksize": 256}, "blocks of 256 values over 128 inputs"), ({"quant_type": "fp4"}, "only nf4 is read")]
+    changes = [({"blocksize": 256}, "blocks of 256 values over 128 inputs"), ({"quant_type": "fp4"}, "only nf4")]
     for change, message in changes:
         bad = torch.tensor(list(json.dumps({**state, **change}).encode()), dtype=torch.uint8)
         save_file({**tensors, f"{name}.{bnb_4bit.STATE}": bad}, folder / "model.safetensors")

@@ -77,7 +77,10 @@ def convert(
     if checkpoint.quantization is not None:
         raise CheckpointError(f"{checkpoint.folder}: its weights are quantized as {checkpoint.quantization.label}; convert the float original instead")
     if checkpoint.bitsandbytes is not None:
-        raise CheckpointError(f"{checkpoint.folder}: its weights are bitsandbytes' 4-bit nf4, which load as they are; convert the float original instead")
+        raise CheckpointError(
+            f"{checkpoint.folder}: its weights are bitsandbytes' 4-bit nf4, which load as they are; "
+            "convert the float original instead"
+        )
     if scheme is not None and target != "mistral":
         raise CheckpointError("--quantize writes the Mistral layout (transformers cannot read these integers): use --to mistral")
     if scheme is not None:

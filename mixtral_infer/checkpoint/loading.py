@@ -444,11 +444,13 @@ def load_model(
         raise ConfigError(f"{checkpoint.folder}: the weights are stored quantized as {stored.label} already; load without quantize=")
     if checkpoint.bitsandbytes is not None and scheme is not None:
         raise ConfigError(
-            f"{checkpoint.folder}: the weights are stored quantized by bitsandbytes (nf4) already; load without quantize="
+            f"{checkpoint.folder}: the weights are stored quantized by bitsandbytes (nf4) already; "
+            "load without quantize="
         )
     if checkpoint.bitsandbytes is not None and parallel != Parallel():
         raise ConfigError(
-            f"{checkpoint.folder}: a bitsandbytes 4-bit folder loads in one process only; load the float original to split it"
+            f"{checkpoint.folder}: a bitsandbytes 4-bit folder loads in one process only; "
+            "load the float original to split it"
         )
     if scheme is not None or stored is not None:
         check_quantizable(checkpoint.args, scheme or stored, parallel.tensor_parallel)

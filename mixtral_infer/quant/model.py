@@ -105,8 +105,11 @@ def check_finite_scales(name: str, scales: torch.Tensor, source: Optional[str] =
     if bool(torch.isfinite(scales).all()):
         return
     if source is None:
-        raise CheckpointError(f"{name} holds NaN or infinite values: the checkpoint is damaged, so it cannot be quantized")
-    raise CheckpointError(f"{source}: {name} holds NaN or infinite scales: the folder is damaged; write it again (convert --quantize)")
+        message = f"{name} holds NaN or infinite values: the checkpoint is damaged, so it cannot be quantized"
+        raise CheckpointError(message)
+    raise CheckpointError(
+        f"{source}: {name} holds NaN or infinite scales: the folder is damaged; write it again (convert --quantize)"
+    )
 
 
 def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
