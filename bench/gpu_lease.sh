@@ -19,6 +19,8 @@
 # loader finds (quant/nf4.cuda_kernel reads no Python of the package):
 #   mkdir -p .gpu_site/bitsandbytes
 #   cp .venv/lib/python3.11/site-packages/bitsandbytes/libbitsandbytes_cuda130.so .gpu_site/bitsandbytes/
+# (tests/test_cuda.py's bitsandbytes-folder test writes its folder with bitsandbytes' own Python:
+# for that run carry the wheel itself, .whl as the device README says, and little else.)
 #
 # Compiling a step takes 170-250 s of a lease's device time. Inductor's and Triton's caches (graphs,
 # kernels, coordinate-descent results) go to .gpu_cache, packed into $OUT/gpu_cache.tgz at the end

@@ -158,6 +158,23 @@ def test_quantized_cuda_decoding_scores_its_tokens_as_its_dequantized_model(moe,
             assert_scored_alike(logprobs, forced_logprobs(float_model, prompts, generated))
 
 
+def test_a_bitsandbytes_folder_decodes_on_cuda_as_its_float32_model_on_cpu(tmp_path):
+    """A Hugging Face folder of bitsandbytes' 4-bit weights (tests/test_bnb_4bit.py's, written by
+    bitsandbytes' quantize_4bit) loaded onto the GPU: its weights in bitsandbytes' CUDA format, and
+    its decoded tokens, eager and compiled, scored as the same folder's float32 model on the CPU."""
+    from test_bnb_4bit import hub_state, write_bnb_folder
+
+    _, args, state = hub_state(True, seed=6)
+    write_bnb_folder(tmp_path / "bnb", state, args, blocksize=64)
+    model = load_model(tmp_path / "bnb", device=CUDA, max_batch_size=3)
+    assert kernels.nf4_layout(model.layers["0"].attention.wq.weight) == "cuda"
+    reference = load_model(tmp_path / "bnb", dtype=torch.float32, max_batch_size=3).to(CUDA)
+    prompts = random_prompts([5, 2 * WINDOW + 1, 3], args.vocab_size, seed=6)
+    for mode in ("eager", "compiled"):
+        generated, logprobs = generate(prompts, model, max_tokens=2 * WINDOW, decode=mode, prompt_logprobs=False)
+        assert_scored_alike(logprobs, forced_logprobs(reference, prompts, generated))
+
+
 def test_the_engine_on_cuda_gives_what_generate_gives():
     """Continuous batching with compiled prompt steps (CUDA's default): every request's greedy
     tokens are what generate() gives it alone, on the GPU."""
