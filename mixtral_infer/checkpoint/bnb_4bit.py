@@ -157,22 +157,24 @@ def decoded(weight: str, parts: Dict[str, torch.Tensor], source: str) -> Quantiz
     if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
         raise CheckpointError(f"{where}: quant state shape={shape!r}, expected [OUT, IN]")
     out_features, in_features = shape
+    codes = parts[""]
+    if codes.dtype != torch.uint8 or codes.numel() * 2 != out_features * in_features:
+        expected = out_features * in_features // 2
+        raise CheckpointError(
+            f"{where}: codes {tuple(codes.shape)} {codes.dtype}, the quant state's shape {shape} needs {expected} uint8 bytes"
+        )
     if blocksize not in INT4_GROUP_SIZES or in_features % blocksize:
         raise CheckpointError(
             f"{where}: blocks of {blocksize!r} values over {in_features} inputs: groups of one row of "
             f"{INT4_GROUP_SIZES} values are read (load the float original)"
         )
-    codes = parts[""]
-    if codes.dtype != torch.uint8 or codes.numel() * 2 != out_features * in_features:
-        expected = out_features * in_features // 2
-        raise CheckpointError(f"{where}: {tuple(codes.shape)} {codes.dtype}, expected {expected} uint8 codes")
     quant_map = parts["quant_map"].to(torch.float32).flatten()
     if quant_map.numel() != 16 or not torch.allclose(quant_map, nf4.code_values(), atol=1e-6, rtol=0):
         raise CheckpointError(f"{where}.quant_map: not NF4's 16 values")
     blocks = out_features * in_features // blocksize
     absmax = _absmax(parts, state, blocks, where)  # (blocks,) float32
     scales = absmax.view(out_features, in_features // blocksize).to(SCALE_DTYPE).to(torch.float32)  # (OUT, IN/G)
-    check_finite_scales(f"{weight}.absmax", scales, source)
+    check_finite_scales(f"{weight}.absmax", scales, source, remedy="download it again")
     values = nf4.cuda_layout(codes.reshape(out_features, in_features // 2))  # (OUT, IN/2): the plain layout
     return QuantizedWeight(QuantScheme("nf4", blocksize), values, scales, in_features)
 

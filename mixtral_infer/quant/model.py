@@ -97,7 +97,8 @@ def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtyp
     return prepare(quantize(tensor.to(device), scheme, dtype))
 
 
-def check_finite_scales(name: str, scales: torch.Tensor, source: Optional[str] = None) -> None:
+def check_finite_scales(name: str, scales: torch.Tensor, source: Optional[str] = None,
+                        remedy: str = "write it again (convert --quantize)") -> None:  # fmt: skip
     """CheckpointError when ``scales`` hold NaN or inf: quantized from a weight that held them
     (``name`` the float weight), or damaged on disk (``name`` the stored scales, read from
     ``source``). Either makes every product of the weight NaN or garbage, far from where it shows
@@ -108,7 +109,7 @@ def check_finite_scales(name: str, scales: torch.Tensor, source: Optional[str] =
         message = f"{name} holds NaN or infinite values: the checkpoint is damaged, so it cannot be quantized"
         raise CheckpointError(message)
     raise CheckpointError(
-        f"{source}: {name} holds NaN or infinite scales: the folder is damaged; write it again (convert --quantize)"
+        f"{source}: {name} holds NaN or infinite scales: the folder is damaged; {remedy}"
     )
 
 
