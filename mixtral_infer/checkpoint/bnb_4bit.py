@@ -161,7 +161,8 @@ def decoded(weight: str, parts: Dict[str, torch.Tensor], source: str) -> Quantiz
     if codes.dtype != torch.uint8 or codes.numel() * 2 != out_features * in_features:
         expected = out_features * in_features // 2
         raise CheckpointError(
-            f"{where}: codes {tuple(codes.shape)} {codes.dtype}, the quant state's shape {shape} needs {expected} uint8 bytes"
+            f"{where}: codes {tuple(codes.shape)} {codes.dtype}, the quant state's shape {shape} needs "
+            f"{expected} uint8 bytes"
         )
     if blocksize not in INT4_GROUP_SIZES or in_features % blocksize:
         raise CheckpointError(
