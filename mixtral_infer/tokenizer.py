@@ -6,13 +6,25 @@ text ``[INST] question [/INST]``. **v3** (``tokenizer.model.v3``: Mistral 7B v0.
 8x22B; 32,768 pieces) has ``[INST]`` and ``[/INST]`` as control pieces, which no text
 encodes to: a turn is ``[INST]`` + the question's pieces + ``[/INST]``, as in
 mistral-common. The version is read from the pieces, not from the file name.
+
+**Added tokens.** Hugging Face fine-tunes often add tokens past the sentencepiece model's pieces
+(ChatML's ``<|im_end|>`` and ``<|im_start|>`` as ids 32000 and 32001 of a 32,002-row model). They
+are read from the files beside the tokenizer, as transformers reads them: ``tokenizer.json``'s
+``added_tokens`` (else ``added_tokens.json``), and the end token from ``eos_token`` of
+``special_tokens_map.json`` or ``tokenizer_config.json``. Text is split at their strings and each
+piece between is encoded on its own; decoding leaves special ones out, as transformers'
+``decode(..., skip_special_tokens=True)`` does. Example, pieces 0-1999 and ``{2000: <|im_end|>,
+2001: <|im_start|>}``: ``"a<|im_end|>b"`` -> ``[▁a, 2000, ▁b]``, decoded ``"a b"``. The instruct
+format stays Mistral's (``encode_instruct``): a fine-tune's own chat template is not run.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from sentencepiece import SentencePieceProcessor
 
@@ -22,6 +34,57 @@ from mixtral_infer.shipped import resolve_model_folder
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.model.v3")  # looked for in this order
 BEGIN_INST, END_INST = "[INST]", "[/INST]"
+
+
+ADDED_TOKEN_FILES = ("tokenizer.json", "added_tokens.json")  # transformers' order
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # read before TOKENIZER_CONFIG, as transformers does
+
+
+@dataclass(frozen=True)
+class AddedToken:
+    id: int
+    content: str
+    special: bool
+
+
+def read_added_tokens(folder: Path, first_id: int) -> List[AddedToken]:
+    """The tokens a fine-tune added past the ``first_id`` pieces of its sentencepiece model, from
+    the first of ``ADDED_TOKEN_FILES`` in ``folder``; their ids must follow the pieces without gaps.
+    Entries below ``first_id`` (a converter's copies of the model's own control pieces) are not added."""
+    for name in ADDED_TOKEN_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = _json(path)
+        if name == "tokenizer.json":
+            entries = data.get("added_tokens") or []
+            if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+                raise CheckpointError(f"{path}: added_tokens must be a list of objects")
+            tokens = [(e.get("id"), e.get("content"), e.get("special", True)) for e in entries]
+        else:
+            tokens = [(token_id, content, True) for content, token_id in data.items()]
+        added = sorted((t for t in tokens if not (isinstance(t[0], int) and t[0] < first_id)), key=lambda t: repr(t[0]))
+        ids = [t[0] for t in added]
+        if any(type(i) is not int for i in ids) or ids != list(range(first_id, first_id + len(ids))):
+            raise CheckpointError(
+                f"{path}: added token ids {ids[:8]} must follow the tokenizer's {first_id} pieces without gaps"
+            )
+        contents = [t[1] for t in added]
+        if any(not isinstance(c, str) or not c for c in contents) or len(set(contents)) != len(contents):
+            raise CheckpointError(f"{path}: each added token must be a distinct, non-empty string")
+        return [AddedToken(i, c, bool(special)) for i, c, special in added]
+    return []
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: not valid JSON ({type(error).__name__})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
 
 
 def find_tokenizer(folder: str | Path) -> Optional[Path]:
@@ -44,6 +107,33 @@ class Tokenizer:
             raise CheckpointError(f"{path}: not a sentencepiece model ({error})") from None
         self.path = path
         self._instruct_ids = self._control_ids(BEGIN_INST, END_INST)
+        self._pieces = self._model.vocab_size()
+        self.added = {token.id: token for token in read_added_tokens(path.parent, self._pieces)}
+        by_content = {token.content: token.id for token in self.added.values()}
+        contents = sorted(by_content, key=len, reverse=True)  # the longest first, as one alternation
+        self._split = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents else None
+        self._by_content = by_content
+        self._eos_id = self._end_token(path.parent)
+
+    def _end_token(self, folder: Path) -> int:
+        """The ``eos_token`` (a string, or ``{"content": ...}``) of ``special_tokens_map.json``, else of
+        ``tokenizer_config.json`` (transformers' order), as an added token or a piece; else
+        sentencepiece's end piece."""
+        for config_path in (folder / SPECIAL_TOKENS_MAP, folder / TOKENIZER_CONFIG):
+            eos = _json(config_path).get("eos_token") if config_path.is_file() else None
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str):
+                break
+        else:
+            return self._model.eos_id()
+        if eos in self._by_content:
+            return self._by_content[eos]
+        piece = self._model.piece_to_id(eos)
+        if self._model.id_to_piece(piece) != eos:
+            raise CheckpointError(
+                f"{config_path}: eos_token {eos!r} is neither a piece of {self.path.name} nor an added token"
+            )
+        return piece
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
@@ -67,7 +157,7 @@ class Tokenizer:
 
     @property
     def n_words(self) -> int:
-        return self._model.vocab_size()
+        return self._pieces + len(self.added)
 
     @property
     def bos_id(self) -> int:
@@ -75,13 +165,19 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        return self._model.eos_id()
+        return self._eos_id
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> List[int]:
         """Token ids of ``text``. Lone surrogates (undecodable input bytes) become U+FFFD."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        ids = self._model.encode(LONE_SURROGATE.sub("\ufffd", text))
+        text = LONE_SURROGATE.sub("\ufffd", text)
+        if self._split is None:
+            ids = self._model.encode(text)
+        else:  # added tokens' strings become their ids; each stretch between is encoded on its own
+            parts = self._split.split(text)  # [text, token, text, token, ..., text]
+            ids = [i for k, part in enumerate(parts) if part
+                   for i in ([self._by_content[part]] if k % 2 else self._model.encode(part))]  # fmt: skip
         if bos:
             ids = [self.bos_id] + ids
         if eos:
@@ -100,6 +196,8 @@ class Tokenizer:
 
     def decode(self, ids: List[int]) -> str:
         ids = list(ids)
+        if self.added and any(isinstance(i, int) and self._pieces <= i < self.n_words for i in ids):
+            return self._decode_with_added(ids)
         try:
             return self._model.decode(ids)
         except IndexError:  # sentencepiece's "piece id is out of range", without the id: name it
@@ -108,6 +206,20 @@ class Tokenizer:
             if outside is None:
                 raise
             raise GenerationError(f"token id {outside} is outside this tokenizer's vocabulary [0, {n_words})") from None
+
+    def _decode_with_added(self, ids: List[int]) -> str:
+        """Special added tokens left out of one decode of the rest (transformers' ``skip_special_tokens``);
+        other added tokens' strings between decodes of the pieces around them."""
+        parts: List[str] = []
+        run: List[int] = []
+        for i in ids:
+            token = self.added.get(i) if isinstance(i, int) else None
+            if token is None:
+                run.append(i)
+            elif not token.special:
+                parts += [self.decode(run), token.content]
+                run = []
+        return "".join(parts + [self.decode(run)])
 
     def decode_continuation(self, ids: List[int]) -> str:
         """Tokens that continue a text: sentencepiece drops the space of a first ``▁word``
@@ -121,4 +233,5 @@ class Tokenizer:
         return text
 
     def id_to_piece(self, token_id: int) -> str:
-        return self._model.id_to_piece(token_id)
+        token = self.added.get(token_id)
+        return token.content if token is not None else self._model.id_to_piece(token_id)

@@ -44,7 +44,7 @@ from mixtral_infer.checkpoint.safetensors_writer import (
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.quant.model import check_quantizable
 from mixtral_infer.quant.weights import QuantScheme
-from mixtral_infer.tokenizer import find_tokenizer
+from mixtral_infer.tokenizer import ADDED_TOKEN_FILES, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, Tokenizer, find_tokenizer
 
 FORMATS = ("mistral", "hf")
 
@@ -116,10 +116,15 @@ def convert(
         tokenizer = find_tokenizer(checkpoint.folder)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, partial / tokenizer.name)
+            read = Tokenizer(tokenizer)  # with a fine-tune's added tokens and end token, from the files beside it
             if target == "hf":
                 if tokenizer.name != TOKENIZER_FILE:  # transformers' LlamaTokenizer reads tokenizer.model
                     shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
-                write_hf_tokenizer(tokenizer, partial)
+                write_hf_tokenizer(tokenizer, partial, list(read.added.values()), read.id_to_piece(read.eos_id))
+            else:  # the files they were read from travel beside tokenizer.model
+                for name in (*ADDED_TOKEN_FILES, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):
+                    if read.added and (checkpoint.folder / name).is_file():
+                        shutil.copyfile(checkpoint.folder / name, partial / name)
         os.rename(partial, dst)
     except OSError as error:
         shutil.rmtree(partial, ignore_errors=True)

@@ -45,7 +45,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from mixtral_infer.errors import CheckpointError
 
@@ -244,11 +244,18 @@ def instruct_version(model: SentencePieceModel) -> str:
     return "v3" if {"[INST]", "[/INST]"} <= control else "v1"
 
 
-def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> List[Path]:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``folder``."""
+def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path, added: Sequence = (),
+                       eos_token: Optional[str] = None) -> List[Path]:  # fmt: skip
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``folder``; with a
+    fine-tune's ``added`` tokens (``tokenizer.AddedToken``s past the model's pieces) and its end token."""
     folder = Path(folder)
     model = read_sentencepiece(tokenizer_path)
     pipeline = tokenizer_json(model, str(tokenizer_path))
+    pipeline["added_tokens"] += [
+        {"id": token.id, "content": token.content, "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": token.special}
+        for token in added
+    ]  # fmt: skip
     user_defined = [piece for piece, _, kind in model.pieces if kind == USER_DEFINED]
     if user_defined:
         warnings.warn(
@@ -256,7 +263,7 @@ def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path) -> List[P
             "may encode differently (see mixtral_infer.checkpoint.hf_tokenizer)", stacklevel=2
         )
     unk, bos, eos = (model.pieces[i][0] for i in (model.unk_id, model.bos_id, model.eos_id))
-    special = {"bos_token": bos, "eos_token": eos, "unk_token": unk}
+    special = {"bos_token": bos, "eos_token": eos_token or eos, "unk_token": unk}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": True,
