@@ -147,3 +147,22 @@ def test_rows_past_the_tokens_are_still_refused(chatml_folder, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 2048}))
     with pytest.raises(CheckpointError, match="vocabulary of 2002 tokens, but the model config says vocab_size=2048"):
         load_model(folder)
+
+
+@pytest.mark.parametrize(
+    "added_tokens, message",
+    [
+        ("x", "added_tokens must be a list of objects"),
+        ([{"id": "2000", "content": "<a>"}], "added token ids"),
+        ([{"id": 2001, "content": "<a>"}], r"added token ids \[2001\] must follow"),
+        ([{"id": 2000, "content": ""}], "each added token must be a distinct, non-empty string"),
+        ([{"id": 2000, "content": "<a>"}, {"id": 2001, "content": "<a>"}], "distinct"),
+    ],
+)
+def test_malformed_added_tokens_are_named(tmp_path, added_tokens, message):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": added_tokens}))
+    with pytest.raises(CheckpointError, match=message):
+        read_added_tokens(tmp_path, 2000)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json: not valid JSON"):
+        read_added_tokens(tmp_path, 2000)
