@@ -64,7 +64,8 @@ def read_added_tokens(folder: Path, first_id: int) -> List[AddedToken]:
             tokens = [(e.get("id"), e.get("content"), e.get("special", True)) for e in entries]
         else:
             tokens = [(token_id, content, True) for content, token_id in data.items()]
-        added = sorted((t for t in tokens if not (isinstance(t[0], int) and t[0] < first_id)), key=lambda t: repr(t[0]))
+        added = [t for t in tokens if not (type(t[0]) is int and t[0] < first_id)]
+        added.sort(key=lambda t: (type(t[0]) is not int, t[0] if type(t[0]) is int else 0))  # ids in order, others last
         ids = [t[0] for t in added]
         if any(type(i) is not int for i in ids) or ids != list(range(first_id, first_id + len(ids))):
             raise CheckpointError(

@@ -149,6 +149,13 @@ def test_rows_past_the_tokens_are_still_refused(chatml_folder, tmp_path):
         load_model(folder)
 
 
+def test_added_tokens_past_a_power_of_ten_are_taken_in_order(tmp_path):
+    """Ids sorted as numbers (9998, 9999, 10000), not as text."""
+    entries = [{"id": i, "content": f"<t{i}>", "special": True} for i in (10000, 9999, 9998)]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": entries}))
+    assert [t.id for t in read_added_tokens(tmp_path, 9998)] == [9998, 9999, 10000]
+
+
 @pytest.mark.parametrize(
     "added_tokens, message",
     [
