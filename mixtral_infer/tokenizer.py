@@ -14,8 +14,13 @@ are read from the files beside the tokenizer, as transformers reads them: ``toke
 ``special_tokens_map.json`` or ``tokenizer_config.json``. Text is split at their strings and each
 piece between is encoded on its own; decoding leaves special ones out, as transformers'
 ``decode(..., skip_special_tokens=True)`` does. Example, pieces 0-1999 and ``{2000: <|im_end|>,
-2001: <|im_start|>}``: ``"a<|im_end|>b"`` -> ``[▁a, 2000, ▁b]``, decoded ``"a b"``. The instruct
-format stays Mistral's (``encode_instruct``): a fine-tune's own chat template is not run.
+2001: <|im_start|>}``: ``"a<|im_end|>b"`` -> ``[▁a, 2000, ▁b]``, decoded ``"a b"``.
+
+**ChatML.** A tokenizer that adds ``<|im_start|>`` and ``<|im_end|>`` is a ChatML fine-tune's
+(``chat_format``): a turn is ``<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n``, the
+answer ends at ``<|im_end|>``, the next turn starts with ``\n`` (``chatml``: the common ChatML
+chat template's text, which transformers renders). Other fine-tunes' own templates are not run:
+the instruct format is then Mistral's.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ from mixtral_infer.shipped import resolve_model_folder
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.model.v3")  # looked for in this order
 BEGIN_INST, END_INST = "[INST]", "[/INST]"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML's
+
+
+def chatml(messages: List[tuple], generation_prompt: bool = True) -> str:
+    """The ChatML text of ``(role, content)`` messages, as the common ChatML chat template renders
+    it: each ``<|im_start|>{role}\n{content}<|im_end|>\n``, then ``<|im_start|>assistant\n``."""
+    text = "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in messages)
+    return text + (f"{IM_START}assistant\n" if generation_prompt else "")
 
 
 ADDED_TOKEN_FILES = ("tokenizer.json", "added_tokens.json")  # transformers' order
@@ -185,11 +198,20 @@ class Tokenizer:
             ids = ids + [self.eos_id]
         return ids
 
-    def encode_instruct(self, text: str) -> List[int]:
-        """One user turn, without BOS, in the format this tokenizer's version expects.
+    @property
+    def chat_format(self) -> str:
+        """"chatml" for a ChatML fine-tune's tokens (module docstring), else ``version``."""
+        return "chatml" if IM_START in self._by_content and IM_END in self._by_content else self.version
 
-        v1: the text ``[INST] {text} [/INST]``; v3: ``[INST]``, the pieces of ``text``, ``[/INST]``.
+    def encode_instruct(self, text: str, follows_answer: bool = False) -> List[int]:
+        """One user turn, without BOS, in this tokenizer's chat format (``follows_answer``: a turn
+        after an answer, which ChatML starts on a new line).
+
+        v1: the text ``[INST] {text} [/INST]``; v3: ``[INST]``, the pieces of ``text``, ``[/INST]``;
+        chatml: the text ``<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n``.
         """
+        if self.chat_format == "chatml":
+            return self.encode(("\n" if follows_answer else "") + chatml([("user", text)]), bos=False)
         if self._instruct_ids is None:
             return self.encode(f"{BEGIN_INST} {text} {END_INST}", bos=False)
         begin, end = self._instruct_ids

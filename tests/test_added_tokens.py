@@ -17,6 +17,18 @@ from mixtral_infer.errors import CheckpointError
 from mixtral_infer.tokenizer import read_added_tokens
 
 CHATML = ["<|im_end|>", "<|im_start|>"]
+# The common ChatML chat template (as OpenHermes-style fine-tunes ship it), which transformers renders.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "Answer in the words of the King James Bible."},
+    {"role": "user", "content": "Who art thou?"},
+    {"role": "assistant", "content": "I am that I am."},
+    {"role": "user", "content": "Say more."},
+]
 TEXTS = [
     "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n",
     "a<|im_end|>b",
@@ -49,6 +61,7 @@ def chatml_folder(tmp_path_factory):
     tokenizer = transformers_tokenizer(folder)
     tokenizer.add_special_tokens({"additional_special_tokens": CHATML})
     tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = CHATML_TEMPLATE
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -173,3 +186,28 @@ def test_malformed_added_tokens_are_named(tmp_path, added_tokens, message):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="tokenizer.json: not valid JSON"):
         read_added_tokens(tmp_path, 2000)
+
+
+def chat_ids(theirs, messages):
+    """transformers' ids of its chat template's text (with the generation prompt), as the serving peers send them."""
+    text = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return theirs.encode(text, add_special_tokens=False)
+
+
+def test_a_chatml_fine_tune_s_chat_turns_are_its_template_s(chatml_folder):
+    """The server's chat prompt (BOS, then ChatML's text encoded whole) = transformers' rendering of
+    the fine-tune's template; the command line's turns: the first = the template of one user message,
+    a later one = the tail of the template after the answer before it."""
+    from mixtral_infer.generation.chat import Conversation
+    from mixtral_infer.serve.protocol import chat_prompt
+
+    ours, theirs = Tokenizer.from_folder(chatml_folder), transformers_tokenizer(chatml_folder)
+    assert ours.chat_format == "chatml" and Tokenizer.from_folder("tiny-mistral").chat_format == "v1"
+    for end in (2, 4):
+        assert chat_prompt(ours, MESSAGES[:end]) == [ours.bos_id] + chat_ids(theirs, MESSAGES[:end])
+    assert chat_prompt(ours, MESSAGES[1:2]) == [ours.bos_id] + chat_ids(theirs, MESSAGES[1:2])
+    conversation = Conversation(load_model(chatml_folder, dtype=torch.float32), ours, instruct=True, max_tokens=4)
+    assert conversation._turn_tokens("Who art thou?") == [ours.bos_id] + chat_ids(theirs, MESSAGES[1:2])
+    conversation.history = [ours.bos_id, 5]  # after a first turn and its answer
+    later = conversation._turn_tokens("Say more.")
+    assert chat_ids(theirs, MESSAGES[1:])[-len(later):] == later and later[:2] == ours.encode("\n", bos=False)

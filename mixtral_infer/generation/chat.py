@@ -7,7 +7,8 @@ never feeds). Without a window every turn re-reads the whole history.
 
 Instruct format (Mistral's): ``<s>[INST] question [/INST] answer</s>[INST] next [/INST]``,
 where ``[INST]`` and ``[/INST]`` are text for a v1 tokenizer and single control tokens
-for a v3 one (``Tokenizer.encode_instruct``).
+for a v3 one (``Tokenizer.encode_instruct``); a ChatML fine-tune's tokenizer gives ChatML's
+``<s><|im_start|>user\nquestion<|im_end|>\n<|im_start|>assistant\nanswer<|im_end|>\n<|im_start|>user...``.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Conversation:
     def _turn_tokens(self, text: str) -> List[int]:
         if not self.instruct:
             return self.tokenizer.encode(text, bos=True)
-        tokens = self.tokenizer.encode_instruct(text)
+        tokens = self.tokenizer.encode_instruct(text, follows_answer=bool(self.history))
         return ([self.tokenizer.bos_id] if not self.history else []) + tokens
 
     def reply(self, text: str, emit: Callable[[str], None] = lambda piece: None) -> Reply:

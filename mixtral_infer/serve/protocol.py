@@ -11,6 +11,10 @@ Chat messages become the model's instruct format (``Tokenizer.encode_instruct``)
 
     [system, user u1, assistant a1, user u2]
     -> <s> [INST] system\\n\\nu1 [/INST] a1 </s> [INST] u2 [/INST]
+
+and for a ChatML fine-tune's tokenizer (``Tokenizer.chat_format``), ChatML's text encoded whole::
+
+    -> <s><|im_start|>system\\nsystem<|im_end|>\\n<|im_start|>user\\nu1<|im_end|>\\n...<|im_start|>assistant\\n
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from mixtral_infer.generation.settings import SEED_LIMIT, effective_temperature
 from mixtral_infer.serve.engine import RequestSettings
-from mixtral_infer.tokenizer import Tokenizer
+from mixtral_infer.tokenizer import Tokenizer, chatml
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # completions: logprobs in [0, 5]
@@ -195,6 +199,8 @@ def chat_prompt(tokenizer: Tokenizer, messages: Any) -> List[int]:
     roles = [role for role, _ in turns]
     if roles[::2] != ["user"] * len(roles[::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]) or roles[-1:] != ["user"]:
         raise BadRequest("after any system messages, messages must alternate user, assistant, ... and end with user", "messages")
+    if tokenizer.chat_format == "chatml":  # the template's text, encoded whole (as transformers encodes it)
+        return [tokenizer.bos_id] + tokenizer.encode(chatml([("system", text) for text in system] + turns), bos=False)
     ids = [tokenizer.bos_id]
     for index, (role, text) in enumerate(turns):
         if role == "user":
