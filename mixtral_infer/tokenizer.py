@@ -25,7 +25,6 @@ the instruct format is then Mistral's.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Dict, List, Optional
 from sentencepiece import SentencePieceProcessor
 
 from mixtral_infer.errors import CheckpointError, GenerationError
+from mixtral_infer.json_file import read_object
 from mixtral_infer.shipped import resolve_model_folder
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -69,7 +69,7 @@ def read_added_tokens(folder: Path, first_id: int) -> List[AddedToken]:
         path = folder / name
         if not path.is_file():
             continue
-        data = _json(path)
+        data = read_object(path, CheckpointError)
         if name == "tokenizer.json":
             entries = data.get("added_tokens") or []
             if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
@@ -89,16 +89,6 @@ def read_added_tokens(folder: Path, first_id: int) -> List[AddedToken]:
             raise CheckpointError(f"{path}: each added token must be a distinct, non-empty string")
         return [AddedToken(i, c, bool(special)) for i, c, special in added]
     return []
-
-
-def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: not valid JSON ({type(error).__name__})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 def find_tokenizer(folder: str | Path) -> Optional[Path]:
@@ -134,7 +124,7 @@ class Tokenizer:
         ``tokenizer_config.json`` (transformers' order), as an added token or a piece; else
         sentencepiece's end piece."""
         for config_path in (folder / SPECIAL_TOKENS_MAP, folder / TOKENIZER_CONFIG):
-            eos = _json(config_path).get("eos_token") if config_path.is_file() else None
+            eos = read_object(config_path, CheckpointError).get("eos_token") if config_path.is_file() else None
             eos = eos.get("content") if isinstance(eos, dict) else eos
             if isinstance(eos, str):
                 break

@@ -51,6 +51,7 @@ from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_column_blocks import block_long_rows
 from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.hardware import cpu_info
+from mixtral_infer.json_file import read_object
 from mixtral_infer.memory import keep_freed_memory
 from mixtral_infer.model.parallel import Parallel, Selection
 from mixtral_infer.model.transformer import ModelArgs, Transformer
@@ -96,13 +97,7 @@ def _one_line(error: BaseException) -> str:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{path}: not valid JSON ({_one_line(error)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_object(path, ConfigError)
 
 
 def read_params(folder: str | Path) -> ModelArgs:
