@@ -17,8 +17,8 @@ piece between is encoded on its own; decoding leaves special ones out, as transf
 2001: <|im_start|>}``: ``"a<|im_end|>b"`` -> ``[▁a, 2000, ▁b]``, decoded ``"a b"``.
 
 **ChatML.** A tokenizer that adds ``<|im_start|>`` and ``<|im_end|>`` is a ChatML fine-tune's
-(``chat_format``): a turn is ``<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n``, the
-answer ends at ``<|im_end|>``, the next turn starts with ``\n`` (``chatml``: the common ChatML
+(``chat_format``): a turn is ``<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n``, the
+answer ends at ``<|im_end|>``, the next turn starts with ``\\n`` (``chatml``: the common ChatML
 chat template's text, which transformers renders). Other fine-tunes' own templates are not run:
 the instruct format is then Mistral's.
 """
@@ -44,7 +44,7 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML's
 
 def chatml(messages: List[tuple], generation_prompt: bool = True) -> str:
     """The ChatML text of ``(role, content)`` messages, as the common ChatML chat template renders
-    it: each ``<|im_start|>{role}\n{content}<|im_end|>\n``, then ``<|im_start|>assistant\n``."""
+    it: each ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``."""
     text = "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in messages)
     return text + (f"{IM_START}assistant\n" if generation_prompt else "")
 
@@ -198,7 +198,7 @@ class Tokenizer:
         after an answer, which ChatML starts on a new line).
 
         v1: the text ``[INST] {text} [/INST]``; v3: ``[INST]``, the pieces of ``text``, ``[/INST]``;
-        chatml: the text ``<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n``.
+        chatml: the text ``<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n``.
         """
         if self.chat_format == "chatml":
             return self.encode(("\n" if follows_answer else "") + chatml([("user", text)]), bos=False)

@@ -8,7 +8,7 @@ never feeds). Without a window every turn re-reads the whole history.
 Instruct format (Mistral's): ``<s>[INST] question [/INST] answer</s>[INST] next [/INST]``,
 where ``[INST]`` and ``[/INST]`` are text for a v1 tokenizer and single control tokens
 for a v3 one (``Tokenizer.encode_instruct``); a ChatML fine-tune's tokenizer gives ChatML's
-``<s><|im_start|>user\nquestion<|im_end|>\n<|im_start|>assistant\nanswer<|im_end|>\n<|im_start|>user...``.
+``<s><|im_start|>user\\nquestion<|im_end|>\\n<|im_start|>assistant\\nanswer<|im_end|>\\n<|im_start|>user...``.
 """
 
 from __future__ import annotations
