@@ -114,11 +114,12 @@ def kernel_layout(values: torch.Tensor) -> torch.Tensor:
     ``32b + 16 + t // 2``, same input, in its high one. Example, OUT = 32, IN = 2, codes
     ``n[row][input]``: byte 0 is ``n[0][0] | n[16][0] << 4``, byte 1 ``n[0][1] | n[16][1] << 4``."""
     *lead, out_features, half = values.shape
-    blocks = out_features // ROW_BLOCK
-    codes = nibbles(values).view(*lead, blocks, ROW_BLOCK, half, 2)  # (..., OUT/32, 32, IN/2, 2)
-    pairs = codes.transpose(-3, -2).reshape(*lead, blocks, half, 2 * ROW_BLOCK)  # (.., OUT/32, IN/2, 64): r at 2r + k
-    low, high = pairs[..., :ROW_BLOCK], pairs[..., ROW_BLOCK:]  # rows 0-15 and 16-31 of the block
-    return (low | (high << 4)).reshape(*lead, out_features, half)
+    blocks = values.view(*lead, out_features // ROW_BLOCK, ROW_BLOCK, half)  # (..., OUT/32, 32, IN/2)
+    top, bottom = blocks[..., : ROW_BLOCK // 2, :], blocks[..., ROW_BLOCK // 2 :, :]  # rows t and 16 + t
+    first = (top & 15) | (bottom << 4)  # input 2i of both rows (each byte's low nibble); uint8 drops the rest
+    second = (top >> 4) | (bottom & 240)  # input 2i + 1 (each byte's high nibble)
+    pairs = torch.stack([first, second], dim=-1)  # (..., OUT/32, 16, IN/2, 2)
+    return pairs.transpose(-3, -2).reshape(*lead, out_features, half)  # byte 2t + k of pair i: row t, input 2i + k
 
 
 def plain_layout(packed: torch.Tensor) -> torch.Tensor:
