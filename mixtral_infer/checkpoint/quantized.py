@@ -24,7 +24,13 @@ from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.model.parallel import Selection
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant.kernels import prepare
-from mixtral_infer.quant.model import check_finite_scales, is_quantized_published, scales_name, stored_shapes
+from mixtral_infer.quant.model import (
+    check_finite_scales,
+    is_quantized_published,
+    quantize_tensor,
+    scales_name,
+    stored_shapes,
+)
 from mixtral_infer.quant.model import weight_name as weight_name_of  # weight_name is a local name here
 from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight, QuantScheme, quantize
 
@@ -38,9 +44,7 @@ def quantize_published(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype
     in the layout of ``device``'s kernel, scales in ``dtype``; other tensors pass unchanged."""
     for name, tensor in tensors:
         if is_quantized_published(name):
-            weight = quantize(tensor.to(device), scheme, dtype)
-            check_finite_scales(name, weight.scales)
-            weight = prepare(weight)
+            weight = quantize_tensor(tensor, scheme, dtype, device, name)
             del tensor
             release_freed_memory()
             yield name, weight
@@ -59,8 +63,7 @@ def to_stored(tensors: Tensors, scheme: QuantScheme) -> Tensors:
             yield name, torch.empty(values_shape, dtype=integers, device="meta")
             yield scales_name(name), torch.empty(scales_shape, dtype=SCALE_DTYPE, device="meta")
         else:
-            weight = quantize(tensor, scheme, SCALE_DTYPE)
-            check_finite_scales(name, weight.scales)
+            weight = quantize(tensor, scheme, SCALE_DTYPE, name)
             yield name, weight.values
             yield scales_name(name), weight.scales
 

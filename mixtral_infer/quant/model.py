@@ -92,22 +92,20 @@ def install(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
     replace_parameter(model, name, QuantizedParameter(weight))
 
 
-def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, device: torch.device) -> QuantizedWeight:
+def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
+                    name: str = "the weight") -> QuantizedWeight:  # fmt: skip
     """One weight quantized on ``device``, in the layout of that device's kernel."""
-    return prepare(quantize(tensor.to(device), scheme, dtype))
+    return prepare(quantize(tensor.to(device), scheme, dtype, name))
 
 
-def check_finite_scales(name: str, scales: torch.Tensor, source: Optional[str] = None,
+def check_finite_scales(name: str, scales: torch.Tensor, source: str,
                         remedy: str = "write it again (convert --quantize)") -> None:  # fmt: skip
-    """CheckpointError when ``scales`` hold NaN or inf: quantized from a weight that held them
-    (``name`` the float weight), or damaged on disk (``name`` the stored scales, read from
-    ``source``). Either makes every product of the weight NaN or garbage, far from where it shows
-    (bfloat16 attention on CPU can even hide a NaN key from the logits' check)."""
+    """CheckpointError when stored ``scales`` (``name``, read from ``source``) hold NaN or inf: the
+    folder is damaged, and every product of the weight would be NaN or garbage, far from where it
+    shows (bfloat16 attention on CPU can even hide a NaN key from the logits' check). Weights
+    quantized here are checked by ``quantize``."""
     if bool(torch.isfinite(scales).all()):
         return
-    if source is None:
-        message = f"{name} holds NaN or infinite values: the checkpoint is damaged, so it cannot be quantized"
-        raise CheckpointError(message)
     raise CheckpointError(
         f"{source}: {name} holds NaN or infinite scales: the folder is damaged; {remedy}"
     )
@@ -121,9 +119,7 @@ def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     # weight is freed as its quantized one takes its place.
     for name in [name for name, _ in model.named_parameters() if is_quantized(name)]:
         param = model.get_parameter(name)
-        weight = quantize_tensor(param.data, scheme, param.dtype, param.device)
-        check_finite_scales(name, weight.scales)
-        install(model, name, weight)
+        install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device, name))
     join_side_by_side(model)  # nf4 on CPU: wq wk wv, and w1 w3, one kernel call each
     return int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
 

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from mixtral_infer.errors import CheckpointError
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.quant import nf4
 from mixtral_infer.quant.scheme import QuantScheme
@@ -189,12 +190,14 @@ class QuantizedParameter(nn.Module, QuantizedWeight):
         return f"{self.scheme.name}{size}, shape={tuple(self.shape)}, dtype={self.dtype}"
 
 
-def quantize(weight: torch.Tensor, scheme: QuantScheme, dtype: Optional[torch.dtype] = None) -> QuantizedWeight:
+def quantize(weight: torch.Tensor, scheme: QuantScheme, dtype: Optional[torch.dtype] = None,
+             name: str = "the weight") -> QuantizedWeight:  # fmt: skip
     """Quantize a float weight ``(..., OUT, IN)`` (see the module docstring); scales in ``dtype``.
 
     Rows are quantized a block at a time, so the float32 working copies stay small
     (1 MB) however large the weight: loading quantizes a model in little more memory
-    than its quantized size.
+    than its quantized size. A weight holding NaN or inf is refused (CheckpointError naming
+    ``name``): its row's or group's scale would be NaN or inf, every product of it garbage.
     """
     scheme.check_shape("weight", tuple(weight.shape))
     out_dtype = dtype or (weight.dtype if weight.is_floating_point() else torch.float32)
@@ -210,6 +213,9 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme, dtype: Optional[torch.dt
         block_values, block_scales = _quantize_rows(rows[start : start + block].to(torch.float32, copy=True), scheme)
         values[start : start + block] = block_values
         scales[start : start + block] = block_scales.reshape(block_values.shape[0], n_scales)
+    if not bool(torch.isfinite(scales).all()):  # a block holding NaN or inf keeps it in its scale
+        message = f"{name} holds NaN or infinite values: the checkpoint is damaged, so it cannot be quantized"
+        raise CheckpointError(message)
     scales = scales.reshape(weight.shape[:-1]) if scheme.name == "int8" else scales.reshape(*weight.shape[:-1], n_scales)
     return QuantizedWeight(scheme, values.reshape(*weight.shape[:-1], packed_in), scales, weight.shape[-1])
 
@@ -231,7 +237,7 @@ def _quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, 
 
 def _bfloat16_scale(scale: torch.Tensor) -> torch.Tensor:
     """Round to bfloat16 (as stored), and keep all-zero rows or groups from dividing by zero. A row
-    or group holding NaN or inf keeps its NaN or inf scale, for the loaders to refuse by name
-    (``quant.model.check_finite_scales``), rather than a scale of 1 that would zero its weights."""
+    or group holding NaN or inf keeps its NaN or inf scale, for ``quantize`` to refuse by name,
+    rather than a scale of 1 that would zero its weights."""
     scale = scale.to(SCALE_DTYPE).to(torch.float32)
     return torch.where(scale != 0, scale, torch.ones_like(scale))
