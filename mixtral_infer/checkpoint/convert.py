@@ -121,9 +121,9 @@ def convert(
                 if tokenizer.name != TOKENIZER_FILE:  # transformers' LlamaTokenizer reads tokenizer.model
                     shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
                 write_hf_tokenizer(tokenizer, partial, list(read.added.values()), read.id_to_piece(read.eos_id))
-            else:  # the files they were read from travel beside tokenizer.model
+            elif read.added:  # the files they were read from travel beside tokenizer.model
                 for name in (*ADDED_TOKEN_FILES, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):
-                    if read.added and (checkpoint.folder / name).is_file():
+                    if (checkpoint.folder / name).is_file():
                         shutil.copyfile(checkpoint.folder / name, partial / name)
         os.rename(partial, dst)
     except OSError as error:

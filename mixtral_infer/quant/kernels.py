@@ -234,9 +234,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
             return out
         weight = weight.resolved()
     if weight.scheme.name == "nf4":
-        if nf4_layout(weight) == "cuda" and uses_cuda_nf4_kernel(x, weight):
+        layout = nf4_layout(weight)
+        if layout == "cuda" and uses_cuda_nf4_kernel(x, weight):
             return torch.ops.mixtral_infer.nf4_cuda_mm(x.contiguous(), *weight.packed, weight.scheme.group_size)
-        if nf4_layout(weight) == "cpu" and uses_cpu_kernel(x, weight):
+        if layout == "cpu" and uses_cpu_kernel(x, weight):
             if x.shape[0] < NF4_DEQUANTIZE_ROWS:
                 return torch.ops.mixtral_infer.nf4_mm(x.contiguous(), *weight.packed, weight.scheme.group_size)
             if weight.packed[0].dim() == 2:  # prompts: reference_linear's numbers, dequantized 3.5x faster

@@ -211,9 +211,10 @@ def _nf4_cuda_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gr
     the GPU), the reference's product: the weight dequantized, then ``F.linear``."""
     rows, out_features = x.shape[0], packed.shape[0]
     if x.device.type != "cuda" or cuda_kernel() is None:
-        values = code_values(x.device)[nibbles(cuda_layout(packed)).long()]  # (OUT, IN) float32
-        weight = values * scales.repeat_interleave(group_size, dim=-1)  # as QuantizedWeight.dequantize
-        return torch.nn.functional.linear(x, weight.to(x.dtype))
+        from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme  # (weights imports this module)
+
+        weight = QuantizedWeight(QuantScheme("nf4", group_size), None, scales, x.shape[1], packed=(packed, scales))
+        return torch.nn.functional.linear(x, weight.dequantize(x.dtype))  # integers() reads the CUDA layout
     x = x.contiguous()
     out = x.new_empty(rows, out_features)
     stream = torch.cuda.current_stream(x.device).cuda_stream
