@@ -2,7 +2,8 @@
 kernels and the serving engine, each against the readable path on the same device.
 
 Skipped without a GPU (CI has none); run on a lent H200 with ``pytest tests/test_cuda.py`` (nf4's
-tests need bitsandbytes' CUDA library there: ``bench/gpu_lease.sh`` says how to carry it). The
+tests need bitsandbytes' CUDA library there, GemLite's its wheel: ``bench/gpu_lease.sh`` says how to
+carry them). The
 CPU suite checks the same logic through each kernel's reference semantics (``test_varlen_attention``,
 ``test_quant``'s tinygemm layout); these check that the kernels themselves agree.
 """
@@ -19,7 +20,7 @@ from test_model import TOLERANCE, cached_logits, hf_logits, random_prompts
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.model.linear import linear
-from mixtral_infer.quant import kernels, nf4
+from mixtral_infer.quant import gemlite_cuda, kernels, nf4
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantScheme, quantize
@@ -132,16 +133,46 @@ def test_the_cuda_nf4_kernel_equals_the_dequantize_reference(rows, group):
     assert torch.equal(linear(many, weight[0]), kernels.reference_linear(many, weight[0]))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4-32"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int4-128"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 63])
+def test_gemlites_products_equal_the_dequantize_reference(scheme, rows):
+    """GemLite's kernels (``quant/gemlite_cuda.py``; the CPU suite checks the format handed to
+    them) on Mistral 7B's shapes cut to a quarter: float32 dequantize-then-matmul up to bfloat16
+    rounding; from ``ROWS`` rows on, the path before GemLite."""
+    assert gemlite_cuda.library() is not None, "GemLite does not import here: carry its wheel (bench/gpu_lease.sh)"
+    g = torch.Generator().manual_seed(rows)
+    for out_features, in_features in ((1024, 1024), (3584, 1024), (1024, 3584), (256, 1024)):
+        weight = quantize(torch.randn(out_features, in_features, generator=g).to(CUDA), QuantScheme.parse(scheme),
+                          torch.bfloat16)  # fmt: skip
+        reference = weight.dequantize()
+        prepare(weight)
+        assert weight.gemlite is not None
+        x = torch.randn(rows, in_features, generator=g).to(CUDA, torch.bfloat16)
+        got, expected = linear(x, weight).float(), x.float() @ reference.T
+        assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
+        many = torch.randn(gemlite_cuda.ROWS, in_features, generator=g).to(CUDA, torch.bfloat16)
+        expected = many.float() @ reference.T
+        assert (linear(many, weight).float() - expected).abs().max() <= 2**-7 * expected.abs().max()
+
+
+@pytest.mark.parametrize(
+    "scheme, gemlite", [("int8", False), ("int4", False), ("nf4-32", False), ("int8", True), ("int4", True)]
+)
 @pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
-def test_quantized_cuda_decoding_scores_its_tokens_as_its_dequantized_model(moe, scheme):
+def test_quantized_cuda_decoding_scores_its_tokens_as_its_dequantized_model(moe, scheme, gemlite, monkeypatch):
     """bfloat16 activations through the CUDA kernels (int4: tinygemm; int8: the dequantizing
-    product; nf4: bitsandbytes'), eager and compiled, batch 1 (the MoE gathers 2 experts) and 3
-    (every expert runs): the logprobs of their tokens are a float32 model's holding the dequantized
-    weights."""
+    product; nf4: bitsandbytes'; with ``gemlite``, int8 and int4 dense weights through GemLite),
+    eager and compiled, batch 1 (the MoE gathers 2 experts) and 3 (every expert runs): the logprobs
+    of their tokens are a float32 model's holding the dequantized weights."""
+    if gemlite:
+        assert gemlite_cuda.library() is not None, "GemLite does not import here: carry its wheel (bench/gpu_lease.sh)"
+    else:
+        monkeypatch.setattr(gemlite_cuda, "library", lambda: None)
     float_model = random_model(tiny_args(moe=moe), seed=5).to(CUDA)
     quantized = quantize_model(copy.deepcopy(float_model).to(torch.bfloat16), scheme)
-    if scheme == "int4":
+    if gemlite:
+        assert quantized.layers["0"].attention.wq.weight.gemlite is not None
+    elif scheme == "int4":
         assert kernels.int4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"
     if scheme.startswith("nf4"):
         assert kernels.nf4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"

@@ -37,6 +37,9 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
 * **CUDA int8**: as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
   conversion fuses into the product).
+* **CUDA int8 and int4 with GemLite installed** (``quant/gemlite_cuda.py``): GemLite's Triton
+  matrix-vector and split-K kernels, for chunks of fewer than ``gemlite_cuda.ROWS`` rows of dense
+  weights (not stacked experts); more rows take the paths below. Not measured yet (its module).
 * **CUDA int4**: tinygemm, ``torch.ops.aten._weight_int4pack_mm`` on the layout made by
   ``_convert_weight_to_int4pack`` (gpt-fast's and torchao's int4 kernel), for bfloat16 chunks of
   fewer than ``CUDA_INT4_DEQUANTIZE_ROWS`` rows. It is made for few rows: on an A6000 (torchao's
@@ -63,7 +66,7 @@ from mixtral_infer.fast.cpu_column_blocks import int8_blocks
 from mixtral_infer.fast.cpu_packed import side_by_side
 from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
-from mixtral_infer.quant import nf4
+from mixtral_infer.quant import gemlite_cuda, nf4
 from mixtral_infer.quant.int8_activations import int8_activations_linear
 from mixtral_infer.quant.weights import QuantizedWeight
 
@@ -221,6 +224,8 @@ def joined_linear(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> Option
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
+    if weight.gemlite is not None and gemlite_cuda.usable(x, weight):
+        return weight.gemlite(x)
     if uses_int8_activations(x, weight):
         return int8_activations_linear(x, weight.prepacked)
     if weight.scheme.name == "int8" and weight.values is not None and reduces(x, weight.values):
@@ -340,7 +345,13 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
       ``_convert_weight_to_int4pack_for_cpu`` of the unsigned nibbles.
     * CUDA, rows in multiples of 8 and inputs of 32: ``tinygemm_layout``. The plain values stay
       (module docstring: prompt chunks dequantize).
+
+    On a GPU where GemLite is installed, int8 and int4 weights it supports get its packed layer
+    instead (``weight.gemlite``, ``gemlite_cuda.product``), their plain values kept for prompts.
     """
+    if weight.device.type == "cuda" and gemlite_cuda.supports(weight) and gemlite_cuda.library() is not None:
+        weight.gemlite = gemlite_cuda.product(weight)
+        return weight
     if weight.dtype != torch.bfloat16 or not weight.scheme.four_bit:
         return weight
     if weight.scheme.name == "nf4":

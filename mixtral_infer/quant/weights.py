@@ -66,6 +66,8 @@ class QuantizedWeight:
     # ``joined_rows = (start, stop, total)``, its rows among them (its own ``packed`` is a view).
     joined: Optional[tuple] = None
     joined_rows: Optional[tuple] = None
+    # int8/int4 on CUDA where GemLite is installed: a quant.gemlite_cuda.GemliteProduct (its packed layer)
+    gemlite = None
 
     def __init__(self, scheme: QuantScheme, values: Optional[torch.Tensor], scales: torch.Tensor, in_features: int,
                  packed: Optional[tuple] = None, expert: Optional[torch.Tensor] = None, prepacked=None):  # fmt: skip
@@ -174,6 +176,7 @@ class QuantizedParameter(nn.Module, QuantizedWeight):
         self.register_buffer("kernel_values", kernel_values, persistent=False)
         self.register_buffer("kernel_scales", kernel_scales, persistent=False)
         self.prepacked = weight.prepacked
+        self.gemlite = weight.gemlite
         self.register_buffer("joined_values", None, persistent=False)
         self.register_buffer("joined_scales", None, persistent=False)
 

@@ -1,0 +1,154 @@
+"""int8 and int4 products on CUDA through GemLite's Triton kernels, where GemLite is installed.
+
+Why: PyTorch's CUDA kernels for weight-only int8 and int4 read far under the bandwidth at one row
+(measured on an H200, README "Quantized weights": int8 compiled 0.93x bfloat16's decode, int4
+tinygemm 1.30x; the issue asks 1.6x and 2.2x). GemLite (Mobius Labs, Apache-2.0, ``pip install
+gemlite``) is the low-bit kernel library that torchao, SGLang and vLLM call for weight-only
+quantization: matrix-vector kernels for 1-4 rows (``GEMV_SPLITK`` for 8 bits, ``GEMV_REVSPLITK``
+for 4), split-K for up to 64, tuned per GPU. It is plain Python and Triton, so it runs with any
+torch that has Triton (xformers' and torchao's compiled kernels do not load with the lent GPU's
+torch). Not a dependency: a GPU user installs it; without it nothing here runs.
+
+Its format is HQQ's, ``W ~ (W_q - zeros) * scales`` with groups along the inputs, so our weights go
+in as they are (``arguments``):
+
+* int8: ``W_q`` = the int8 integers, no zeros, one scale per output row (GemLite's
+  ``A16W8_INT8`` of pre-quantized weights: group size = the inputs, each weight scaled before
+  the dot product, so the kernel multiplies by ``(q * scale)`` rounded to bfloat16 as
+  ``QuantizedWeight.dequantize`` does). GemLite reads our integers in place (a transposed view).
+* int4: ``W_q`` = the codes ``q + 8`` in [0, 15] unpacked to one a byte, ``zeros = 8`` (an
+  integer: GemLite's "symmetric with shift"), our scales ``(OUT, IN/G)``. GemLite packs the codes
+  into its own int32 words (eight along the inputs); our plain bytes stay for prompts.
+
+Example, int4, one group of 32 with scale 0.5: the stored byte 0x8F holds inputs ``[15 - 8, 8 - 8]
+= [7, 0]``; GemLite gets codes ``[15, 8]``, zeros 8, scale 0.5, and multiplies by ``(15 - 8) * 0.5
+= 3.5`` and ``0``, as the reference does (``tests/test_gemlite_cuda.py``).
+
+Where: dense weights (not stacked experts: picking one expert's matrix in compiled code would copy
+it, as the op cannot take an index) in bfloat16 or float16, inputs a multiple of 32, for chunks of
+fewer than ``ROWS`` rows (GemLite's matrix-vector and split-K range). More rows take the path they
+took before (int4 dequantizes, int8 ``F.linear`` of the converted integers).
+
+Tuning: GemLite autotunes each shape on first use, unless its cached configurations for the GPU
+hold it. It ships them per GPU name (``h100.json``...). An H200 is an H100's chip with faster memory,
+so on a compute-capability 9.0 GPU that no shipped file names, H100's are loaded (``library``).
+
+Measured: not yet (no GPU lent to the session that wrote it). ``bench/gpu_matvec.py`` has its rows
+beside bfloat16 and PyTorch's kernels, ``bench/gpu_lease.sh gemlite`` the Mistral-7B decode rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import List, Optional, Tuple
+
+import torch
+
+ROWS = 64  # GemLite's own limit for its matrix-vector and split-K kernels (its GEMM from there on)
+MIN_INPUTS = 32  # GemLite's: inputs a multiple of this (and of the group size)
+SAME_CHIP = {"h200": "h100"}  # GPU name -> the shipped tuning file it can use (same chip, faster memory)
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> Optional[ModuleType]:
+    """The ``gemlite`` package, imported, or None: no CUDA, not installed, or it fails to import
+    (it asks the GPU for its properties when imported). Loads H100's tuning on an H200 (module
+    docstring). Set ``MIXTRAL_INFER_GEMLITE=0`` to leave it unused where installed."""
+    if os.environ.get("MIXTRAL_INFER_GEMLITE", "1") == "0" or not torch.cuda.is_available():
+        return None
+    try:
+        import gemlite
+    except Exception:  # not installed, or a Triton/torch it cannot run with
+        return None
+    name = torch.cuda.get_device_name().lower()
+    for gpu, shipped in SAME_CHIP.items():
+        configs = Path(gemlite.__file__).parent / "configs"
+        if gpu in name and not (configs / f"{gpu}.json").exists() and (configs / f"{shipped}.json").exists():
+            gemlite.load_config(str(configs / f"{shipped}.json"))
+    return gemlite
+
+
+@dataclass(frozen=True)
+class GemliteProduct:
+    """``x (M, IN) @ W.T`` by GemLite's op for one weight: the tensors and integers its packed
+    layer hands the op (``GemLiteLinear.get_tensor_args`` / ``get_meta_args``), kept as they are.
+    A plain object, not a module: ``model.to(...)`` leaves it where it was made (``usable``)."""
+
+    tensors: Tuple[torch.Tensor, ...]
+    meta: Tuple[int, ...]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.gemlite.forward_functional(x.contiguous(), None, list(self.tensors), list(self.meta), -1)
+
+
+def supports(weight) -> bool:
+    """Whether GemLite can take ``weight`` (a ``QuantizedWeight``): int8 or int4, one matrix (not
+    stacked experts), 16-bit scales, inputs a multiple of 32, the plain integers at hand."""
+    return (
+        weight.scheme.name in ("int8", "int4")
+        and weight.values is not None
+        and weight.values.dim() == 2
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.in_features % MIN_INPUTS == 0
+    )
+
+
+def arguments(weight) -> Tuple[torch.Tensor, torch.Tensor, Optional[int], int, int]:
+    """``(W_q, scales, zeros, bits, group_size)``: ``weight`` in GemLite's (HQQ's) format, ``W ~
+    (W_q - zeros) * scales`` per group (module docstring). int8: the integers ``(OUT, IN)`` as
+    stored, scales ``(OUT, 1)``, no zeros, one group a row. int4: codes ``(OUT, IN)`` uint8 in
+    [0, 15], scales ``(OUT, IN/G)``, zeros 8."""
+    if weight.scheme.name == "int8":
+        return weight.values, weight.scales[:, None], None, 8, weight.in_features
+    codes = (weight.integers() + 8).to(torch.uint8)  # (OUT, IN): the stored nibbles, unpacked
+    return codes, weight.scales, 8, 4, weight.scheme.group_size
+
+
+def dequantize(W_q: torch.Tensor, scales: torch.Tensor, zeros: Optional[int], group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The weight GemLite's format stands for, ``(W_q - zeros) * scales`` with each scale repeated
+    over its group, rounded once to ``dtype``: what its kernels multiply by."""
+    integers = W_q.to(torch.float32) - (zeros or 0)  # (OUT, IN)
+    return (integers * scales.to(torch.float32).repeat_interleave(group_size, dim=-1)).to(dtype)
+
+
+def product(weight) -> GemliteProduct:
+    """GemLite's layer for ``weight`` (on its GPU), packed from ``arguments``: int8 as GemLite's
+    ``A16W8_INT8`` packs pre-quantized weights, int4 by ``GemLiteLinear.pack`` (its README's use)."""
+    gemlite = library()
+    W_q, scales, zeros, bits, group_size = arguments(weight)
+    dtype = gemlite.DType.BF16 if weight.dtype == torch.bfloat16 else gemlite.DType.FP16
+    if bits == 8:
+        layer = gemlite.helper.A16W8_INT8(device=weight.device, dtype=weight.dtype).from_weights(W_q, scales=scales)
+    else:
+        out_features, in_features = weight.shape
+        layer = gemlite.GemLiteLinear(4, group_size=group_size, in_features=in_features, out_features=out_features,
+                                      input_dtype=dtype, output_dtype=dtype)  # fmt: skip
+        layer.pack(W_q, scales, zeros)
+    return GemliteProduct(tuple(layer.get_tensor_args()), tuple(int(m) for m in layer.get_meta_args()))
+
+
+def usable(x: torch.Tensor, weight) -> bool:
+    """Whether ``quantized_linear`` multiplies ``x`` by ``weight``'s GemLite product: it has one, on
+    ``x``'s device, in ``x``'s dtype, for fewer than ``ROWS`` rows."""
+    made = weight.gemlite
+    return made is not None and x.device == made.device and x.dtype == weight.dtype and x.shape[0] < ROWS
+
+
+def held_bytes(weights: List) -> int:
+    """Bytes GemLite's packed layouts add beside the weights' own tensors (int4: its int32 words;
+    int8 reads the integers in place)."""
+    total = 0
+    for weight in weights:
+        made = getattr(weight, "gemlite", None)
+        if made is not None and weight.scheme.name == "int4":
+            total += made.tensors[0].numel() * made.tensors[0].element_size()
+    return total
