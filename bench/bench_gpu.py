@@ -32,9 +32,11 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
   ours ``generate.prefill`` (last logits only) at the default chunk, transformers
   ``model(prompt, logits_to_keep=1)``; with the peak GPU memory over what was allocated before.
 
-* quantized decode (``--quantize int8 int4``, default both, or ``nf4``; ``--quantize`` alone for
-  none): the same model's weights quantized (``quant.model.quantize_model``: int8 per output row,
-  int4 in groups of 32, nf4 in groups of 64 through bitsandbytes' CUDA kernel), decode at batch
+* quantized decode (``--quantize int8 int4``, default both, or ``int4-128``, ``nf4``, and
+  ``int8-gemlite``, ``int4-gemlite``, ``int4-128-gemlite`` through GemLite's kernels; ``--quantize``
+  alone for none): the same model's weights quantized (``quant.model.quantize_model``: int8 per
+  output row, int4 in groups of 32 or 128, nf4 in groups of 64 through bitsandbytes' CUDA kernel;
+  without ``-gemlite``, PyTorch's kernels even where GemLite is installed), decode at batch
   1 eager and fast, with the greedy agreement of its tokens with the bfloat16 model's
   (``same_tokens``: leading tokens equal). A copy is quantized where one fits beside the
   bfloat16 model; else the model itself, and later schemes are skipped.
@@ -68,6 +70,7 @@ import time
 import warnings
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +82,7 @@ from mixtral_infer.checkpoint.hf_format import hf_to_published  # noqa: E402
 from mixtral_infer.checkpoint.loading import build_model  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size, prefill  # noqa: E402
 from mixtral_infer.model.moe import MoeLayer  # noqa: E402
+from mixtral_infer.quant import gemlite_cuda  # noqa: E402
 from mixtral_infer.quant.model import quantize_model  # noqa: E402
 
 SHAPES = {
@@ -370,12 +374,27 @@ def bench_transformers_decode(hf, prompts, ours_tokens: list, repeats: int, hf_c
             log(f"  b{batch} transformers_compiled failed: {row['transformers_compiled_error']}")
 
 
+GEMLITE = "-gemlite"  # a scheme's suffix: its dense weights through GemLite (quant/gemlite_cuda.py)
+
+
+def quantized_with(model: Transformer, scheme: str) -> Transformer:
+    """``model`` quantized to ``scheme`` (``int8``, ``int4-128-gemlite``...) in place: with the
+    ``-gemlite`` suffix through GemLite's kernels (an error where it does not import), without it
+    through PyTorch's (int8 compiled, tinygemm) even where GemLite is installed."""
+    if not scheme.endswith(GEMLITE):
+        with mock.patch.object(gemlite_cuda, "library", lambda: None):
+            return quantize_model(model, scheme)
+    if gemlite_cuda.library() is None:
+        raise RuntimeError("GemLite does not import here: carry its wheel (bench/gpu_lease.sh)")
+    return quantize_model(model, scheme[: -len(GEMLITE)])
+
+
 def bench_quantized_decode(
     model: Transformer, scheme: str, repeats: int, float_tokens: list, in_place: bool, modes, log
 ) -> Dict:
     """Batch-1 decode of ``model`` quantized to ``scheme``: a copy (the float model stays), or
     with ``in_place`` the model itself."""
-    quantized = quantize_model(model if in_place else copy.deepcopy(model), scheme)
+    quantized = quantized_with(model if in_place else copy.deepcopy(model), scheme)
     prompts = random_prompts(1, PROMPT, model.args.vocab_size, seed=1)
     row: Dict = {"scheme": scheme, "batch": 1}
     tokens: list = []
@@ -485,8 +504,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-hf-compile", action="store_true", help="skip transformers + StaticCache + torch.compile")
-    parser.add_argument("--quantize", nargs="*", default=["int8", "int4"], choices=["int8", "int4", "nf4"],
-                        help="quantized decode rows")  # fmt: skip
+    schemes = ["int8", "int4", "int4-128", "nf4"]
+    parser.add_argument("--quantize", nargs="*", default=["int8", "int4"],
+                        choices=schemes + [s + GEMLITE for s in schemes if s.startswith("int")],
+                        help="quantized decode rows (-gemlite: through GemLite's kernels)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
                         help="decode modes of the quantized rows (without eager: no token agreement)")  # fmt: skip
     parser.add_argument("--without-transformers", action="store_true", help="ours alone, every layer, random weights")

@@ -3,7 +3,8 @@
 # 10 minutes; a session has 30), in the order they matter. Results go to $OUT (the device tool's
 # folder that comes back; ./gpu-results elsewhere) as JSON, with each step's log.
 #
-#   bash bench/gpu_lease.sh matvec    # which int8 / int4 product reads fastest (no model): ~3 min
+#   bash bench/gpu_lease.sh matvec    # which int8 / int4 product reads fastest (no model; GemLite's among them): ~4 min
+#   bash bench/gpu_lease.sh gemlite   # Mistral-7B decode batch 1: bf16, int8 and int4-128 through GemLite, compiled
 #   bash bench/gpu_lease.sh quant     # Mistral-7B decode batch 1: bf16, int8, int4 (2 k-tiles), compiled: ~9 min
 #   bash bench/gpu_lease.sh nf4       # Mistral-7B decode batch 1: bf16 and nf4 (bitsandbytes' kernel), compiled
 #   bash bench/gpu_lease.sh batches   # Mistral-7B decode batch 8 and 32, prefill 2048 and 8192, beside transformers
@@ -19,6 +20,10 @@
 # loader finds (quant/nf4.cuda_kernel reads no Python of the package):
 #   mkdir -p .gpu_site/bitsandbytes
 #   cp .venv/lib/python3.11/site-packages/bitsandbytes/libbitsandbytes_cuda130.so .gpu_site/bitsandbytes/
+# GemLite (quant/gemlite_cuda.py) is plain Python over the machine's Triton 3.6 (and numpy, tqdm, which it
+# has); PyPI holds only its source, so carry the package folder itself:
+#   pip download --no-deps -d /tmp/gl gemlite==0.6.0.post2 && tar xzf /tmp/gl/gemlite-0.6.0.post2.tar.gz -C /tmp/gl
+#   cp -r /tmp/gl/gemlite-0.6.0.post2/gemlite .gpu_site/
 # (tests/test_cuda.py's bitsandbytes-folder test writes its folder with bitsandbytes' own Python:
 # for that run carry the wheel itself, .whl as the device README says, and little else.)
 #
@@ -33,12 +38,14 @@ out="${OUT:-gpu-results}"
 mkdir -p "$out" .gpu_cache/inductor .gpu_cache/triton
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.gpu_cache/inductor" TRITON_CACHE_DIR="$PWD/.gpu_cache/triton"
 trap 'tar czf "$out/gpu_cache.tgz" -C .gpu_cache . 2>/dev/null || true' EXIT
-step="${1:?a step: matvec, quant, nf4, batches, mixtral or serve}"
+step="${1:?a step: matvec, gemlite, quant, nf4, batches, mixtral or serve}"
 run() { timeout -s INT "$1" "${@:2}" 2>&1 | tee "$out/$step.log"; }
 case "$step" in
   matvec)  run 290 python bench/gpu_matvec.py --out "$out/matvec.json" ;;
   quant)   run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
              --quantize int8 int4 --modes compiled --repeats 2 --out "$out/quant.json" ;;
+  gemlite) run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
+             --quantize int8-gemlite int4-128-gemlite --modes compiled --repeats 2 --out "$out/gemlite.json" ;;
   nf4)     run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
              --quantize nf4 --modes compiled --repeats 2 --out "$out/nf4.json" ;;
   batches) run 580 python bench/bench_gpu.py --models mistral-7b --batches 8 32 --prefill 2048 8192 --quantize \
@@ -47,5 +54,5 @@ case "$step" in
              --repeats 2 --out "$out/mixtral.json" ;;
   serve)   run 580 python bench/bench_serve.py --shape mistral-7b --layers 8 --device cuda --dtype bfloat16 \
              --requests 96 --clients 32 --out "$out/serve.json" ;;
-  *) echo "unknown step $step: matvec, quant, nf4, batches, mixtral or serve" >&2; exit 2 ;;
+  *) echo "unknown step $step: matvec, gemlite, quant, nf4, batches, mixtral or serve" >&2; exit 2 ;;
 esac

@@ -13,6 +13,9 @@ Each way's output is checked against the dequantize-then-matmul reference first 
 * ``nf4 bitsandbytes``: bitsandbytes' fused CUDA kernel (``cgemm_4bit_bf16``, groups of 64, its
   own format: ``quant/nf4.py``), what ``quantize="nf4"`` runs on CUDA; ``nf4 bitsandbytes gemv``:
   its older one-row kernel (``cgemm_4bit_inference_naive_bf16``), for comparison;
+* ``int8 gemlite``, ``int4 gemlite`` (groups of 32) and ``int4-128 gemlite``: GemLite's Triton
+  kernels (``quant/gemlite_cuda.py``: its matrix-vector kernels at one row), what ``linear()``
+  runs on CUDA where GemLite is installed; carry its wheel (``bench/gpu_lease.sh``);
 * ``int8 words`` and ``int4 words``: the plain integers read as int32 words, 4 int8 or 8 int4
   values a load, unpacked by shifts in the compiled reduction (``int8_words``, ``int4_words``).
   Not yet run on a GPU: a guess at why int8 is no faster than bfloat16 for 14336 x 4096 (a
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_gpu import cuda_graph_of  # noqa: E402
 
 from mixtral_infer.model.linear import linear  # noqa: E402
-from mixtral_infer.quant import nf4  # noqa: E402
+from mixtral_infer.quant import gemlite_cuda, nf4  # noqa: E402
 from mixtral_infer.quant.kernels import _scales_and_zeros, tinygemm_bytes, with_cuda_nf4_layout  # noqa: E402
 from mixtral_infer.quant.weights import QuantScheme, quantize  # noqa: E402
 
@@ -97,6 +100,22 @@ def bitsandbytes_gemv(x: torch.Tensor, weights: list) -> Callable[[], list]:
                  torch.cuda.current_stream().cuda_stream)  # fmt: skip
             outs.append(out)
         return outs
+
+    return run
+
+
+def gemlite_products(x: torch.Tensor, weights: list) -> Callable[[], list]:
+    """GemLite's product of ``x`` by each weight (``gemlite_cuda.product``, packed on the first
+    call, so a machine without GemLite fails inside the timed way's try). Its first call of each
+    shape autotunes where GemLite's cached configurations lack it (H100's are loaded on an H200)."""
+    products: list = []
+
+    def run() -> list:
+        if not products:
+            if gemlite_cuda.library() is None:
+                raise RuntimeError("GemLite does not import here: carry its wheel (bench/gpu_lease.sh)")
+            products.extend(gemlite_cuda.product(q) for q in weights)
+        return [product(x) for product in products]
 
     return run
 
@@ -195,6 +214,13 @@ def main(argv=None) -> int:
 
     ways["nf4 bitsandbytes"] = (nf4_products, "nf4", nf4_bytes)
     ways["nf4 bitsandbytes gemv"] = (bitsandbytes_gemv(x, nf4_weights), "nf4", nf4_bytes)
+
+    int4_128 = [quantize(w, QuantScheme.parse("int4-128"), bf16) for w in floats]
+    references["int4-128"] = [F.linear(x.float(), q.dequantize(torch.float32)) for q in int4_128]
+    gemlite_ways = (("int8", int8, int8_bytes), ("int4", int4, n // 2 + 2 * n // 32),
+                    ("int4-128", int4_128, n // 2 + 2 * n // 128))  # fmt: skip
+    for scheme, quantized, nbytes in gemlite_ways:
+        ways[f"{scheme} gemlite"] = (gemlite_products(x, quantized), scheme, nbytes)
 
     results: List[Dict] = []
     for name, (run, kind, nbytes) in ways.items():
