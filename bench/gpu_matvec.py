@@ -15,7 +15,8 @@ Each way's output is checked against the dequantize-then-matmul reference first 
   its older one-row kernel (``cgemm_4bit_inference_naive_bf16``), for comparison;
 * ``int8 gemlite``, ``int4 gemlite`` (groups of 32) and ``int4-128 gemlite``: GemLite's Triton
   kernels (``quant/gemlite_cuda.py``: its matrix-vector kernels at one row), what ``linear()``
-  runs on CUDA where GemLite is installed; carry its wheel (``bench/gpu_lease.sh``);
+  runs on CUDA where GemLite is installed; carry its wheel (``bench/gpu_lease.sh``); the int4 ones
+  also ``... bf16 atomics``, GemLite's default way of adding up its split sums (less accurate);
 * ``int8 words`` and ``int4 words``: the plain integers read as int32 words, 4 int8 or 8 int4
   values a load, unpacked by shifts in the compiled reduction (``int8_words``, ``int4_words``).
   Not yet run on a GPU: a guess at why int8 is no faster than bfloat16 for 14336 x 4096 (a
@@ -104,18 +105,25 @@ def bitsandbytes_gemv(x: torch.Tensor, weights: list) -> Callable[[], list]:
     return run
 
 
-def gemlite_products(x: torch.Tensor, weights: list) -> Callable[[], list]:
+def gemlite_products(x: torch.Tensor, weights: list, bf16_atomics: bool = False) -> Callable[[], list]:
     """GemLite's product of ``x`` by each weight (``gemlite_cuda.product``, packed on the first
     call, so a machine without GemLite fails inside the timed way's try). Its first call of each
-    shape autotunes where GemLite's cached configurations lack it (H100's are loaded on an H200)."""
+    shape autotunes where GemLite's cached configurations lack it (H100's are loaded on an H200).
+    ``bf16_atomics``: split sums added up in bfloat16, GemLite's default (``gemlite_cuda``'s
+    docstring: ours add up in float32); the setting is read as the products are captured."""
     products: list = []
 
     def run() -> list:
+        library = gemlite_cuda.library()
+        if library is None:
+            raise RuntimeError("GemLite does not import here: carry its wheel (bench/gpu_lease.sh)")
         if not products:
-            if gemlite_cuda.library() is None:
-                raise RuntimeError("GemLite does not import here: carry its wheel (bench/gpu_lease.sh)")
             products.extend(gemlite_cuda.product(q) for q in weights)
-        return [product(x) for product in products]
+        library.set_native_atomic_bfp16(bf16_atomics)
+        try:
+            return [product(x) for product in products]
+        finally:
+            library.set_native_atomic_bfp16(False)
 
     return run
 
@@ -221,6 +229,8 @@ def main(argv=None) -> int:
                     ("int4-128", int4_128, n // 2 + 2 * n // 128))  # fmt: skip
     for scheme, quantized, nbytes in gemlite_ways:
         ways[f"{scheme} gemlite"] = (gemlite_products(x, quantized), scheme, nbytes)
+        if scheme.startswith("int4"):  # GemLite's default: its split sums added up in bfloat16
+            ways[f"{scheme} gemlite bf16 atomics"] = (gemlite_products(x, quantized, True), scheme, nbytes)
 
     results: List[Dict] = []
     for name, (run, kind, nbytes) in ways.items():

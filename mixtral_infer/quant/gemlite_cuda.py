@@ -29,6 +29,15 @@ it, as the op cannot take an index) in bfloat16 or float16, inputs a multiple of
 fewer than ``ROWS`` rows (GemLite's matrix-vector and split-K range). More rows take the path they
 took before (int4 dequantizes, int8 ``F.linear`` of the converted integers).
 
+Accuracy: GemLite's 4-bit matrix-vector kernel splits each output's sum among many programs (256
+for 4096 inputs with H100's tuning) that add their parts into the output atomically, in the
+output's dtype where the GPU can (bfloat16 on Hopper): 256 roundings to bfloat16, about 2% of each
+output (measured in float16 through Triton's interpreter on CPU: 1.7e-3 of the norm, 9x a float16
+product's; bfloat16 has 8x float16's step). ``library`` turns that off
+(``set_native_atomic_bfp16(False)``, GemLite's own switch "for higher accuracy"): the parts add up
+in float32 and the output is rounded once, as every other product here is; it costs a conversion
+of the output (``bench/gpu_matvec.py`` times both).
+
 Tuning: GemLite autotunes each shape on first use, unless its cached configurations for the GPU
 hold it. It ships them per GPU name (``h100.json``...). An H200 is an H100's chip with faster memory,
 so on a compute-capability 9.0 GPU that no shipped file names, H100's are loaded (``library``).
@@ -56,14 +65,15 @@ SAME_CHIP = {"h200": "h100"}  # GPU name -> the shipped tuning file it can use (
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ModuleType]:
     """The ``gemlite`` package, imported, or None: no CUDA, not installed, or it fails to import
-    (it asks the GPU for its properties when imported). Loads H100's tuning on an H200 (module
-    docstring). Set ``MIXTRAL_INFER_GEMLITE=0`` to leave it unused where installed."""
+    (it asks the GPU for its properties when imported). Split sums add up in float32, and H100's
+    tuning is loaded on an H200 (module docstring). Set ``MIXTRAL_INFER_GEMLITE=0`` to leave it unused where installed."""
     if os.environ.get("MIXTRAL_INFER_GEMLITE", "1") == "0" or not torch.cuda.is_available():
         return None
     try:
         import gemlite
     except Exception:  # not installed, or a Triton/torch it cannot run with
         return None
+    gemlite.set_native_atomic_bfp16(False)  # split sums add up in float32 (module docstring: accuracy)
     name = torch.cuda.get_device_name().lower()
     for gpu, shipped in SAME_CHIP.items():
         configs = Path(gemlite.__file__).parent / "configs"
