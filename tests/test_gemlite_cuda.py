@@ -99,3 +99,26 @@ def test_serving_counts_gemlites_int4_words_among_the_weights():
     wq = model.layers["0"].attention.wq.weight
     wq.gemlite = StandIn(wq)
     assert weight_bytes(model) == before + 64 * 64 // 2  # (IN/8, OUT) int32 words: half a byte a weight
+
+
+def test_a_weight_gemlite_cannot_pack_is_logged_and_left_to_pytorchs_kernels(monkeypatch, caplog):
+    """An optional accelerator never stops a model loading: a GemLite that fails to pack a weight
+    (its API moved, say) leaves one logged line and no product."""
+
+    class Broken:
+        class DType:
+            BF16 = FP16 = None
+
+        class GemLiteLinear:
+            def __init__(self, *args, **kwargs):
+                raise TypeError("unexpected keyword argument 'group_size'")
+
+    monkeypatch.setattr(gemlite_cuda, "library", lambda: Broken)
+    weight = quantize(torch.randn(64, 96, generator=torch.Generator().manual_seed(3)), QuantScheme.parse("int4"),
+                      torch.bfloat16)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        assert gemlite_cuda.product_or_none(weight) is None
+    assert caplog.messages == [
+        "GemLite could not pack a 64x96 weight of int4 (TypeError: unexpected keyword argument 'group_size'); "
+        "using PyTorch's kernels"
+    ]

@@ -49,6 +49,7 @@ beside bfloat16 and PyTorch's kernels, ``bench/gpu_lease.sh gemlite`` the Mistra
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,18 @@ def dequantize(W_q: torch.Tensor, scales: torch.Tensor, zeros: Optional[int], gr
     over its group, rounded once to ``dtype``: what its kernels multiply by."""
     integers = W_q.to(torch.float32) - (zeros or 0)  # (OUT, IN)
     return (integers * scales.to(torch.float32).repeat_interleave(group_size, dim=-1)).to(dtype)
+
+
+def product_or_none(weight) -> Optional[GemliteProduct]:
+    """``product(weight)``, or None with one logged line where GemLite fails to pack it (a GemLite
+    whose API moved, a shape it refuses): the weight then takes PyTorch's kernels, as without it."""
+    try:
+        return product(weight)
+    except Exception as error:  # an optional accelerator: never the reason a model fails to load
+        shape = "x".join(map(str, weight.shape))
+        logging.getLogger(__name__).warning("GemLite could not pack a %s weight of %s %s (%s: %s); using PyTorch's kernels",
+                                            shape, weight.scheme.name, type(error).__name__, error)  # fmt: skip
+        return None
 
 
 def product(weight) -> GemliteProduct:

@@ -350,8 +350,9 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
     instead (``weight.gemlite``, ``gemlite_cuda.product``), their plain values kept for prompts.
     """
     if weight.device.type == "cuda" and gemlite_cuda.supports(weight) and gemlite_cuda.library() is not None:
-        weight.gemlite = gemlite_cuda.product(weight)
-        return weight
+        weight.gemlite = gemlite_cuda.product_or_none(weight)
+        if weight.gemlite is not None:
+            return weight
     if weight.dtype != torch.bfloat16 or not weight.scheme.four_bit:
         return weight
     if weight.scheme.name == "nf4":
