@@ -138,7 +138,7 @@ def product_or_none(weight) -> Optional[GemliteProduct]:
         return product(weight)
     except Exception as error:  # an optional accelerator: never the reason a model fails to load
         shape = "x".join(map(str, weight.shape))
-        logging.getLogger(__name__).warning("GemLite could not pack a %s weight of %s %s (%s: %s); using PyTorch's kernels",
+        logging.getLogger(__name__).warning("GemLite could not pack a %s weight of %s (%s: %s); using PyTorch's kernels",
                                             shape, weight.scheme.name, type(error).__name__, error)  # fmt: skip
         return None
 
