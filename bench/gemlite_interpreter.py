@@ -14,7 +14,8 @@ error for scale, and the error against two wrong formats (nibbles swapped in a b
 one), which a right format is far from::
 
     pip install --target /tmp/tri triton==3.6.0 tqdm
-    pip download --no-deps -d /tmp/gl gemlite==0.6.0.post2 && pip install --no-deps --target /tmp/tri /tmp/gl/gemlite-*.tar.gz
+    pip download --no-deps -d /tmp/gl gemlite==0.6.0.post2
+    pip install --no-deps --target /tmp/tri /tmp/gl/gemlite-*.tar.gz
     PYTHONPATH=/tmp/tri python bench/gemlite_interpreter.py int8 int4-128 int4
 """
 
@@ -100,9 +101,11 @@ def main(schemes) -> int:
         start = time.perf_counter()
         got = gemlite_cuda.product(weight)(x)
         seconds = time.perf_counter() - start
-        line = f"{scheme:9s} GemLite {relative(got, reference):.1e}  float16 F.linear {relative(x @ weight.dequantize(dtype).T, reference):.1e}"
+        in_float16 = x @ weight.dequantize(dtype).T
+        line = f"{scheme:9s} GemLite {relative(got, reference):.1e}  float16 F.linear {relative(in_float16, reference):.1e}"
         if weight.scheme.name == "int4":
-            swapped = QuantizedWeight(weight.scheme, (weight.values << 4) | (weight.values >> 4), weight.scales, in_features)
+            values = (weight.values << 4) | (weight.values >> 4)  # each byte's two inputs the other way round
+            swapped = QuantizedWeight(weight.scheme, values, weight.scales, in_features)
             groups = weight.scales.float().repeat_interleave(weight.scheme.group_size, dim=-1)  # (OUT, IN)
             line += f"  nibbles swapped {relative(got, x.float() @ swapped.dequantize().T):.2f}"
             line += f"  zeros 7 {relative(got, reference + x.float() @ groups.T):.2f}"

@@ -18,7 +18,8 @@ from mixtral_infer.serve.sizing import weight_bytes
 @pytest.mark.parametrize("scheme", ["int8", "int4", "int4-128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gemlites_format_stands_for_the_reference_weight_bit_for_bit(scheme, dtype):
-    weight = quantize(torch.randn(96, 256, generator=torch.Generator().manual_seed(1)), QuantScheme.parse(scheme), dtype)
+    g = torch.Generator().manual_seed(1)
+    weight = quantize(torch.randn(96, 256, generator=g), QuantScheme.parse(scheme), dtype)
     W_q, scales, zeros, bits, group_size = gemlite_cuda.arguments(weight)
     assert W_q.shape == (96, 256) and scales.shape == (96, 256 // group_size)
     if scheme == "int8":
@@ -50,7 +51,8 @@ def test_which_weights_gemlite_takes():
     assert not gemlite_cuda.supports(quantize(dense, QuantScheme.parse("int8"), torch.float32))  # 16-bit only
     experts = quantize(torch.randn(4, 64, 96, generator=g), QuantScheme.parse("int8"), torch.bfloat16)
     assert not gemlite_cuda.supports(experts)  # one expert of them would be a gathered copy
-    assert not gemlite_cuda.supports(quantize(torch.randn(64, 48, generator=g), QuantScheme.parse("int8"), torch.bfloat16))
+    off_32 = quantize(torch.randn(64, 48, generator=g), QuantScheme.parse("int8"), torch.bfloat16)
+    assert not gemlite_cuda.supports(off_32)  # GemLite's inputs: a multiple of 32
 
 
 def test_no_gemlite_without_cuda_so_cpu_weights_keep_their_layouts():

@@ -66,8 +66,8 @@ SAME_CHIP = {"h200": "h100"}  # GPU name -> the shipped tuning file it can use (
 @functools.lru_cache(maxsize=None)
 def library() -> Optional[ModuleType]:
     """The ``gemlite`` package, imported, or None: no CUDA, not installed, or it fails to import
-    (it asks the GPU for its properties when imported). Split sums add up in float32, and H100's
-    tuning is loaded on an H200 (module docstring). Set ``MIXTRAL_INFER_GEMLITE=0`` to leave it unused where installed."""
+    (it asks the GPU for its properties when imported), or ``MIXTRAL_INFER_GEMLITE=0``. Split sums
+    add up in float32, and H100's tuning is loaded on an H200 (module docstring)."""
     if os.environ.get("MIXTRAL_INFER_GEMLITE", "1") == "0" or not torch.cuda.is_available():
         return None
     try:
@@ -75,9 +75,8 @@ def library() -> Optional[ModuleType]:
     except Exception:  # not installed, or a Triton/torch it cannot run with
         return None
     gemlite.set_native_atomic_bfp16(False)  # split sums add up in float32 (module docstring: accuracy)
-    name = torch.cuda.get_device_name().lower()
+    name, configs = torch.cuda.get_device_name().lower(), Path(gemlite.__file__).parent / "configs"
     for gpu, shipped in SAME_CHIP.items():
-        configs = Path(gemlite.__file__).parent / "configs"
         if gpu in name and not (configs / f"{gpu}.json").exists() and (configs / f"{shipped}.json").exists():
             gemlite.load_config(str(configs / f"{shipped}.json"))
     return gemlite
@@ -138,8 +137,8 @@ def product_or_none(weight) -> Optional[GemliteProduct]:
         return product(weight)
     except Exception as error:  # an optional accelerator: never the reason a model fails to load
         shape = "x".join(map(str, weight.shape))
-        logging.getLogger(__name__).warning("GemLite could not pack a %s weight of %s (%s: %s); using PyTorch's kernels",
-                                            shape, weight.scheme.name, type(error).__name__, error)  # fmt: skip
+        message = "GemLite could not pack a %s weight of %s (%s: %s); using PyTorch's kernels"
+        logging.getLogger(__name__).warning(message, shape, weight.scheme.name, type(error).__name__, error)
         return None
 
 
