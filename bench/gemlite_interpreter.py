@@ -102,7 +102,8 @@ def main(schemes) -> int:
         got = gemlite_cuda.product(weight)(x)
         seconds = time.perf_counter() - start
         in_float16 = x @ weight.dequantize(dtype).T
-        line = f"{scheme:9s} GemLite {relative(got, reference):.1e}  float16 F.linear {relative(in_float16, reference):.1e}"
+        line = f"{scheme:9s} GemLite {relative(got, reference):.1e}"
+        line += f"  float16 F.linear {relative(in_float16, reference):.1e}"
         if weight.scheme.name == "int4":
             values = (weight.values << 4) | (weight.values >> 4)  # each byte's two inputs the other way round
             swapped = QuantizedWeight(weight.scheme, values, weight.scales, in_features)
