@@ -5,10 +5,14 @@ that serving counts its layout. Its kernels themselves run in ``tests/test_cuda.
 
 from __future__ import annotations
 
+import copy
+from typing import List, Optional
+
 import pytest
 import torch
-from conftest import random_model, tiny_args
+from conftest import WINDOW, random_model, tiny_args
 
+from mixtral_infer import generate
 from mixtral_infer.quant import gemlite_cuda, kernels
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
@@ -124,3 +128,71 @@ def test_a_weight_gemlite_cannot_pack_is_logged_and_left_to_pytorchs_kernels(mon
         "GemLite could not pack a 64x96 weight of int4 (TypeError: unexpected keyword argument 'group_size'); "
         "using PyTorch's kernels"
     ]
+
+
+CALLS: list = []  # rows of each chunk the stand-in op multiplied
+
+
+def stand_in_op():
+    """``gemlite::forward_functional`` as GemLite declares it (a custom op with a fake), on CPU,
+    computing what its format stands for from ``tensors = (W_q, scales)`` and ``meta = (zeros,
+    group_size)``: this machine has no GemLite (no CUDA), so the name is free."""
+    if hasattr(torch.ops.gemlite, "forward_functional"):
+        return
+
+    @torch.library.custom_op("gemlite::forward_functional", mutates_args=())
+    def forward_functional(x: torch.Tensor, bias: Optional[torch.Tensor], tensor_args: List[torch.Tensor],
+                           meta_args: List[int], matmul_type: int = -1) -> torch.Tensor:  # fmt: skip
+        CALLS.append(x.shape[0])
+        W_q, scales = tensor_args
+        zeros, group_size = meta_args
+        return torch.nn.functional.linear(x, gemlite_cuda.dequantize(W_q, scales, zeros, group_size, x.dtype))
+
+    @forward_functional.register_fake
+    def _(x, bias, tensor_args, meta_args, matmul_type=-1):
+        return x.new_empty(x.shape[0], tensor_args[0].shape[0])
+
+
+def assert_alike(got, expected):
+    """Same tokens, logprobs within 0.1 (bfloat16 products computed another way, as
+    ``test_nf4``'s compiled step against eager)."""
+    assert got[0] == expected[0]
+    for row_got, row_expected in zip(got[1], expected[1]):
+        assert row_got == pytest.approx(row_expected, abs=0.1)
+
+
+@pytest.mark.parametrize("moe, scheme", [(False, "int8"), (True, "int4")], ids=["mistral-int8", "mixtral-int4"])
+def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(moe, scheme, monkeypatch):
+    """A ``GemliteProduct`` on every weight GemLite takes (attention, dense feed-forward; not the
+    stacked experts), calling GemLite's op (a CPU stand-in with its signature) as decoding does on a
+    GPU: compiled decoding (``fullgraph``: the products trace without a break) gives eager's tokens,
+    the op multiplying every step's rows; the first tokens are those of PyTorch's kernels (later
+    ones may part at a near tie: the products round differently). (int4 weights keep their plain
+    bytes, as on a GPU, instead of the CPU kernel's layout. Two of the four pairs: each is a compiled
+    step (10-20 s), and either scheme's product is the same op call.)"""
+    stand_in_op()
+    from test_model import random_prompts  # noqa: PLC0415 (its fixtures stay out of this module)
+
+    if scheme == "int4":
+        monkeypatch.setattr("mixtral_infer.quant.model.prepare", lambda weight, keep_values=False: weight)
+    plain = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=2), seed=31).to(torch.bfloat16), scheme)
+    with_gemlite = copy.deepcopy(plain)
+    taken = []
+    for name, module in with_gemlite.named_modules():
+        if isinstance(module, QuantizedParameter) and gemlite_cuda.supports(module):
+            W_q, scales, zeros, _, group_size = gemlite_cuda.arguments(module)
+            module.gemlite = gemlite_cuda.GemliteProduct((W_q, scales), (zeros or 0, group_size))
+            taken.append(name)
+    assert ("layers.0.feed_forward.w1.weight" in taken) == (not moe) and "layers.0.attention.wq.weight" in taken
+    assert not any("experts" in name or name.endswith("feed_forward.w1") for name in taken)
+    prompts = random_prompts([2 * WINDOW + 1, 3], plain.args.vocab_size, seed=7)
+    settings = dict(max_tokens=2 * WINDOW, prompt_logprobs=False)
+    CALLS.clear()
+    eager = generate(prompts, with_gemlite, decode="eager", **settings)
+    assert {1, 2} & set(CALLS)  # decoding's rows (one a sequence) went through it
+    CALLS.clear()
+    assert_alike(generate(prompts, with_gemlite, decode="compiled", **settings), eager)
+    assert CALLS.count(2) >= 2 * WINDOW - 1  # the compiled step's 2 rows, every step
+    first = tuple([row[:WINDOW] for row in rows] for rows in eager)
+    pytorchs = generate(prompts, plain, decode="eager", max_tokens=WINDOW, prompt_logprobs=False)
+    assert_alike(first, pytorchs)
