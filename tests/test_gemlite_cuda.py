@@ -6,6 +6,8 @@ that serving counts its layout. Its kernels themselves run in ``tests/test_cuda.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import List, Optional
 
 import pytest
@@ -196,3 +198,32 @@ def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(m
     first = tuple([row[:WINDOW] for row in rows] for rows in eager)
     pytorchs = generate(prompts, plain, decode="eager", max_tokens=WINDOW, prompt_logprobs=False)
     assert_alike(first, pytorchs)
+
+
+def test_gemlites_tunings_are_kept_between_processes(tmp_path, monkeypatch):
+    """What GemLite tuned is written when the process ends and loaded by the next one."""
+
+    class Tunings:  # GemLite's load_config / cache_config, on a dict instead of its kernels
+        def __init__(self, tuned):
+            self.tuned = dict(tuned)
+
+        def load_config(self, path, print_error=True):
+            self.tuned.update(json.loads(Path(path).read_text()))
+
+        def cache_config(self, path):
+            kept = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+            Path(path).write_text(json.dumps({**kept, **self.tuned}))
+
+    at_exit = []
+    monkeypatch.setattr(gemlite_cuda.atexit, "register", at_exit.append)
+    path = gemlite_cuda.tuning_file("NVIDIA H200", "0.6.0.post2")
+    assert path.endswith("mixtral_infer_gemlite/nvidia_h200-0.6.0.post2.json")
+    path = str(tmp_path / "kept" / "nvidia_h200-0.6.0.post2.json")
+    first = Tunings({"GEMV_SPLITK (1, 4096, 4096)": "config a"})
+    gemlite_cuda.keep_tuning(first, path)  # nothing kept yet
+    at_exit.pop()()  # the first process ends
+    second = Tunings({"GEMV_REVSPLITK (1, 1024, 4096)": "config b"})
+    gemlite_cuda.keep_tuning(second, path)
+    assert second.tuned == {"GEMV_SPLITK (1, 4096, 4096)": "config a", "GEMV_REVSPLITK (1, 1024, 4096)": "config b"}
+    at_exit.pop()()
+    assert json.loads(Path(path).read_text()) == second.tuned

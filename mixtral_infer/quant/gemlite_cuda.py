@@ -40,7 +40,9 @@ of the output (``bench/gpu_matvec.py`` times both).
 
 Tuning: GemLite autotunes each shape on first use, unless its cached configurations for the GPU
 hold it. It ships them per GPU name (``h100.json``...). An H200 is an H100's chip with faster memory,
-so on a compute-capability 9.0 GPU that no shipped file names, H100's are loaded (``library``).
+so on a GPU named H200, which no shipped file names, H100's are loaded (``library``). What it tunes
+here is kept, as its README advises, in ``tuning_file()`` beside inductor's cache: written when the
+process ends, loaded by the next (``keep_tuning``), so each shape autotunes once per machine.
 
 Measured: not yet (no GPU lent to the session that wrote it). ``bench/gpu_matvec.py`` has its rows
 beside bfloat16 and PyTorch's kernels, ``bench/gpu_lease.sh gemlite`` the Mistral-7B decode rows.
@@ -48,6 +50,7 @@ beside bfloat16 and PyTorch's kernels, ``bench/gpu_lease.sh gemlite`` the Mistra
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -79,7 +82,33 @@ def library() -> Optional[ModuleType]:
     for gpu, shipped in SAME_CHIP.items():
         if gpu in name and not (configs / f"{gpu}.json").exists() and (configs / f"{shipped}.json").exists():
             gemlite.load_config(str(configs / f"{shipped}.json"))
+    keep_tuning(gemlite, tuning_file(name, getattr(gemlite, "__version__", "")))
     return gemlite
+
+
+def tuning_file(gpu_name: str, version: str) -> str:
+    """Where GemLite's tunings for this GPU are kept: ``<inductor's cache>/mixtral_infer_gemlite/
+    <gpu>-<version>.json`` (``nvidia_h200-0.6.0.post2.json``); a GemLite of another version tunes anew."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    gpu = "".join(c if c.isalnum() or c in "._-" else "_" for c in gpu_name.lower())
+    return os.path.join(cache_dir(), "mixtral_infer_gemlite", f"{gpu}-{version}.json")
+
+
+def keep_tuning(gemlite: ModuleType, path: str) -> None:
+    """Load the tunings kept at ``path`` (if any) into ``gemlite``, and write them back, with what
+    this process tuned, when it ends (GemLite merges the file's with its own)."""
+    if os.path.isfile(path):
+        gemlite.load_config(path, print_error=False)
+
+    def save() -> None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            gemlite.cache_config(path)
+        except OSError:  # a read-only cache: tuned again next time, nothing lost
+            pass
+
+    atexit.register(save)
 
 
 @dataclass(frozen=True)
