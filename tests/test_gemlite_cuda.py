@@ -15,6 +15,7 @@ import torch
 from conftest import WINDOW, random_model, tiny_args
 
 from mixtral_infer import generate
+from mixtral_infer.fast import decode_step
 from mixtral_infer.quant import gemlite_cuda, kernels
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
@@ -167,7 +168,8 @@ def assert_alike(got, expected):
 def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(moe, scheme, monkeypatch):
     """A ``GemliteProduct`` on every weight GemLite takes (attention, dense feed-forward; not the
     stacked experts), calling GemLite's op (a CPU stand-in with its signature) as decoding does on a
-    GPU: compiled decoding (``fullgraph``: the products trace without a break) gives eager's tokens,
+    GPU: decoding compiled as on a GPU (``torch.compile``, ``fullgraph``: the products trace without a
+    break) gives eager's tokens,
     the op multiplying every step's rows; the first tokens are those of PyTorch's kernels (later
     ones may part at a near tie: the products round differently). (int4 weights keep their plain
     bytes, as on a GPU, instead of the CPU kernel's layout. Two of the four pairs: each is a compiled
@@ -177,6 +179,7 @@ def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(m
 
     if scheme == "int4":
         monkeypatch.setattr("mixtral_infer.quant.model.prepare", lambda weight, keep_values=False: weight)
+    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", False)  # torch.compile, as on a GPU
     plain = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=2), seed=31).to(torch.bfloat16), scheme)
     with_gemlite = copy.deepcopy(plain)
     taken = []
