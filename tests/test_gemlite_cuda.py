@@ -167,13 +167,12 @@ def assert_alike(got, expected):
 @pytest.mark.parametrize("moe, scheme", [(False, "int8"), (True, "int4")], ids=["mistral-int8", "mixtral-int4"])
 def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(moe, scheme, monkeypatch):
     """A ``GemliteProduct`` on every weight GemLite takes (attention, dense feed-forward; not the
-    stacked experts), calling GemLite's op (a CPU stand-in with its signature) as decoding does on a
-    GPU: decoding compiled as on a GPU (``torch.compile``, ``fullgraph``: the products trace without a
-    break) gives eager's tokens,
-    the op multiplying every step's rows; the first tokens are those of PyTorch's kernels (later
-    ones may part at a near tie: the products round differently). (int4 weights keep their plain
-    bytes, as on a GPU, instead of the CPU kernel's layout. Two of the four pairs: each is a compiled
-    step (10-20 s), and either scheme's product is the same op call.)"""
+    stacked experts), calling GemLite's op (a CPU stand-in with its signature): decoding compiled as
+    on a GPU (``torch.compile``, ``fullgraph``: the products trace without a break) gives eager's
+    tokens, the op multiplying every step's rows; the first tokens are those of PyTorch's kernels
+    (later ones may part at a near tie: the products round differently). int4 weights keep their
+    plain bytes, as on a GPU, instead of the CPU kernel's layout. Two of the four pairs: each is a
+    compiled step (15 s), and either scheme's product is the same op call."""
     stand_in_op()
     from test_model import random_prompts  # noqa: PLC0415 (its fixtures stay out of this module)
 
