@@ -385,7 +385,7 @@ def quantized_with(model: Transformer, scheme: str) -> Transformer:
         with mock.patch.object(gemlite_cuda, "library", lambda: None):
             return quantize_model(model, scheme)
     if gemlite_cuda.library() is None:
-        raise RuntimeError("GemLite does not import here: carry its wheel (bench/gpu_lease.sh)")
+        raise RuntimeError("GemLite does not import here: carry its package folder (bench/gpu_lease.sh)")
     return quantize_model(model, scheme[: -len(GEMLITE)])
 
 

@@ -15,7 +15,7 @@ Each way's output is checked against the dequantize-then-matmul reference first 
   its older one-row kernel (``cgemm_4bit_inference_naive_bf16``), for comparison;
 * ``int8 gemlite``, ``int4 gemlite`` (groups of 32) and ``int4-128 gemlite``: GemLite's Triton
   kernels (``quant/gemlite_cuda.py``: its matrix-vector kernels at one row), what ``linear()``
-  runs on CUDA where GemLite is installed; carry its wheel (``bench/gpu_lease.sh``); the int4 ones
+  runs on CUDA where GemLite is installed; carry its package folder (``bench/gpu_lease.sh``); the int4 ones
   also ``... bf16 atomics``, GemLite's default way of adding up its split sums (less accurate);
 * ``int8 words`` and ``int4 words``: the plain integers read as int32 words, 4 int8 or 8 int4
   values a load, unpacked by shifts in the compiled reduction (``int8_words``, ``int4_words``).
@@ -116,7 +116,7 @@ def gemlite_products(x: torch.Tensor, weights: list, bf16_atomics: bool = False)
     def run() -> list:
         library = gemlite_cuda.library()
         if library is None:
-            raise RuntimeError("GemLite does not import here: carry its wheel (bench/gpu_lease.sh)")
+            raise RuntimeError("GemLite does not import here: carry its package folder (bench/gpu_lease.sh)")
         if not products:
             products.extend(gemlite_cuda.product(q) for q in weights)
         library.set_native_atomic_bfp16(bf16_atomics)

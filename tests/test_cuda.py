@@ -2,7 +2,7 @@
 kernels and the serving engine, each against the readable path on the same device.
 
 Skipped without a GPU (CI has none); run on a lent H200 with ``pytest tests/test_cuda.py`` (nf4's
-tests need bitsandbytes' CUDA library there, GemLite's its wheel: ``bench/gpu_lease.sh`` says how to
+tests need bitsandbytes' CUDA library there, GemLite's its package: ``bench/gpu_lease.sh`` says how to
 carry them). The
 CPU suite checks the same logic through each kernel's reference semantics (``test_varlen_attention``,
 ``test_quant``'s tinygemm layout); these check that the kernels themselves agree.
@@ -28,6 +28,7 @@ from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA paths: no GPU here")
 CUDA = torch.device("cuda")
+NO_GEMLITE = "GemLite does not import here: carry its package folder (bench/gpu_lease.sh)"
 # bfloat16 logprobs against float32's: mean |difference| 0.010-0.030 and max 0.03-0.07 measured
 # (CPU), max 0.26-0.58 (CUDA, Mixtral) where a router near tie sends a token to another expert.
 # A wrong kernel or cache slot moves the mean by whole units.
@@ -139,7 +140,7 @@ def test_gemlites_products_equal_the_dequantize_reference(scheme, rows):
     """GemLite's kernels (``quant/gemlite_cuda.py``; the CPU suite checks the format handed to
     them) on Mistral 7B's shapes cut to a quarter: float32 dequantize-then-matmul up to bfloat16
     rounding; from ``ROWS`` rows on, the path before GemLite."""
-    assert gemlite_cuda.library() is not None, "GemLite does not import here: carry its wheel (bench/gpu_lease.sh)"
+    assert gemlite_cuda.library() is not None, NO_GEMLITE
     g = torch.Generator().manual_seed(rows)
     for out_features, in_features in ((1024, 1024), (3584, 1024), (1024, 3584), (256, 1024)):
         weight = quantize(torch.randn(out_features, in_features, generator=g).to(CUDA), QuantScheme.parse(scheme),
@@ -165,7 +166,7 @@ def test_quantized_cuda_decoding_scores_its_tokens_as_its_dequantized_model(moe,
     eager and compiled, batch 1 (the MoE gathers 2 experts) and 3 (every expert runs): the logprobs
     of their tokens are a float32 model's holding the dequantized weights."""
     if gemlite:
-        assert gemlite_cuda.library() is not None, "GemLite does not import here: carry its wheel (bench/gpu_lease.sh)"
+        assert gemlite_cuda.library() is not None, NO_GEMLITE
     else:
         monkeypatch.setattr(gemlite_cuda, "library", lambda: None)
     float_model = random_model(tiny_args(moe=moe), seed=5).to(CUDA)
