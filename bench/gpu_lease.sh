@@ -3,6 +3,7 @@
 # 10 minutes; a session has 30), in the order they matter. Results go to $OUT (the device tool's
 # folder that comes back; ./gpu-results elsewhere) as JSON, with each step's log.
 #
+#   bash bench/gpu_lease.sh first     # a short lease's one call: matvec, then the quantized kernels' product tests
 #   bash bench/gpu_lease.sh matvec    # which int8 / int4 product reads fastest (no model; GemLite's among them): ~4 min
 #   bash bench/gpu_lease.sh gemlite   # Mistral-7B decode batch 1: bf16, int8 and int4-128 through GemLite, compiled
 #   bash bench/gpu_lease.sh quant     # Mistral-7B decode batch 1: bf16, int8, int4 (2 k-tiles), compiled: ~9 min
@@ -11,8 +12,9 @@
 #   bash bench/gpu_lease.sh mixtral   # Mixtral-8x7B (layers cut to fit twice) beside transformers, batch 1
 #   bash bench/gpu_lease.sh serve     # the serving engine on CUDA, Mistral-7B shape, 8 layers
 #
-# A task's lease is 15 minutes of device time, start-up included: `matvec` first (its rows run in the
-# order that matters most, and its JSON keeps each finished row), then `gemlite` if 10 minutes remain.
+# A task's lease is 15 minutes of device time, start-up included: `first` (matvec, whose rows run in the
+# order that matters most and whose JSON keeps each finished row, then GemLite's and bitsandbytes'
+# products against the reference), then `gemlite` if 10 minutes remain.
 #
 # Issue 15's CUDA targets (H100/H200 class): Mistral-7B int8 >= 1.6x bfloat16, int4 >= 2.2x;
 # Mixtral-8x7B int8 >= 150 tok/s. On the device machine the pure-Python wheels travel in
@@ -41,10 +43,12 @@ out="${OUT:-gpu-results}"
 mkdir -p "$out" .gpu_cache/inductor .gpu_cache/triton
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.gpu_cache/inductor" TRITON_CACHE_DIR="$PWD/.gpu_cache/triton"
 trap 'tar czf "$out/gpu_cache.tgz" -C .gpu_cache . 2>/dev/null || true' EXIT
-step="${1:?a step: matvec, gemlite, quant, nf4, batches, mixtral or serve}"
+step="${1:?a step: first, matvec, gemlite, quant, nf4, batches, mixtral or serve}"
 run() { timeout -s INT "$1" "${@:2}" 2>&1 | tee "$out/$step.log"; }
 case "$step" in
   matvec)  run 360 python bench/gpu_matvec.py --out "$out/matvec.json" ;;
+  first)   run 540 bash -c "timeout -s INT 360 python bench/gpu_matvec.py --out '$out/matvec.json';
+             timeout -s INT 170 python -m pytest -q -n 0 tests/test_cuda.py -k 'gemlites_products or cuda_nf4_kernel'" ;;
   quant)   run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
              --quantize int8 int4 --modes compiled --repeats 2 --out "$out/quant.json" ;;
   gemlite) run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
@@ -57,5 +61,5 @@ case "$step" in
              --repeats 2 --out "$out/mixtral.json" ;;
   serve)   run 580 python bench/bench_serve.py --shape mistral-7b --layers 8 --device cuda --dtype bfloat16 \
              --requests 96 --clients 32 --out "$out/serve.json" ;;
-  *) echo "unknown step $step: matvec, gemlite, quant, nf4, batches, mixtral or serve" >&2; exit 2 ;;
+  *) echo "unknown step $step: first, matvec, gemlite, quant, nf4, batches, mixtral or serve" >&2; exit 2 ;;
 esac
