@@ -50,9 +50,10 @@ Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
   (``tinygemm_layout``), a CUDA test the product itself.
 
 Measured on CUDA (an H200, ``bench/bench_gpu.py``): int8 and int4 at batch 1 (README). Not
-measured: the CUDA nf4 kernel (no GPU lent to the session that wrote it; ``bench/gpu_matvec.py``
-and ``bench/gpu_lease.sh nf4`` have its rows), and prompt lengths, so ``CUDA_INT4_DEQUANTIZE_ROWS``
-and ``CUDA_NF4_KERNEL_ROWS`` are the public numbers' guesses until then.
+measured: the CUDA nf4 kernel and GemLite's (no GPU lent to the sessions that wrote them;
+``bench/gpu_matvec.py`` and ``bench/gpu_lease.sh first``, ``nf4`` and ``gemlite`` have their rows),
+and prompt lengths, so ``CUDA_INT4_DEQUANTIZE_ROWS`` and ``CUDA_NF4_KERNEL_ROWS`` are the public
+numbers' guesses until then.
 """
 
 from __future__ import annotations
