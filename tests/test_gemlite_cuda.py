@@ -229,3 +229,31 @@ def test_gemlites_tunings_are_kept_between_processes(tmp_path, monkeypatch):
     assert second.tuned == {"GEMV_SPLITK (1, 4096, 4096)": "config a", "GEMV_REVSPLITK (1, 1024, 4096)": "config b"}
     at_exit.pop()()
     assert json.loads(Path(path).read_text()) == second.tuned
+
+
+def test_a_gemlite_that_cannot_be_set_up_is_left_unused(tmp_path, monkeypatch, caplog):
+    """A GemLite without the switch that adds split sums in float32 (an API that moved) is not used
+    half set up (its 4-bit products would be 2% off): one logged line, PyTorch's kernels."""
+    monkeypatch.setattr(gemlite_cuda, "keep_tuning", lambda gemlite, path: None)
+
+    class Old:
+        __version__, __file__ = "0.1", str(tmp_path / "gemlite" / "__init__.py")
+
+    with caplog.at_level("WARNING"):
+        assert gemlite_cuda.configured(Old, "NVIDIA H200") is None
+    assert caplog.messages == [
+        "GemLite 0.1 could not be set up (AttributeError: type object 'Old' has no attribute "
+        "'set_native_atomic_bfp16'); using PyTorch's kernels"
+    ]
+
+    class Current(Old):
+        switched, loaded = [], []
+        set_native_atomic_bfp16 = switched.append
+        load_config = loaded.append
+
+    (tmp_path / "gemlite" / "configs").mkdir(parents=True)
+    (tmp_path / "gemlite" / "configs" / "h100.json").write_text("{}")
+    assert gemlite_cuda.configured(Current, "NVIDIA H200") is Current
+    assert Current.switched == [False] and Current.loaded == [str(tmp_path / "gemlite" / "configs" / "h100.json")]
+    Current.loaded.clear()
+    assert gemlite_cuda.configured(Current, "NVIDIA H100 80GB HBM3") is Current and Current.loaded == []

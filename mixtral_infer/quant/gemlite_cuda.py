@@ -77,12 +77,24 @@ def library() -> Optional[ModuleType]:
         import gemlite
     except Exception:  # not installed, or a Triton/torch it cannot run with
         return None
-    gemlite.set_native_atomic_bfp16(False)  # split sums add up in float32 (module docstring: accuracy)
-    name, configs = torch.cuda.get_device_name().lower(), Path(gemlite.__file__).parent / "configs"
-    for gpu, shipped in SAME_CHIP.items():
-        if gpu in name and not (configs / f"{gpu}.json").exists() and (configs / f"{shipped}.json").exists():
-            gemlite.load_config(str(configs / f"{shipped}.json"))
-    keep_tuning(gemlite, tuning_file(name, getattr(gemlite, "__version__", "")))
+    return configured(gemlite, torch.cuda.get_device_name())
+
+
+def configured(gemlite: ModuleType, gpu_name: str) -> Optional[ModuleType]:
+    """``gemlite`` set up for this process: split sums in float32, H100's tuning on an H200, the
+    tunings kept here loaded (module docstring). None, with one logged line, where a GemLite whose
+    API moved refuses that: used half set up, its 4-bit products would be 2% off."""
+    try:
+        gemlite.set_native_atomic_bfp16(False)  # split sums add up in float32 (module docstring: accuracy)
+        name, configs = gpu_name.lower(), Path(gemlite.__file__).parent / "configs"
+        for gpu, shipped in SAME_CHIP.items():
+            if gpu in name and not (configs / f"{gpu}.json").exists() and (configs / f"{shipped}.json").exists():
+                gemlite.load_config(str(configs / f"{shipped}.json"))
+        keep_tuning(gemlite, tuning_file(name, getattr(gemlite, "__version__", "")))
+    except Exception as error:  # an optional accelerator: never the reason a model fails to load
+        message = "GemLite %s could not be set up (%s: %s); using PyTorch's kernels"
+        logging.getLogger(__name__).warning(message, getattr(gemlite, "__version__", "?"), type(error).__name__, error)
+        return None
     return gemlite
 
 
