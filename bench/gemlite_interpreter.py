@@ -86,7 +86,7 @@ def main(schemes) -> int:
     pretend_a_hopper_gpu()
     import gemlite
 
-    from mixtral_infer.quant import gemlite_cuda
+    from mixtral_infer.quant import gemlite_cuda, nf4
     from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme, quantize
 
     gemlite_cuda.library = lambda: gemlite  # the real one declines without CUDA
@@ -105,7 +105,7 @@ def main(schemes) -> int:
         line = f"{scheme:9s} GemLite {relative(got, reference):.1e}"
         line += f"  float16 F.linear {relative(in_float16, reference):.1e}"
         if weight.scheme.name == "int4":
-            values = (weight.values << 4) | (weight.values >> 4)  # each byte's two inputs the other way round
+            values = nf4.cuda_layout(weight.values)  # each byte's nibbles swapped: its two inputs the other way round
             swapped = QuantizedWeight(weight.scheme, values, weight.scales, in_features)
             groups = weight.scales.float().repeat_interleave(weight.scheme.group_size, dim=-1)  # (OUT, IN)
             line += f"  nibbles swapped {relative(got, x.float() @ swapped.dequantize().T):.2f}"

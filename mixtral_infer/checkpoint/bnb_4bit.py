@@ -47,6 +47,7 @@ from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight
 STATE = "quant_state.bitsandbytes__nf4"
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", STATE)  # beside X.weight, as X.weight.PART
 NESTED = ("nested_absmax", "nested_quant_map")
+REQUIRED = frozenset({"", "absmax", "quant_map", STATE})  # every weight's parts ("": the packed codes X.weight)
 
 Tensors = Iterator[Tuple[str, torch.Tensor]]
 
@@ -126,8 +127,7 @@ def gathered(tensors: Tensors, source: str) -> Iterator[Tuple[str, torch.Tensor 
             continue
         parts = waiting.setdefault(weight, {})
         parts[part] = tensor
-        needed = {"", "absmax", "quant_map", STATE}
-        if needed <= parts.keys():
+        if REQUIRED <= parts.keys():
             nested = "nested_absmax" in parts or "nested_quant_map" in parts or parts["absmax"].dtype == torch.uint8
             if not nested or set(NESTED) <= parts.keys():
                 del waiting[weight]
@@ -142,7 +142,7 @@ def gathered(tensors: Tensors, source: str) -> Iterator[Tuple[str, torch.Tensor 
                 yield weight, quantized
     if waiting:
         weight, parts = sorted(waiting.items())[0]
-        missing = sorted({"", "absmax", "quant_map", STATE} - parts.keys())
+        missing = sorted(REQUIRED - parts.keys())
         names = ", ".join(f"{weight}.{p}" if p else weight for p in missing) or f"{weight}.nested_absmax"
         raise CheckpointError(f"{source}: {weight}: bitsandbytes' 4-bit weight is incomplete: {names} missing")
 

@@ -61,6 +61,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from mixtral_infer.quant import nf4
+
 ROWS = 64  # GemLite's own limit for its matrix-vector and split-K kernels (its GEMM from there on)
 MIN_INPUTS = 32  # GemLite's: inputs a multiple of this (and of the group size)
 SAME_CHIP = {"h200": "h100"}  # GPU name -> the shipped tuning file it can use (same chip, faster memory)
@@ -159,8 +161,7 @@ def arguments(weight) -> Tuple[torch.Tensor, torch.Tensor, Optional[int], int, i
     [0, 15], scales ``(OUT, IN/G)``, zeros 8."""
     if weight.scheme.name == "int8":
         return weight.values, weight.scales[:, None], None, 8, weight.in_features
-    codes = (weight.integers() + 8).to(torch.uint8)  # (OUT, IN): the stored nibbles, unpacked
-    return codes, weight.scales, 8, 4, weight.scheme.group_size
+    return nf4.nibbles(weight.values), weight.scales, 8, 4, weight.scheme.group_size  # codes (OUT, IN): q + 8
 
 
 def dequantize(W_q: torch.Tensor, scales: torch.Tensor, zeros: Optional[int], group_size: int,
@@ -211,7 +212,7 @@ def held_bytes(weights: List) -> int:
     int8 reads the integers in place)."""
     total = 0
     for weight in weights:
-        made = getattr(weight, "gemlite", None)
+        made = weight.gemlite
         if made is not None and weight.scheme.name == "int4":
             total += made.tensors[0].numel() * made.tensors[0].element_size()
     return total

@@ -225,7 +225,7 @@ def joined_linear(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> Option
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
-    if weight.gemlite is not None and gemlite_cuda.usable(x, weight):
+    if gemlite_cuda.usable(x, weight):
         return weight.gemlite(x)
     if uses_int8_activations(x, weight):
         return int8_activations_linear(x, weight.prepacked)
@@ -433,9 +433,10 @@ def tinygemm_bytes(values: torch.Tensor) -> torch.Tensor:
 
     The plain layout keeps input 2j in a byte's low nibble and 2j + 1 in its high one; tinygemm
     (like gpt-fast's and torchao's packing, ``q[:, ::2] << 4 | q[:, 1::2]``) wants input 2j high.
-    Byte 95 = 15 | 5 << 4 (inputs [15, 5]) becomes 15 << 4 | 5 = 245.
+    Byte 95 = 15 | 5 << 4 (inputs [15, 5]) becomes 15 << 4 | 5 = 245: the order of bitsandbytes'
+    CUDA format too (``nf4.cuda_layout``, which swaps each byte's nibbles).
     """
-    return (values << 4) | (values >> 4)  # uint8: the shifted-out nibbles drop
+    return nf4.cuda_layout(values)
 
 
 def tinygemm_layout(weight: QuantizedWeight, convert: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple:
