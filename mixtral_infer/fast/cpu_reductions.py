@@ -288,9 +288,17 @@ def reduces(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype in FLOAT_DTYPES
         and weight.dtype in (x.dtype, torch.int8)
         and x.dim() == 2
-        and 1 <= x.shape[0] <= REDUCTION_ROWS[weight.dtype]
+        and 1 <= x.shape[0] <= reduction_rows(weight.dtype)
         and torch.compiler.is_compiling()
     )
+
+
+@torch.compiler.assume_constant_result
+def reduction_rows(dtype: torch.dtype) -> int:
+    """``REDUCTION_ROWS[dtype]``, read when code is traced and taken as a constant there: a guard on
+    the dict's item (keyed by a dtype) is one dynamo cannot check when it reuses a compiled region
+    for every layer (``decode_step.decode_block``)."""
+    return REDUCTION_ROWS[dtype]
 
 
 def materialized(x: torch.Tensor) -> torch.Tensor:
