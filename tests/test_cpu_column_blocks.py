@@ -11,7 +11,7 @@ from conftest import generated_loops, random_model, tiny_args
 from mixtral_infer import load_model
 from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.errors import ConfigError
-from mixtral_infer.fast import cpu_column_blocks, cpu_reductions
+from mixtral_infer.fast import cpu_column_blocks, cpu_reductions, decode_step
 from mixtral_infer.fast.cpu_column_blocks import (
     ColumnBlocks,
     ColumnBlocksParameter,
@@ -222,14 +222,17 @@ INT8_STEP_IDS = [f"{batch}-{'moe' if moe else 'dense'}" for moe, batch in INT8_S
 
 
 @pytest.mark.parametrize("moe, batch", INT8_STEPS, ids=INT8_STEP_IDS)
-def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks):
+def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks, monkeypatch):
     """The compiled step never puts w2's integers back together (a copy every step): batches 1-2
     multiply its blocks as reductions, no int8 kernel (MoE batch 2: its 4 chosen experts one by one,
     each read in place through the routing's index); batch 9 (more rows than int8's reductions take)
     runs the kernel on each of its 2 blocks, where the plain model runs it once. Its logits equal
     the plain model's op by op within bfloat16's rounding. (Every expert on few rows: the float32
-    and bfloat16 tests'; the same reductions with more rows: ``test_quant.py``'s.)"""
+    and bfloat16 tests'; the same reductions with more rows: ``test_quant.py``'s.) The blocks are
+    written out (``decode_step.REGIONS`` off), so that the code holds every layer's calls."""
     from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(decode_step, "REGIONS", False)
 
     plain, blocked = int8_model(moe, False, seed=31), int8_model(moe, True, seed=31)
     cache = plain.make_cache(batch)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import re
@@ -30,7 +31,6 @@ from mixtral_infer.fast.decode_step import (
     slot_bucket,
     slots_and_visibility,
 )
-from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling
 
@@ -191,20 +191,34 @@ def test_decode_logits_with_grouped_experts_equals_the_one_token_moe():
     torch.testing.assert_close(grouped, one_token, atol=1e-5, rtol=1e-5)
 
 
-def ops_of_the_cache_shape(step, cache, *args) -> collections.Counter:
-    """The ops of ``step``'s graph as compiled code sees it (after functionalization, before inductor)
-    whose result has the whole cache's shape, counted by name."""
-    graph = compiled_graph(step, cache, *args)
-    return collections.Counter(
-        str(node.target) for node in graph.graph.nodes
-        if node.op == "call_function" and getattr(node.meta.get("val"), "shape", None) == cache.cache_k.shape
-    )  # fmt: skip
+def called_nodes(graph: torch.fx.GraphModule):
+    """The op nodes a compiled step runs: its graph's, and each region's (``decode_step.in_regions``)
+    at every call of it, in place of the call."""
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        operands = [*node.args, *node.kwargs.values()]
+        regions = [
+            getattr(graph, operand.target) for operand in operands
+            if isinstance(operand, torch.fx.Node) and operand.op == "get_attr"
+            and isinstance(getattr(graph, operand.target, None), torch.fx.GraphModule)
+        ]  # fmt: skip
+        if regions:
+            for region in regions:
+                yield from called_nodes(region)
+        else:
+            yield node
+
+
+def called_ops(graph: torch.fx.GraphModule) -> collections.Counter:
+    """``called_nodes``' ops, counted by name."""
+    return collections.Counter(str(node.target) for node in called_nodes(graph))
 
 
 def compiled_graph(step, cache, *args):
-    """``step``'s graph as compiled code sees it (after functionalization, before inductor). Dynamo
-    forgets what it compiled before: a step compiled for many models (one per test) would reach its
-    recompile limit."""
+    """``step``'s graph as compiled code sees it (after functionalization, before inductor), given
+    the cache's layers (``layer_keys``, ``layer_values``) and ``args``. Dynamo forgets what it
+    compiled before: a step compiled for many models (one per test) would reach its recompile limit."""
     torch._dynamo.reset()
     graphs = []
 
@@ -214,9 +228,39 @@ def compiled_graph(step, cache, *args):
 
     compiled = torch.compile(step, backend=aot_autograd(fw_compiler=keep_graph), fullgraph=True, dynamic=False)
     with torch.no_grad():
-        compiled(cache.cache_k, cache.cache_v, *args)
+        compiled(cache.layer_keys, cache.layer_values, *args)
     (graph,) = graphs
     return graph
+
+
+def compiled_code(step, *args) -> str:
+    """The code inductor generates for ``step`` (compiled afresh) called on ``args``, and its result."""
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        result, codes = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False), *args)
+    return "\n".join(codes), result
+
+
+@pytest.mark.parametrize("regions", [True, False])
+def test_compiled_steps_compile_one_region_for_every_block(regions, monkeypatch):
+    """Compiled, each block is a call of one region (``decode_step.in_regions``): the generated code
+    defines it once and calls it once a layer; its ops, in the graph once, run at every call. Without
+    regions (``REGIONS = False``) every block is written out. The logits are the step's op by op."""
+    monkeypatch.setattr(decode_step, "REGIONS", regions)
+    model = random_model(dataclasses.replace(tiny_args(moe=True, max_batch_size=2), n_layers=3), seed=27)
+    cache = model.make_cache(2)
+    cache.start_sequences(2)
+    inputs = (torch.tensor([5, 6]), torch.tensor([3, 9]), torch.tensor([True, True]))  # tokens, positions, alive
+    step = functools.partial(decode_logits, model)
+    graph = compiled_graph(step, cache, *inputs)
+    assert called_ops(graph)["aten.index_put.default"] == 2 * 3  # a key and a value a layer
+    with torch.inference_mode():
+        expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
+    code, logits = compiled_code(step, cache.layer_keys, cache.layer_values, *inputs)
+    defined = set(re.findall(r"def (\w*subgraph_\d+)\(", code))
+    calls = re.findall(r"= (\w*subgraph_\d+)\(", code)
+    assert (len(defined), len(calls)) == ((1, 3) if regions else (0, 0))
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_compiled_cpu_steps_attend_without_the_sdpa_kernel():
@@ -227,7 +271,7 @@ def test_compiled_cpu_steps_attend_without_the_sdpa_kernel():
     cache.start_sequences(2)
     graph = compiled_graph(functools.partial(decode_logits, model), cache, torch.tensor([5, 6]), torch.tensor([3, 9]),
                            torch.tensor([True, True]))  # fmt: skip
-    ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    ops = set(called_ops(graph))
     assert not [op for op in ops if "scaled_dot_product" in op]
     assert "aten.softmax.default" in ops or "aten._softmax.default" in ops
 
@@ -242,7 +286,7 @@ def test_compiled_cpu_steps_multiply_plain_bfloat16_weights_as_reductions(batch)
     cache.start_sequences(batch)
     inputs = (torch.tensor([5, 6][:batch]), torch.tensor([3, 9][:batch]), torch.ones(batch, dtype=torch.bool))
     graph = compiled_graph(functools.partial(decode_logits, model), cache, *inputs)
-    ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    ops = set(called_ops(graph))
     assert not ops & {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
     with torch.inference_mode():
         expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
@@ -262,7 +306,7 @@ def test_compiled_cpu_steps_route_experts_with_a_reduction(batch):
     cache.start_sequences(batch)
     inputs = (torch.tensor([5, 6][:batch]), torch.tensor([3, 9][:batch]), torch.ones(batch, dtype=torch.bool))
     graph = compiled_graph(functools.partial(decode_logits, model), cache, *inputs)
-    ops = collections.Counter(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+    ops = called_ops(graph)
     assert ops["aten.mm.default"] == ops["aten.addmm.default"] == 0
     assert ops["aten.topk.default"] == model.args.n_layers  # one routing per layer
     with torch.inference_mode():
@@ -292,24 +336,28 @@ def test_compiled_cpu_steps_normalize_once_per_product(moe):
     assert norms and not [loop for loop in norms if "tmp_acc" in loop]
 
 
-@pytest.mark.parametrize("step", ["decode", "mixed"])
-def test_compiled_steps_write_the_cache_in_place(step):
-    """Each layer's key and value go into the whole buffer by one ``index_put``, which inductor does in
-    place; written through a view of one layer (``cache_k[layer][rows, slots] = ...``), the graph held
-    a ``select_scatter`` per write instead: a copy of the whole cache per layer (``decode_step.write_slots``)."""
+def copies_back(code: str) -> bool:
+    """Whether generated code copies a buffer back into an input (a kernel with ``copy_`` in its name,
+    other than ``_to_copy``, a cast, or a ``.copy_(`` call): what a write through a view becomes."""
+    return bool(re.search(r"(?<!_to)_copy_\w*\(|\.copy_\(", code))
+
+
+@pytest.mark.parametrize("buffers, regions", [("layers", True), ("layers", False), ("whole", False)])
+def test_compiled_decode_steps_write_the_cache_in_place(buffers, regions, monkeypatch):
+    """Each layer's buffers are inputs of the step (``RotatingBufferCache.layer_keys``), and each
+    layer's key and value go into them by one ``index_put``, which inductor does in place: the code
+    copies nothing back. Given the whole ``(L, B, S, H_kv, Dh)`` buffer, a block without regions
+    writes through a view of it, and the code copies the whole cache back (``decode_step.layer_buffers``).
+    (The mixed step's chunk writes are not done in place yet: ``bench/PERFORMANCE_LOG.md``.)"""
+    monkeypatch.setattr(decode_step, "REGIONS", regions)
     model = random_model(tiny_args(moe=False, max_batch_size=4), seed=27)
     cache = model.make_cache(4)
     cache.start_sequences(4)
-    decoding = (torch.tensor([5, 6]), torch.tensor([3, 9]), torch.tensor([True, True]))  # tokens, positions, alive
-    if step == "decode":
-        ops = ops_of_the_cache_shape(functools.partial(decode_logits, model), cache, *decoding)
-    else:
-        chunk = pack_chunk([(3, 0, [1, 2, 3])], size=4, segments=1)
-        alive = torch.tensor([True, True, False, False])
-        ops = ops_of_the_cache_shape(functools.partial(mixed_logits, model), cache, torch.tensor([5, 6, 0, 0]),
-                                     torch.tensor([3, 9, 0, 0]), alive, chunk)  # fmt: skip
-    writes_per_layer = {"decode": 2, "mixed": 4}[step]  # a key and a value; in the mixed step the chunk's too
-    assert ops == {"aten.index_put.default": writes_per_layer * model.args.n_layers}
+    layers = (cache.layer_keys, cache.layer_values) if buffers == "layers" else (cache.cache_k, cache.cache_v)
+    code, _ = compiled_code(functools.partial(decode_logits, model), *layers, torch.tensor([5, 6]),
+                            torch.tensor([3, 9]), torch.tensor([True, True]))  # fmt: skip
+    assert "index_put" in code
+    assert copies_back(code) == (buffers == "whole")
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 8])
@@ -398,11 +446,11 @@ def test_compiled_cpu_steps_read_the_chosen_experts_in_place(monkeypatch, one_by
     graph = compiled_graph(step, cache, *inputs)
     expert_shapes = {(model.args.hidden_dim, model.args.dim), (model.args.dim, model.args.hidden_dim)}
     selected = [
-        node for node in graph.graph.nodes
+        node for node in called_nodes(graph)
         if str(node.target) == "aten.index_select.default" and tuple(node.meta["val"].shape[1:]) in expert_shapes
     ]  # fmt: skip
     assert len(selected) == (2 * 3 * model.args.n_layers if one_by_one else 0)
-    ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    ops = set(called_ops(graph))
     assert "aten.mm.default" not in ops and ("aten.bmm.default" in ops) != one_by_one  # gathered: one batched product
     torch._dynamo.reset()
     with torch.inference_mode():

@@ -109,7 +109,8 @@ class AotStep:
     cache (``loaded``: whether it was).
 
     Called as ``decode_one_token`` is: ``step(cache_k, cache_v, tokens, positions, alive, uniform,
-    temperature, top_p, top_k)``; writes the cache in place, returns fresh output tensors."""
+    temperature, top_p, top_k)``, the cache as its layers' buffers (``RotatingBufferCache.layer_keys``);
+    writes the cache in place, returns fresh output tensors."""
 
     def __init__(self, model: Transformer, decode_one_token: Callable[..., Tuple[torch.Tensor, ...]], args: Sequence):
         self.module = _StepModule(model, decode_one_token)
@@ -283,9 +284,15 @@ def _scalar_constants_recorded(into: Dict[str, torch.Tensor]):
 
 
 def _plain_like(arg):
-    if not isinstance(arg, torch.Tensor):
-        return arg
-    return torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device=arg.device)
+    """``arg`` with each tensor in it (the cache's layers are a tuple of them) a plain one of its
+    shape, strides, dtype and device."""
+
+    def plain(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+    return torch.utils._pytree.tree_map(plain, arg)
 
 
 def _at(module: torch.nn.Module, name: str):

@@ -132,7 +132,7 @@ def decode_static(
             uniform = draw_uniform(batch, sampling, settings.generator, device)
             with guards_checked(not compiled or index <= GUARDED_STEPS):
                 outputs = step(
-                    cache.cache_k, cache.cache_v, tokens, positions, alive, uniform,
+                    cache.layer_keys, cache.layer_values, tokens, positions, alive, uniform,
                     sampling.temperature, sampling.top_p, sampling.top_k,
                 )  # fmt: skip
             tokens, token_logprob, positions, alive, emitted = outputs

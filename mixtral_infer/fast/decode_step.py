@@ -11,8 +11,8 @@ same decoding step written the way gpt-fast writes ``decode_one_token``:
   ``(B,)``, false for a row that has finished (it keeps its place, so shapes never change);
 * the key/value of row b goes to slot ``position % S`` of its buffer, by arithmetic; a
   finished row writes back what its slot held, so the cache stays as the eager path leaves it;
-  the write indexes the whole ``(L, B, S, H_kv, Dh)`` buffer (``write_slots``), which compiled
-  code does in place (written through a view of one layer, it copied the whole cache);
+  each layer's buffers ``(B, S, H_kv, Dh)`` are inputs of their own (``layer_buffers``), which
+  compiled code writes in place (``write_slots``);
 * attention covers the fixed ``(B, S)`` buffer with a mask made on the device, slot
   ``j`` visible when ``j < min(position + 1, S)``: decoding does not care about slot order,
   because after the buffer has wrapped every slot holds one of the last S positions;
@@ -29,7 +29,8 @@ positions ``[4, 5, 6, 3]``, the last 4. A row at position 1 writes slot 1 and se
 0 and 1.
 
 ``decode_one_token`` compiles with ``torch.compile(fullgraph=True)``: there is nothing in it
-to break the graph. On CUDA ``compiled_decode_step`` also replays it as a CUDA graph.
+to break the graph, and each block is a region compiled once for all layers (``in_regions``).
+On CUDA ``StepCompiler`` also replays it as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -73,60 +74,64 @@ def attend_one_token(
     attention: Attention,
     x: torch.Tensor,  # (B, D)
     rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, 1, Dh/2)
-    cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh) the whole cache
-    cache_v: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
-    layer: int,  # this layer's buffers: cache_k[layer, :B]
+    layer_k: torch.Tensor,  # (B_max, S, H_kv, Dh) this layer's buffers (``layer_buffers``)
+    layer_v: torch.Tensor,  # (B_max, S, H_kv, Dh)
     slots: torch.Tensor,  # (B,) where each row's new key goes: position % S
     alive: torch.Tensor,  # (B,) bool: the row is decoding (a finished row writes nothing new)
     visible: torch.Tensor,  # (B, S) bool: the slots each row's query sees
 ) -> torch.Tensor:
     batch = x.shape[0]
     xq, xk, xv = attention.project(x, rotary)  # (B, H, Dh), (B, H_kv, Dh), (B, H_kv, Dh)
-    out = attend_in_place(xq, xk, xv, cache_k, cache_v, layer, slots, alive, visible)  # (B, H, Dh)
+    out = attend_in_place(xq, xk, xv, layer_k, layer_v, slots, alive, visible)  # (B, H, Dh)
     return linear(out.reshape(batch, attention.n_heads * attention.head_dim), attention.wo.weight)  # (B, D)
 
 
+def layer_buffers(buffers: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """A cache's keys (or values) layer by layer: L buffers ``(B_max, S, H_kv, Dh)``. A whole
+    ``(L, B_max, S, H_kv, Dh)`` buffer is split into its L views; a sequence of them is taken as it is.
+
+    A compiled step takes the L views as its inputs, made outside it (``RotatingBufferCache.
+    layer_keys``), and writes each in place (``write_slots``). Views made inside a compiled step are
+    views of one graph input, and a write through one of them is traced as a write into a copy of
+    the whole input (``select_scatter``): every layer's write would copy the whole cache (8 layers
+    of a 4,096-slot bfloat16 cache, 8 KV heads of 128, compiled on CPU: 200 ms a step, against
+    0.09 ms written in place)."""
+    return buffers.unbind(0) if isinstance(buffers, torch.Tensor) else buffers
+
+
 def write_slots(
-    cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh) the whole cache
-    cache_v: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
-    layer: int,
+    layer_k: torch.Tensor,  # (B_max, S, H_kv, Dh) one layer's buffers
+    layer_v: torch.Tensor,  # (B_max, S, H_kv, Dh)
     rows: torch.Tensor,  # (N,)
     slots: torch.Tensor,  # (N,)
     keys: torch.Tensor,  # (N, H_kv, Dh)
     values: torch.Tensor,  # (N, H_kv, Dh)
 ) -> None:
-    """``cache_k[layer, rows, slots] = keys`` and the same for values, indexing the whole buffers.
-
-    Not ``cache_k[layer][rows, slots] = keys``: compiled, a write through a view of a graph
-    input is traced as a write into a copy of the whole input (``select_scatter``), so every
-    layer's write would copy the whole cache. Indexed this way it stays one ``index_put`` into
-    the buffer itself, done in place. Measured: 8 layers of a 4,096-slot bfloat16 cache (8 KV
-    heads of 128), compiled on CPU, 200 ms a step through the view, 0.09 ms indexed."""
-    where = (torch.full_like(rows, layer), rows, slots)  # one index for both buffers
-    cache_k.index_put_(where, keys)
-    cache_v.index_put_(where, values)
+    """``layer_k[rows, slots] = keys`` and the same for values: one ``index_put_`` into each buffer,
+    in place (compiled too, where the buffers are the step's inputs: ``layer_buffers``)."""
+    layer_k.index_put_((rows, slots), keys)
+    layer_v.index_put_((rows, slots), values)
 
 
 def attend_in_place(
     xq: torch.Tensor,  # (B, H, Dh)
     xk: torch.Tensor,  # (B, H_kv, Dh)
     xv: torch.Tensor,  # (B, H_kv, Dh)
-    cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh) the whole cache
-    cache_v: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
-    layer: int,
+    layer_k: torch.Tensor,  # (B_max, S, H_kv, Dh) one layer's buffers
+    layer_v: torch.Tensor,  # (B_max, S, H_kv, Dh)
     slots: torch.Tensor,  # (B,)
     alive: torch.Tensor,  # (B,) bool
     visible: torch.Tensor,  # (B, S) bool
 ) -> torch.Tensor:
-    """Write each alive row's key and value to its slot of ``layer``'s buffers, then its query
+    """Write each alive row's key and value to its slot of the layer's buffers, then its query
     over its row's buffer: ``(B, H, Dh)``."""
     batch = xq.shape[0]
     rows = torch.arange(batch, device=xq.device)
     keep = alive[:, None, None]  # (B, 1, 1)
-    new_k = torch.where(keep, xk, cache_k[layer, rows, slots])  # (B, H_kv, Dh): a finished row's own
-    new_v = torch.where(keep, xv, cache_v[layer, rows, slots])
-    write_slots(cache_k, cache_v, layer, rows, slots, new_k, new_v)
-    keys, values = cache_k[layer, :batch], cache_v[layer, :batch]  # (B, S, H_kv, Dh) the rows' buffers
+    new_k = torch.where(keep, xk, layer_k[rows, slots])  # (B, H_kv, Dh): a finished row's own
+    new_v = torch.where(keep, xv, layer_v[rows, slots])
+    write_slots(layer_k, layer_v, rows, slots, new_k, new_v)
+    keys, values = layer_k[:batch], layer_v[:batch]  # (B, S, H_kv, Dh) the rows' buffers
     if xq.device.type == "cpu" and torch.compiler.is_compiling():
         return one_query_attention(xq, keys, values, visible)
     return one_query_sdpa(xq, keys, values, visible[:, None, None, :])  # SDPA (in float32 on CPU)
@@ -330,8 +335,8 @@ def slots_and_visibility(positions: torch.Tensor, n_slots: int) -> Tuple[torch.T
 
 def decode_logits(
     model: Transformer,
-    cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh) the whole cache; rows 0..B-1 are decoded
-    cache_v: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
+    cache_k: torch.Tensor | Sequence[torch.Tensor],  # L x (B_max, S, H_kv, Dh): layer_buffers; rows 0..B-1 are decoded
+    cache_v: torch.Tensor | Sequence[torch.Tensor],  # L x (B_max, S, H_kv, Dh)
     tokens: torch.Tensor,  # (B,) each row's last token
     positions: torch.Tensor,  # (B,) the position each token takes = tokens the row has seen
     alive: torch.Tensor,  # (B,) bool
@@ -339,22 +344,65 @@ def decode_logits(
 ) -> torch.Tensor:
     """Float logits ``(B, V)`` of the next token of every row; writes the alive rows' keys/values.
 
-    ``grouped_moe``: experts through ``MoeLayer.forward`` (rows grouped by expert: shapes that
-    depend on the routing, so eager only) instead of ``moe_one_token``. On CPU the latter's dense
-    case, every expert on every row, is the slower: one mixtral-bench layer (8 experts, top-2),
-    4 / 8 / 16 / 32 rows, bfloat16 packed 9.8 / 14.3 / 22.3 / 39.5 ms against 4.8 / 8.0 / 10.6 /
-    14.9 ms grouped.
+    ``cache_k``/``cache_v``: each layer's buffers (``layer_buffers``; compiled callers pass the
+    views ``RotatingBufferCache.layer_keys``/``layer_values``). ``grouped_moe``: experts through
+    ``MoeLayer.forward`` (rows grouped by expert: shapes that depend on the routing, so eager only)
+    instead of ``moe_one_token``. On CPU the latter's dense case, every expert on every row, is the
+    slower: one mixtral-bench layer (8 experts, top-2), 4 / 8 / 16 / 32 rows, bfloat16 packed 9.8 /
+    14.3 / 22.3 / 39.5 ms against 4.8 / 8.0 / 10.6 / 14.9 ms grouped.
+
+    Compiled, every block is one region (``decode_block``): traced and compiled once, its code
+    called once a layer.
     """
-    slots, visible = slots_and_visibility(positions, cache_k.shape[2])
+    keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
+    slots, visible = slots_and_visibility(positions, keys[0].shape[1])
     rotary = rotary_angles(positions, model.args.head_dim, model.args.rope_theta)
 
+    block = decode_block_region if in_regions() else decode_block
     h = model.tok_embeddings(tokens)  # (B, D)
-    for index, layer in enumerate(model.layers.values()):
-        h = h + attend_one_token(
-            layer.attention, layer.attention_norm(h), rotary, cache_k, cache_v, index, slots, alive, visible,
-        )  # fmt: skip
-        h = h + feed_forward_rows(layer, h, grouped_moe)
+    for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
+        h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe)  # (B, D)
     return linear(model.norm(h), model.output.weight).float()  # (B, V)
+
+
+def decode_block(
+    layer: TransformerBlock,
+    h: torch.Tensor,  # (B, D) the residual stream
+    rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, 1, Dh/2)
+    layer_k: torch.Tensor,  # (B_max, S, H_kv, Dh) this layer's buffers
+    layer_v: torch.Tensor,  # (B_max, S, H_kv, Dh)
+    slots: torch.Tensor,  # (B,)
+    alive: torch.Tensor,  # (B,) bool
+    visible: torch.Tensor,  # (B, S) bool
+    grouped_moe: bool,
+) -> torch.Tensor:
+    """One transformer block on rows of one token each: attention in place, then the feed-forward, ``(B, D)``."""
+    h = h + attend_one_token(layer.attention, layer.attention_norm(h), rotary, layer_k, layer_v, slots, alive, visible)
+    return h + feed_forward_rows(layer, h, grouped_moe)
+
+
+# Compiled steps trace a block once and call its code for every layer (``in_regions``). Read when a
+# step is traced, so ``bench/regional_compile.py`` can build a copy each way.
+REGIONS = True
+
+
+def in_regions() -> bool:
+    """Whether code traced now calls each block as a region (``torch.compiler.nested_compile_region``):
+    under ``torch.compile``, dynamo traces and inductor compiles a region for the first layer and
+    calls that code for the others, whose weights and buffers are other tensors of the same shapes.
+
+    The step compiles in about the time of one block, however many there are. ``torch.compile`` on
+    a 2-core CPU, fresh inductor cache, blocks written out -> regions (``bench/regional_compile.py``):
+    mistral-bench's widths with 32 layers, bfloat16 84.6 -> 15.8 s, int8 92.8 -> 21.2 s; with its 8
+    layers 35.0 -> 8.5 s; mixtral-bench (8 layers) 42.7 -> 24.2 s; decoding as fast (32 layers
+    bfloat16 28.8 and 29.0 tokens/s, mixtral-bench 57.9 and 60.6). Not under ``torch.export`` (the
+    CPU step built ahead of time, ``cpu_aot_step``), whose build regions do not shorten and whose
+    export they lengthen (8.4 s against 2.8 s with 8 layers of dim 256): that build is kept on disk
+    instead. Op by op, regions are the plain functions."""
+    return REGIONS and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+decode_block_region = torch.compiler.nested_compile_region(decode_block)
 
 
 def feed_forward_rows(layer: TransformerBlock, h: torch.Tensor, grouped_moe: bool) -> torch.Tensor:
@@ -412,8 +460,8 @@ def make_decode_step(
     """``decode_one_token`` bound to a model and to the batch's static sampling facts."""
 
     def decode_one_token(
-        cache_k: torch.Tensor,  # (L, B_max, S, H_kv, Dh)
-        cache_v: torch.Tensor,
+        cache_k: Sequence[torch.Tensor],  # L x (B_max, S, H_kv, Dh): RotatingBufferCache.layer_keys
+        cache_v: Sequence[torch.Tensor],  # L x (B_max, S, H_kv, Dh)
         tokens: torch.Tensor,  # (B,) the tokens chosen last step
         positions: torch.Tensor,  # (B,)
         alive: torch.Tensor,  # (B,) bool: rows whose last token is fed now
@@ -478,8 +526,8 @@ class StepCompiler:
         if cache.cache_k.is_cuda:
             # The graph writes the cache in place at the addresses it was captured with (a cache
             # at other addresses is captured anew, not compiled anew).
-            torch._dynamo.mark_static_address(cache.cache_k)
-            torch._dynamo.mark_static_address(cache.cache_v)
+            for buffer in (*cache.layer_keys, *cache.layer_values):
+                torch._dynamo.mark_static_address(buffer)
         key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id)
         built = self.steps.get(key)
         if isinstance(built, AotStep) and not built.current():

@@ -53,10 +53,17 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.decode_step import attend_in_place, feed_forward_rows, slots_and_visibility, write_slots
+from mixtral_infer.fast.decode_step import (
+    attend_in_place,
+    feed_forward_rows,
+    in_regions,
+    layer_buffers,
+    slots_and_visibility,
+    write_slots,
+)
 from mixtral_infer.model.linear import linear
 from mixtral_infer.model.rope import rotary_angles
-from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.model.transformer import Transformer, TransformerBlock
 
 
 @dataclass
@@ -183,9 +190,8 @@ def attend_chunk(
     xq: torch.Tensor,  # (C, H, Dh)
     xk: torch.Tensor,  # (C, H_kv, Dh)
     xv: torch.Tensor,  # (C, H_kv, Dh)
-    cache_k: torch.Tensor,  # (L, R, S, H_kv, Dh) the whole cache
-    cache_v: torch.Tensor,  # (L, R, S, H_kv, Dh)
-    layer: int,  # whose buffers it reads and writes
+    layer_k: torch.Tensor,  # (R, S, H_kv, Dh) the layer's buffers, read and written
+    layer_v: torch.Tensor,  # (R, S, H_kv, Dh)
     chunk: PromptChunk,
     visible: torch.Tensor,  # (K, P, S + P) bool: chunk_visibility
     writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
@@ -200,21 +206,21 @@ def attend_chunk(
     def laid_out(x: torch.Tensor) -> torch.Tensor:  # (C, H', Dh) -> (K, P, H', Dh), zeros where no token
         return x.new_zeros(layout + x.shape[1:]).index_put(where, x)
 
-    keys = torch.cat([cache_k[layer, chunk.rows], laid_out(xk)], dim=1)  # (K, S + P, H_kv, Dh)
-    values = torch.cat([cache_v[layer, chunk.rows], laid_out(xv)], dim=1)
+    keys = torch.cat([layer_k[chunk.rows], laid_out(xk)], dim=1)  # (K, S + P, H_kv, Dh)
+    values = torch.cat([layer_v[chunk.rows], laid_out(xv)], dim=1)
     out = F.scaled_dot_product_attention(
         laid_out(xq).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # (K, H, P, Dh), (K, H_kv, S + P, Dh)
         attn_mask=visible[:, None], enable_gqa=True,  # (K, 1, P, S + P)
     )  # (K, H, P, Dh)  # fmt: skip
     rows, slots, source = writes
-    write_slots(cache_k, cache_v, layer, rows, slots, xk[source], xv[source])
+    write_slots(layer_k, layer_v, rows, slots, xk[source], xv[source])
     return out.transpose(1, 2)[where]  # (C, H, Dh)
 
 
 def mixed_logits(
     model: Transformer,
-    cache_k: torch.Tensor,  # (L, R, S, H_kv, Dh) the whole cache
-    cache_v: torch.Tensor,  # (L, R, S, H_kv, Dh)
+    cache_k: torch.Tensor | Sequence[torch.Tensor],  # L x (R, S, H_kv, Dh): decode_step.layer_buffers
+    cache_v: torch.Tensor | Sequence[torch.Tensor],  # L x (R, S, H_kv, Dh)
     tokens: torch.Tensor,  # (R,) each row's last token
     positions: torch.Tensor,  # (R,) the position each takes
     alive: torch.Tensor,  # (R,) bool: the row decodes now (rows in the chunk do not)
@@ -223,27 +229,51 @@ def mixed_logits(
 ) -> torch.Tensor:
     """Float logits ``(R + K, V)``: each row's next token, then each segment's after its last chunk token.
 
-    Writes the alive rows' new keys and the chunk's. ``grouped_moe`` as in ``decode_logits``.
+    Writes the alive rows' new keys and the chunk's. The cache and ``grouped_moe`` as in
+    ``decode_logits``; compiled, every block is one region too (``mixed_block``).
     """
-    n_rows, n_tokens = tokens.shape[0], chunk.tokens.shape[0]
-    n_slots = cache_k.shape[2]
+    keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
+    n_slots = keys[0].shape[1]
     slots, visible = slots_and_visibility(positions, n_slots)  # (R,), (R, S)
     chunk_visible = chunk_visibility(chunk, n_slots, model.args.sliding_window)  # (K, P, S + P)
     writes = chunk_writes(chunk, n_slots)
     rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
 
+    block = mixed_block_region if in_regions() else mixed_block
     h = model.tok_embeddings(torch.cat([tokens, chunk.tokens]))  # (R + C, D)
-    for index, layer in enumerate(model.layers.values()):
-        attention = layer.attention
-        xq, xk, xv = attention.project(layer.attention_norm(h), rotary)  # (R + C, H, Dh), (R + C, H_kv, Dh) x2
-        decoded = attend_in_place(
-            xq[:n_rows], xk[:n_rows], xv[:n_rows], cache_k, cache_v, index, slots, alive, visible
-        )  # (R, H, Dh)
-        read = attend_chunk(
-            xq[n_rows:], xk[n_rows:], xv[n_rows:], cache_k, cache_v, index, chunk, chunk_visible, writes
-        )  # (C, H, Dh)
-        out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
-        h = h + linear(out, attention.wo.weight)  # (R + C, D)
-        h = h + feed_forward_rows(layer, h, grouped_moe)
-    ends = torch.cat([torch.arange(n_rows, device=h.device), n_rows + chunk.last])  # (R + K,)
+    for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
+        h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, chunk, chunk_visible, writes, grouped_moe)
+    ends = torch.cat([torch.arange(tokens.shape[0], device=h.device), tokens.shape[0] + chunk.last])  # (R + K,)
     return linear(model.norm(h[ends]), model.output.weight).float()  # (R + K, V)
+
+
+def mixed_block(
+    layer: TransformerBlock,
+    h: torch.Tensor,  # (R + C, D): the rows' residual stream, then the chunk's
+    rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (R + C, 1, Dh/2)
+    layer_k: torch.Tensor,  # (R, S, H_kv, Dh) this layer's buffers
+    layer_v: torch.Tensor,  # (R, S, H_kv, Dh)
+    slots: torch.Tensor,  # (R,)
+    alive: torch.Tensor,  # (R,) bool
+    visible: torch.Tensor,  # (R, S) bool
+    chunk: PromptChunk,
+    chunk_visible: torch.Tensor,  # (K, P, S + P) bool
+    writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
+    grouped_moe: bool,
+) -> torch.Tensor:
+    """One transformer block on the decoding rows and the chunk's tokens: ``(R + C, D)``."""
+    n_rows, n_tokens = slots.shape[0], chunk.tokens.shape[0]
+    attention = layer.attention
+    xq, xk, xv = attention.project(layer.attention_norm(h), rotary)  # (R + C, H, Dh), (R + C, H_kv, Dh) x2
+    decoded = attend_in_place(
+        xq[:n_rows], xk[:n_rows], xv[:n_rows], layer_k, layer_v, slots, alive, visible
+    )  # (R, H, Dh)
+    read = attend_chunk(
+        xq[n_rows:], xk[n_rows:], xv[n_rows:], layer_k, layer_v, chunk, chunk_visible, writes
+    )  # (C, H, Dh)
+    out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
+    h = h + linear(out, attention.wo.weight)  # (R + C, D)
+    return h + feed_forward_rows(layer, h, grouped_moe)
+
+
+mixed_block_region = torch.compiler.nested_compile_region(mixed_block)

@@ -425,6 +425,24 @@ class RotatingBufferCache:
             self.start_sequences(len(chunk_lengths))
         return build_input_metadata(chunk_lengths, self.tokens_seen, self.cache_size, self.sliding_window, self.device)
 
+    @property
+    def layer_keys(self) -> Tuple[torch.Tensor, ...]:
+        """Each layer's key buffer ``(max_batch_size, cache_size, n_kv_heads, head_dim)``: views of
+        ``cache_k``, the same objects at every call (what a compiled step takes and writes in place:
+        ``fast.decode_step.layer_buffers``)."""
+        return self._layer_views()[0]
+
+    @property
+    def layer_values(self) -> Tuple[torch.Tensor, ...]:
+        """Each layer's value buffer, as ``layer_keys``."""
+        return self._layer_views()[1]
+
+    def _layer_views(self) -> Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]:
+        held = getattr(self, "_views", None)
+        if held is None or held[0] is not self.cache_k or held[1] is not self.cache_v:  # made anew for new buffers
+            held = self._views = (self.cache_k, self.cache_v, self.cache_k.unbind(0), self.cache_v.unbind(0))
+        return held[2], held[3]
+
     def get_view(self, layer: int, metadata: RotatingCacheInputMetadata) -> CacheView:
         return CacheView(self.cache_k[layer], self.cache_v[layer], metadata)
 

@@ -514,7 +514,8 @@ class Engine:
         if device.type == "cuda" and compiled:
             torch.compiler.cudagraph_mark_step_begin()
         self._step_calls[key] += 1
-        inputs = [self.cache.cache_k, self.cache.cache_v, tokens.to(device), positions.to(device), alive.to(device)]
+        cache = self.cache
+        inputs = [cache.layer_keys, cache.layer_values, tokens.to(device), positions.to(device), alive.to(device)]
         # Every call passes the same cache tensors and fresh inputs of the same shapes and dtypes:
         # after the first calls, dynamo's per-weight guards would pass (as in generate's decode loop).
         with guards_checked(not compiled or self._step_calls[key] <= GUARDED_STEPS):
@@ -622,8 +623,8 @@ class Engine:
             raise GenerationError("the static decode step needs the whole model in one process")
         cuda = self.cache.cache_k.is_cuda
         if cuda:
-            torch._dynamo.mark_static_address(self.cache.cache_k)
-            torch._dynamo.mark_static_address(self.cache.cache_v)
+            for buffer in (*self.cache.layer_keys, *self.cache.layer_values):  # what the steps take
+                torch._dynamo.mark_static_address(buffer)
         options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if cuda else CPU_INDUCTOR_OPTIONS
         if cuda or mixed:
             return torch.compile(step, fullgraph=True, dynamic=False, options=options)
@@ -776,7 +777,8 @@ class CpuDecodeStep:
 
     def __call__(self, *args) -> torch.Tensor:
         if self.built is None:
-            shapes = tuple((arg.shape, arg.dtype) for arg in args)  # (cache_k, cache_v, tokens, positions, alive)
+            # the cache's layers (keys, then values), tokens, positions, alive
+            shapes = tuple((arg.shape, arg.dtype) for arg in torch.utils._pytree.tree_leaves(args))
             self.key = (shapes, self.grouped_moe, static_step.AHEAD_OF_TIME_ON_CPU)
             self.built = built_steps(self.model).get(self.key)
         if self.check_weights and isinstance(self.built, AotStep) and not self.built.current():
