@@ -11,6 +11,8 @@
 #   bash bench/gpu_lease.sh batches   # Mistral-7B decode batch 8 and 32, prefill 2048 and 8192, beside transformers
 #   bash bench/gpu_lease.sh mixtral   # Mixtral-8x7B (layers cut to fit twice) beside transformers, batch 1
 #   bash bench/gpu_lease.sh serve     # the serving engine on CUDA, Mistral-7B shape, 8 layers
+#   bash bench/gpu_lease.sh regions   # Mistral-7B's widths, 32 layers: the step's compile time and speed, blocks as
+#                                     # regions (the default since 2026-11-28) or written out
 #
 # A task's lease is 15 minutes of device time, start-up included: `first` (matvec, whose rows run in the
 # order that matters most and whose JSON keeps each finished row, then GemLite's and bitsandbytes'
@@ -32,7 +34,9 @@
 # (tests/test_cuda.py's bitsandbytes-folder test writes its folder with bitsandbytes' own Python:
 # for that run carry the wheel itself, .whl as the device README says, and little else.)
 #
-# Compiling a step takes 170-250 s of a lease's device time. Inductor's and Triton's caches (graphs,
+# Compiling a step took 170-250 s of a lease's device time with every block written out; each block is
+# now one region compiled once (fast/decode_step.in_regions; on CPU 18 s against 121 s at 32 layers),
+# which `regions` measures on the GPU. Inductor's and Triton's caches (graphs,
 # kernels, coordinate-descent results) go to .gpu_cache, packed into $OUT/gpu_cache.tgz at the end
 # (if under the 16 MiB a returned file may have); unpacked into .gpu_cache here and carried with the
 # next lease (carry: [".gpu_site", ".gpu_cache"]), the same step on the same machine kind finds its
@@ -43,7 +47,7 @@ out="${OUT:-gpu-results}"
 mkdir -p "$out" .gpu_cache/inductor .gpu_cache/triton
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.gpu_cache/inductor" TRITON_CACHE_DIR="$PWD/.gpu_cache/triton"
 trap 'tar czf "$out/gpu_cache.tgz" -C .gpu_cache . 2>/dev/null || true' EXIT
-step="${1:?a step: first, matvec, gemlite, quant, nf4, batches, mixtral or serve}"
+step="${1:?a step: first, matvec, gemlite, quant, nf4, batches, mixtral, serve or regions}"
 run() { timeout -s INT "$1" "${@:2}" 2>&1 | tee "$out/$step.log"; }
 case "$step" in
   matvec)  run 360 python bench/gpu_matvec.py --out "$out/matvec.json" ;;
@@ -61,5 +65,7 @@ case "$step" in
              --repeats 2 --out "$out/mixtral.json" ;;
   serve)   run 580 python bench/bench_serve.py --shape mistral-7b --layers 8 --device cuda --dtype bfloat16 \
              --requests 96 --clients 32 --out "$out/serve.json" ;;
-  *) echo "unknown step $step: first, matvec, gemlite, quant, nf4, batches, mixtral or serve" >&2; exit 2 ;;
+  regions) run 580 python bench/regional_compile.py --device cuda --widths 7b --layers 32 --rounds 3 \
+             --out "$out/regions.jsonl" ;;
+  *) echo "unknown step $step: first, matvec, gemlite, quant, nf4, batches, mixtral, serve or regions" >&2; exit 2 ;;
 esac
