@@ -31,6 +31,7 @@ from mixtral_infer.fast.decode_step import (
     slot_bucket,
     slots_and_visibility,
 )
+from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling
 
@@ -342,20 +343,28 @@ def copies_back(code: str) -> bool:
     return bool(re.search(r"(?<!_to)_copy_\w*\(|\.copy_\(", code))
 
 
-@pytest.mark.parametrize("buffers, regions", [("layers", True), ("layers", False), ("whole", False)])
-def test_compiled_decode_steps_write_the_cache_in_place(buffers, regions, monkeypatch):
+@pytest.mark.parametrize("step, buffers, regions", [
+    ("decode", "layers", True), ("mixed", "layers", True), ("decode", "layers", False), ("decode", "whole", False),
+])  # fmt: skip
+def test_compiled_steps_write_the_cache_in_place(step, buffers, regions, monkeypatch):
     """Each layer's buffers are inputs of the step (``RotatingBufferCache.layer_keys``), and each
-    layer's key and value go into them by one ``index_put``, which inductor does in place: the code
-    copies nothing back. Given the whole ``(L, B, S, H_kv, Dh)`` buffer, a block without regions
-    writes through a view of it, and the code copies the whole cache back (``decode_step.layer_buffers``).
-    (The mixed step's chunk writes are not done in place yet: ``bench/PERFORMANCE_LOG.md``.)"""
+    layer's keys and values go into them by ``index_put``, which inductor does in place: the code
+    copies nothing back (the mixed step: its chunk written before the decoding rows,
+    ``mixed_step.mixed_block``). Given the whole ``(L, B, S, H_kv, Dh)`` buffer, a block without
+    regions writes through a view of it, and the code copies the whole cache back (``decode_step.layer_buffers``)."""
     monkeypatch.setattr(decode_step, "REGIONS", regions)
     model = random_model(tiny_args(moe=False, max_batch_size=4), seed=27)
     cache = model.make_cache(4)
     cache.start_sequences(4)
     layers = (cache.layer_keys, cache.layer_values) if buffers == "layers" else (cache.cache_k, cache.cache_v)
-    code, _ = compiled_code(functools.partial(decode_logits, model), *layers, torch.tensor([5, 6]),
-                            torch.tensor([3, 9]), torch.tensor([True, True]))  # fmt: skip
+    if step == "decode":
+        code, _ = compiled_code(functools.partial(decode_logits, model), *layers, torch.tensor([5, 6]),
+                                torch.tensor([3, 9]), torch.tensor([True, True]))  # fmt: skip
+    else:
+        chunk = pack_chunk([(3, 0, [1, 2, 3])], size=4, segments=1)
+        alive = torch.tensor([True, True, False, False])
+        code, _ = compiled_code(functools.partial(mixed_logits, model), *layers, torch.tensor([5, 6, 0, 0]),
+                                torch.tensor([3, 9, 0, 0]), alive, chunk)  # fmt: skip
     assert "index_put" in code
     assert copies_back(code) == (buffers == "whole")
 

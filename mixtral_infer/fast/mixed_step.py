@@ -41,8 +41,9 @@ new, and reads 2 tokens at 0, 1; one padding token::
                and itself; position 8 sees cached position 5 and chunk positions 6, 7, 8
     writes   row 1: slots 2, 3, 0 <- positions 6, 7, 8; row 0: slots 0, 1 <- positions 0, 1
 
-The decoding rows attend in place over their own buffers, as in ``decode_one_token``; a row
-that reads a prompt sits out of that part (``alive`` false), so it writes there only what its slot held.
+The decoding rows attend in place over their own buffers, as in ``decode_one_token``, after the
+chunk; a row that reads a prompt sits out of that part (``alive`` false), so it writes there only
+what its slot held.
 """
 
 from __future__ import annotations
@@ -261,16 +262,24 @@ def mixed_block(
     writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
     grouped_moe: bool,
 ) -> torch.Tensor:
-    """One transformer block on the decoding rows and the chunk's tokens: ``(R + C, D)``."""
+    """One transformer block on the decoding rows and the chunk's tokens: ``(R + C, D)``.
+
+    The chunk attends and writes first, then the decoding rows. Their rows are apart (a row that
+    reads a prompt sits out of decoding, writing back what its slot holds), so either order gives
+    the same values; in this one inductor writes the buffers in place. Decoding rows first, the
+    chunk's write came after the rows' write and the chunk's read of the buffer, and the generated
+    code copied each layer's whole buffers out and back around it: Mistral 7B's widths, one layer,
+    8 rows of 4,096 slots and a chunk of 8, compiled on CPU, 144-146 ms a step against 78-84 ms
+    (``bench/PERFORMANCE_LOG.md``)."""
     n_rows, n_tokens = slots.shape[0], chunk.tokens.shape[0]
     attention = layer.attention
     xq, xk, xv = attention.project(layer.attention_norm(h), rotary)  # (R + C, H, Dh), (R + C, H_kv, Dh) x2
-    decoded = attend_in_place(
-        xq[:n_rows], xk[:n_rows], xv[:n_rows], layer_k, layer_v, slots, alive, visible
-    )  # (R, H, Dh)
     read = attend_chunk(
         xq[n_rows:], xk[n_rows:], xv[n_rows:], layer_k, layer_v, chunk, chunk_visible, writes
     )  # (C, H, Dh)
+    decoded = attend_in_place(
+        xq[:n_rows], xk[:n_rows], xv[:n_rows], layer_k, layer_v, slots, alive, visible
+    )  # (R, H, Dh)
     out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
     h = h + linear(out, attention.wo.weight)  # (R + C, D)
     return h + feed_forward_rows(layer, h, grouped_moe)
