@@ -402,7 +402,14 @@ def in_regions() -> bool:
     return REGIONS and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
-decode_block_region = torch.compiler.nested_compile_region(decode_block)
+def as_region(block: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``block`` as a region (``torch.compiler.nested_compile_region``, torch 2.8 and later); with an
+    older torch, ``block`` itself (compiled steps then write every block out)."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region(block) if region is not None else block
+
+
+decode_block_region = as_region(decode_block)
 
 
 def feed_forward_rows(layer: TransformerBlock, h: torch.Tensor, grouped_moe: bool) -> torch.Tensor:

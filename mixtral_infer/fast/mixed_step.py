@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast.decode_step import (
+    as_region,
     attend_in_place,
     feed_forward_rows,
     in_regions,
@@ -285,4 +286,4 @@ def mixed_block(
     return h + feed_forward_rows(layer, h, grouped_moe)
 
 
-mixed_block_region = torch.compiler.nested_compile_region(mixed_block)
+mixed_block_region = as_region(mixed_block)
