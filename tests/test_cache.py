@@ -172,3 +172,19 @@ def test_a_mixed_pass_has_a_decoding_part_and_a_prompt_part():
     assert prompt_rows.tolist() == [1, 2, 3] and not prompt.decoding and prompt.chunk_lengths == [0, 0, 3, 0]
     assert prompt.parts is None and metadata.mask is None
     assert metadata.positions.tolist() == [9, 0, 1, 2, 2]
+
+
+def test_layer_buffers_are_the_caches_own_layers_kept_as_objects():
+    """``layer_keys`` / ``layer_values``: one view a layer of ``cache_k`` / ``cache_v`` (a write through
+    one is the cache's), the same objects at every call (a CUDA graph marks them static), made anew
+    when the buffers are replaced."""
+    cache = RotatingBufferCache(3, 2, 4, 1, 2)
+    keys, values = cache.layer_keys, cache.layer_values
+    assert len(keys) == len(values) == 3 and keys[1].shape == (2, 4, 1, 2)
+    keys[1][0, 2] = 7.0
+    values[2][1, 3] = -1.0
+    assert cache.cache_k[1, 0, 2].tolist() == [[7.0, 7.0]] and cache.cache_v[2, 1, 3].tolist() == [[-1.0, -1.0]]
+    assert cache.cache_k.sum() == 14 and cache.cache_v.sum() == -2
+    assert all(a is b for a, b in zip(keys, cache.layer_keys)) and all(a is b for a, b in zip(values, cache.layer_values))
+    cache.cache_k = torch.ones_like(cache.cache_k)
+    assert cache.layer_keys[0] is not keys[0] and cache.layer_keys[0].sum() == 16

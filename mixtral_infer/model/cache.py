@@ -402,6 +402,7 @@ class RotatingBufferCache:
         self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
         self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
         self.tokens_seen: List[int] = []
+        self._views: Optional[tuple] = None  # (cache_k, cache_v, their layers' views): layer_keys
 
     @property
     def device(self) -> torch.device:
@@ -438,7 +439,7 @@ class RotatingBufferCache:
         return self._layer_views()[1]
 
     def _layer_views(self) -> Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]:
-        held = getattr(self, "_views", None)
+        held = self._views
         if held is None or held[0] is not self.cache_k or held[1] is not self.cache_v:  # made anew for new buffers
             held = self._views = (self.cache_k, self.cache_v, self.cache_k.unbind(0), self.cache_v.unbind(0))
         return held[2], held[3]
