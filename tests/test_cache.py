@@ -185,6 +185,7 @@ def test_layer_buffers_are_the_caches_own_layers_kept_as_objects():
     values[2][1, 3] = -1.0
     assert cache.cache_k[1, 0, 2].tolist() == [[7.0, 7.0]] and cache.cache_v[2, 1, 3].tolist() == [[-1.0, -1.0]]
     assert cache.cache_k.sum() == 14 and cache.cache_v.sum() == -2
-    assert all(a is b for a, b in zip(keys, cache.layer_keys)) and all(a is b for a, b in zip(values, cache.layer_values))
+    assert all(a is b for a, b in zip(keys, cache.layer_keys))
+    assert all(a is b for a, b in zip(values, cache.layer_values))
     cache.cache_k = torch.ones_like(cache.cache_k)
     assert cache.layer_keys[0] is not keys[0] and cache.layer_keys[0].sum() == 16
