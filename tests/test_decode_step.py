@@ -264,6 +264,27 @@ def test_compiled_steps_compile_one_region_for_every_block(regions, monkeypatch)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_a_step_whose_regions_fail_to_compile_has_its_blocks_written_out(monkeypatch):
+    """Where regions cannot take the step (an older torch; here a region that fails when traced), the
+    step compiles with every block written out, the terminal says so in a line, and it decodes as
+    the eager loop does."""
+    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", False)
+
+    def failing_region(*args):
+        raise RuntimeError("no regions here")
+
+    monkeypatch.setattr(decode_step, "decode_block_region", failing_region)
+    model = random_model(tiny_args(moe=False, max_batch_size=2), seed=27)
+    prompts = random_prompts([5, 3], model.args.vocab_size, seed=3)
+    messages = []
+    step_compiler(model).announce = messages.append
+    torch._dynamo.reset()
+    compiled, _ = generate(prompts, model, max_tokens=2 * WINDOW, decode="compiled", temperature=0)
+    eager, _ = generate(prompts, model, max_tokens=2 * WINDOW, decode="eager", temperature=0)
+    assert compiled == eager
+    assert [m for m in messages if "as a region failed" in m and m.endswith("writing blocks out")], messages
+
+
 def test_compiled_cpu_steps_attend_without_the_sdpa_kernel():
     """PyTorch's CPU attention kernel is slow for one query (``one_query_attention``): the compiled
     decode step on CPU attends with products and sums that inductor fuses."""

@@ -6,6 +6,7 @@ from conftest import random_model, tiny_args
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast import mixed_step
 from mixtral_infer.fast.cpu_aot_step import BuildCache
 from mixtral_infer.fast.decode_loop import GUARDED_STEPS
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
@@ -467,3 +468,25 @@ def test_compile_prompts_needs_a_compiled_decode_step(tiny):
     with pytest.raises(GenerationError, match="compile_prompts needs decode='compiled'"):
         Engine(model, tokenizer, rows=2, decode="static", compile_prompts=True)
     assert not Engine(model, tokenizer, rows=2, decode="compiled").compile_prompts  # on CPU, by default
+
+
+def test_an_engine_whose_regions_fail_to_compile_writes_blocks_out(tiny, monkeypatch, capsys):
+    """Where regions cannot take a step (an older torch; here the mixed step's region fails when
+    traced), the engine says so in one line and compiles its steps with every block written out:
+    a request still gets its solo tokens."""
+    model, tokenizer = tiny
+
+    def failing_region(*args):
+        raise RuntimeError("no regions here")
+
+    monkeypatch.setattr(mixed_step, "mixed_block_region", failing_region)
+    # the warm-up test's rows and chunk: its decode step's build is kept with the model (CpuDecodeStep)
+    engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode="compiled", compile_prompts=True)
+    settings = RequestSettings(max_tokens=6, temperature=0)
+    prompt = tokenizer.encode(PROMPTS[1])
+    recorder = Recorder()
+    engine.submit(prompt, settings, recorder.sink(0))
+    run(engine)
+    assert recorder.tokens(0) == solo(model, tokenizer, prompt, settings)[0]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "as a region failed" in line]
+    assert len(warnings) == 1 and warnings[0].endswith("writing blocks out") and engine._blocks_written_out

@@ -341,6 +341,7 @@ def decode_logits(
     positions: torch.Tensor,  # (B,) the position each token takes = tokens the row has seen
     alive: torch.Tensor,  # (B,) bool
     grouped_moe: bool = False,
+    regions: Optional[bool] = None,
 ) -> torch.Tensor:
     """Float logits ``(B, V)`` of the next token of every row; writes the alive rows' keys/values.
 
@@ -352,13 +353,13 @@ def decode_logits(
     14.3 / 22.3 / 39.5 ms against 4.8 / 8.0 / 10.6 / 14.9 ms grouped.
 
     Compiled, every block is one region (``decode_block``): traced and compiled once, its code
-    called once a layer.
+    called once a layer (``in_regions``; ``regions=False``: every block written out).
     """
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
     slots, visible = slots_and_visibility(positions, keys[0].shape[1])
     rotary = rotary_angles(positions, model.args.head_dim, model.args.rope_theta)
 
-    block = decode_block_region if in_regions() else decode_block
+    block = decode_block_region if in_regions(regions) else decode_block
     h = model.tok_embeddings(tokens)  # (B, D)
     for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
         h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe)  # (B, D)
@@ -386,8 +387,9 @@ def decode_block(
 REGIONS = True
 
 
-def in_regions() -> bool:
-    """Whether code traced now calls each block as a region (``torch.compiler.nested_compile_region``):
+def in_regions(regions: Optional[bool] = None) -> bool:
+    """Whether code traced now calls each block as a region (``torch.compiler.nested_compile_region``),
+    where ``regions`` (None: ``REGIONS``) asks for them:
     under ``torch.compile``, dynamo traces and inductor compiles a region for the first layer and
     calls that code for the others, whose weights and buffers are other tensors of the same shapes.
 
@@ -398,8 +400,10 @@ def in_regions() -> bool:
     bfloat16 28.8 and 29.0 tokens/s, mixtral-bench 57.9 and 60.6). Not under ``torch.export`` (the
     CPU step built ahead of time, ``cpu_aot_step``), whose build regions do not shorten and whose
     export they lengthen (8.4 s against 2.8 s with 8 layers of dim 256): that build is kept on disk
-    instead. Op by op, regions are the plain functions."""
-    return REGIONS and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    instead. Op by op, regions are the plain functions. A step whose regions fail to compile (a torch
+    older than the 2.13 they were tested with) is compiled with ``regions=False`` (``StepCompiler``)."""
+    wanted = REGIONS if regions is None else regions
+    return wanted and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
 def as_region(block: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -462,9 +466,10 @@ def emitted_tokens(
 
 
 def make_decode_step(
-    model: Transformer, greedy: bool, filtered: bool, eos_id: Optional[int]
+    model: Transformer, greedy: bool, filtered: bool, eos_id: Optional[int], regions: Optional[bool] = None
 ) -> Callable[..., StepOutputs]:
-    """``decode_one_token`` bound to a model and to the batch's static sampling facts."""
+    """``decode_one_token`` bound to a model and to the batch's static sampling facts (and, compiled,
+    to blocks as regions or written out: ``in_regions``)."""
 
     def decode_one_token(
         cache_k: Sequence[torch.Tensor],  # L x (B_max, S, H_kv, Dh): RotatingBufferCache.layer_keys
@@ -479,7 +484,7 @@ def make_decode_step(
     ) -> StepOutputs:
         """Feed each alive row's token, choose its next one. Returns
         ``(tokens, logprobs, positions, alive, emitted)`` (see ``emitted_tokens``)."""
-        logits = decode_logits(model, cache_k, cache_v, tokens, positions, alive)
+        logits = decode_logits(model, cache_k, cache_v, tokens, positions, alive, regions=regions)
         sampling = Sampling(temperature, top_p, top_k, greedy, filtered)
         next_tokens, logprobs, next_alive = choose_tokens(logits, alive, sampling, uniform, eos_id)
         emitted = emitted_tokens(logits, alive, next_tokens, next_alive)
@@ -553,12 +558,20 @@ class StepCompiler:
             on_cpu = cache.cache_k.device.type == "cpu"
             built = built_ahead_of_time(self.model, step, args, self.announce) if on_cpu else None
             if built is None:
-                cuda = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
-                options = cuda if cache.cache_k.is_cuda else CPU_INDUCTOR_OPTIONS
-                built = torch.compile(step, fullgraph=True, dynamic=False, options=options)
+                built = compiled(step, cache.cache_k.device)
             self.steps[key] = built
             with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
-                outputs = built(*args)  # torch.compile's step compiles here
+                try:
+                    outputs = built(*args)  # torch.compile's step compiles here
+                except Exception as reason:  # before the step ran: nothing written
+                    if isinstance(built, AotStep) or not REGIONS:
+                        raise
+                    # A torch whose regions cannot take this step (the lent GPU's is older than the
+                    # one tested): every block written out, as before regions.
+                    self.announce(f"compiling each block as a region failed ({one_line(reason)}); writing blocks out")
+                    step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, regions=False)
+                    built = self.steps[key] = compiled(step, cache.cache_k.device)
+                    outputs = built(*args)
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
             kept = isinstance(built, AotStep) and built.loaded  # built by an earlier run (cpu_aot_step.BuildCache)
@@ -566,6 +579,20 @@ class StepCompiler:
             return outputs
 
         return first_call
+
+
+def compiled(step: Callable[..., StepOutputs], device: torch.device) -> Callable[..., StepOutputs]:
+    """``step`` through ``torch.compile`` for ``device``: on CUDA replayed as a CUDA graph, its
+    products tuned by coordinate descent; on CPU with the package's inductor options."""
+    cuda = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+    options = cuda if device.type == "cuda" else CPU_INDUCTOR_OPTIONS
+    return torch.compile(step, fullgraph=True, dynamic=False, options=options)
+
+
+def one_line(reason: Exception) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    first_line = (str(reason).strip().splitlines() or [""])[0][:200]
+    return f"{type(reason).__name__}: {first_line}"
 
 
 def buffer_shape(cache: RotatingBufferCache) -> tuple:
@@ -585,8 +612,7 @@ def built_ahead_of_time(
     try:
         return AotStep(model, step, args)
     except Exception as reason:  # NotAheadOfTime, or an op export or AOTInductor cannot take
-        first_line = (str(reason).strip().splitlines() or [""])[0][:200]
-        announce(f"AOTInductor cannot build this step ({type(reason).__name__}: {first_line}); using torch.compile")
+        announce(f"AOTInductor cannot build this step ({one_line(reason)}); using torch.compile")
         return None
 
 

@@ -228,11 +228,12 @@ def mixed_logits(
     alive: torch.Tensor,  # (R,) bool: the row decodes now (rows in the chunk do not)
     chunk: PromptChunk,
     grouped_moe: bool = False,
+    regions: Optional[bool] = None,
 ) -> torch.Tensor:
     """Float logits ``(R + K, V)``: each row's next token, then each segment's after its last chunk token.
 
-    Writes the alive rows' new keys and the chunk's. The cache and ``grouped_moe`` as in
-    ``decode_logits``; compiled, every block is one region too (``mixed_block``).
+    Writes the alive rows' new keys and the chunk's. The cache, ``grouped_moe`` and ``regions`` as
+    in ``decode_logits``; compiled, every block is one region too (``mixed_block``).
     """
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
     n_slots = keys[0].shape[1]
@@ -241,7 +242,7 @@ def mixed_logits(
     writes = chunk_writes(chunk, n_slots)
     rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
 
-    block = mixed_block_region if in_regions() else mixed_block
+    block = mixed_block_region if in_regions(regions) else mixed_block
     h = model.tok_embeddings(torch.cat([tokens, chunk.tokens]))  # (R + C, D)
     for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
         h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, chunk, chunk_visible, writes, grouped_moe)

@@ -46,7 +46,7 @@ from mixtral_infer.errors import GenerationError
 from mixtral_infer.fast import decode_step as static_step
 from mixtral_infer.fast.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep
 from mixtral_infer.fast.decode_loop import GUARDED_STEPS, guards_checked
-from mixtral_infer.fast.decode_step import decode_logits, finite_rows, supports_static_decode
+from mixtral_infer.fast.decode_step import decode_logits, finite_rows, one_line, supports_static_decode
 from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling, sample
@@ -226,6 +226,7 @@ class Engine:
         self.stopped = False
         self.thread: Optional[threading.Thread] = None
         self._steps: Dict[object, Callable[..., torch.Tensor]] = {}  # "decode" or a chunk size -> its step
+        self._blocks_written_out = False  # compiled steps without regions (decode_step.in_regions): they failed
         self._step_calls: Dict[object, int] = collections.Counter()
         # Steps that read prompts run mixed_logits wherever decode-only steps run the static step;
         # compiled (compile_prompts), for a few padded chunk sizes; see the class docstring.
@@ -522,10 +523,25 @@ class Engine:
             try:
                 return step(*inputs, *([chunk] if chunk is not None else []))
             except Exception as error:  # a first call compiles: it fails before the step writes anything
-                if not (compiled and self.may_fall_back and self._step_calls[key] == 1):
+                first = compiled and self._step_calls[key] == 1
+                regions = static_step.REGIONS and not self._blocks_written_out and not isinstance(step, CpuDecodeStep)
+                if first and regions:  # torch.compile's step (CpuDecodeStep builds with AOTInductor, no regions)
+                    self._regions_failed(error)  # a torch whose regions cannot take the step
+                elif first and self.may_fall_back:
+                    self._compile_failed(error)
+                else:
                     raise
-                self._compile_failed(error)
         return self._call_step(key, tokens, positions, alive, chunk)
+
+    def _regions_failed(self, error: Exception) -> None:
+        """Compiling a step with each block as a region failed (``decode_step.in_regions``; a torch
+        whose regions cannot take it): say so in one line and compile the steps with every block
+        written out, as ``generate``'s step compiler does."""
+        print(f"warning: compiling each block as a region failed ({one_line(error)}); writing blocks out",
+              file=sys.stderr, flush=True)  # fmt: skip
+        self._blocks_written_out = True
+        self._steps.clear()
+        self._step_calls.clear()
 
     def _compile_failed(self, error: Exception) -> None:
         """``decode="auto"``: compiling a step failed (on CPU, most often for want of a C++
@@ -610,11 +626,13 @@ class Engine:
         # (mode eager), and for the steps that read prompts unless they compile.
         grouped_moe = self.mode == "eager" or (mixed and not compiled)
 
+        regions = False if self._blocks_written_out else None  # None: decode_step.REGIONS
+
         def decode_step(cache_k, cache_v, tokens, positions, alive):
-            return decode_logits(model, cache_k, cache_v, tokens, positions, alive, grouped_moe)
+            return decode_logits(model, cache_k, cache_v, tokens, positions, alive, grouped_moe, regions)
 
         def mixed_step(cache_k, cache_v, tokens, positions, alive, chunk):
-            return mixed_logits(model, cache_k, cache_v, tokens, positions, alive, chunk, grouped_moe)
+            return mixed_logits(model, cache_k, cache_v, tokens, positions, alive, chunk, grouped_moe, regions)
 
         step = mixed_step if mixed else decode_step
         if not compiled:
