@@ -4,6 +4,7 @@
 # folder that comes back; ./gpu-results elsewhere) as JSON, with each step's log.
 #
 #   bash bench/gpu_lease.sh first     # a short lease's one call: matvec, then the quantized kernels' product tests
+#                                     # and whether each block compiles as one region on the GPU's torch
 #   bash bench/gpu_lease.sh matvec    # which int8 / int4 product reads fastest (no model; GemLite's among them): ~4 min
 #   bash bench/gpu_lease.sh gemlite   # Mistral-7B decode batch 1: bf16, int8 and int4-128 through GemLite, compiled
 #   bash bench/gpu_lease.sh quant     # Mistral-7B decode batch 1: bf16, int8, int4 (2 k-tiles), compiled: ~9 min
@@ -52,7 +53,8 @@ run() { timeout -s INT "$1" "${@:2}" 2>&1 | tee "$out/$step.log"; }
 case "$step" in
   matvec)  run 360 python bench/gpu_matvec.py --out "$out/matvec.json" ;;
   first)   run 540 bash -c "timeout -s INT 360 python bench/gpu_matvec.py --out '$out/matvec.json';
-             timeout -s INT 170 python -m pytest -q -n 0 tests/test_cuda.py -k 'gemlites_products or cuda_nf4_kernel'" ;;
+             timeout -s INT 170 python -m pytest -q -n 0 tests/test_cuda.py \
+               -k 'gemlites_products or cuda_nf4_kernel or each_block_once'" ;;
   quant)   run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
              --quantize int8 int4 --modes compiled --repeats 2 --out "$out/quant.json" ;;
   gemlite) run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \

@@ -11,14 +11,18 @@ CPU suite checks the same logic through each kernel's reference semantics (``tes
 from __future__ import annotations
 
 import copy
+import functools
+import re
 
 import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
-from test_decode_step import SAMPLINGS, assert_same, eos_that_stops_some
+from test_decode_step import SAMPLINGS, assert_same, compiled_code, eos_that_stops_some
 from test_model import TOLERANCE, cached_logits, hf_logits, random_prompts
 
 from mixtral_infer import Tokenizer, generate, load_model
+from mixtral_infer.fast.decode_loop import step_compiler
+from mixtral_infer.fast.decode_step import decode_logits
 from mixtral_infer.model.linear import linear
 from mixtral_infer.quant import gemlite_cuda, kernels, nf4
 from mixtral_infer.quant.kernels import prepare
@@ -99,6 +103,27 @@ def test_the_cuda_graph_step_decodes_as_eager(cuda_model, sampling):
     eager = generate(prompts, cuda_model, decode="eager", **settings)
     for mode in ("static", "compiled"):
         assert_same(eager, generate(prompts, cuda_model, decode=mode, **settings))
+
+
+def test_the_cuda_step_compiles_each_block_once(cuda_model):
+    """On the GPU's torch too, each block of the compiled step is one region (``decode_step.
+    in_regions``): the generated code defines it once and calls it once a layer, with eager's logits,
+    and ``generate`` compiles it so (no line saying it fell back to blocks written out)."""
+    model = cuda_model
+    cache = model.make_cache(2)
+    cache.start_sequences(2)
+    # tokens, positions, alive
+    inputs = tuple(torch.tensor(values, device=CUDA) for values in ([5, 6], [3, 9], [True, True]))
+    with torch.inference_mode():
+        expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
+    code, logits = compiled_code(functools.partial(decode_logits, model), cache.layer_keys, cache.layer_values, *inputs)
+    assert len(set(re.findall(r"def (\w*subgraph_\d+)\(", code))) == 1
+    assert len(re.findall(r"= (\w*subgraph_\d+)\(", code)) == model.args.n_layers
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    messages = []
+    step_compiler(model).announce = messages.append
+    generate(random_prompts([4, 2], model.args.vocab_size, seed=5), model, max_tokens=4, decode="compiled")
+    assert not [m for m in messages if "as a region failed" in m], messages
 
 
 def test_bfloat16_decoding_on_cuda_scores_its_tokens_as_float32_does(cuda_model):
