@@ -292,6 +292,14 @@ def test_prompts_join_in_groups_with_admit_every(tiny):
     assert running == [1, 1, 2]  # steps 1 and 2 decode alone; step 3 admits the waiting prompt
 
 
+def served_alone(engine, prompt, settings) -> list:
+    """The tokens ``engine`` gives ``prompt``, submitted alone and run to the end."""
+    recorder = Recorder()
+    engine.submit(prompt, settings, recorder.sink(0))
+    run(engine)
+    return recorder.tokens(0)
+
+
 def test_warm_up_compiles_the_decode_step_and_leaves_the_cache(tiny):
     """A compiled engine compiles before its first request; the cache is as it was, and requests then
     get their solo tokens. (The engine of ``test_each_request_gets_its_solo_tokens[compiled-prompts]``:
@@ -305,10 +313,7 @@ def test_warm_up_compiles_the_decode_step_and_leaves_the_cache(tiny):
     assert torch.equal(engine.cache.cache_k, before[0]) and torch.equal(engine.cache.cache_v, before[1])
     settings = RequestSettings(max_tokens=6, temperature=0)
     prompt = tokenizer.encode(PROMPTS[0])
-    recorder = Recorder()
-    engine.submit(prompt, settings, recorder.sink(0))
-    run(engine)
-    assert recorder.tokens(0) == solo(model, tokenizer, prompt, settings)[0]
+    assert served_alone(engine, prompt, settings) == solo(model, tokenizer, prompt, settings)[0]
     Engine(model, tokenizer, rows=2, decode="eager").warm_up()  # nothing to compile: a no-op
 
 
@@ -484,9 +489,6 @@ def test_an_engine_whose_regions_fail_to_compile_writes_blocks_out(tiny, monkeyp
     engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode="compiled", compile_prompts=True)
     settings = RequestSettings(max_tokens=6, temperature=0)
     prompt = tokenizer.encode(PROMPTS[1])
-    recorder = Recorder()
-    engine.submit(prompt, settings, recorder.sink(0))
-    run(engine)
-    assert recorder.tokens(0) == solo(model, tokenizer, prompt, settings)[0]
+    assert served_alone(engine, prompt, settings) == solo(model, tokenizer, prompt, settings)[0]
     warnings = [line for line in capsys.readouterr().err.splitlines() if "as a region failed" in line]
     assert len(warnings) == 1 and warnings[0].endswith("writing blocks out") and engine._blocks_written_out
