@@ -568,7 +568,7 @@ class StepCompiler:
                         raise
                     # A torch whose regions cannot take this step (the lent GPU's is older than the
                     # one tested): every block written out, as before regions.
-                    self.announce(f"compiling each block as a region failed ({one_line(reason)}); writing blocks out")
+                    self.announce(regions_failed(reason))
                     step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, regions=False)
                     built = self.steps[key] = compiled(step, cache.cache_k.device)
                     outputs = built(*args)
@@ -587,6 +587,12 @@ def compiled(step: Callable[..., StepOutputs], device: torch.device) -> Callable
     cuda = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
     options = cuda if device.type == "cuda" else CPU_INDUCTOR_OPTIONS
     return torch.compile(step, fullgraph=True, dynamic=False, options=options)
+
+
+def regions_failed(reason: Exception) -> str:
+    """The line said when a step with each block as a region fails to compile (``StepCompiler``, the
+    serving engine), before it is compiled with every block written out."""
+    return f"compiling each block as a region failed ({one_line(reason)}); writing blocks out"
 
 
 def one_line(reason: Exception) -> str:

@@ -44,7 +44,7 @@ import torch
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.fast import decode_step as static_step
-from mixtral_infer.fast.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep
+from mixtral_infer.fast.cpu_aot_step import AotStep
 from mixtral_infer.fast.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.fast.decode_step import decode_logits, finite_rows, one_line, supports_static_decode
 from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
@@ -537,8 +537,7 @@ class Engine:
         """Compiling a step with each block as a region failed (``decode_step.in_regions``; a torch
         whose regions cannot take it): say so in one line and compile the steps with every block
         written out, as ``generate``'s step compiler does."""
-        print(f"warning: compiling each block as a region failed ({one_line(error)}); writing blocks out",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(f"warning: {static_step.regions_failed(error)}", file=sys.stderr, flush=True)
         self._blocks_written_out = True
         self._steps.clear()
         self._step_calls.clear()
@@ -547,9 +546,8 @@ class Engine:
         """``decode="auto"``: compiling a step failed (on CPU, most often for want of a C++
         compiler). Say so in one line and go on with the uncompiled steps, as ``eager`` with the
         per-step choice off CUDA: the same tokens, more slowly."""
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(
-            f"warning: could not compile the decode step ({type(error).__name__}: {reason[:200]}); "
+            f"warning: could not compile the decode step ({one_line(error)}); "
             "serving with the uncompiled steps",
             file=sys.stderr, flush=True,
         )  # fmt: skip
@@ -643,9 +641,8 @@ class Engine:
         if cuda:
             for buffer in (*self.cache.layer_keys, *self.cache.layer_values):  # what the steps take
                 torch._dynamo.mark_static_address(buffer)
-        options = {"triton.cudagraphs": True, "coordinate_descent_tuning": True} if cuda else CPU_INDUCTOR_OPTIONS
         if cuda or mixed:
-            return torch.compile(step, fullgraph=True, dynamic=False, options=options)
+            return static_step.compiled(step, self.cache.cache_k.device)
         return CpuDecodeStep(model, step, grouped_moe)
 
     def _choose(self, sampled: List[Request], logits: torch.Tensor) -> None:
@@ -814,7 +811,7 @@ class CpuDecodeStep:
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
         built = static_step.built_ahead_of_time(self.model, self.step, args, warn)
-        return built or torch.compile(self.step, fullgraph=True, dynamic=False, options=CPU_INDUCTOR_OPTIONS)
+        return built or static_step.compiled(self.step, torch.device("cpu"))
 
 
 def built_steps(model: Transformer) -> Dict[tuple, Callable[..., torch.Tensor]]:
