@@ -3,6 +3,9 @@
 # 10 minutes; a session has 30), in the order they matter. Results go to $OUT (the device tool's
 # folder that comes back; ./gpu-results elsewhere) as JSON, with each step's log.
 #
+#   bash bench/gpu_lease.sh short     # a 15-minute lease's one call (560 s): the GPU region test and GemLite's and
+#                                     # bitsandbytes' products; Mistral-7B decode batch 1 in bf16, int8 and int4-128
+#                                     # through GemLite, then nf4, compiled; GemLite's decoding tests in what is left
 #   bash bench/gpu_lease.sh first     # a short lease's one call: matvec, then the quantized kernels' product tests
 #                                     # and whether each block compiles as one region on the GPU's torch
 #   bash bench/gpu_lease.sh matvec    # which int8 / int4 product reads fastest (no model; GemLite's among them): ~4 min
@@ -48,13 +51,22 @@ out="${OUT:-gpu-results}"
 mkdir -p "$out" .gpu_cache/inductor .gpu_cache/triton
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.gpu_cache/inductor" TRITON_CACHE_DIR="$PWD/.gpu_cache/triton"
 trap 'tar czf "$out/gpu_cache.tgz" -C .gpu_cache . 2>/dev/null || true' EXIT
-step="${1:?a step: first, matvec, gemlite, quant, nf4, batches, mixtral, serve or regions}"
+step="${1:?a step: short, first, matvec, gemlite, quant, nf4, batches, mixtral, serve or regions}"
 run() { timeout -s INT "$1" "${@:2}" 2>&1 | tee "$out/$step.log"; }
 case "$step" in
   matvec)  run 360 python bench/gpu_matvec.py --out "$out/matvec.json" ;;
   first)   run 540 bash -c "timeout -s INT 360 python bench/gpu_matvec.py --out '$out/matvec.json';
              timeout -s INT 170 python -m pytest -q -n 0 tests/test_cuda.py \
                -k 'gemlites_products or cuda_nf4_kernel or each_block_once'" ;;
+  short)   end=$((SECONDS + 560))
+           { timeout -s INT 120 python -m pytest -q -n 0 tests/test_cuda.py \
+               -k 'each_block_once or gemlites_products or cuda_nf4_kernel' || echo "tests: exit $?"
+             timeout -s INT $((end - SECONDS - 60)) python bench/bench_gpu.py --models mistral-7b --without-transformers \
+               --batches 1 --prefill --quantize int8-gemlite int4-128-gemlite nf4 --modes compiled --repeats 2 \
+               --out "$out/short.json" || echo "bench: exit $?"
+             timeout -s INT $((end - SECONDS)) python -m pytest -q -n 0 tests/test_cuda.py \
+               -k 'quantized_cuda_decoding and True' || echo "decoding tests: exit $?"
+           } 2>&1 | tee "$out/short.log" ;;
   quant)   run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
              --quantize int8 int4 --modes compiled --repeats 2 --out "$out/quant.json" ;;
   gemlite) run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
@@ -69,5 +81,5 @@ case "$step" in
              --requests 96 --clients 32 --out "$out/serve.json" ;;
   regions) run 580 python bench/regional_compile.py --device cuda --widths 7b --layers 32 --rounds 3 \
              --out "$out/regions.jsonl" ;;
-  *) echo "unknown step $step: first, matvec, gemlite, quant, nf4, batches, mixtral, serve or regions" >&2; exit 2 ;;
+  *) echo "unknown step $step: short, first, matvec, gemlite, quant, nf4, batches, mixtral, serve or regions" >&2; exit 2 ;;
 esac
