@@ -66,15 +66,17 @@ def midpoints() -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _bin_tables() -> tuple[torch.Tensor, torch.Tensor]:
+def _bin_tables(device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor]:
     """For each of ``BINS`` bins, its lower edge ``e = b / 2048 - 1`` (exact in float32): the code
     below it, ``(BINS,) uint8``, how many midpoints lie below ``e``; and ``(BINS,) float32``, the
-    next midpoint up (``inf`` past the last), which lies in the bin or above it."""
+    next midpoint up (``inf`` past the last), which lies in the bin or above it. On ``device``
+    (weights are quantized where they are loaded, a GPU's on the GPU)."""
     mids = midpoints()
     assert (mids.diff() > 2 / BINS).all(), "a bin may hold at most one midpoint"
     edges = torch.arange(BINS, dtype=torch.float32) * (2 / BINS) - 1  # (BINS,)
     below = (edges[:, None] > mids[None, :]).sum(dim=-1)  # (BINS,)
-    return below.to(torch.uint8), torch.cat([mids, torch.tensor([float("inf")])])[below]
+    next_midpoint = torch.cat([mids, torch.tensor([float("inf")])])[below]
+    return below.to(torch.uint8).to(device), next_midpoint.to(device)
 
 
 def nearest_codes(v: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,7 @@ def nearest_codes(v: torch.Tensor) -> torch.Tensor:
     midpoints below it; the next, 0.12026 (between NF4[8] = 0.0796 and NF4[9] = 0.1609), lies in
     the bin, and ``v`` is above it: code 9 (0.1609 is 0.0404 away, 0.0796 is 0.0409).
     """
-    below, next_midpoint = _bin_tables()
+    below, next_midpoint = _bin_tables(v.device)
     flat = v.reshape(-1)  # (N,)
     bins = torch.floor(flat * (BINS // 2)).add_(BINS // 2).to(torch.int32).clamp_(0, BINS - 1)  # (N,): NaN -> an end
     codes = below.index_select(0, bins)
