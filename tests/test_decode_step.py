@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import math
@@ -34,6 +35,7 @@ from mixtral_infer.fast.decode_step import (
 from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling
+from mixtral_infer.quant.model import quantize_model
 
 LOGPROB_TOLERANCE = 1e-5
 SAMPLINGS = {
@@ -134,6 +136,30 @@ def test_the_step_compiles_with_fullgraph_and_equals_eager(moe, samplings):
     )
     announced = [float(re.match(r"compiled in ([\d.]+)s", m)[1]) for m in messages if m.startswith("compiled in")]
     assert compile_seconds(model) == built > 0 and built == pytest.approx(sum(announced), abs=0.11)
+
+
+@pytest.mark.parametrize("change", ["a copy", "quantized"])
+def test_a_model_whose_weights_changed_builds_its_steps_again(change, monkeypatch, capsys):
+    """The compiled steps kept with a model hold its weights as they were when built: a deep copy
+    given other weights (the GPU bench quantized a copy of its bfloat16 model and timed the
+    original's step, at bfloat16's speed) or a model quantized in place builds its own, and says so. Steps run uncompiled here (the same step, without the compile's
+    minutes; such a step reads the weights when called, so the copy is the case where the tokens
+    part; the quantized model's shows in the announcement: a compiled one would be captured again)."""
+    monkeypatch.setattr(decode_step, "compiled", lambda step, device: step)
+    monkeypatch.setattr(decode_step, "built_ahead_of_time", lambda *args: None)
+    model = random_model(tiny_args(moe=False, max_batch_size=3), seed=31)
+    prompts = random_prompts([2 * WINDOW + 1, 3], model.args.vocab_size, seed=7)
+    before = generate(prompts, model, max_tokens=WINDOW, decode="compiled")
+    if change == "a copy":
+        model = copy.deepcopy(model)
+        torch.nn.init.normal_(model.layers["0"].feed_forward.w2.weight, std=0.5)
+    else:
+        quantize_model(model, "int4")
+    capsys.readouterr()
+    after = generate(prompts, model, max_tokens=WINDOW, decode="compiled")
+    assert capsys.readouterr().err.count("compiling the decode step for batch 2") == 1
+    assert_same(generate(prompts, model, max_tokens=WINDOW, decode="eager"), after)
+    assert after[1] != before[1]  # the change shows in the logprobs: the check can fail
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

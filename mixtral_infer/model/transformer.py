@@ -225,6 +225,11 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+# What the fast paths keep on a model (``fast.decode_loop.step_compiler``, ``serve.engine.built_steps``):
+# compiled decode steps that hold its tensors as they were when the steps were built.
+BUILT_STEPS = ("_step_compiler", "_engine_decode_steps")
+
+
 class Transformer(nn.Module):
     """The decoder. ``parallel`` says which share of it this process holds (all of it by default).
 
@@ -242,6 +247,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, parallel) for i in self.layer_ids})
         self.norm = RMSNorm(args.dim, args.norm_eps) if parallel.is_last_stage else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if parallel.is_last_stage else None
+
+    def forget_built_steps(self) -> None:
+        """Drop the compiled steps kept with this model (``BUILT_STEPS``): its weights were replaced
+        (quantized), and a step built before would decode with the old ones. (A cast or a move
+        needs no call: steps are kept by their cache's dtype and device.)"""
+        for name in BUILT_STEPS:
+            self.__dict__.pop(name, None)
+
+    def __getstate__(self):
+        # A copy (copy.deepcopy, pickle) builds its own steps: the kept ones read this model's weights.
+        return {name: value for name, value in super().__getstate__().items() if name not in BUILT_STEPS}
 
     @property
     def dtype(self) -> torch.dtype:

@@ -114,6 +114,9 @@ def check_finite_scales(name: str, scales: torch.Tensor, source: str,
 def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     """Quantize a model already in memory, in place (loading does it tensor by tensor instead)."""
     scheme = QuantScheme.parse(scheme)
+    forget_built_steps = getattr(model, "forget_built_steps", None)
+    if forget_built_steps is not None:  # a step compiled before would decode with the float weights
+        forget_built_steps()
     # By name: a list of the parameters themselves would keep every float weight alive until the
     # end (Mixtral 8x7B on one GPU: 93 GB of bfloat16 beside 47 GB of int8); this way each float
     # weight is freed as its quantized one takes its place.
