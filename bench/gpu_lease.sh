@@ -4,7 +4,8 @@
 # folder that comes back; ./gpu-results elsewhere) as JSON, with each step's log.
 #
 #   bash bench/gpu_lease.sh short     # a 15-minute lease's one call (560 s): the GPU region test and GemLite's and
-#                                     # bitsandbytes' products; Mistral-7B decode batch 1 in bf16, int4-128 and int8
+#                                     # bitsandbytes' products; GemLite's products timed alone (where int8's 1.25x
+#                                     # goes); Mistral-7B decode batch 1 in bf16, int4-128 and int8
 #                                     # through GemLite, then nf4, compiled; GemLite's and nf4's decoding tests in
 #                                     # what is left. Everything it prints is in $OUT/short.log: the tool's reply
 #                                     # keeps only the last 12,000 characters
@@ -65,6 +66,9 @@ case "$step" in
            # report, with every failure's message, still prints (2026-11-28: a whole-run timeout lost it).
            { timeout -s INT 150 python -m pytest -q -n 0 -p timeout --timeout 60 -rf --tb=short tests/test_cuda.py \
                -k 'each_block_once or gemlites_products or cuda_nf4_kernel' || echo "tests: exit $?"
+             timeout -s INT 60 python bench/gpu_matvec.py --ways bf16 'int8 gemlite' 'int8 gemlite bf16 atomics' \
+               'int8 gemlite linear()' 'int4-128 gemlite' 'int4-128 gemlite linear()' --out "$out/matvec.json" \
+               || echo "matvec: exit $?"
              timeout -s INT $((end - SECONDS - 60)) python bench/bench_gpu.py --models mistral-7b --without-transformers \
                --batches 1 --prefill --quantize int4-128-gemlite int8-gemlite nf4 --modes compiled --repeats 2 \
                --out "$out/short.json" || echo "bench: exit $?"

@@ -15,14 +15,17 @@ Each way's output is checked against the dequantize-then-matmul reference first 
   its older one-row kernel (``cgemm_4bit_inference_naive_bf16``), for comparison;
 * ``int8 gemlite``, ``int4 gemlite`` (groups of 32) and ``int4-128 gemlite``: GemLite's Triton
   kernels (``quant/gemlite_cuda.py``: its matrix-vector kernels at one row), what ``linear()``
-  runs on CUDA where GemLite is installed; carry its package folder (``bench/gpu_lease.sh``); the int4 ones
-  also ``... bf16 atomics``, GemLite's default way of adding up its split sums (less accurate);
+  runs on CUDA where GemLite is installed; carry its package folder (``bench/gpu_lease.sh``); each
+  also ``... bf16 atomics``, GemLite's default way of adding up its split sums (less accurate; for
+  int8, whose tuned kernel splits no sum, it saves the float32 output's conversion, a kernel a
+  product), and ``... linear()``, the same product through ``linear()`` as the model calls it;
 * ``int8 words`` and ``int4 words``: the plain integers read as int32 words, 4 int8 or 8 int4
   values a load, unpacked by shifts in the compiled reduction (``int8_words``, ``int4_words``).
   Not yet run on a GPU: a guess at why int8 is no faster than bfloat16 for 14336 x 4096 (a
   reduction loading one byte per thread), and whether int4 needs tinygemm's layout at all.
 
     python bench/gpu_matvec.py --out bench/results_gpu_matvec.json
+    python bench/gpu_matvec.py --ways bf16 "int8 gemlite" "int8 gemlite bf16 atomics"   # some rows only
 """
 
 from __future__ import annotations
@@ -43,10 +46,25 @@ from bench_gpu import cuda_graph_of  # noqa: E402
 
 from mixtral_infer.model.linear import linear  # noqa: E402
 from mixtral_infer.quant import gemlite_cuda, nf4  # noqa: E402
-from mixtral_infer.quant.kernels import _scales_and_zeros, tinygemm_bytes, with_cuda_nf4_layout  # noqa: E402
+from mixtral_infer.quant.kernels import _scales_and_zeros, prepare, tinygemm_bytes, with_cuda_nf4_layout  # noqa: E402
 from mixtral_infer.quant.weights import QuantScheme, quantize  # noqa: E402
 
 FFN_SHAPE = (14336, 4096)  # w1 and w3 of Mistral 7B: (OUT, IN)
+
+
+def prepared_products(x: torch.Tensor, weights: list) -> Callable[[], list]:
+    """``linear(x, q)`` for each weight given its GemLite product (``kernels.prepare``, on the first
+    call): GemLite's product with whatever ``linear()`` adds around it, as the model runs it."""
+
+    def run() -> list:
+        if gemlite_cuda.library() is None:
+            raise RuntimeError("GemLite does not import here: carry its package folder (bench/gpu_lease.sh)")
+        for q in weights:
+            if q.gemlite is None:
+                prepare(q)
+        return [linear(x, q) for q in weights]
+
+    return run
 
 
 def graph_ms(run: Callable[[], None], repeats: int) -> float:
@@ -175,6 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", type=int, nargs=2, default=list(FFN_SHAPE), metavar=("OUT", "IN"))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--ways", nargs="+", default=None, help="these rows only, by name (default: every one)")
     options = parser.parse_args(argv)
     out_features, in_features = options.shape
     device, bf16 = torch.device("cuda"), torch.bfloat16
@@ -229,12 +248,18 @@ def main(argv=None) -> int:
                     ("int4-128", int4_128, n // 2 + 2 * n // 128))  # fmt: skip
     for scheme, quantized, nbytes in gemlite_ways:
         ways[f"{scheme} gemlite"] = (gemlite_products(x, quantized), scheme, nbytes)
-        if scheme.startswith("int4"):  # GemLite's default: its split sums added up in bfloat16
-            ways[f"{scheme} gemlite bf16 atomics"] = (gemlite_products(x, quantized, True), scheme, nbytes)
+        # GemLite's default: its split sums added up in bfloat16
+        ways[f"{scheme} gemlite bf16 atomics"] = (gemlite_products(x, quantized, True), scheme, nbytes)
+        ways[f"{scheme} gemlite linear()"] = (prepared_products(x, quantized), scheme, nbytes)
 
     # The ways a short lease most needs first (the JSON keeps every finished row): then the rest as built.
     first = ["bf16", "int8 compiled", "int8 gemlite", "int4-128 gemlite", "int4 tinygemm tiles=2", "nf4 bitsandbytes"]
     order = first + [name for name in ways if name not in first]
+    if options.ways is not None:
+        unknown = sorted(set(options.ways) - set(ways))
+        if unknown:
+            parser.error(f"no way named {', '.join(unknown)}; the ways: {', '.join(ways)}")
+        order = [name for name in order if name in options.ways]
     results: List[Dict] = []
     for name in order:
         run, kind, nbytes = ways[name]
