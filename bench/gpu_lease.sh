@@ -64,7 +64,8 @@ case "$step" in
   short)   end=$((SECONDS + 560))
            # Each test at most 60 s (pytest-timeout, on the lent machine): a slow one fails alone and the
            # report, with every failure's message, still prints (2026-11-28: a whole-run timeout lost it).
-           { timeout -s INT 150 python -m pytest -q -n 0 -p timeout --timeout 60 -rf --tb=short tests/test_cuda.py \
+           each=$(python -c 'import pytest_timeout' 2>/dev/null && echo "--timeout 60" || true)
+           { timeout -s INT 150 python -m pytest -q -n 0 $each -rf --tb=short tests/test_cuda.py \
                -k 'each_block_once or gemlites_products or cuda_nf4_kernel' || echo "tests: exit $?"
              timeout -s INT 60 python bench/gpu_matvec.py --ways bf16 'int8 gemlite' 'int8 gemlite bf16 atomics' \
                'int8 gemlite linear()' 'int4-128 gemlite' 'int4-128 gemlite linear()' --out "$out/matvec.json" \
@@ -72,7 +73,7 @@ case "$step" in
              timeout -s INT $((end - SECONDS - 60)) python bench/bench_gpu.py --models mistral-7b --without-transformers \
                --batches 1 --prefill --quantize int4-128-gemlite int8-gemlite nf4 --modes compiled --repeats 2 \
                --out "$out/short.json" || echo "bench: exit $?"
-             timeout -s INT $((end - SECONDS)) python -m pytest -q -n 0 -p timeout --timeout 60 -rf --tb=short \
+             timeout -s INT $((end - SECONDS)) python -m pytest -q -n 0 $each -rf --tb=short \
                tests/test_cuda.py -k 'quantized_cuda_decoding and (True or nf4)' || echo "decoding tests: exit $?"
            } 2>&1 | tee "$out/short.log" ;;
   quant)   run 580 python bench/bench_gpu.py --models mistral-7b --without-transformers --batches 1 --prefill \
