@@ -142,9 +142,10 @@ def test_the_step_compiles_with_fullgraph_and_equals_eager(moe, samplings):
 def test_a_model_whose_weights_changed_builds_its_steps_again(change, monkeypatch, capsys):
     """The compiled steps kept with a model hold its weights as they were when built: a deep copy
     given other weights (the GPU bench quantized a copy of its bfloat16 model and timed the
-    original's step, at bfloat16's speed) or a model quantized in place builds its own, and says so. Steps run uncompiled here (the same step, without the compile's
-    minutes; such a step reads the weights when called, so the copy is the case where the tokens
-    part; the quantized model's shows in the announcement: a compiled one would be captured again)."""
+    original's step, at bfloat16's speed) or a model quantized in place builds its own, and says
+    so. Steps run uncompiled here (the same step, without the compile's minutes; such a step reads
+    the weights when called, so the copy is the case where the tokens part; the quantized model's
+    shows in the announcement: a compiled one would be captured again)."""
     monkeypatch.setattr(decode_step, "compiled", lambda step, device: step)
     monkeypatch.setattr(decode_step, "built_ahead_of_time", lambda *args: None)
     model = random_model(tiny_args(moe=False, max_batch_size=3), seed=31)
