@@ -63,6 +63,9 @@ def test_nearest_codes_by_bins_equal_counting_midpoints_at_every_edge():
     below, next_midpoint = nf4._bin_tables()
     assert (below[2294], next_midpoint[2294]) == (8, mids[8]) and nf4.nearest_codes(torch.tensor(0.1205)) == 9
     assert nf4.nearest_codes(torch.tensor([float("nan")])).item() in (0, 15)
+    # On the values' device (a GPU's weights are quantized on the GPU; "meta" stands in for it here,
+    # where tables left on the CPU fail as they did on the H200).
+    assert nf4.nearest_codes(torch.empty(5, device="meta")).device.type == "meta"
 
 
 def test_the_kernel_layout_worked_example_and_its_inverse():
