@@ -41,8 +41,8 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
   (``same_tokens``: leading tokens equal). A copy is quantized where one fits beside the
   bfloat16 model; else the model itself, and later schemes are skipped.
 
-  ``--modes compiled`` skips the eager rows (and the agreement, which needs the bfloat16 model's
-  eager tokens). Targets of issue 15 on an H100/H200: Mistral-7B int8 >= 1.6x bfloat16 fast,
+  ``--modes compiled`` skips ours' eager rows, bfloat16's too (and the agreement, which needs the
+  bfloat16 model's eager tokens). Targets of issue 15 on an H100/H200: Mistral-7B int8 >= 1.6x bfloat16 fast,
   int4 >= 2.2x; Mixtral-8x7B int8 >= 150 tok/s.
 
 ``--without-transformers`` builds ours alone from random weights, with every layer (Mixtral
@@ -334,14 +334,18 @@ def first_difference(a: List[List[int]], b: List[List[int]]) -> Optional[int]:
     return None
 
 
-def bench_decode(ours: Transformer, hf, batch: int, repeats: int, hf_compile: bool, log) -> Dict:
-    """One batch's decode row; ``hf`` None: ours and the floor only."""
+def bench_decode(
+    ours: Transformer, hf, batch: int, repeats: int, hf_compile: bool, log, modes=("eager", "compiled")
+) -> Dict:
+    """One batch's decode row; ``hf`` None: ours and the floor only; ours in ``modes``."""
     vocab = ours.args.vocab_size
     prompts = random_prompts(batch, PROMPT, vocab, seed=batch)
     steps = NEW_TOKENS - 1
     row: Dict = {"batch": batch, "prompt": PROMPT, "new_tokens": NEW_TOKENS}
     ours_tokens: list = []
     for mode, label in (("eager", "ours_eager"), ("compiled", "ours_fast")):
+        if mode not in modes:
+            continue
         warm, seconds = median_runs(lambda: ours_decode(ours, prompts, mode, ours_tokens), repeats)
         row[label] = batch * steps / seconds
         if mode == "compiled":
@@ -509,7 +513,7 @@ def main(argv=None) -> int:
                         choices=schemes + [s + GEMLITE for s in schemes if s.startswith("int")],
                         help="quantized decode rows (-gemlite: through GemLite's kernels)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
-                        help="decode modes of the quantized rows (without eager: no token agreement)")  # fmt: skip
+                        help="decode modes of ours (without eager: no eager rows, no token agreement)")  # fmt: skip
     parser.add_argument("--without-transformers", action="store_true", help="ours alone, every layer, random weights")
     options = parser.parse_args(argv)
     device = torch.device(options.device)
@@ -533,7 +537,9 @@ def main(argv=None) -> int:
             entry["transformers"] = False
         results["models"][name] = entry
         for batch in options.batches:
-            entry["decode"].append(bench_decode(ours, hf, batch, options.repeats, not options.no_hf_compile, log))
+            entry["decode"].append(
+                bench_decode(ours, hf, batch, options.repeats, not options.no_hf_compile, log, options.modes)
+            )
             save()
         for length in options.prefill:
             entry["prefill"].append(bench_prefill(ours, hf, length, options.repeats, log))
