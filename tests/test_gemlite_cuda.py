@@ -116,7 +116,7 @@ def test_a_weight_gemlite_cannot_pack_is_logged_and_left_to_pytorchs_kernels(mon
 
     class Broken:
         class DType:
-            BF16 = FP16 = None
+            BF16 = FP16 = FP32 = None
 
         class GemLiteLinear:
             def __init__(self, *args, **kwargs):
@@ -167,7 +167,8 @@ def assert_alike(got, expected):
 @pytest.mark.parametrize("moe, scheme", [(False, "int8"), (True, "int4")], ids=["mistral-int8", "mixtral-int4"])
 def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(moe, scheme, monkeypatch):
     """A ``GemliteProduct`` on every weight GemLite takes (attention, dense feed-forward; not the
-    stacked experts), calling GemLite's op (a CPU stand-in with its signature): decoding compiled as
+    stacked experts), calling GemLite's op (a CPU stand-in with its signature) through ours with a
+    float32 output (``gemlite_cuda.FLOAT32_OUTPUTS``, as ``product`` makes them): decoding compiled as
     on a GPU (``torch.compile``, ``fullgraph``: the products trace without a break) gives eager's
     tokens, the op multiplying every step's rows; the first tokens are those of PyTorch's kernels
     (later ones may part at a near tie: the products round differently). int4 weights keep their
@@ -185,7 +186,7 @@ def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(m
     for name, module in with_gemlite.named_modules():
         if isinstance(module, QuantizedParameter) and gemlite_cuda.supports(module):
             W_q, scales, zeros, _, group_size = gemlite_cuda.arguments(module)
-            module.gemlite = gemlite_cuda.GemliteProduct((W_q, scales), (zeros or 0, group_size))
+            module.gemlite = gemlite_cuda.GemliteProduct((W_q, scales), (zeros or 0, group_size), float32_out=True)
             taken.append(name)
     assert ("layers.0.feed_forward.w1.weight" in taken) == (not moe) and "layers.0.attention.wq.weight" in taken
     assert not any("experts" in name or name.endswith("feed_forward.w1") for name in taken)
@@ -200,6 +201,67 @@ def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(m
     first = tuple([row[:WINDOW] for row in rows] for rows in eager)
     pytorchs = generate(prompts, plain, decode="eager", max_tokens=WINDOW, prompt_logprobs=False)
     assert_alike(first, pytorchs)
+
+
+@pytest.mark.parametrize("float32_out", [True, False], ids=["float32-outputs", "gemlite-s-outputs"])
+def test_a_gemlite_product_gives_the_activations_dtype_either_way(float32_out):
+    """Through ``mixtral_infer::gemlite_mm`` (float32 out, our conversion) or GemLite's op directly:
+    the reference's product in the activations' dtype, the op's output float32 when traced too."""
+    stand_in_op()
+    weight = quantize(torch.randn(64, 96, generator=torch.Generator().manual_seed(4)), QuantScheme.parse("int4-32"),
+                      torch.bfloat16)  # fmt: skip
+    W_q, scales, zeros, _, group_size = gemlite_cuda.arguments(weight)
+    product = gemlite_cuda.GemliteProduct((W_q, scales), (zeros, group_size), float32_out=float32_out)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    got = product(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, kernels.reference_linear(x, weight))
+    traced = torch.compile(lambda v: torch.ops.mixtral_infer.gemlite_mm(v, [W_q, scales], [zeros, group_size]),
+                           backend="eager", fullgraph=True)(x)  # fmt: skip
+    assert traced.dtype == torch.float32 and torch.equal(traced.to(torch.bfloat16), got)
+
+
+class FakeGemlite:
+    """GemLite's packing API as ``product`` calls it, recording what each layer is asked for."""
+
+    class DType:  # GemLite's are enum members; product hands them over as they are
+        BF16, FP16, FP32 = 1, 2, 3
+
+    class GemLiteLinear:
+        def __init__(self, bits, group_size, in_features, out_features, input_dtype, output_dtype):
+            self.output_dtype = output_dtype
+
+        def pack(self, W_q, scales, zeros):
+            self.W_q = W_q
+
+        def get_tensor_args(self):
+            return [self.W_q]
+
+        def get_meta_args(self):
+            return [self.output_dtype]
+
+    class helper:
+        class A16W8_INT8:
+            def __init__(self, device, dtype):
+                pass
+
+            def from_weights(self, W_q, scales):
+                layer = FakeGemlite.GemLiteLinear(8, None, None, None, None, FakeGemlite.DType.BF16)
+                layer.pack(W_q, scales, None)
+                return layer
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("float32", [True, False], ids=["float32-outputs", "gemlite-s-outputs"])
+def test_product_asks_gemlite_for_float32_outputs_unless_told_not_to(scheme, float32, monkeypatch):
+    """int4's layer is made with float32 outputs, int8's (GemLite's helper makes it in the weight's
+    dtype) given them before its meta is read; with ``FLOAT32_OUTPUTS`` off, the weight's dtype."""
+    monkeypatch.setattr(gemlite_cuda, "library", lambda: FakeGemlite)
+    monkeypatch.setattr(gemlite_cuda, "FLOAT32_OUTPUTS", float32)
+    weight = quantize(torch.randn(64, 96, generator=torch.Generator().manual_seed(5)), QuantScheme.parse(scheme),
+                      torch.bfloat16)  # fmt: skip
+    product = gemlite_cuda.product(weight)
+    assert product.float32_out == float32
+    assert product.meta == (FakeGemlite.DType.FP32 if float32 else FakeGemlite.DType.BF16,)
 
 
 def test_gemlites_tunings_are_kept_between_processes(tmp_path, monkeypatch):

@@ -38,6 +38,15 @@ product's; bfloat16 has 8x float16's step). ``library`` turns that off
 in float32 and the output is rounded once, as every other product here is; it costs a conversion
 of the output (``bench/gpu_matvec.py`` times both).
 
+Outputs: GemLite writes float32 (``FLOAT32_OUTPUTS``), converted by ``GemliteProduct`` to the
+activations' dtype. Where it adds split sums in float32 (4-bit at 1-4 rows, every product of more
+rows), GemLite would otherwise convert its output to bfloat16 in a kernel of its own after the
+product (int4 Mistral 7B: 224 a decode step), which a compiled step cannot fuse; our conversion is
+a graph op, done by the kernel that reads the product (rotary embedding, the SwiGLU product, the
+residual add). The same rounding, once. (int8 at 1-2 rows writes its output's dtype directly
+either way.) The tuned configurations are the same: GemLite keys them by input type and bits, not
+output. What it saves is not measured yet (``bench_gpu.py``'s ``-native`` schemes are the other way).
+
 Tuning: GemLite autotunes each shape on first use, unless its cached configurations for the GPU
 hold it. It ships them per GPU name (``h100.json``...). An H200 is an H100's chip with faster memory,
 so on a GPU named H200, which no shipped file names, H100's are loaded (``library``). What it tunes
@@ -66,6 +75,9 @@ from mixtral_infer.quant import nf4
 ROWS = 64  # GemLite's own limit for its matrix-vector and split-K kernels (its GEMM from there on)
 MIN_INPUTS = 32  # GemLite's: inputs a multiple of this (and of the group size)
 SAME_CHIP = {"h200": "h100"}  # GPU name -> the shipped tuning file it can use (same chip, faster memory)
+# GemLite writes float32 outputs, which the caller converts (module docstring, "Outputs"); False: in
+# the activations' dtype, as GemLite's own layers do (converted inside its op where it adds in float32).
+FLOAT32_OUTPUTS = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,17 +141,43 @@ def keep_tuning(gemlite: ModuleType, path: str) -> None:
 class GemliteProduct:
     """``x (M, IN) @ W.T`` by GemLite's op for one weight: the tensors and integers its packed
     layer hands the op (``GemLiteLinear.get_tensor_args`` / ``get_meta_args``), kept as they are.
-    A plain object, not a module: ``model.to(...)`` leaves it where it was made (``usable``)."""
+    A plain object, not a module: ``model.to(...)`` leaves it where it was made (``usable``).
+    ``float32_out``: GemLite was asked for float32 outputs (``FLOAT32_OUTPUTS``), converted here to
+    the activations' dtype, through ``mixtral_infer::gemlite_mm`` (GemLite's own fake would say its
+    output has the activations' dtype)."""
 
     tensors: Tuple[torch.Tensor, ...]
     meta: Tuple[int, ...]
+    float32_out: bool = False
 
     @property
     def device(self) -> torch.device:
         return self.tensors[0].device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.gemlite.forward_functional(x.contiguous(), None, list(self.tensors), list(self.meta), -1)
+        x = x.contiguous()
+        if self.float32_out:
+            return torch.ops.mixtral_infer.gemlite_mm(x, list(self.tensors), list(self.meta)).to(x.dtype)
+        return torch.ops.gemlite.forward_functional(x, None, list(self.tensors), list(self.meta), -1)
+
+
+def _gemlite_mm(x: torch.Tensor, tensors: List[torch.Tensor], meta: List[int]) -> torch.Tensor:
+    """GemLite's op, its output as float32 (a no-op where GemLite wrote float32, as asked)."""
+    return torch.ops.gemlite.forward_functional(x, None, list(tensors), list(meta), -1).float()
+
+
+# GemLite's op as one of ours whose output is float32: compiled code converts it where it is read,
+# in the kernel that reads it (``FLOAT32_OUTPUTS``). The CPU implementation is for the tests, whose
+# stand-in takes GemLite's op's name.
+_LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
+_LIBRARY.define("gemlite_mm(Tensor x, Tensor[] tensors, int[] meta) -> Tensor")
+_LIBRARY.impl("gemlite_mm", _gemlite_mm, "CUDA")
+_LIBRARY.impl("gemlite_mm", _gemlite_mm, "CPU")
+
+
+@torch.library.register_fake("mixtral_infer::gemlite_mm")
+def _(x, tensors, meta):
+    return _gemlite_mm(x, tensors, meta)  # GemLite's fake (its output's shape), made float32
 
 
 def supports(weight) -> bool:
@@ -190,14 +228,17 @@ def product(weight) -> GemliteProduct:
     gemlite = library()
     W_q, scales, zeros, bits, group_size = arguments(weight)
     dtype = gemlite.DType.BF16 if weight.dtype == torch.bfloat16 else gemlite.DType.FP16
+    output_dtype = gemlite.DType.FP32 if FLOAT32_OUTPUTS else dtype
     if bits == 8:
         layer = gemlite.helper.A16W8_INT8(device=weight.device, dtype=weight.dtype).from_weights(W_q, scales=scales)
+        layer.output_dtype = output_dtype  # read by its forward only (get_meta_args), not by its packing
     else:
         out_features, in_features = weight.shape
         layer = gemlite.GemLiteLinear(4, group_size=group_size, in_features=in_features, out_features=out_features,
-                                      input_dtype=dtype, output_dtype=dtype)  # fmt: skip
+                                      input_dtype=dtype, output_dtype=output_dtype)  # fmt: skip
         layer.pack(W_q, scales, zeros)
-    return GemliteProduct(tuple(layer.get_tensor_args()), tuple(int(m) for m in layer.get_meta_args()))
+    meta = tuple(int(m) for m in layer.get_meta_args())
+    return GemliteProduct(tuple(layer.get_tensor_args()), meta, float32_out=FLOAT32_OUTPUTS)
 
 
 def usable(x: torch.Tensor, weight) -> bool:
