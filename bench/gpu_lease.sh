@@ -67,8 +67,8 @@ case "$step" in
            each=$(python -c 'import pytest_timeout' 2>/dev/null && echo "--timeout 60" || true)
            { timeout -s INT 150 python -m pytest -q -n 0 $each -rf --tb=short tests/test_cuda.py \
                -k 'each_block_once or gemlites_products or cuda_nf4_kernel' || echo "tests: exit $?"
-             timeout -s INT 60 python bench/gpu_matvec.py --ways bf16 'int8 gemlite' 'int8 gemlite linear()' \
-               'int4-128 gemlite' 'int4-128 gemlite bf16 atomics' 'int4-128 gemlite linear()' --out "$out/matvec.json" \
+             timeout -s INT 60 python bench/gpu_matvec.py --ways bf16 'int8 gemlite' 'int4-128 gemlite' \
+               'int4-128 gemlite native' 'int4-128 gemlite bf16 atomics' 'int8 gemlite linear()' --out "$out/matvec.json" \
                || echo "matvec: exit $?"
              timeout -s INT $((end - SECONDS - 60)) python bench/bench_gpu.py --models mistral-7b --without-transformers \
                --batches 1 --prefill --quantize int4-128-gemlite int4-128-gemlite-native int8-gemlite nf4 --modes compiled --repeats 2 \

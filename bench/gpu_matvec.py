@@ -15,11 +15,13 @@ Each way's output is checked against the dequantize-then-matmul reference first 
   its older one-row kernel (``cgemm_4bit_inference_naive_bf16``), for comparison;
 * ``int8 gemlite``, ``int4 gemlite`` (groups of 32) and ``int4-128 gemlite``: GemLite's Triton
   kernels (``quant/gemlite_cuda.py``: its matrix-vector kernels at one row), what ``linear()``
-  runs on CUDA where GemLite is installed; carry its package folder (``bench/gpu_lease.sh``); the int4
-  ones also ``... bf16 atomics``, GemLite's default way of adding up its split sums (less accurate;
-  it saves a float32 output's conversion, a kernel a product: GemLite's int8 kernel at one or two
-  rows writes bfloat16 whatever the setting), and each ``... linear()``, the same product through
-  ``linear()`` as the model calls it;
+  runs on CUDA where GemLite is installed, their float32 outputs as they come (a compiled step
+  converts them where they are read); carry its package folder (``bench/gpu_lease.sh``). Each also
+  ``... native`` (outputs in bfloat16, as GemLite's own layers make them: int4 converts its float32
+  sums in a kernel of its own; int8 at one row writes bfloat16 directly), the int4 ones ``... bf16
+  atomics`` (GemLite's default: split sums added up in bfloat16, less accurate, no conversion),
+  and each ``... linear()``, the product through ``linear()`` as the model calls it (uncompiled
+  here: its conversion a kernel of its own);
 * ``int8 words`` and ``int4 words``: the plain integers read as int32 words, 4 int8 or 8 int4
   values a load, unpacked by shifts in the compiled reduction (``int8_words``, ``int4_words``).
   Not yet run on a GPU: a guess at why int8 is no faster than bfloat16 for 14336 x 4096 (a
@@ -37,6 +39,7 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -124,12 +127,16 @@ def bitsandbytes_gemv(x: torch.Tensor, weights: list) -> Callable[[], list]:
     return run
 
 
-def gemlite_products(x: torch.Tensor, weights: list, bf16_atomics: bool = False) -> Callable[[], list]:
+def gemlite_products(x: torch.Tensor, weights: list, bf16_atomics: bool = False, native: bool = False
+                     ) -> Callable[[], list]:  # fmt: skip
     """GemLite's product of ``x`` by each weight (``gemlite_cuda.product``, packed on the first
-    call, so a machine without GemLite fails inside the timed way's try). Its first call of each
-    shape autotunes where GemLite's cached configurations lack it (H100's are loaded on an H200).
-    ``bf16_atomics``: split sums added up in bfloat16, GemLite's default (``gemlite_cuda``'s
-    docstring: ours add up in float32); the setting is read as the products are captured."""
+    call, so a machine without GemLite fails inside the timed way's try), the kernel alone: its
+    float32 outputs as they come (``gemlite_cuda.FLOAT32_OUTPUTS``; a compiled step converts them
+    inside the kernel that reads them). Its first call of each shape autotunes where GemLite's
+    cached configurations lack it (H100's are loaded on an H200). ``native``: outputs in the
+    activations' dtype, as GemLite's own layers make them (converted by GemLite where it adds in
+    float32). ``bf16_atomics`` (with ``native``): split sums added up in bfloat16, GemLite's default
+    (``gemlite_cuda``'s docstring: ours add up in float32); read as the products are captured."""
     products: list = []
 
     def run() -> list:
@@ -137,10 +144,13 @@ def gemlite_products(x: torch.Tensor, weights: list, bf16_atomics: bool = False)
         if library is None:
             raise RuntimeError("GemLite does not import here: carry its package folder (bench/gpu_lease.sh)")
         if not products:
-            products.extend(gemlite_cuda.product(q) for q in weights)
+            with mock.patch.object(gemlite_cuda, "FLOAT32_OUTPUTS", not native):
+                products.extend(gemlite_cuda.product(q) for q in weights)
         library.set_native_atomic_bfp16(bf16_atomics)
         try:
-            return [product(x) for product in products]
+            if native:
+                return [product(x) for product in products]
+            return [torch.ops.mixtral_infer.gemlite_mm(x, list(p.tensors), list(p.meta)) for p in products]
         finally:
             library.set_native_atomic_bfp16(False)
 
@@ -249,8 +259,9 @@ def main(argv=None) -> int:
                     ("int4-128", int4_128, n // 2 + 2 * n // 128))  # fmt: skip
     for scheme, quantized, nbytes in gemlite_ways:
         ways[f"{scheme} gemlite"] = (gemlite_products(x, quantized), scheme, nbytes)
+        ways[f"{scheme} gemlite native"] = (gemlite_products(x, quantized, native=True), scheme, nbytes)
         if scheme.startswith("int4"):  # GemLite's default: its split sums added up in bfloat16
-            ways[f"{scheme} gemlite bf16 atomics"] = (gemlite_products(x, quantized, True), scheme, nbytes)
+            ways[f"{scheme} gemlite bf16 atomics"] = (gemlite_products(x, quantized, True, True), scheme, nbytes)
         ways[f"{scheme} gemlite linear()"] = (prepared_products(x, quantized), scheme, nbytes)
 
     # The ways a short lease most needs first (the JSON keeps every finished row): then the rest as built.
