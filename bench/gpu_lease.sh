@@ -44,16 +44,26 @@
 # Compiling a step took 170-250 s of a lease's device time with every block written out; each block is
 # now one region compiled once (fast/decode_step.in_regions; on CPU 18 s against 121 s at 32 layers),
 # which `regions` measures on the GPU. Inductor's and Triton's caches (graphs,
-# kernels, coordinate-descent results) go to .gpu_cache, packed into $OUT/gpu_cache.tgz at the end
-# (if under the 16 MiB a returned file may have); unpacked into .gpu_cache here and carried with the
-# next lease (carry: [".gpu_site", ".gpu_cache"]), the same step on the same machine kind finds its
-# graphs and kernels compiled:  mkdir -p .gpu_cache && tar xzf FILES_AT/gpu_cache.tgz -C .gpu_cache
+# kernels, coordinate-descent results) go to .gpu_cache, packed at the end into $OUT/gpu_cache.tgz.part0..3
+# (15 MB each: a returned file may have 16 MiB, a call 8 files; not at all past 4 parts: the
+# 2026-11-28 lease's cache was over 16 MB in one file); unpacked into .gpu_cache here and carried with the
+# next lease (carry: [".gpu_site", ".gpu_cache"]; the working tree that travels has 64 MiB in all), the
+# same step on the same machine kind finds its graphs and kernels compiled:
+#   mkdir -p .gpu_cache && cat FILES_AT/gpu_cache.tgz.part* | tar xzf - -C .gpu_cache
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
 mkdir -p "$out" .gpu_cache/inductor .gpu_cache/triton
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.gpu_cache/inductor" TRITON_CACHE_DIR="$PWD/.gpu_cache/triton"
-trap 'tar czf "$out/gpu_cache.tgz" -C .gpu_cache . 2>/dev/null || true' EXIT
+pack_cache() {
+  tar czf /tmp/gpu_cache.tgz -C .gpu_cache . 2>/dev/null || return 0
+  if [ "$(stat -c %s /tmp/gpu_cache.tgz)" -le $((4 * 15000000)) ]; then
+    split -b 15000000 -d -a 1 /tmp/gpu_cache.tgz "$out/gpu_cache.tgz.part"
+  else
+    echo "inductor's cache is over 60 MB packed: not returned" >&2
+  fi
+}
+trap pack_cache EXIT
 step="${1:?a step: short, first, matvec, gemlite, quant, nf4, batches, mixtral, serve or regions}"
 run() { timeout -s INT "$1" "${@:2}" 2>&1 | tee "$out/$step.log"; }
 case "$step" in
