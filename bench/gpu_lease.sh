@@ -78,10 +78,11 @@ case "$step" in
            { timeout -s INT 150 python -m pytest -q -n 0 $each -rf --tb=short tests/test_cuda.py \
                -k 'each_block_once or gemlites_products or cuda_nf4_kernel' || echo "tests: exit $?"
              timeout -s INT 60 python bench/gpu_matvec.py --ways bf16 'int8 gemlite' 'int4-128 gemlite' \
-               'int4-128 gemlite native' 'int4-128 gemlite bf16 atomics' 'int8 gemlite linear()' --out "$out/matvec.json" \
-               || echo "matvec: exit $?"
-             timeout -s INT $((end - SECONDS - 60)) python bench/bench_gpu.py --models mistral-7b --without-transformers \
-               --batches 1 --prefill --quantize int4-128-gemlite int4-128-gemlite-native int8-gemlite nf4 --modes compiled --repeats 2 \
+               'int4-128 gemlite native' 'int4-128 gemlite bf16 atomics' 'int8 gemlite linear()' \
+               --out "$out/matvec.json" || echo "matvec: exit $?"
+             timeout -s INT $((end - SECONDS - 60)) python bench/bench_gpu.py --models mistral-7b \
+               --without-transformers --batches 1 --prefill --modes compiled --repeats 2 \
+               --quantize int4-128-gemlite int4-128-gemlite-native int8-gemlite nf4 \
                --out "$out/short.json" || echo "bench: exit $?"
              timeout -s INT $((end - SECONDS)) python -m pytest -q -n 0 $each -rf --tb=short \
                tests/test_cuda.py -k 'quantized_cuda_decoding and (True or nf4)' || echo "decoding tests: exit $?"

@@ -35,8 +35,8 @@ output's dtype where the GPU can (bfloat16 on Hopper): 256 roundings to bfloat16
 output (measured in float16 through Triton's interpreter on CPU: 1.7e-3 of the norm, 9x a float16
 product's; bfloat16 has 8x float16's step). ``library`` turns that off
 (``set_native_atomic_bfp16(False)``, GemLite's own switch "for higher accuracy"): the parts add up
-in float32 and the output is rounded once, as every other product here is; it costs a conversion
-of the output (``bench/gpu_matvec.py`` times both).
+in float32 and the output is rounded once, as every other product here is (what the output's
+conversion costs: "Outputs"; ``bench/gpu_matvec.py`` times both ways).
 
 Outputs: GemLite writes float32 (``FLOAT32_OUTPUTS``), converted by ``GemliteProduct`` to the
 activations' dtype. Where it adds split sums in float32 (4-bit at 1-4 rows, every product of more
