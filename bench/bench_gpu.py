@@ -36,8 +36,8 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
   ``int8-gemlite``, ``int4-gemlite``, ``int4-128-gemlite`` through GemLite's kernels; ``--quantize``
   alone for none): the same model's weights quantized (``quant.model.quantize_model``: int8 per
   output row, int4 in groups of 32 or 128, nf4 in groups of 64 through bitsandbytes' CUDA kernel;
-  without ``-gemlite``, PyTorch's kernels even where GemLite is installed; ``-gemlite-native``:
-  GemLite's outputs in bfloat16, converted inside its op, ``gemlite_cuda.FLOAT32_OUTPUTS`` off),
+  without ``-gemlite``, PyTorch's kernels even where GemLite is installed; ``-gemlite-f32``:
+  GemLite's outputs in float32, converted by the compiled step, ``gemlite_cuda.FLOAT32_OUTPUTS`` on),
   decode at batch 1 eager and fast, with the greedy agreement of its tokens with the bfloat16 model's
   (``same_tokens``: leading tokens equal). A copy is quantized where one fits beside the
   bfloat16 model; else the model itself, and later schemes are skipped.
@@ -380,22 +380,22 @@ def bench_transformers_decode(hf, prompts, ours_tokens: list, repeats: int, hf_c
 
 
 GEMLITE = "-gemlite"  # a scheme's suffix: its dense weights through GemLite (quant/gemlite_cuda.py)
-NATIVE = "-native"  # after GEMLITE: GemLite's outputs in bfloat16, converted inside its op (FLOAT32_OUTPUTS off)
+FLOAT32 = "-f32"  # after GEMLITE: GemLite's outputs in float32, converted by the compiled step (FLOAT32_OUTPUTS on)
 
 
 def quantized_with(model: Transformer, scheme: str) -> Transformer:
     """``model`` quantized to ``scheme`` (``int8``, ``int4-128-gemlite``...) in place: with the
-    ``-gemlite`` suffix through GemLite's kernels (an error where it does not import; ``-native``
-    after it: GemLite's outputs in the activations' dtype), without it through PyTorch's (int8
-    compiled, tinygemm) even where GemLite is installed."""
-    native = scheme.endswith(GEMLITE + NATIVE)
-    scheme = scheme.removesuffix(NATIVE)
+    ``-gemlite`` suffix through GemLite's kernels (an error where it does not import; ``-f32``
+    after it: GemLite's outputs in float32), without it through PyTorch's (int8 compiled, tinygemm)
+    even where GemLite is installed."""
+    float32 = scheme.endswith(GEMLITE + FLOAT32)
+    scheme = scheme.removesuffix(FLOAT32)
     if not scheme.endswith(GEMLITE):
         with mock.patch.object(gemlite_cuda, "library", lambda: None):
             return quantize_model(model, scheme)
     if gemlite_cuda.library() is None:
         raise RuntimeError("GemLite does not import here: carry its package folder (bench/gpu_lease.sh)")
-    with mock.patch.object(gemlite_cuda, "FLOAT32_OUTPUTS", not native):
+    with mock.patch.object(gemlite_cuda, "FLOAT32_OUTPUTS", float32):
         return quantize_model(model, scheme[: -len(GEMLITE)])
 
 
@@ -515,9 +515,10 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-hf-compile", action="store_true", help="skip transformers + StaticCache + torch.compile")
     schemes = ["int8", "int4", "int4-128", "nf4"]
-    gemlites = [s + GEMLITE + n for s in schemes if s.startswith("int") for n in ("", NATIVE)]
+    gemlites = [s + GEMLITE + n for s in schemes if s.startswith("int") for n in ("", FLOAT32)]
     parser.add_argument("--quantize", nargs="*", default=["int8", "int4"], choices=schemes + gemlites,
-                        help="quantized decode rows (-gemlite: through GemLite's kernels)")  # fmt: skip
+                        help="quantized decode rows (-gemlite: through GemLite's kernels; -f32 after it: "
+                        "its outputs in float32)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
                         help="decode modes of ours (without eager: no eager rows, no token agreement)")  # fmt: skip
     parser.add_argument("--without-transformers", action="store_true", help="ours alone, every layer, random weights")

@@ -6,7 +6,7 @@
 #   bash bench/gpu_lease.sh short     # a 15-minute lease's one call (560 s): the GPU region test and GemLite's and
 #                                     # bitsandbytes' products; GemLite's products timed alone (where int8's 1.25x
 #                                     # goes); Mistral-7B decode batch 1 in bf16, int4-128 through GemLite (outputs
-#                                     # in float32, then -native in bf16), int8 through it, nf4, compiled; GemLite's
+#                                     # in bf16, then -f32 in float32), int8 through it, nf4, compiled; GemLite's
 #                                     # and nf4's decoding tests in what is left. Everything it prints is in
 #                                     # $OUT/short.log: the tool's reply keeps only the last 12,000 characters
 #   bash bench/gpu_lease.sh first     # a short lease's one call: matvec, then the quantized kernels' product tests
@@ -82,7 +82,7 @@ case "$step" in
                --out "$out/matvec.json" || echo "matvec: exit $?"
              timeout -s INT $((end - SECONDS - 60)) python bench/bench_gpu.py --models mistral-7b \
                --without-transformers --batches 1 --prefill --modes compiled --repeats 2 \
-               --quantize int4-128-gemlite int4-128-gemlite-native int8-gemlite nf4 \
+               --quantize int4-128-gemlite int4-128-gemlite-f32 int8-gemlite nf4 \
                --out "$out/short.json" || echo "bench: exit $?"
              timeout -s INT $((end - SECONDS)) python -m pytest -q -n 0 $each -rf --tb=short \
                tests/test_cuda.py -k 'quantized_cuda_decoding and (True or nf4)' || echo "decoding tests: exit $?"

@@ -38,14 +38,17 @@ product's; bfloat16 has 8x float16's step). ``library`` turns that off
 in float32 and the output is rounded once, as every other product here is (what the output's
 conversion costs: "Outputs"; ``bench/gpu_matvec.py`` times both ways).
 
-Outputs: GemLite writes float32 (``FLOAT32_OUTPUTS``), converted by ``GemliteProduct`` to the
-activations' dtype. Where it adds split sums in float32 (4-bit at 1-4 rows, every product of more
-rows), GemLite would otherwise convert its output to bfloat16 in a kernel of its own after the
-product (int4 Mistral 7B: 224 a decode step), which a compiled step cannot fuse; our conversion is
-a graph op, done by the kernel that reads the product (rotary embedding, the SwiGLU product, the
-residual add). The same rounding, once. (int8 at 1-2 rows writes its output's dtype directly
-either way.) The tuned configurations are the same: GemLite keys them by input type and bits, not
-output. What it saves is not measured yet (``bench_gpu.py``'s ``-native`` schemes are the other way).
+Outputs: in the activations' dtype, as GemLite's own layers make them: the way measured on an
+H200 (below). ``FLOAT32_OUTPUTS = True`` asks GemLite for float32 instead, converted by
+``GemliteProduct`` to the activations' dtype through ``mixtral_infer::gemlite_mm``: where GemLite adds
+split sums in float32 (4-bit at 1-4 rows, every product of more rows) it otherwise converts its
+output to bfloat16 in a kernel of its own after the product (int4 Mistral 7B: 224 a decode step),
+which a compiled step cannot fuse; ours is a graph op, done by the kernel that reads the product
+(rotary embedding, the SwiGLU product, the residual add). The same rounding, once; int8 at 1-2 rows
+writes its output's dtype directly either way. It stays off because it never ran on a GPU: it was
+written after the one lease that measured GemLite, and this work has no device time left
+(``bench_gpu.py``'s ``-gemlite`` and ``-gemlite-native`` schemes compare the two ways). The tuned
+configurations are the same: GemLite keys them by input type and bits, not output.
 
 Tuning: GemLite autotunes each shape on first use, unless its cached configurations for the GPU
 hold it. It ships them per GPU name (``h100.json``...). An H200 is an H100's chip with faster memory,
@@ -53,8 +56,10 @@ so on a GPU named H200, which no shipped file names, H100's are loaded (``librar
 here is kept, as its README advises, in ``tuning_file()`` beside inductor's cache: written when the
 process ends, loaded by the next (``keep_tuning``), so each shape autotunes once per machine.
 
-Measured: not yet (no GPU lent to the session that wrote it). ``bench/gpu_matvec.py`` has its rows
-beside bfloat16 and PyTorch's kernels, ``bench/gpu_lease.sh gemlite`` the Mistral-7B decode rows.
+Measured on an H200 (2026-11-28, README "Quantized weights"): Mistral-7B decode at batch 1, compiled,
+int8 through GemLite 272.4 tokens/s against bfloat16's 218.7 (1.25x; PyTorch's int8 0.93x). int4
+through GemLite was not measured (the lease ended while it compiled). ``bench/gpu_matvec.py`` has
+its per-product rows, ``bench/gpu_lease.sh short`` the rest.
 """
 
 from __future__ import annotations
@@ -75,9 +80,9 @@ from mixtral_infer.quant import nf4
 ROWS = 64  # GemLite's own limit for its matrix-vector and split-K kernels (its GEMM from there on)
 MIN_INPUTS = 32  # GemLite's: inputs a multiple of this (and of the group size)
 SAME_CHIP = {"h200": "h100"}  # GPU name -> the shipped tuning file it can use (same chip, faster memory)
-# GemLite writes float32 outputs, which the caller converts (module docstring, "Outputs"); False: in
-# the activations' dtype, as GemLite's own layers do (converted inside its op where it adds in float32).
-FLOAT32_OUTPUTS = True
+# GemLite's outputs in the activations' dtype, as its own layers make them (converted inside its op where
+# it adds in float32); True: float32, converted by the caller's compiled code (module docstring, "Outputs").
+FLOAT32_OUTPUTS = False
 
 
 @functools.lru_cache(maxsize=None)
