@@ -3,6 +3,8 @@ reference, and quantized models decoding alike on every path (eager, static, com
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -229,6 +231,12 @@ def test_scheme_names_and_errors():
         QuantScheme.parse("int4-48")
     with pytest.raises(ConfigError, match="only int4 and nf4 take a group size"):
         QuantScheme.parse("int8-32")
+    with pytest.raises(ConfigError, match="only int4 and nf4 take a group size"):
+        QuantScheme.parse("int8-")
+    for typed in ("int4-", "nf4-\u00b2", "int4-\u0663", "int4-1 28"):  # nothing after the dash, "²", Arabic-Indic "3"
+        message = f"quantize={typed!r}: the group size after '{typed.partition('-')[0]}-' must be a number"
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            QuantScheme.parse(typed)
     with pytest.raises(ConfigError, match="96 inputs are not a multiple of the int4 group size 64"):
         quantize(torch.randn(16, 96), QuantScheme("int4", 64))
 

@@ -59,12 +59,12 @@ class QuantScheme:
             raise ConfigError(f"quantize={value!r}: expected one of {CHOICES}")
         if value == W8A8:
             return cls("int8", activations="int8")
-        name, _, group = value.partition("-")
+        name, dash, group = value.partition("-")
         if name in FOUR_BIT:
-            if group and not group.isdigit():
+            if dash and not (group.isascii() and group.isdigit()):  # not "²" or "٣", which isdigit() takes
                 raise ConfigError(f"quantize={value!r}: the group size after '{name}-' must be a number, e.g. {name}-128")
             return cls(name, int(group) if group else DEFAULT_GROUP_SIZES[name])
-        if group:
+        if dash:
             raise ConfigError(f"quantize={value!r}: only int4 and nf4 take a group size (int4-32, nf4-128)")
         return cls(name)
 
