@@ -21,7 +21,7 @@ from test_parallel import free_port
 from mixtral_infer import ConfigError, load_model
 from mixtral_infer.checkpoint.convert import convert
 from mixtral_infer.checkpoint.loading import save_consolidated
-from mixtral_infer.checkpoint.safetensors_reader import read_header
+from mixtral_infer.checkpoint.safetensors_reader import read_header, read_metadata
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.quant.model import quantize_model
@@ -136,6 +136,29 @@ def test_nan_or_infinite_weights_and_scales_are_refused_by_name(model_folder, tm
         dict(model.named_parameters())["layers.0.feed_forward.w2"][1, 1] = bad
     with pytest.raises(CheckpointError, match="layers.0.feed_forward.w2 holds NaN or infinite values"):
         quantize_model(model, "int8")
+
+
+def test_a_quantized_folder_whose_params_json_was_edited_is_refused(model_folder, tmp_path):
+    """int4 and nf4 store bytes of the same shapes: read as the other, a folder decoded nonsense
+    without an error. The safetensors file records the scheme it was written in; a params.json that
+    says otherwise, or lost its entry, is refused before a tensor is read. int8 read as w8a8 is the
+    same tensors (the activations are a choice at run time), so it loads."""
+    q4 = convert(model_folder, tmp_path / "q4", quantize="int4")
+    assert read_metadata(q4 / "consolidated.safetensors") == {"quantization": '{"group_size": 32, "scheme": "int4"}'}
+    params = json.loads((q4 / "params.json").read_text())
+    for edited, message in [
+        ({"scheme": "nf4", "group_size": 32}, r"was written as int4 \(groups of 32\), but \S+params.json says nf4 \(groups of 32\)"),
+        (None, r"holds weights quantized as int4 \(groups of 32\), but \S+params.json has no 'quantization' entry: "
+               r'the folder was edited; put back "quantization": {"scheme": "int4", "group_size": 32}'),
+    ]:  # fmt: skip
+        params.pop("quantization", None)
+        (q4 / "params.json").write_text(json.dumps({**params, "quantization": edited} if edited else params))
+        with pytest.raises(CheckpointError, match=message):
+            load_model(q4)
+    q8 = convert(model_folder, tmp_path / "q8", quantize="int8")
+    params = json.loads((q8 / "params.json").read_text())
+    (q8 / "params.json").write_text(json.dumps({**params, "quantization": {"scheme": "int8", "activations": "int8"}}))
+    assert load_model(q8).layers["0"].attention.wq.weight.scheme.activations == "int8"
 
 
 @pytest.mark.parametrize("group_size", [32.0, "32", True, 16])

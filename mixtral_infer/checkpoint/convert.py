@@ -33,7 +33,7 @@ from mixtral_infer.checkpoint.loading import (
     _pth_tensors,
     open_checkpoint,
 )
-from mixtral_infer.checkpoint.quantized import PARAMS_KEY, to_stored
+from mixtral_infer.checkpoint.quantized import PARAMS_KEY, recorded, to_stored
 from mixtral_infer.checkpoint.safetensors_reader import read_header
 from mixtral_infer.checkpoint.safetensors_writer import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -105,7 +105,8 @@ def convert(
             plan = list(to_stored(iter(plan), scheme))
             params[PARAMS_KEY] = scheme.to_params()
         if target == "mistral":
-            write_safetensors(partial / SAFETENSORS_FILE, tensors, plan=plan)
+            metadata = None if scheme is None else recorded(scheme)  # params.json's scheme, checked when loaded
+            write_safetensors(partial / SAFETENSORS_FILE, tensors, metadata=metadata, plan=plan)
             (partial / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
         else:
             hf_tensors = published_to_hf(tensors, checkpoint.args)

@@ -37,6 +37,7 @@ from mixtral_infer.checkpoint.hf_format import (
     hf_to_published,
 )
 from mixtral_infer.checkpoint.quantized import (
+    check_recorded_scheme,
     check_stored_shape,
     from_stored,
     quantize_published,
@@ -44,7 +45,14 @@ from mixtral_infer.checkpoint.quantized import (
     stack,
     stored_select,
 )
-from mixtral_infer.checkpoint.safetensors_reader import Selector, ShapeCheck, apply_selection, iter_tensors, read_header
+from mixtral_infer.checkpoint.safetensors_reader import (
+    Selector,
+    ShapeCheck,
+    apply_selection,
+    iter_tensors,
+    read_header,
+    read_metadata,
+)
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.devices import checked_device, checked_dtype, default_device
 from mixtral_infer.errors import CheckpointError, ConfigError
@@ -260,6 +268,9 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
         raise CheckpointError(f"{folder}: is not a folder (give the folder holding params.json or config.json)")
     if (folder / PARAMS_FILE).is_file():
         args, stored = _read_params(folder)
+        if (folder / SAFETENSORS_FILE).is_file():  # its recorded quantization, if any, is params.json's
+            path = folder / SAFETENSORS_FILE
+            check_recorded_scheme(read_metadata(path), stored, str(path), str(folder / PARAMS_FILE))
         for name in (SAFETENSORS_FILE, PTH_FILE):
             if (folder / name).is_file():
                 return Checkpoint(folder, "mistral", args, [folder / name], stored)

@@ -5,7 +5,10 @@ before the next one is read, so memory holds the quantized model plus one float 
 experts of a layer are quantized one by one, then stacked). A folder written by
 ``convert --quantize`` holds, under a quantized weight's published name ``X.weight``, the
 integers, and under ``X.scales`` the scales; its ``params.json`` says
-``"quantization": {"scheme": "int8"}``, and it loads without quantizing again.
+``"quantization": {"scheme": "int8"}``, and it loads without quantizing again. The safetensors
+file records the same under its ``__metadata__`` key ``quantization``, so that an edited
+``params.json`` is refused (``check_recorded_scheme``): int4 and nf4 store alike shaped bytes, and
+read as the other they decode nonsense without any error.
 
 Worked example, int4 with groups of 32, published ``layers.0.attention.wq.weight`` of shape
 (4096, 4096): the folder holds ``layers.0.attention.wq.weight`` uint8 (4096, 2048) and
@@ -14,6 +17,7 @@ Worked example, int4 with groups of 32, published ``layers.0.attention.wq.weight
 
 from __future__ import annotations
 
+import json
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -35,6 +39,7 @@ from mixtral_infer.quant.model import weight_name as weight_name_of  # weight_na
 from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight, QuantScheme, quantize
 
 PARAMS_KEY = "quantization"
+METADATA_KEY = "quantization"  # in the safetensors file's __metadata__: the scheme's params, as JSON
 
 Tensors = Iterator[Tuple[str, torch.Tensor]]
 
@@ -157,3 +162,34 @@ def scheme_from_params(params: dict, source: str) -> Optional[QuantScheme]:
         return QuantScheme.parse(value)
     except ConfigError as error:
         raise ConfigError(f"{source}: {error}") from None
+
+
+def recorded(scheme: QuantScheme) -> Dict[str, str]:
+    """The safetensors ``__metadata__`` of a folder quantized as ``scheme``."""
+    return {METADATA_KEY: json.dumps(scheme.to_params(), sort_keys=True)}
+
+
+def check_recorded_scheme(metadata: Dict[str, str], stored: Optional[QuantScheme], path: str, params_path: str) -> None:
+    """The scheme a quantized file was written in (its ``__metadata__``) against ``params.json``'s,
+    ``stored``. Where they differ, or params.json lost its entry, the folder was edited: refused,
+    before any tensor is read. Files without the record (float ones, and quantized folders written
+    before it) pass. w8a8 and int8 are the same tensors, so activations are not compared.
+
+    Example: a folder written by ``convert --quantize int4`` whose params.json was edited to
+    ``{"scheme": "nf4", "group_size": 32}``: "... was written as int4 (groups of 32), but ...
+    params.json says nf4 (groups of 32)"."""
+    record = metadata.get(METADATA_KEY)
+    if record is None:
+        return
+    try:
+        written = QuantScheme.parse(json.loads(record))
+    except (ValueError, ConfigError):
+        message = f"{path}: its recorded quantization {record!r} is not a scheme: write it again (convert --quantize)"
+        raise CheckpointError(message) from None
+    entry = json.dumps({PARAMS_KEY: written.to_params()})[1:-1]
+    if stored is None:
+        raise CheckpointError(f"{path} holds weights quantized as {written.label}, but {params_path} has no "
+                              f"{PARAMS_KEY!r} entry: the folder was edited; put back {entry}")  # fmt: skip
+    if (written.name, written.group_size) != (stored.name, stored.group_size):
+        raise CheckpointError(f"{path} was written as {written.label}, but {params_path} says {stored.label}: the "
+                              f"folder was edited; put back {entry}, or write it again (convert --quantize)")  # fmt: skip

@@ -26,7 +26,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -90,6 +90,11 @@ def _is_int(value: object) -> bool:
 
 
 def parse_header(raw: bytes, data_size: int) -> List[TensorEntry]:
+    """The entries of ``parse_header_and_metadata``."""
+    return parse_header_and_metadata(raw, data_size)[0]
+
+
+def parse_header_and_metadata(raw: bytes, data_size: int) -> Tuple[List[TensorEntry], Dict[str, str]]:
     """Validate a safetensors JSON header before any tensor byte is read; entries in file order.
 
     ``data_size`` is the number of bytes after the header. Every entry must have a
@@ -97,7 +102,8 @@ def parse_header(raw: bytes, data_size: int) -> List[TensorEntry]:
     ``data_offsets`` ``[begin, end]`` with ``0 <= begin <= end <= data_size`` and
     ``end - begin = prod(shape) * dtype size``; sorted by ``begin``, the entries
     cover the data exactly, without overlap or gap (as the ``safetensors`` library
-    requires). Names appear once. Raises CheckpointError (without the path) otherwise.
+    requires). Names appear once. Raises CheckpointError (without the path) otherwise. Also the
+    header's ``__metadata__`` (names to strings; empty where it has none).
 
     >>> entries = parse_header(b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', 8)
     >>> [(e.name, e.shape, e.begin, e.end) for e in entries]
@@ -135,7 +141,7 @@ def parse_header(raw: bytes, data_size: int) -> List[TensorEntry]:
     end = previous.end if previous is not None else 0
     if end != data_size:
         raise CheckpointError(f"corrupt safetensors header: the last {data_size - end} data bytes belong to no tensor")
-    return entries
+    return entries, metadata
 
 
 def _entry(name: str, info: object, data_size: int) -> TensorEntry:
@@ -171,6 +177,15 @@ def _short(value: object) -> str:
 
 def read_header(path: str | Path) -> List[TensorEntry]:
     """The tensors a file holds, checked against the file's size (``parse_header``); raises CheckpointError."""
+    return read_header_and_metadata(path)[0]
+
+
+def read_metadata(path: str | Path) -> Dict[str, str]:
+    """The file's ``__metadata__`` (``convert --quantize`` records its scheme there), its header checked."""
+    return read_header_and_metadata(path)[1]
+
+
+def read_header_and_metadata(path: str | Path) -> Tuple[List[TensorEntry], Dict[str, str]]:
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -185,11 +200,11 @@ def read_header(path: str | Path) -> List[TensorEntry]:
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read ({error.strerror})") from None
     try:
-        entries = parse_header(raw, size - 8 - header_size)
+        entries, metadata = parse_header_and_metadata(raw, size - 8 - header_size)
     except CheckpointError as error:
         raise CheckpointError(f"{path}: {error}") from None
     data_start = 8 + header_size
-    return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.begin, data_start + e.end) for e in entries]
+    return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.begin, data_start + e.end) for e in entries], metadata
 
 
 Selector = Callable[[str], Optional[Selection]]
