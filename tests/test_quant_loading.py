@@ -161,6 +161,48 @@ def test_a_quantized_folder_whose_params_json_was_edited_is_refused(model_folder
     assert load_model(q8).layers["0"].attention.wq.weight.scheme.activations == "int8"
 
 
+def test_weights_and_scales_beyond_float16_s_range_are_refused_as_such(model_folder, tmp_path):
+    """A weight of 1e6 is finite in float32, the checkpoint sound: quantized in float16 its int8
+    scale (7874) is finite but 127 times it is not, so the products would be inf. Refused where it is
+    quantized or converted, saying to use bfloat16 or float32 (it used to load and fail while
+    generating, or blame the checkpoint); a stored folder's scales likewise when loaded in float16,
+    and negative scales, which ``quantize`` never writes. Nothing half-written."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_folder / "consolidated.safetensors")
+    tensors["layers.1.attention.wk.weight"][0, 3] = 1e6
+    save_file(tensors, model_folder / "consolidated.safetensors")
+    for scheme in ("int8", "int4"):
+        with pytest.raises(CheckpointError, match=r"layers.1.attention.wk.weight holds values beyond torch.float16's "
+                                                  r"range \(up to 1[.\d]*e\+06\): use dtype bfloat16 or float32"):  # fmt: skip
+            load_model(model_folder, dtype=torch.float16, quantize=scheme)
+    message = "wk.weight holds values beyond torch.float16's range: convert with --dtype bfloat16 or float32"
+    for quantize in ("int8", None):  # a float16 folder of inf weights would not load either
+        with pytest.raises(CheckpointError, match=message):
+            convert(model_folder, tmp_path / "q", quantize=quantize, dtype=torch.float16)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # nothing half-written
+    tensors["layers.1.attention.wk.weight"][0, 3] = 0.0
+    tensors["tok_embeddings.weight"][3, 1] = float("nan")  # not quantized, but copied: refused too
+    save_file(tensors, model_folder / "consolidated.safetensors")
+    with pytest.raises(CheckpointError, match="tok_embeddings.weight holds NaN or infinite values: the checkpoint is damaged"):
+        convert(model_folder, tmp_path / "q", quantize="int8")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # nothing half-written
+
+    tensors["tok_embeddings.weight"][3, 1] = 0.0
+    save_file(tensors, model_folder / "consolidated.safetensors")
+    folder = convert(model_folder, tmp_path / "q", quantize="int8")
+    stored = load_file(folder / "consolidated.safetensors")
+    for scale, message in [(1e5, r"wq.scales holds values beyond torch.float16's range \(up to 1.27e\+07\): load in "
+                                 r"bfloat16 or float32"), (-0.5, "wq.scales holds negative scales: the folder is damaged")]:  # fmt: skip
+        stored["layers.0.attention.wq.scales"][7] = scale
+        save_file(stored, folder / "consolidated.safetensors")
+        with pytest.raises(CheckpointError, match=message):
+            load_model(folder, dtype=torch.float16)
+    stored["layers.0.attention.wq.scales"][7] = 1e5
+    save_file(stored, folder / "consolidated.safetensors")
+    assert isinstance(load_model(folder, dtype=torch.bfloat16).layers["0"].attention.wq.weight, QuantizedWeight)
+
+
 @pytest.mark.parametrize("group_size", [32.0, "32", True, 16])
 def test_a_quantized_folder_with_a_group_size_the_kernels_do_not_take_is_refused(model_folder, tmp_path, group_size):
     """params.json's group size must be one of the kernels' integers: 32.0 (JSON's float) reached

@@ -31,6 +31,7 @@ from mixtral_infer.checkpoint.loading import (
     TOKENIZER_FILE,
     Checkpoint,
     _pth_tensors,
+    check_finite,
     open_checkpoint,
 )
 from mixtral_infer.checkpoint.quantized import PARAMS_KEY, recorded, to_stored
@@ -95,9 +96,7 @@ def convert(
     except OSError as error:
         raise CheckpointError(f"{dst.parent}: cannot write here ({error.strerror})") from None
     try:
-        tensors = checkpoint.published_tensors()
-        if dtype is not None:
-            tensors = ((name, tensor.to(dtype)) for name, tensor in tensors)
+        tensors = finite(checkpoint.published_tensors(), dtype, str(checkpoint.folder))
         params = checkpoint.args.to_params()
         plan = planned_tensors(checkpoint, target, dtype)
         if scheme is not None:
@@ -135,6 +134,17 @@ def convert(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return dst
+
+
+def finite(tensors: Iterator[Tuple[str, torch.Tensor]], dtype: Optional[torch.dtype], source: str) -> Iterator:
+    """Each tensor in ``dtype`` (None: as stored), refused by name where it holds NaN or inf (a
+    damaged checkpoint, not written on) or passes ``dtype``'s range (float16's 65504: written as inf
+    it would not load), before it is written."""
+    for name, tensor in tensors:
+        placed = tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+        if placed.is_floating_point():
+            check_finite(name, tensor, placed, source, remedy="convert with --dtype bfloat16 or float32")
+        yield name, placed
 
 
 def check_destination(dst: Path) -> None:

@@ -382,7 +382,8 @@ def build_model(
     return model.eval()
 
 
-def check_finite(name: str, stored: torch.Tensor, placed: torch.Tensor, source: str) -> None:
+def check_finite(name: str, stored: torch.Tensor, placed: torch.Tensor, source: str,
+                 remedy: str = "load in bfloat16 or float32") -> None:  # fmt: skip
     """CheckpointError when a weight holds NaN or inf as loaded: stored so (a damaged checkpoint), or
     past ``placed``'s range (float16's 65504). A NaN weight does not always reach the logits' check:
     bfloat16 attention on CPU drops a NaN key's scores, decoding garbage that looks fine. Checked by
@@ -392,7 +393,7 @@ def check_finite(name: str, stored: torch.Tensor, placed: torch.Tensor, source: 
         return
     if placed.dtype != stored.dtype and bool(torch.isfinite(stored).all()):
         raise CheckpointError(
-            f"{source}: {name} holds values beyond {placed.dtype}'s range: load in bfloat16 or float32"
+            f"{source}: {name} holds values beyond {placed.dtype}'s range: {remedy}"
         )
     raise CheckpointError(f"{source}: {name} holds NaN or infinite values: the checkpoint is damaged")
 

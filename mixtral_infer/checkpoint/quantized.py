@@ -29,7 +29,7 @@ from mixtral_infer.model.parallel import Selection
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.model import (
-    check_finite_scales,
+    check_stored_scales,
     is_quantized_published,
     quantize_tensor,
     scales_name,
@@ -92,7 +92,7 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
         if not scales.is_floating_point():
             name = scales_name(weight_name)
             raise CheckpointError(f"{source}: {name} has dtype {scales.dtype}, expected floating point")
-        check_finite_scales(scales_name(weight_name), scales, source)
+        check_stored_scales(scales_name(weight_name), scales, scheme, dtype, source)  # before the cast to dtype
         in_features = values.shape[-1] * (2 if scheme.four_bit else 1)
         weight = prepare(QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features))
         del values, scales, tensor

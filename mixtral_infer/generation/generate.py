@@ -134,7 +134,7 @@ def prefill(
     for start, lengths, input_ids, ends in prompt_chunks(encoded_prompts, chunk_size, model.device):
         ends_at = list(accumulate(lengths))  # each sequence's end in the flat chunk
         logits = model(input_ids, lengths, cache, logit_rows=[ends_at[i] - 1 for i in ends])  # (len(ends), V)
-        _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
+        _check_finite(logits, f"while reading the prompts (tokens {start}..{start + max(lengths) - 1})")
         for row, i in enumerate(ends):
             last_logits[i] = logits[row]
     return torch.stack(last_logits)  # type: ignore[arg-type]
@@ -152,7 +152,7 @@ def prefill_with_logprobs(
     prompt_logprobs: List[List[float]] = [[] for _ in encoded_prompts]
     for start, lengths, input_ids, ends in prompt_chunks(encoded_prompts, chunk_size, model.device):
         logits = model(input_ids, lengths, cache)  # (T, V)
-        _check_finite(logits, f"while reading the prompts (tokens {start}..{start + chunk_size - 1})")
+        _check_finite(logits, f"while reading the prompts (tokens {start}..{start + max(lengths) - 1})")
         normalizer = torch.logsumexp(logits, dim=-1)  # (T,), so no second (T, V) tensor for log_softmax
         offset = 0
         for i, (prompt, n) in enumerate(zip(encoded_prompts, lengths)):

@@ -27,7 +27,7 @@ from mixtral_infer.fast.cpu_packed import side_by_side_groups
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.kernels import nf4_layout, prepare
-from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
+from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, check_scales_fit, quantize
 
 # Internal parameter names (experts stacked) and published names (one tensor per expert).
 _QUANTIZED_INTERNAL = re.compile(r"^(output\.weight|layers\.\d+\.(attention\.w[qkvo]\.weight|feed_forward\.w[123](\.weight)?))$")
@@ -109,6 +109,19 @@ def check_finite_scales(name: str, scales: torch.Tensor, source: str,
     raise CheckpointError(
         f"{source}: {name} holds NaN or infinite scales: the folder is damaged; {remedy}"
     )
+
+
+def check_stored_scales(name: str, scales: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, source: str) -> None:
+    """``check_finite_scales``, and CheckpointError where stored ``scales`` are negative (``quantize``
+    never writes one: the folder is damaged) or stand for weights beyond ``dtype``'s range (float16's
+    65504: a scale turned inf, or 127 times an int8 scale past it, would make the products inf)."""
+    check_finite_scales(name, scales, source)
+    if scales.numel() == 0:
+        return
+    smallest, largest = (float(v) for v in torch.aminmax(scales.float()))
+    if smallest < 0:
+        raise CheckpointError(f"{source}: {name} holds negative scales: the folder is damaged; write it again (convert --quantize)")
+    check_scales_fit(f"{source}: {name}", largest, scheme, dtype, "load in bfloat16 or float32")
 
 
 def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:

@@ -29,6 +29,7 @@ and why); ``QuantizedWeight.dequantize`` is the readable reference they are test
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -212,15 +213,30 @@ def quantize(weight: torch.Tensor, scheme: QuantScheme, dtype: Optional[torch.dt
     n_scales = 1 if scheme.name == "int8" else weight.shape[-1] // scheme.group_size
     scales = torch.empty(rows.shape[0], n_scales, dtype=out_dtype, device=weight.device)
     block = max(1, (1 << 18) // weight.shape[-1])  # 256K float32 values (1 MB) per block
+    largest = torch.zeros((), device=weight.device)  # the largest float32 scale; NaN where a block held NaN
     for start in range(0, rows.shape[0], block):
         block_values, block_scales = _quantize_rows(rows[start : start + block].to(torch.float32, copy=True), scheme)
         values[start : start + block] = block_values
         scales[start : start + block] = block_scales.reshape(block_values.shape[0], n_scales)
-    if not bool(torch.isfinite(scales).all()):  # a block holding NaN or inf keeps it in its scale
-        message = f"{name} holds NaN or infinite values: the checkpoint is damaged, so it cannot be quantized"
-        raise CheckpointError(message)
+        largest = torch.maximum(largest, block_scales.amax())  # NaN carries through
+    check_scales_fit(name, float(largest), scheme, out_dtype, "use dtype bfloat16 or float32")
     scales = scales.reshape(weight.shape[:-1]) if scheme.name == "int8" else scales.reshape(*weight.shape[:-1], n_scales)
     return QuantizedWeight(scheme, values.reshape(*weight.shape[:-1], packed_in), scales, weight.shape[-1])
+
+
+LARGEST_CODE = {"int8": 127, "int4": 8, "nf4": 1}  # the largest |integer| a scale multiplies (nf4's codes span [-1, 1])
+
+
+def check_scales_fit(name: str, largest: float, scheme: QuantScheme, dtype: torch.dtype, remedy: str) -> None:
+    """CheckpointError where the scales of ``name``, the largest ``largest``, are NaN or inf (a weight
+    holding NaN or inf keeps it in its row's or group's scale, which would make every product of it
+    garbage), or where a weight they stand for passes ``dtype``'s range (float16: 65504; an int8
+    weight of 1e6 has a scale of 7874, finite in float16, but 127 times it is not)."""
+    if not math.isfinite(largest):
+        raise CheckpointError(f"{name} holds NaN or infinite values: the checkpoint is damaged, so it cannot be quantized")
+    weights = largest * LARGEST_CODE[scheme.name]
+    if weights > torch.finfo(dtype).max:
+        raise CheckpointError(f"{name} holds values beyond {dtype}'s range (up to {weights:.3g}): {remedy}")
 
 
 def _quantize_rows(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
