@@ -130,6 +130,19 @@ def test_convert_refuses_a_dangling_symlink(tmp_path):
     )
 
 
+@pytest.mark.parametrize("length", [300, 245])
+def test_convert_refuses_a_destination_name_too_long_for_its_partial_folder(tmp_path, length):
+    """The files are written into ``.DST.partial-PID`` first: 300 characters were a traceback
+    (File name too long), 245 a "cannot write here" that did not say why."""
+    from mixtral_infer.checkpoint.convert import convert
+    from mixtral_infer.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"^a{37}\.\.\.: name too long \(the partial folder .NAME.partial-PID "
+                                              r"written first needs \d+ fewer bytes\); choose a shorter destination$"):  # fmt: skip
+        convert(REPO / "mixtral_infer/shipped/tiny-mistral", tmp_path / ("a" * length), quantize="int8")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_convert_into_a_folder_it_cannot_write(tmp_path):
     if os.geteuid() == 0:  # root writes anywhere; /proc refuses everyone
         parent, message = Path("/proc"), "/proc: cannot write here"

@@ -203,6 +203,17 @@ def test_weights_and_scales_beyond_float16_s_range_are_refused_as_such(model_fol
     assert isinstance(load_model(folder, dtype=torch.bfloat16).layers["0"].attention.wq.weight, QuantizedWeight)
 
 
+def test_a_quantized_model_is_not_quantized_again_nor_saved_as_a_float_one(tmp_path):
+    """Both used to do nothing visible: quantize_model left an int4 model int4 when asked for
+    int8, and save_consolidated wrote the scales alone (the integers are buffers it did not take)."""
+    model = quantize_model(random_model(tiny_args(), seed=1), "int4")
+    with pytest.raises(ConfigError, match=r"the model is quantized already \(int4 \(groups of 32\)\): quantize its float original"):
+        quantize_model(model, "int8")
+    with pytest.raises(ConfigError, match="save_consolidated writes float models: write a quantized folder with convert --quantize"):
+        save_consolidated(model, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
 @pytest.mark.parametrize("group_size", [32.0, "32", True, 16])
 def test_a_quantized_folder_with_a_group_size_the_kernels_do_not_take_is_refused(model_folder, tmp_path, group_size):
     """params.json's group size must be one of the kernels' integers: 32.0 (JSON's float) reached

@@ -148,7 +148,17 @@ def finite(tensors: Iterator[Tuple[str, torch.Tensor]], dtype: Optional[torch.dt
 
 
 def check_destination(dst: Path) -> None:
-    """``dst`` must be a new name (not even a dangling symlink) in a writable folder."""
+    """``dst`` must be a new name (not even a dangling symlink) in a writable folder, short enough
+    for the partial folder ``.DST.partial-PID`` written first."""
+    partial_name = os.fsencode(f".{dst.name}.partial-{os.getpid()}")
+    try:
+        limit = os.pathconf(dst.parent, "PC_NAME_MAX")
+    except OSError:  # no such folder (said below), or a file system that does not say
+        limit = 255
+    if len(partial_name) > limit:
+        shown = dst.name if len(dst.name) <= 40 else dst.name[:37] + "..."
+        raise CheckpointError(f"{shown}: name too long (the partial folder .NAME.partial-PID written first needs "
+                              f"{len(partial_name) - limit} fewer bytes); choose a shorter destination")  # fmt: skip
     if dst.is_symlink() or dst.exists():
         kind = "a symlink" if dst.is_symlink() else "a folder" if dst.is_dir() else "a file"
         raise CheckpointError(f"{dst}: already exists ({kind}); choose a new destination folder")

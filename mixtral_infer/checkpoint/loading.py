@@ -357,7 +357,8 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(args, parallel)
     if quantize is not None and stored is not None:
-        raise ConfigError(f"{source}: the weights are stored quantized as {stored.label} already; load without quantize=")
+        raise ConfigError(f"{source}: the weights are stored quantized as {stored.label} already; "
+                          "load without quantize= (--quantize)")  # fmt: skip
     if quantize is not None:
         tensors = quantize_published(tensors, quantize, dtype, device)
     elif stored is not None:
@@ -498,9 +499,12 @@ def internal_to_published(state: Dict[str, torch.Tensor], args: ModelArgs) -> Na
 
 
 def save_consolidated(model: Transformer, folder: str | Path) -> None:
-    """Write params.json and consolidated.safetensors with the published names."""
+    """Write params.json and consolidated.safetensors with the published names, of a float model (a
+    quantized one is written by ``convert --quantize`` from its float original)."""
     from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
 
+    if any(isinstance(weight, QuantizedWeight) for weight in model.modules()):
+        raise ConfigError("save_consolidated writes float models: write a quantized folder with convert --quantize")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / PARAMS_FILE).write_text(json.dumps(model.args.to_params(), indent=2) + "\n", encoding="utf-8")

@@ -125,8 +125,12 @@ def check_stored_scales(name: str, scales: torch.Tensor, scheme: QuantScheme, dt
 
 
 def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
-    """Quantize a model already in memory, in place (loading does it tensor by tensor instead)."""
+    """Quantize a model already in memory, in place (loading does it tensor by tensor instead). A
+    model quantized already is refused: its float weights are gone, and it stayed as it was."""
     scheme = QuantScheme.parse(scheme)
+    done = next((module for module in model.modules() if isinstance(module, QuantizedParameter)), None)
+    if done is not None:
+        raise ConfigError(f"the model is quantized already ({done.scheme.label}): quantize its float original instead")
     forget_built_steps = getattr(model, "forget_built_steps", None)
     if forget_built_steps is not None:  # a step compiled before would decode with the float weights
         forget_built_steps()
