@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -263,6 +264,7 @@ def test_token_ids_outside_the_vocabulary(model, token):
     [
         ("In the beginning", "encoded_prompts='In the beginning': pass a list of prompts, each a list of token ids"),
         (None, "encoded_prompts=None: pass a list of prompts"),  # was: a str read as one prompt per letter, None a TypeError
+        ({(1, 5)}, r"encoded_prompts=\{\(1, 5\)\}: pass a list of prompts"),  # a set (no order) was a TypeError
         (["In the beginning"], r"prompt 0 is text \('In the beginning'\): encode it first"),
     ],
 )
@@ -292,6 +294,19 @@ def test_prompts_and_settings_of_numpy_and_torch_types_are_taken(model):
     for prompts in (torch.tensor([[1, 5, 6]]), np.array([[1, 5, 6]]), [np.array([1, 5, 6])]):
         settings = dict(temperature=np.float32(0.5), top_p=np.float32(0.9), seed=np.int64(3), max_tokens=np.int64(3))
         assert generate(prompts, model, **settings) == expected  # np.float32 was "temperature must be >= 0"
+
+
+@pytest.mark.parametrize("cache", [5, {}])
+def test_a_cache_that_is_not_one_is_refused(model, cache):
+    with pytest.raises(GenerationError, match=rf"cache={cache!r} must be a cache from model.make_cache\(batch\), or None"):
+        generate([[1, 5, 6]], model, max_tokens=2, cache=cache)  # was an AttributeError
+
+
+@pytest.mark.parametrize("name, value", [("temperature", "inf"), ("temperature", torch.tensor(0.5)), ("top_p", "0.5")])
+def test_settings_that_are_not_numbers_are_called_so(model, name, value):
+    """A command line's --temperature inf arrives as the text 'inf': it was "must be >= 0"."""
+    with pytest.raises(GenerationError, match=re.escape(f"{name}={value!r} must be a number")):
+        generate([[1, 5, 6]], model, max_tokens=2, **{name: value})
 
 
 def test_an_on_token_that_cannot_be_called_is_refused_before_the_prompt_runs(model):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mixtral_infer.generation.sampling import Sampling, sample, sample_next, token_logprobs
+from mixtral_infer.generation.settings import effective_temperature
 
 
 def settings(batch, vocab, temperature, top_p=1.0, top_k=None):
@@ -40,7 +41,7 @@ def test_each_row_keeps_its_own_settings():
     logits = torch.zeros(2, 10)  # uniform over 10 tokens
     rows = Sampling(torch.ones(2), torch.ones(2), torch.tensor([1, 10]), greedy=False, filtered=True)
     assert sample(logits, rows, torch.tensor([0.95, 0.95])).tolist()[1] == 9
-    assert sample(logits, rows, torch.tensor([0.95, 0.95])).tolist()[0] in range(10)  # top-1 of a tie
+    assert sample(logits, rows, torch.tensor([0.95, 0.95])).tolist()[0] == 0  # top-1 of a tie: argmax's, the first
     assert sample(logits, rows, torch.tensor([0.95, 0.0])).tolist()[1] == 0
 
 
@@ -65,3 +66,24 @@ def test_token_logprobs_are_the_model_log_probabilities():
     tokens = torch.tensor([0, 5, 29, 7])
     expected = torch.log_softmax(logits, -1)[torch.arange(4), tokens]
     torch.testing.assert_close(token_logprobs(logits, tokens), expected)
+
+
+def test_top_k_1_and_the_smallest_top_p_are_greedy_even_on_ties():
+    """Tied logits (bfloat16 makes them) are ranked in index order, as ``argmax`` takes them, so
+    top_k=1 is greedy (it took the later token of a tie); a top_p below float32's smallest number
+    (0 in float32) keeps the top token, where it kept none and the draw fell on the least likely."""
+    logits = torch.tensor([[0.0, 4.875, -1.0, 4.875, 2.0]])  # tokens 1 and 3 tie
+    for uniform in (0.0, 0.5, 0.999):
+        assert sample(logits, settings(1, 5, 1.0, top_k=1), torch.tensor([uniform])).tolist() == [1]
+        assert sample(logits, settings(1, 5, 1.0, top_p=1e-50), torch.tensor([uniform])).tolist() == [1]
+    assert sample(logits, settings(1, 5, 0.0), None).tolist() == [1]
+
+
+def test_a_temperature_past_float32_s_range_samples_uniformly_as_inf_does():
+    """1e300 overflowed float32 in a traceback; it is the uniform limit, as inf."""
+    logits = torch.tensor([[5.0, 0.0, -5.0, 1.0]])
+    assert settings(1, 4, 1e300).temperature.tolist() == [float("inf")]
+    assert effective_temperature(1e300) == float("inf") and effective_temperature(3e38) == 3e38  # the server's
+    for uniform in (0.1, 0.3, 0.6, 0.9):  # every token equally likely: the draw picks rank floor(4u)
+        hot, inf = (sample(logits, settings(1, 4, t), torch.tensor([uniform])) for t in (1e300, float("inf")))
+        assert hot.tolist() == inf.tolist() == [int(4 * uniform)]

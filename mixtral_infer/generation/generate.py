@@ -60,7 +60,7 @@ def check_settings(
     The prompts may be a list of lists, of tensors or arrays, or a ``(B, T)`` tensor or array.
     """
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)
-    if isinstance(encoded_prompts, (str, bytes)) or not hasattr(encoded_prompts, "__len__"):
+    if isinstance(encoded_prompts, (str, bytes, set, frozenset, dict)) or not hasattr(encoded_prompts, "__len__"):
         raise GenerationError(
             f"encoded_prompts={encoded_prompts!r:.40}: pass a list of prompts, each a list of token ids "
             "(tokenizer.encode(text, bos=True))"
@@ -216,6 +216,9 @@ def generate(
 
     ``cache``: continue sequences already in this cache (a conversation); the
     prompts are then appended to what it holds. Left None, a fresh cache is made.
+    The cache holds what was fed: the prompt and every generated token but the last,
+    which is sampled and never read back. To continue after it, begin the next prompt
+    with ``generated[i][-1]`` (as ``generation.chat.Conversation`` does).
     ``on_token(i, token)`` is called as each token of prompt i is chosen (streaming).
 
     ``decode``: how the tokens after the prompt are produced, all with the same results:
@@ -224,6 +227,8 @@ def generate(
     runs that step through ``torch.compile`` (on CUDA as a CUDA graph; on CPU built by
     AOTInductor, ``fast/cpu_aot_step.py``); ``auto``: compiled on CUDA, eager on CPU.
     """
+    if cache is not None and not isinstance(cache, RotatingBufferCache):
+        raise GenerationError(f"cache={cache!r:.40} must be a cache from model.make_cache(batch), or None")
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
     encoded_prompts = check_settings(
         encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed, eos_id,

@@ -20,9 +20,12 @@ Worked example, one row, probabilities ``[0.1, 0.5, 0.3, 0.1]``, top_k = 2 (no t
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Optional
 
 import torch
+
+from mixtral_infer.generation.settings import FLOAT32_MAX
 
 
 @dataclass
@@ -53,8 +56,9 @@ class Sampling:
     ) -> "Sampling":
         """The same settings for every row."""
         k = vocab_size if top_k is None else min(int(top_k), vocab_size)
+        temperature = float(temperature) if float(temperature) <= FLOAT32_MAX else math.inf  # uniform: the limit
         return cls(
-            temperature=torch.full((batch,), float(temperature), dtype=torch.float32, device=device),
+            temperature=torch.full((batch,), temperature, dtype=torch.float32, device=device),
             top_p=torch.full((batch,), float(top_p), dtype=torch.float32, device=device),
             top_k=torch.full((batch,), k, dtype=torch.long, device=device),
             greedy=temperature == 0,
@@ -84,11 +88,12 @@ def sample(logits: torch.Tensor, sampling: Sampling, uniform: Optional[torch.Ten
     shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
     probs = torch.softmax(shifted / temperature, dim=-1)  # (B, V)
     if sampling.filtered:
-        probs, order = torch.sort(probs, dim=-1, descending=True)  # (B, V), (B, V)
+        # stable: tokens of equal probability in index order, so top_k=1 picks argmax's token
+        probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # (B, V), (B, V)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]  # (1, V)
         mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
-        # The top token always stays: rank 0 < top_k and mass_before 0 < top_p.
-        keep = (rank < sampling.top_k[:, None]) & (mass_before < sampling.top_p[:, None])
+        # The top token always stays, also where a top_p below 1e-45 is 0 in float32.
+        keep = (rank < sampling.top_k[:, None]) & (mass_before < sampling.top_p[:, None]) | (rank == 0)
         probs = probs * keep
     cumulative = torch.cumsum(probs, dim=-1)  # (B, V)
     target = uniform[:, None] * cumulative[:, -1:]  # (B, 1) in [0, total)

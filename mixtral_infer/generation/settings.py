@@ -8,6 +8,7 @@ the command line checks its options before it even loads the model, or imports t
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import sys
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 # float32 logits below 1e8 in size, softmax(logits / T) is one-hot), while dividing by
 # it can overflow to inf and make NaN probabilities. So it is run as greedy, the limit.
 GREEDY_BELOW = 1e-30
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch
 SEED_LIMIT = 2**63  # seeds go through int64 tensors (shared across ranks)
 DECODE_MODES = ("auto", "eager", "static", "compiled")  # generate(decode=...), --decode
 
@@ -64,9 +66,13 @@ def check_options(
     tokens = as_int(max_tokens)
     if tokens is None or tokens < 0:
         raise GenerationError(f"max_tokens={max_tokens!r} must be an integer >= 0")
-    if not _is_number(temperature) or not temperature >= 0:
+    if not _is_number(temperature):
+        raise GenerationError(f"temperature={temperature!r} must be a number >= 0 (0 means greedy)")
+    if not temperature >= 0:
         raise GenerationError(f"temperature={temperature!r} must be >= 0 (0 means greedy)")
-    if not _is_number(top_p) or not 0 < top_p <= 1:
+    if not _is_number(top_p):
+        raise GenerationError(f"top_p={top_p!r} must be a number in (0, 1]")
+    if not 0 < top_p <= 1:
         raise GenerationError(f"top_p={top_p!r} must be in (0, 1]")
     if top_k is not None and (as_int(top_k) is None or as_int(top_k) < 1):
         raise GenerationError(f"top_k={top_k!r} must be an integer >= 1 (or None for no limit)")
@@ -85,8 +91,12 @@ def check_context(context: object, label: str = "context") -> Optional[int]:
 
 
 def effective_temperature(temperature: float) -> float:
-    """0 (greedy) for temperatures below ``GREEDY_BELOW``, which sample the top token anyway."""
-    return 0.0 if temperature < GREEDY_BELOW else float(temperature)
+    """0 (greedy) for temperatures below ``GREEDY_BELOW``, which sample the top token anyway; inf
+    (uniform, the other limit) for those past float32's largest number (3.4e38), in which the
+    sampling runs and which they would overflow."""
+    if temperature < GREEDY_BELOW:
+        return 0.0
+    return math.inf if temperature > FLOAT32_MAX else float(temperature)
 
 
 def token_ids(prompt: Sequence[object], index: int | str, vocab_size: int) -> List[int]:
