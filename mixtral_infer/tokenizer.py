@@ -33,6 +33,7 @@ from typing import Dict, List, Optional
 from sentencepiece import SentencePieceProcessor
 
 from mixtral_infer.errors import CheckpointError, GenerationError
+from mixtral_infer.generation.settings import as_int
 from mixtral_infer.json_file import read_object
 from mixtral_infer.shipped import resolve_model_folder
 
@@ -208,7 +209,8 @@ class Tokenizer:
         return [begin] + self.encode(text, bos=False) + [end]
 
     def decode(self, ids: List[int]) -> str:
-        ids = list(ids)
+        """The text of token ids: a list, or a 1-D tensor or array."""
+        ids = token_list(ids)
         if self.added and any(isinstance(i, int) and self._pieces <= i < self.n_words for i in ids):
             return self._decode_with_added(ids)
         try:
@@ -240,6 +242,7 @@ class Tokenizer:
 
         ``decode([▁the, ▁LORD]) == "the LORD"``, ``decode_continuation([▁the, ▁LORD]) == " the LORD"``.
         """
+        ids = token_list(ids)
         text = self.decode(ids)
         if ids and self.id_to_piece(ids[0]).startswith("\u2581"):
             text = " " + text
@@ -247,4 +250,22 @@ class Tokenizer:
 
     def id_to_piece(self, token_id: int) -> str:
         token = self.added.get(token_id)
-        return token.content if token is not None else self._model.id_to_piece(token_id)
+        if token is not None:
+            return token.content
+        if not 0 <= token_id < self._pieces:  # sentencepiece's IndexError said only "OUT_OF_RANGE"
+            raise GenerationError(f"token id {token_id} is outside this tokenizer's vocabulary [0, {self.n_words})")
+        return self._model.id_to_piece(token_id)
+
+
+def token_list(ids: object) -> List[int]:
+    """``ids`` (a list, or a 1-D tensor or array) as Python ints; GenerationError for one id alone
+    or for what is not an id (sentencepiece took ``True`` as 1 and raised its own TypeError for 1.5)."""
+    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # a tensor or array
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise GenerationError(f"decode({ids!r:.40}): pass a list of token ids (one id: [id])")
+    ids = list(ids)
+    for token in ids:
+        if type(token) is not int and as_int(token) is None:
+            raise GenerationError(f"token id {token!r:.40} of type {type(token).__name__}: token ids must be integers")
+    return [token if type(token) is int else as_int(token) for token in ids]

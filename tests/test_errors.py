@@ -330,6 +330,23 @@ def test_decoding_an_id_outside_the_vocabulary_names_it(tokenizer_path, token):
     assert tokenizer.decode([]) == ""
 
 
+def test_decode_takes_a_tensor_of_ids_and_names_what_is_not_one(tokenizer_path):
+    """A 1-D tensor (what a model returns) decodes as its list (it was "len() of a 0-d tensor"); one
+    id alone, a float or a bool, and a piece id outside the vocabulary get one line each (they were
+    TypeErrors, True read as id 1, and sentencepiece's bare "OUT_OF_RANGE")."""
+    tokenizer = Tokenizer(tokenizer_path)
+    ids = tokenizer.encode("In the beginning", bos=False)
+    assert tokenizer.decode(torch.tensor(ids)) == tokenizer.decode(np.array(ids)) == tokenizer.decode(ids)
+    assert tokenizer.decode_continuation(torch.tensor(ids)) == tokenizer.decode_continuation(ids)
+    for bad, message in [(7, "decode(7): pass a list of token ids (one id: [id])"),
+                         ([5, 1.5], "token id 1.5 of type float: token ids must be integers"),
+                         ([True], "token id True of type bool: token ids must be integers")]:  # fmt: skip
+        with pytest.raises(GenerationError, match=re.escape(message)):
+            tokenizer.decode(bad)
+    with pytest.raises(GenerationError, match=r"token id 400 is outside this tokenizer's vocabulary \[0, 400\)"):
+        tokenizer.id_to_piece(400)
+
+
 def test_empty_prompt_string_with_and_without_bos(model, tokenizer_path):
     tokenizer = Tokenizer(tokenizer_path)
     assert tokenizer.encode("", bos=True) == [tokenizer.bos_id]

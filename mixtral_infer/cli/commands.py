@@ -383,7 +383,7 @@ def interactive(
         line = _share_line(line)
         if line is None:
             return
-        if line.startswith("/"):
+        if line.strip().startswith("/"):  # "  /quit" too
             command = line.strip()
             if command == "/quit":
                 return
@@ -422,7 +422,7 @@ def read_line(prompt: str) -> Optional[str]:
     interrupted = False
     while True:
         try:
-            return input(prompt)
+            return input(prompt).removesuffix("\r")  # a line of a Windows file (CRLF): its text alone
         except EOFError:
             if prompt:
                 print(file=sys.stderr)
