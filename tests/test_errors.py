@@ -296,6 +296,14 @@ def test_prompts_and_settings_of_numpy_and_torch_types_are_taken(model):
         assert generate(prompts, model, **settings) == expected  # np.float32 was "temperature must be >= 0"
 
 
+@pytest.mark.parametrize("args, message", [((-1,), "batch_size=-1): must be an integer >= 1"),
+                                           ((2.0,), "batch_size=2.0): must be an integer >= 1"),
+                                           ((2, -5), "max_seqlen=-5): must be an integer >= 0")])  # fmt: skip
+def test_a_cache_of_no_rows_or_slots_is_refused(model, args, message):
+    with pytest.raises(GenerationError, match=re.escape(message)):
+        model.make_cache(*args)  # -1 was zeros()' RuntimeError
+
+
 @pytest.mark.parametrize("cache", [5, {}])
 def test_a_cache_that_is_not_one_is_refused(model, cache):
     with pytest.raises(GenerationError, match=rf"cache={cache!r} must be a cache from model.make_cache\(batch\), or None"):

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixtral_infer.errors import ConfigError
+from mixtral_infer.errors import ConfigError, GenerationError
+from mixtral_infer.generation.settings import as_int
 from mixtral_infer.model.attention import attention
 from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_attention_bias
 from mixtral_infer.model.linear import linear, linears
@@ -274,8 +275,12 @@ class Transformer(nn.Module):
         without one it holds ``max_seqlen`` (the longest prompt plus the new tokens).
         """
         window = self.args.sliding_window
+        for name, value, least in (("batch_size", batch_size, 1), ("max_seqlen", max_seqlen, 0)):
+            if value is not None and (as_int(value) is None or as_int(value) < least):  # -1: a RuntimeError of zeros()
+                raise GenerationError(f"make_cache({name}={value!r}): must be an integer >= {least}")
+        batch_size, max_seqlen = as_int(batch_size), None if max_seqlen is None else as_int(max_seqlen)
         if window is None and max_seqlen is None:
-            raise ValueError("a model without a sliding window needs max_seqlen to size its cache")
+            raise GenerationError("a model without a sliding window needs max_seqlen to size its cache")
         cache_size = window if max_seqlen is None else max_seqlen if window is None else min(window, max_seqlen)
         return RotatingBufferCache(
             len(self.layer_ids),
