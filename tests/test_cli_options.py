@@ -80,6 +80,8 @@ def test_option_errors_answer_before_torch_is_imported():
         ["serve", "--max-rows", "0"],
         ["perplexity", "--text", "README.md", "--context", "0"],
         ["perplexity", "--text", "no-such.txt"],
+        ["perplexity", "--text", "/dev/null"],  # empty: said after the model had loaded
+        ["demo", "--temperature", "inf"],  # text, not a number: was "must be >= 0"
         ["convert", "a", "b", "--quantize", "int4-48"],
     ]
     code = f"ARGS = {cases!r}" + BEFORE_TORCH
@@ -89,6 +91,8 @@ def test_option_errors_answer_before_torch_is_imported():
     errors = result.stderr.strip().splitlines()
     assert len(errors) == len(cases) and all(line.startswith("error: ") for line in errors), result.stderr
     assert "int4 group_size=48" in errors[-1]
+    assert errors[-3:-1] == ["error: no tokens to score: /dev/null is empty",
+                             "error: temperature='inf' must be a number >= 0 (0 means greedy)"]  # fmt: skip
 
 
 def test_interactive_with_a_bad_setting_and_empty_input_fails():

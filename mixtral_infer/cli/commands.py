@@ -506,6 +506,8 @@ def perplexity(
 
     context = check_context(context, "--context")
     words = read_text(text)
+    if not words:  # said before the model loads (perplexity() says it of a text that encodes to nothing)
+        raise GenerationError(f"no tokens to score: {text} is empty")
     from mixtral_infer.checkpoint.loading import open_checkpoint
     from mixtral_infer.generation.generate import PREFILL_TOKENS
     from mixtral_infer.generation.perplexity import DEFAULT_CONTEXT
