@@ -37,7 +37,7 @@ def no_window():
         (dict(seed=-1), r"seed=-1 must be an integer"),
         (dict(max_tokens="abc"), "max_tokens='abc' must be an integer >= 0"),
         (dict(max_tokens=2.0), "max_tokens=2.0 must be an integer >= 0"),
-        (dict(temperature="hot"), "temperature='hot' must be >= 0"),
+        (dict(temperature="hot"), "temperature='hot' must be a number >= 0"),
         (dict(temperature=float("nan")), "temperature=nan must be >= 0"),
         (dict(top_k=True), "top_k=True must be an integer >= 1"),
         (dict(chunk_size=1.5), "chunk_size=1.5 must be an integer >= 1"),

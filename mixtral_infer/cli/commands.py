@@ -262,7 +262,7 @@ def demo(
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
-        decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step compiled: by torch.compile, as a CUDA graph on cuda, by AOTInductor on cpu; on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
+        decode: how tokens after the prompt are produced, alike in result (in 16-bit dtypes compiled code rounds otherwise, so texts may part after some tokens): auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step compiled: by torch.compile, as a CUDA graph on cuda, by AOTInductor on cpu; on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
         quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
@@ -340,7 +340,7 @@ def interactive(
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         tensor_parallel: under torchrun, cut each layer across N processes; rank 0 reads the input and shares each line.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
-        decode: how tokens after the prompt are produced, all alike in result: auto (compiled on cuda, eager elsewhere), eager, static or compiled (on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
+        decode: how tokens after the prompt are produced, alike in result (in 16-bit dtypes compiled code rounds otherwise, so texts may part after some tokens): auto (compiled on cuda, eager elsewhere), eager, static or compiled (on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
         quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
     """
     check_decode(decode)
@@ -589,7 +589,7 @@ def serve(
         max_model_len: tokens per sequence (prompt + answer) for a model without a sliding window.
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
-        decode: how steps where every row decodes run, all alike in result: auto (the default: the static step compiled before serving, and on cpu chosen per step against the eager pass; uncompiled if compiling fails), eager, static or compiled.
+        decode: how steps where every row decodes run, alike in result (in 16-bit dtypes compiled code rounds otherwise, so texts may part after some tokens): auto (the default: the static step compiled before serving, and on cpu chosen per step against the eager pass; uncompiled if compiling fails), eager, static or compiled.
         quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
         served_model_name: the model name clients send and /v1/models lists; default: the folder's name.
         shutdown_timeout: seconds running requests may take to finish after SIGTERM before they are cancelled.
