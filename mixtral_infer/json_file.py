@@ -12,7 +12,9 @@ def read_object(path: Path, error: Type[Exception]) -> dict:
     is not JSON, or holds something other than an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as problem:
+    except RecursionError:  # arrays or objects nested some thousands deep
+        raise error(f"{path}: not valid JSON (nested too deeply)") from None
+    except (OSError, ValueError) as problem:  # ValueError: JSONDecodeError, UnicodeDecodeError, a number of 5000 digits
         lines = str(problem).strip().splitlines()
         raise error(f"{path}: not valid JSON ({type(problem).__name__}: {lines[0] if lines else ''})") from None
     if not isinstance(data, dict):

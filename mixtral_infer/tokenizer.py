@@ -119,6 +119,10 @@ class Tokenizer:
         self._split = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents else None
         self._by_content = by_content
         self._eos_id = self._end_token(path.parent)
+        for name, token in (("BOS", self._model.bos_id()), ("EOS", self._eos_id)):
+            if token < 0:  # sentencepiece trained with --bos_id=-1: encode() gave [-1, ...]
+                raise CheckpointError(f"{path}: defines no {name} piece ({name.lower()}_id={token}): "
+                                      "a Mistral model's prompts begin with <s> and its answers end with </s>")  # fmt: skip
 
     def _end_token(self, folder: Path) -> int:
         """The ``eos_token`` (a string, or ``{"content": ...}``) of ``special_tokens_map.json``, else of

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import random_model, tiny_args
 
-from mixtral_infer import Tokenizer, generate, load_model
+from mixtral_infer import CheckpointError, Tokenizer, generate, load_model
 from mixtral_infer.checkpoint.convert import convert
 from mixtral_infer.checkpoint.hf_tokenizer import bpe_merges, read_sentencepiece
 from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.generation.chat import Conversation
 from mixtral_infer.shipped import SHIPPED_MODELS
+
+REPO = Path(__file__).resolve().parents[1]
 
 TEXTS = [
     "In the beginning God created the heaven and the earth.",
@@ -152,6 +156,30 @@ def test_v3_folder_converts_and_tokenizes_alike(tmp_path, v3_folder):
     assert theirs.encode("x<tool>") == ours.encode("x<tool>")
     assert ours.encode("x<tool>y", bos=False) == [330, 363, 5, 359]  # ▁ x <tool> y
     assert theirs.encode("x<tool>y", add_special_tokens=False) == [330, 363, 5, 330, 359]  # ▁ x <tool> ▁ y
+
+
+@pytest.mark.parametrize("missing", ["bos", "eos"])
+def test_a_tokenizer_without_bos_or_eos_is_refused_before_anything_is_written(tmp_path, model_folder, missing):
+    """sentencepiece trained with --bos_id=-1 encoded prompts as [-1, ...]: the command line failed
+    after the model loaded ("token id -1 outside the vocabulary"), convert --to hf with an IndexError."""
+    import inspect
+
+    import sentencepiece as spm
+    import torch.nn.modules.module as text_source
+
+    lines = [line.strip() for line in inspect.getsource(text_source).splitlines() if line.strip()]
+    ids = dict(bos_id=-1, eos_id=2) if missing == "bos" else dict(bos_id=1, eos_id=-1)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / "tokenizer"), vocab_size=400,
+                                   model_type="bpe", unk_id=0, pad_id=-1, byte_fallback=True, minloglevel=2, **ids)  # fmt: skip
+    shutil.copyfile(tmp_path / "tokenizer.model", model_folder / "tokenizer.model")
+    message = rf"tokenizer.model: defines no {missing.upper()} piece \({missing}_id=-1\): a Mistral model's prompts begin with <s>"
+    with pytest.raises(CheckpointError, match=message):
+        convert(model_folder, tmp_path / "hf", to="hf")
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial-*"))
+    result = subprocess.run([sys.executable, str(REPO / "main.py"), "demo", str(model_folder), "--max_tokens", "2"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 1 and "loaded" not in result.stderr, result.stderr  # refused before the weights
+    assert re.search(message, result.stderr.strip().splitlines()[-1])
 
 
 def test_v3_tokenizer_formats_instruct_turns_with_control_tokens(v3_folder):

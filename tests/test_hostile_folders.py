@@ -109,6 +109,14 @@ def test_a_symlinked_shard_inside_the_folder_is_followed(hf_folder, tmp_path):
         (dict(num_local_experts="4"), ConfigError, "num_local_experts='4' must be an int"),
         (dict(sliding_window="8"), ConfigError, "sliding_window='8' must be a positive integer or null"),
         (dict(num_hidden_layers=10**12), ConfigError, "n_layers=1000000000000 is more than 4096"),
+        # torch's sizes past 2**63 were an OverflowError or a many-line TypeError
+        (dict(intermediate_size=10**30), ConfigError, f"hidden_dim={10**30} is more than 2\\*\\*31 - 1"),
+        (dict(num_local_experts=10**30), ConfigError, f"moe.num_experts={10**30} is more than 2\\*\\*31 - 1"),
+        # computed otherwise by transformers, and silently ignored here
+        (dict(rope_scaling={"type": "linear", "factor": 4.0}), ConfigError, "RoPE scaling rope_type='linear' is not computed"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), ConfigError, "rope_type='yarn' is not computed here"),
+        (dict(hidden_act="gelu"), ConfigError, "hidden_act='gelu': only silu"),
+        (dict(tie_word_embeddings=True), ConfigError, "tie_word_embeddings=true: an output matrix tied"),
     ],
 )
 def test_wrong_types_in_config_json_name_the_field(hf_folder, changes, error, message):
@@ -116,6 +124,26 @@ def test_wrong_types_in_config_json_name_the_field(hf_folder, changes, error, me
     with pytest.raises(error, match=message) as raised:
         load(hf_folder)
     assert one_line(raised).startswith(str(hf_folder / "config.json"))
+
+
+@pytest.mark.parametrize("architecture, theta", [("MistralForCausalLM", 10000.0), ("MixtralForCausalLM", 1e6)])
+def test_a_config_without_rope_theta_takes_transformers_default_for_its_class(hf_folder, architecture, theta):
+    """Without rope_theta (and without a window, for Mistral) transformers' class default is the
+    value its model computes with; params.json's rule (by the window) gave the other one."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    config.pop("rope_theta", None)
+    config.get("rope_parameters", {}).pop("rope_theta", None)
+    config.update(architectures=[architecture], model_type=architecture[:7].lower(), sliding_window=None)
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    assert load(hf_folder).args.rope_theta == theta
+
+
+@pytest.mark.parametrize("text, message", [("[" * 100000 + "]" * 100000, "nested too deeply"),
+                                           ('{"a": ' + "9" * 5000 + "}", "Exceeds the limit")])  # fmt: skip
+def test_json_nested_too_deeply_or_with_a_huge_number_is_one_line(hf_folder, text, message):
+    (hf_folder / "config.json").write_text(text)  # were a RecursionError and a ValueError traceback
+    with pytest.raises(ConfigError, match=f"config.json: not valid JSON \\(.*{message}"):
+        load(hf_folder)
 
 
 def test_huge_n_layers_in_params_json_fails_fast(tmp_path):

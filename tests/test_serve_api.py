@@ -268,6 +268,9 @@ def test_bad_requests_through_the_openai_client(server):
     client = server.client()
     status, _, error = server.request("POST", "/v1/completions", raw=b'{"prompt": "x"')
     assert status == 400 and "not valid JSON" in error["error"]["message"]
+    for raw, why in [(b"[" * 100000 + b"]" * 100000, "nested too deeply"), (b'{"seed": ' + b"9" * 5000 + b"}", "4300 digits")]:
+        status, _, error = server.request("POST", "/v1/completions", raw=raw)  # were RecursionError, ValueError
+        assert status == 400 and "not valid JSON" in error["error"]["message"] and why in error["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="must alternate user, assistant"):
         client.chat.completions.create(model="tiny-mixtral", messages=[{"role": "assistant", "content": "hi"}])
     with pytest.raises(openai.NotFoundError, match="serves 'tiny-mixtral'"):

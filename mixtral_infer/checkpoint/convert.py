@@ -86,6 +86,8 @@ def convert(
         raise CheckpointError("--quantize writes the Mistral layout (transformers cannot read these integers): use --to mistral")
     if scheme is not None:
         check_quantizable(checkpoint.args, scheme)  # before anything is written
+    tokenizer = find_tokenizer(checkpoint.folder)
+    read = None if tokenizer is None else Tokenizer(tokenizer)  # refused (no BOS, say) before anything is written
     dst = Path(dst)
     check_destination(dst)
     remove_stale_partials(dst, notify)
@@ -113,10 +115,8 @@ def convert(
             written_dtype = dtype or _first_dtype(shards[0])
             config = hf_config_from_args(checkpoint.args, written_dtype)
             (partial / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        tokenizer = find_tokenizer(checkpoint.folder)
-        if tokenizer is not None:
+        if tokenizer is not None:  # read with a fine-tune's added tokens and end token, from the files beside it
             shutil.copyfile(tokenizer, partial / tokenizer.name)
-            read = Tokenizer(tokenizer)  # with a fine-tune's added tokens and end token, from the files beside it
             if target == "hf":
                 if tokenizer.name != TOKENIZER_FILE:  # transformers' LlamaTokenizer reads tokenizer.model
                     shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)

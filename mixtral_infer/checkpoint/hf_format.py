@@ -67,7 +67,11 @@ def args_from_hf_config(config: dict, source: str = "config.json") -> ModelArgs:
     if n_heads < 1:
         raise ConfigError(f"{source}: num_attention_heads={n_heads} must be a positive integer")
     rope = _field(config, "rope_parameters", (dict,), source, default={})
+    check_computed_alike(config, rope, source)
     theta = rope.get("rope_theta", config.get("rope_theta"))
+    if theta is None:  # transformers' default_theta of the config's class, not params.json's rule
+        mixtral = config.get("model_type") == "mixtral" or "MixtralForCausalLM" in (config.get("architectures") or [])
+        theta = 1e6 if mixtral else 10000.0
     moe = None
     if config.get("num_local_experts") is not None:
         moe = MoeArgs(
@@ -90,6 +94,28 @@ def args_from_hf_config(config: dict, source: str = "config.json") -> ModelArgs:
         ),
         source,
     )
+
+
+ACTIVATIONS = ("silu", "swish")  # transformers' names of the SwiGLU's activation (swish is silu)
+
+
+def check_computed_alike(config: dict, rope: dict, source: str) -> None:
+    """ConfigError for what config.json may ask that this model does not compute, which it would
+    otherwise ignore and give other logits than transformers': a RoPE scaling (linear, yarn, dynamic,
+    llama3...), an activation other than SiLU, an output matrix tied to the embeddings."""
+    scaling = config.get("rope_scaling")
+    kinds = [rope.get("rope_type", "default")]
+    if scaling is not None:
+        kinds.append(scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling)
+    unsupported = next((kind for kind in kinds if kind != "default"), None)
+    if unsupported is not None:
+        raise ConfigError(f"{source}: RoPE scaling rope_type={unsupported!r} is not computed here, only the default RoPE")
+    act = config.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"{source}: hidden_act={act!r}: only silu (SwiGLU) is computed here")
+    if config.get("tie_word_embeddings") is True:
+        raise ConfigError(f"{source}: tie_word_embeddings=true: an output matrix tied to the embeddings is not read "
+                          "here (Mistral and Mixtral keep lm_head.weight of their own)")  # fmt: skip
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -186,6 +186,7 @@ def load(
     if folder.is_dir() and tokenizer_path is None:
         raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
     checkpoint = open_checkpoint(folder)  # the configuration and the file headers only
+    tokenizer = Tokenizer(tokenizer_path)  # read (and refused) before the weights
     args = checkpoint.args
     torch_dtype = torch_dtype or default_dtype(checkpoint, torch_device, QuantScheme.parse(quantize))
     check_new_cache(args, max_batch_size, int(max_tokens) + 1, int(max_tokens), torch_dtype, torch_device, parallel)
@@ -200,7 +201,6 @@ def load(
         quantize=quantize,
         pack="columns" if decode == "compiled" else True,  # compiled: plain weights, long rows in blocks
     )
-    tokenizer = Tokenizer(tokenizer_path)
     from mixtral_infer.fast.cpu_column_blocks import blocked_numel
     from mixtral_infer.fast.cpu_packed import packed_numel
     from mixtral_infer.quant.model import model_scheme, quantized_numel

@@ -30,6 +30,7 @@ from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.rope import apply_rotary, rotary_angles
 
 MAX_LAYERS = 4096  # the largest published decoders have ~130 layers
+MAX_SIZE = 2**31 - 1  # every width, head and vocabulary count (torch sizes past 2**63 are a traceback)
 
 
 @dataclass
@@ -61,6 +62,8 @@ class ModelArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{source}: {name}={value!r} must be a positive integer")
+            if value > MAX_SIZE and name != "n_layers":  # n_layers: MAX_LAYERS below
+                raise ConfigError(f"{source}: {name}={value} is more than 2**31 - 1, no model has a size that large")
         if self.n_layers > MAX_LAYERS:
             # Building the model makes Python objects per layer: 1e12 layers would hang, not fail.
             raise ConfigError(f"{source}: n_layers={self.n_layers} is more than {MAX_LAYERS}, no model has that many layers")
@@ -84,6 +87,8 @@ class ModelArgs:
                 raise ConfigError(f"{source}: moe needs positive integers, got num_experts={n!r}, num_experts_per_tok={k!r}")
             if k > n:
                 raise ConfigError(f"{source}: moe.num_experts_per_tok={k} exceeds moe.num_experts={n}")
+            if n > MAX_SIZE:
+                raise ConfigError(f"{source}: moe.num_experts={n} is more than 2**31 - 1, no model has that many experts")
 
     @classmethod
     def from_params(cls, params: dict, source: str = "params.json") -> "ModelArgs":

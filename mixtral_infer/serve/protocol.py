@@ -69,7 +69,9 @@ class ParsedRequest:
 def read_body(raw: bytes) -> Dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except RecursionError:
+        raise BadRequest("the request body is not valid JSON (nested too deeply)") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, a number of over 4300 digits
         raise BadRequest(f"the request body is not valid JSON ({error})") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
