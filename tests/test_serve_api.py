@@ -264,6 +264,18 @@ def test_chat_fields_the_server_cannot_honour_are_refused_not_ignored(server, ex
     assert server.request("POST", "/v1/chat/completions", {**body, **harmless})[0] == 200
 
 
+def test_a_chat_s_max_completion_tokens_and_max_tokens_are_each_checked(server):
+    """A null max_completion_tokens hid max_tokens (the answer ran to the default length), and a bad
+    max_tokens beside a good max_completion_tokens passed unchecked."""
+    body = {"model": "tiny-mixtral", "messages": [{"role": "user", "content": "x"}], "temperature": 0, "ignore_eos": True}
+    status, _, reply = server.request("POST", "/v1/chat/completions", {**body, "max_completion_tokens": None, "max_tokens": 2})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+    for extra, param, message in [({"max_completion_tokens": 2, "max_tokens": "x"}, "max_tokens", "max_tokens='x' must be"),
+                                  ({"max_completion_tokens": 2, "max_tokens": 3}, "max_completion_tokens", "disagree")]:  # fmt: skip
+        status, _, error = server.request("POST", "/v1/chat/completions", {**body, **extra})
+        assert status == 400 and error["error"]["param"] == param and message in error["error"]["message"]
+
+
 def test_bad_requests_through_the_openai_client(server):
     client = server.client()
     status, _, error = server.request("POST", "/v1/completions", raw=b'{"prompt": "x"')

@@ -222,6 +222,20 @@ def _content(content: Any, index: int) -> str:
     raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
+def _chat_max_tokens(body: Dict[str, Any]) -> Optional[int]:
+    """A chat's ``max_completion_tokens`` (OpenAI's name now) or ``max_tokens`` (its old one), each
+    checked; null is absent (a null max_completion_tokens hid max_tokens: the answer ran to the
+    default); both given must agree."""
+    given = {name: body[name] for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None}
+    for name, value in given.items():
+        if not _is_int(value) or value < 1:
+            raise BadRequest(f"{name}={value!r} must be an integer >= 1", name)
+    if len(set(given.values())) > 1:
+        raise BadRequest(f"max_completion_tokens={given['max_completion_tokens']} and max_tokens={given['max_tokens']} "
+                         "disagree: give one", "max_completion_tokens")  # fmt: skip
+    return next(iter(given.values()), None)
+
+
 def parse_chat(
     body: Dict[str, Any], tokenizer: Tokenizer, served: str, default_max_tokens: Callable[[int], int]
 ) -> ParsedRequest:
@@ -238,7 +252,7 @@ def parse_chat(
         raise BadRequest(f"top_logprobs={top!r} must be an integer in [0, {MAX_CHAT_TOP_LOGPROBS}]", "top_logprobs")
     if top and not logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _chat_max_tokens(body)
     stream, include_usage = _stream_options(body)
     settings = _settings(body, max_tokens, top if logprobs else None, leading_space=False)
     if max_tokens is None:
