@@ -173,6 +173,24 @@ def rewrite_hf(folder, transform):
         write_safetensors(shard, transform(tensors).items())
 
 
+def test_older_transformers_rotary_buffers_are_skipped_and_checked(hf_folder):
+    """Checkpoints saved by older transformers hold each layer's ``rotary_emb.inv_freq`` (head_dim/2
+    values), which transformers ignores on load; they were refused as unexpected tensors."""
+    ids = torch.tensor([1, 5, 9, 3])
+    expected = load(hf_folder)(ids, seqlens=[4])
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)  # head_dim 16
+    buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq for i in range(2)}
+    rewrite_hf(hf_folder, lambda tensors: {**tensors, **buffers} if "model.norm.weight" in tensors else tensors)
+    index = hf_folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shard = weight_map["model.norm.weight"]
+    index.write_text(json.dumps({"weight_map": {**weight_map, **dict.fromkeys(buffers, shard)}}))
+    assert torch.equal(load(hf_folder)(ids, seqlens=[4]), expected)
+    rewrite_hf(hf_folder, lambda tensors: {**tensors, **dict.fromkeys(buffers, torch.ones(5))} if "model.norm.weight" in tensors else tensors)
+    with pytest.raises(CheckpointError, match=r"rotary_emb.inv_freq has shape \(5,\), the model config implies \(8,\)"):
+        load(hf_folder)
+
+
 @pytest.mark.parametrize(
     "name, tensor, message",
     [

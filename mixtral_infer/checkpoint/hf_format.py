@@ -164,9 +164,19 @@ def hf_shape(name: str, args: ModelArgs) -> Optional[Shape]:
     return published_shape(published, args) if published is not None else None
 
 
+_ROTARY_BUFFER = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def is_rotary_buffer(name: str) -> bool:
+    """``rotary_emb.inv_freq``: a buffer older transformers saved with the weights, ``(head_dim/2,)``;
+    the model computes its angles from rope_theta, so it is checked and skipped, as transformers does."""
+    return _ROTARY_BUFFER.match(name) is not None
+
+
 def check_hf_shape(name: str, shape: Shape, args: ModelArgs, source: str) -> None:
     """Raise CheckpointError unless the model has a transformers tensor ``name`` of this shape."""
-    check_shape(name, shape, hf_shape(name, args), source)
+    expected = (args.head_dim // 2,) if is_rotary_buffer(name) else hf_shape(name, args)
+    check_shape(name, shape, expected, source)
 
 
 def hf_to_published(tensors: Iterable[Tuple[str, torch.Tensor]], args: ModelArgs) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -35,6 +35,7 @@ from mixtral_infer.checkpoint.hf_format import (
     check_hf_shape,
     hf_name_to_published,
     hf_to_published,
+    is_rotary_buffer,
 )
 from mixtral_infer.checkpoint.quantized import (
     check_recorded_scheme,
@@ -218,10 +219,16 @@ class Checkpoint:
 def _hf_file_select(select: Optional[Selector]) -> Optional[Selector]:
     """For a transformers file: skip the tensors whose published counterpart ``select`` leaves out (another
     pipeline stage's layers, another rank's experts); read the others whole, to be cut after translation
-    (their q/k rows are permuted per head, their experts may be fused)."""
-    if select is None:
-        return None
-    return lambda name: None if (published := hf_name_to_published(name)) is not None and select(published) is None else Selection()
+    (their q/k rows are permuted per head, their experts may be fused), and never older transformers'
+    rotary buffers (``hf_format.is_rotary_buffer``)."""
+
+    def pick(name: str) -> Optional[Selection]:
+        if is_rotary_buffer(name):  # older transformers' inv_freq buffers: never read
+            return None
+        published = hf_name_to_published(name)
+        return None if select is not None and published is not None and select(published) is None else Selection()
+
+    return pick
 
 
 def _hf_weight_files(folder: Path) -> List[Path]:
