@@ -236,6 +236,11 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(server):
         ({"prompt": "x", "logprobs": 9}, "logprobs", "logprobs=9 must be an integer in [0, 5]"),
         ({"prompt": "x", "suffix": "end"}, "suffix", "suffix='end': text after the completion (fill in the middle)"),
         ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options", "must be true or"),
+        # true == 1 and false == 0 in Python: these passed as "n=1" and "no bias"
+        ({"prompt": "x", "n": True}, "n", "n=True: this server returns one choice"),
+        ({"prompt": "x", "best_of": 1.0}, "best_of", "best_of=1.0 is not supported"),
+        ({"prompt": "x", "logit_bias": False}, "logit_bias", "logit_bias is not supported"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ],
 )
 def test_bad_completion_requests_are_400s(server, body, param, message):
@@ -252,6 +257,9 @@ def test_bad_completion_requests_are_400s(server, body, param, message):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"modalities": ["text", "audio"]}, "modalities"),
+        # an assistant turn's tool calls were dropped: the model answered another conversation
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": [{"id": "1"}]},
+                       {"role": "user", "content": "z"}]}, "messages"),  # fmt: skip
     ],
 )
 def test_chat_fields_the_server_cannot_honour_are_refused_not_ignored(server, extra, param):

@@ -98,16 +98,18 @@ def _check_model(body: Dict[str, Any], served: str) -> None:
 
 
 def _check_unsupported(body: Dict[str, Any]) -> None:
-    if _get(body, "n", 1) != 1:
+    """What asks for something this server does not do is refused; what asks for nothing passes. By
+    type too: ``true`` equals 1 in Python, and ``n: true`` or ``logit_bias: false`` is no request."""
+    if not _is_int(_get(body, "n", 1)) or _get(body, "n", 1) != 1:
         raise BadRequest(f"n={body['n']!r}: this server returns one choice per request (n=1)", "n")
-    if _get(body, "best_of", 1) != 1:
+    if not _is_int(_get(body, "best_of", 1)) or _get(body, "best_of", 1) != 1:
         raise BadRequest(f"best_of={body['best_of']!r} is not supported (use 1)", "best_of")
     if _get(body, "echo", False) is not False:
         raise BadRequest("echo is not supported", "echo")
     for name in ("presence_penalty", "frequency_penalty"):
-        if _get(body, name, 0) != 0:
+        if not _is_number(_get(body, name, 0)) or _get(body, name, 0) != 0:
             raise BadRequest(f"{name}={body[name]!r} is not supported (use 0)", name)
-    if body.get("logit_bias"):
+    if _get(body, "logit_bias", {}) != {}:
         raise BadRequest("logit_bias is not supported", "logit_bias")
     for name, means_nothing, what in CANNOT_HONOUR:
         if body.get(name) not in means_nothing:
@@ -159,7 +161,9 @@ def _stream_options(body: Dict[str, Any]) -> tuple[bool, bool]:
     include_usage = _get(options, "include_usage", False)
     if not isinstance(include_usage, bool):
         raise BadRequest(f"stream_options.include_usage={include_usage!r} must be true or false", "stream_options")
-    return stream, include_usage and stream
+    if options and not stream:  # as OpenAI answers it
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+    return stream, include_usage
 
 
 def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) -> ParsedRequest:
@@ -193,6 +197,8 @@ def chat_prompt(tokenizer: Tokenizer, messages: Any) -> List[int]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
             raise BadRequest(f"messages[{index}] must be an object with role system, user or assistant", "messages")
+        if message.get("tool_calls") not in (None, []):  # dropped, the model would answer another conversation
+            raise BadRequest(f"messages[{index}].tool_calls: a tool call is not supported by this server", "messages")
         turns.append((message["role"], _content(message.get("content"), index)))
     system = [text for role, text in turns if role == "system"]
     if any(role == "system" for role, _ in turns[len(system) :]):
