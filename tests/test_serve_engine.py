@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import random_model, tiny_args
+from conftest import WINDOW, random_model, tiny_args
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.errors import GenerationError
@@ -404,8 +404,11 @@ def test_stop_string_and_eos_end_a_request_and_free_its_row(tiny):
     assert engine.stats()["rows_free"] == 1 and engine.stats()["admitted"] == 3
 
 
-def test_prompt_too_long_without_a_window():
-    model = random_model(tiny_args(sliding_window=None))
+@pytest.mark.parametrize("window", [None, WINDOW], ids=["no-window", "window"])
+def test_prompt_too_long_for_max_model_len(window):
+    """Without a window, max_model_len is what a row holds; with one, a bound the server was given
+    on each request (it was dropped: a max_tokens of 10**30 ran until the client left)."""
+    model = random_model(tiny_args(sliding_window=window))
     tokenizer = Tokenizer.from_folder("tiny-mixtral")
     engine = Engine(model, tokenizer, rows=2, max_model_len=16, decode="eager")
     with pytest.raises(GenerationError, match="exceeds this model's limit of 16 tokens per sequence"):

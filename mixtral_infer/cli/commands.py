@@ -586,7 +586,7 @@ def serve(
         memory_fraction: share of the device's memory (RAM on cpu) for weights, one prefill step and the cache rows; default 0.9.
         max_queue: requests that may wait for a row; one more gets 429 with Retry-After.
         prefill_tokens: prompt tokens read per engine step, shared by the waiting prompts.
-        max_model_len: tokens per sequence (prompt + answer) for a model without a sliding window.
+        max_model_len: tokens per sequence (prompt + answer): required for a model without a sliding window (its rows hold that many); with a window, an optional bound on each request (without it, a request runs to its max_tokens, EOS or the client leaving).
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         decode: how steps where every row decodes run, alike in result (in 16-bit dtypes compiled code rounds otherwise, so texts may part after some tokens): auto (the default: the static step compiled before serving, and on cpu chosen per step against the eager pass; uncompiled if compiling fails), eager, static or compiled.

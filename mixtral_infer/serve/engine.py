@@ -117,13 +117,14 @@ Event = TokenEvent | Finished
 
 def check_request(prompt: Sequence[int], settings: RequestSettings, vocab_size: int, max_model_len: Optional[int]) -> None:
     """``GenerationError`` for a request that can never run: an empty prompt, token ids outside
-    the vocabulary, or (a model without a window) more tokens than a row holds."""
+    the vocabulary, or more tokens than ``max_model_len`` (a model without a window: what a row
+    holds; with one: the bound the server was given, where a row's window holds any length)."""
     if not prompt:
         raise GenerationError("the prompt is empty: give at least one token")
     if max_model_len is not None and len(prompt) + settings.max_tokens > max_model_len:
         raise GenerationError(
             f"the prompt ({len(prompt)} tokens) plus max_tokens={settings.max_tokens} exceeds this model's limit of "
-            f"{max_model_len} tokens per sequence (it has no sliding window): shorten the prompt or lower max_tokens"
+            f"{max_model_len} tokens per sequence (--max-model-len): shorten the prompt or lower max_tokens"
         )
     if any(not 0 <= t < vocab_size for t in prompt):
         raise GenerationError(f"the prompt holds token ids outside the vocabulary [0, {vocab_size})")
@@ -200,7 +201,7 @@ class Engine:
             raise GenerationError("a model without a sliding window needs max_model_len (tokens per sequence)")
         self.model, self.tokenizer = model, tokenizer
         self.rows, self.max_queue, self.prefill_tokens = rows, max_queue, prefill_tokens
-        self.max_model_len = None if window is not None else max_model_len
+        self.max_model_len = max_model_len  # with a window, a bound on each request alone (rows hold the window)
         self.mode = decode_mode(decode, model)
         # auto compiles on CPU too (generate's auto does not: there a compilation costs more than a
         # short generation; a server compiles once, in warm_up), and off CUDA still chooses per step
