@@ -178,6 +178,7 @@ def test_what_a_bitsandbytes_folder_cannot_be(tmp_path):
         ({"bnb_4bit_quant_type": "fp4"}, "bitsandbytes 4-bit 'fp4' weights: only nf4 is read"),
         ({"load_in_4bit": False, "load_in_8bit": True}, "8-bit .LLM.int8. weights are not read"),
         ({"quant_method": "gptq"}, "weights quantized by 'gptq'"),
+        ({"quant_method": None}, "quantization_config has no quant_method: say which"),  # was "quantized by None"
     ]:
         quantization = {**QUANTIZATION_CONFIG, **change}
         (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))

@@ -62,6 +62,9 @@ def scheme_from_config(config: dict, source: str) -> Optional[QuantScheme]:
     if not isinstance(quantization, dict):
         raise ConfigError(f"{source}: quantization_config={quantization!r} must be an object")
     method = quantization.get("quant_method")
+    if method is None:
+        raise ConfigError(f"{source}: quantization_config has no quant_method: say which (bitsandbytes' 4-bit NF4 is "
+                          "read), or remove it for float weights")  # fmt: skip
     if method != "bitsandbytes":
         raise ConfigError(
             f"{source}: weights quantized by {method!r}; only bitsandbytes' 4-bit NF4 is read: load the float original"
