@@ -299,7 +299,7 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
 # ---------------------------------------------------------------- filling a model
 
 
-def _stack_experts(tensors: NamedTensors, args: ModelArgs, parallel: Parallel = Parallel()) -> NamedTensors:
+def _stack_experts(tensors: NamedTensors, args: ModelArgs, parallel: Parallel = Parallel(), source: str = "") -> NamedTensors:
     """Published pairs -> internal pairs: each layer's experts stacked once the last one arrives.
 
     With expert parallelism only this rank's experts arrive and are stacked.
@@ -314,15 +314,16 @@ def _stack_experts(tensors: NamedTensors, args: ModelArgs, parallel: Parallel = 
             continue
         layer, expert, weight = int(match[1]), int(match[2]), match[3]
         if expert >= n_experts:
-            raise CheckpointError(f"unexpected tensor {name}: params say {n_experts} experts")
+            raise CheckpointError(f"{source}: unexpected tensor {name}: params say {n_experts} experts")
         group = pending.setdefault((layer, weight), {})
         group[expert] = tensor
         if len(group) == len(local):
             del pending[(layer, weight)]
             yield f"layers.{layer}.feed_forward.{weight}", stack([group[j] for j in local])
     for (layer, weight), group in pending.items():
-        missing = sorted(set(local) - set(group))
-        raise CheckpointError(f"missing tensor(s) layers.{layer}.feed_forward.experts.{missing}.{weight}.weight")
+        missing = [f"layers.{layer}.feed_forward.experts.{e}.{weight}.weight" for e in sorted(set(local) - set(group))]
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{source}: missing tensor(s) {missing[:5]}{more}")
 
 
 def _assign(model: Transformer, name: str, tensor: torch.Tensor | QuantizedWeight, source: str) -> None:
@@ -371,7 +372,7 @@ def build_model(
     elif stored is not None:
         tensors = from_stored(tensors, stored, dtype, device, str(source))
     seen = set()
-    for name, tensor in _stack_experts(tensors, args, parallel):
+    for name, tensor in _stack_experts(tensors, args, parallel, str(source)):
         if name in seen:
             raise CheckpointError(f"{source}: tensor {name} appears twice")
         seen.add(name)
