@@ -374,6 +374,9 @@ def test_prompt_too_long_for_a_model_without_a_window(tmp_path, tokenizer_path):
         )
         assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 24
         assert answer.choices[0].finish_reason == "length"
+        # A prompt that fills the limit: no max_tokens to blame (it said "plus max_tokens=1")
+        with pytest.raises(openai.BadRequestError, match="the prompt .30 tokens. leaves no room for an answer within"):
+            client.completions.create(model="no-window", prompt=list(range(3, 33)), max_tokens=8)
     finally:
         uvicorn_server.should_exit = True
         thread.join(10)

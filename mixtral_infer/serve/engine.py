@@ -121,6 +121,9 @@ def check_request(prompt: Sequence[int], settings: RequestSettings, vocab_size: 
     holds; with one: the bound the server was given, where a row's window holds any length)."""
     if not prompt:
         raise GenerationError("the prompt is empty: give at least one token")
+    if max_model_len is not None and len(prompt) >= max_model_len:  # no answer fits, whatever max_tokens says
+        raise GenerationError(f"the prompt ({len(prompt)} tokens) leaves no room for an answer within this model's limit of "
+                              f"{max_model_len} tokens per sequence (--max-model-len): shorten the prompt")  # fmt: skip
     if max_model_len is not None and len(prompt) + settings.max_tokens > max_model_len:
         raise GenerationError(
             f"the prompt ({len(prompt)} tokens) plus max_tokens={settings.max_tokens} exceeds this model's limit of "
