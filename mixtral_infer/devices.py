@@ -52,6 +52,8 @@ def checked_device(device: object, label: str) -> torch.device:
     elif place.type != "cpu":
         held = " (it holds no data)" if place.type == "meta" else ""
         raise ConfigError(f"{label}: a model runs on cpu, cuda or mps, not {place.type}{held}")
+    elif place.index not in (None, 0):  # torch takes cpu:1 and runs on the one CPU device anyway
+        raise ConfigError(f"{label}: the CPU is one device, cpu (an index names a CUDA device: cuda:{place.index})")
     return place
 
 

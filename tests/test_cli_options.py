@@ -42,10 +42,12 @@ def assert_one_line_error(result, message):
         (["demo", "--seed", "abc"], "seed='abc' must be an integer in [0, 2**63)"),
         (["demo", "--seed", str(2**64 + 1)], f"seed={2**64 + 1} must be an integer in [0, 2**63)"),
         (["demo", "--device", "meta"], "--device meta: a model runs on cpu, cuda or mps, not meta"),
+        (["demo", "--device", "cpu:1"], "--device cpu:1: the CPU is one device, cpu"),  # the index was ignored
         (["demo", "--device", "mps"], "--device mps: MPS is not available on this machine" if not torch.backends.mps.is_available() else None),
         (["demo", "--tensor_parallel", "abc"], "--tensor_parallel 'abc' must be an integer >= 1"),
         (["convert", "a", "b", "c", "d", "e", "f", "g"], "convert: unexpected argument 'g'"),
         (["interactive", "tiny-mistral", "hello"], "interactive: unexpected argument 'hello' (a switch such as"),
+        (["demo", "--max_tokens", "3", "--max-tokens=4"], "demo: --max_tokens is given twice; give it once"),  # fire took 4
         (["perplexity", "tiny-mistral"], "--text FILE is required: the file whose perplexity to measure"),
         (["perplexity", "tiny-mistral", "--text", "no-such.txt"], "--text no-such.txt: cannot read it (No such file"),
         (["perplexity", "--text", "README.md", "--context", "1"], "--context=1 must be an integer >= 2"),

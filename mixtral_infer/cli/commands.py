@@ -710,6 +710,8 @@ def check_arguments(argv: List[str]) -> None:
             raise MixtralInferError(
                 f"{command}: unknown option {arg.split('=', 1)[0]}; {hint}options: {', '.join('--' + n for n in names)}"
             )
+        if name in given:  # fire keeps the last one silently
+            raise MixtralInferError(f"{command}: --{name} is given twice; give it once")
         given.add(name)
         skip = "=" not in arg and not is_flag
     free = [n for n in names if n not in given]
