@@ -104,7 +104,8 @@ class Tokenizer:
     def __init__(self, model_path: str | Path):
         path = Path(model_path)
         if not path.is_file():
-            raise CheckpointError(f"{path}: tokenizer file not found")
+            alone = " (tokenizer.json alone is not read: the sentencepiece model is)" if (path.parent / "tokenizer.json").is_file() else ""
+            raise CheckpointError(f"{path}: tokenizer file not found{alone}")
         self._model = SentencePieceProcessor()
         try:
             self._model.Load(str(path))
