@@ -377,6 +377,9 @@ def test_prompt_too_long_for_a_model_without_a_window(tmp_path, tokenizer_path):
         # A prompt that fills the limit: no max_tokens to blame (it said "plus max_tokens=1")
         with pytest.raises(openai.BadRequestError, match="the prompt .30 tokens. leaves no room for an answer within"):
             client.completions.create(model="no-window", prompt=list(range(3, 33)), max_tokens=8)
+        with pytest.raises(openai.BadRequestError, match="leaves no room for an answer") as raised:
+            client.chat.completions.create(model="no-window", messages=[{"role": "user", "content": "module " * 30}])
+        assert raised.value.param == "messages"  # a chat's prompt is its messages (it said "prompt")
     finally:
         uvicorn_server.should_exit = True
         thread.join(10)

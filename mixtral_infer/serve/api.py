@@ -90,8 +90,9 @@ def make_app(
             return JSONResponse(
                 error_body(f"{error}: retry later", kind), status_code=status, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
             )
-        except GenerationError as error:
-            return JSONResponse(error_body(str(error), param="prompt"), status_code=400)
+        except GenerationError as error:  # the prompt: a chat's comes from its messages
+            param = "messages" if isinstance(fmt, ChatFormat) else "prompt"
+            return JSONResponse(error_body(str(error), param=param), status_code=400)
 
         if parsed.stream:
 
