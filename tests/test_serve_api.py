@@ -129,9 +129,15 @@ def test_completions_through_the_openai_client_equal_generate(server, reference)
         assert whole.usage.completion_tokens == n_tokens == 10
         assert whole.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-4)
         assert all(len(top) == 2 for top in whole.choices[0].logprobs.top_logprobs)
-        chunks = list(client.completions.create(model="tiny-mixtral", prompt=prompt, max_tokens=10, temperature=0, stream=True))
+        chunks = list(client.completions.create(model="tiny-mixtral", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                                logprobs=1))  # fmt: skip
         assert "".join(c.choices[0].text for c in chunks) == expected
         assert chunks[-1].choices[0].finish_reason == "length"
+        # Each token's text starts at its text_offset in the completion (it was []), streamed or whole.
+        offsets = whole.choices[0].logprobs.text_offset
+        streamed = [(c.choices[0].logprobs.text_offset[0], c.choices[0].text) for c in chunks if c.choices[0].logprobs]
+        assert offsets == [offset for offset, _ in streamed] and offsets[0] == 0
+        assert all(expected[offset:].startswith(text) for offset, text in streamed)
     assert [m.id for m in client.models.list().data] == ["tiny-mixtral"]
 
 

@@ -216,6 +216,7 @@ class CompletionFormat:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._text_template: Optional[List[str]] = None
+        self._offset = 0  # characters of the completion's text before the next token's logprobs entry
 
     def text_sse(self, text: str) -> str:
         """``sse(self.chunk(text, None, None))``, the event of a streamed token's text, from a
@@ -249,11 +250,18 @@ class CompletionFormat:
         return {**self.envelope([]), "usage": self.usage(finished)}
 
     def logprobs(self, events: List[TokenEvent]) -> Dict[str, Any]:
+        """OpenAI's legacy logprobs of these tokens, the next of the response's (a stream's one at a
+        time, or all at once): ``text_offset`` is where each token's text starts in the completion's
+        text (a token whose text is held back for a stop string starts where the held text will)."""
+        offsets = []
+        for event in events:
+            offsets.append(self._offset)
+            self._offset += len(event.text)
         return {
             "tokens": [self.token_text(e.token) for e in events],
             "token_logprobs": [e.logprob for e in events],
             "top_logprobs": [{self.token_text(t): lp for t, lp in e.top_logprobs or []} for e in events],
-            "text_offset": [],
+            "text_offset": offsets,
         }
 
     def whole(self, events: List[TokenEvent], finished: Finished, with_logprobs: bool) -> Dict[str, Any]:
