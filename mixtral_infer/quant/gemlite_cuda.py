@@ -47,7 +47,7 @@ which a compiled step cannot fuse; ours is a graph op, done by the kernel that r
 (rotary embedding, the SwiGLU product, the residual add). The same rounding, once; int8 at 1-2 rows
 writes its output's dtype directly either way. It stays off because it never ran on a GPU: it was
 written after the one lease that measured GemLite, and this work has no device time left
-(``bench_gpu.py``'s ``-gemlite`` and ``-gemlite-native`` schemes compare the two ways). The tuned
+(``bench_gpu.py``'s ``-gemlite`` and ``-gemlite-f32`` schemes compare the two ways). The tuned
 configurations are the same: GemLite keys them by input type and bits, not output.
 
 Tuning: GemLite autotunes each shape on first use, unless its cached configurations for the GPU
