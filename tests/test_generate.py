@@ -7,7 +7,7 @@ import torch
 from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
-from mixtral_infer import generate
+from mixtral_infer import Tokenizer, generate, load_model
 
 PROMPT_LENGTHS = [3 * WINDOW + 5, 6, 1, WINDOW]
 
@@ -141,3 +141,54 @@ def test_both_prefills_give_the_same_last_logits_and_the_scores_of_a_cacheless_p
         assert ours == pytest.approx(expected, abs=1e-4)
     full = [model(torch.tensor(p), [len(p)])[-1] for p in prompts]
     torch.testing.assert_close(last, torch.stack(full), atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_cut_short_counts_only_what_it_holds():
+    """Interrupted calls leave a cache that a later call reads correctly, or refuses.
+
+    - Static decoding whose ``on_token`` raises counts what its steps fed, as the eager loop does
+      (it kept the prompt's count, and the next call read stale slots: logits off by 7.6).
+    - A prompt chunk cut short between layers marks the cache damaged (its early layers overwrote
+      slots the chunk still needed, once the window wrapped): refused until its sequences start again.
+    - ``Conversation`` then reads its history again and answers as if nothing had happened."""
+    from mixtral_infer.errors import GenerationError
+    from mixtral_infer.generation.chat import Conversation
+
+    model = random_model(tiny_args(moe=False, max_batch_size=1), seed=3)
+    prompt = random_prompts([9], model.args.vocab_size, seed=4)[0]
+    more = random_prompts([3], model.args.vocab_size, seed=5)[0]
+
+    def stop_at(n, got):
+        def on_token(_, token):
+            got.append(token)
+            if len(got) == n:
+                raise KeyboardInterrupt
+        return on_token
+
+    for decode in ("eager", "static"):
+        cache, got = model.make_cache(1), []
+        with pytest.raises(KeyboardInterrupt):
+            generate([prompt], model, max_tokens=3 * WINDOW, cache=cache, on_token=stop_at(2 * WINDOW, got), decode=decode)
+        assert cache.tokens_seen == [len(prompt) + len(got) - 1], decode  # every answer token but the last
+        _, continued = generate([got[-1:] + more], model, max_tokens=0, cache=cache, decode="eager")
+        _, whole = generate([prompt + got + more], model, max_tokens=0, decode="eager")
+        torch.testing.assert_close(torch.tensor(continued[0]), torch.tensor(whole[0][-len(continued[0]):]), atol=1e-4, rtol=0)
+
+    ids = torch.tensor(random_prompts([3 * WINDOW], model.args.vocab_size, seed=6)[0])
+    cache = model.make_cache(1)
+    model(ids[: 2 * WINDOW], [2 * WINDOW], cache=cache)  # the window has wrapped
+    hook = model.layers["1"].register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        model(ids[2 * WINDOW :], [WINDOW], cache=cache)
+    hook.remove()
+    assert cache.damaged
+    with pytest.raises(GenerationError, match="the cache was left half-written by a prompt chunk that was interrupted"):
+        model(ids[2 * WINDOW :], [WINDOW], cache=cache)  # it gave logits off by 10
+
+    shipped, tokenizer = load_model("tiny-mistral", dtype=torch.float32), Tokenizer.from_folder("tiny-mistral")
+    talk = Conversation(shipped, tokenizer, instruct=True, max_tokens=5)
+    fresh = Conversation(shipped, tokenizer, instruct=True, max_tokens=5)
+    first = "In the beginning " * 4
+    talk.reply(first), fresh.reply(first)
+    talk.cache.damaged = True  # as a Ctrl-C in its next prompt would leave it
+    assert talk.reply("And the earth").text == fresh.reply("And the earth").text

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WINDOW
+from conftest import WINDOW, random_model, tiny_args
+
+from mixtral_infer.errors import GenerationError
 
 TOLERANCE = 1e-4
 
@@ -98,5 +100,40 @@ def test_logit_rows_select_rows_of_the_full_logits(model_pair):
 
 def test_logit_rows_out_of_range_is_refused(model_pair):
     ours, _, args = model_pair
-    with pytest.raises(ValueError, match="logit_rows must index the 3 tokens"):
+    with pytest.raises(ValueError, match=r"logit_rows=\[3\] must index the 3 input_ids"):
         ours(torch.tensor([5, 6, 7]), [3], logit_rows=[3])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [  # each was torch's or Python's own error (an arange's step sign, an embedding's index, a list's .dim)
+        (([1, 5, 9], [3]), "input_ids must be a 1-D tensor of every sequence's token ids, concatenated; got list"),
+        ((torch.tensor([1.0, 5.0]), [2]), "input_ids must be an integer tensor of token ids, got torch.float32"),
+        ((torch.tensor([1, 5, 9]), [-1, 4]), r"seqlens=\[-1, 4\] must be lengths >= 0 that add up to the 3 input_ids"),
+        ((torch.tensor([1, 5, 9]), [3.0]), r"seqlens=\[3.0\] must be a list of integers"),
+        ((torch.tensor([1, 5, 9]), 3), "seqlens=3 must be a list of integers"),
+        ((torch.tensor([1, 128, 9]), [3]), r"input_ids has token id 128 outside the vocabulary \[0, 128\)"),
+    ],
+)
+def test_forward_names_an_input_it_cannot_take(args, message):
+    ours = random_model(tiny_args(moe=False))
+    with pytest.raises(GenerationError, match=message):
+        ours(*args)
+
+
+def test_forward_takes_tensors_of_lengths_and_rows_not_masks_or_short_caches():
+    """A mask of bools was read as rows 0 and 1, 2.7 as row 2; a cache of fewer slots than the
+    window silently became a shorter window."""
+    ours = random_model(tiny_args(moe=False))
+    args = ours.args
+    ids = torch.tensor(random_prompts([12], args.vocab_size, seed=2)[0])
+    expected = ours(ids, [12], logit_rows=[3, 11])
+    torch.testing.assert_close(ours(ids, torch.tensor([12]), logit_rows=torch.tensor([3, 11])), expected)
+    for rows in (torch.arange(12) % 2 == 0, [2.7]):
+        with pytest.raises(GenerationError, match="logit_rows=.* must be a list of integers"):
+            ours(ids, [12], logit_rows=rows)
+    short = ours.make_cache(1, max_seqlen=WINDOW // 2)
+    with pytest.raises(GenerationError, match=rf"the cache holds {WINDOW // 2} slots per sequence, but sequence 0 needs {WINDOW}"):
+        ours(ids, [12], cache=short)
+    with pytest.raises(GenerationError, match="cache=5 must be a cache from model.make_cache"):
+        ours(ids, [12], cache=5)

@@ -125,24 +125,32 @@ def decode_static(
     reader.push(emitted_tokens(logits, alive, tokens, next_alive), token_logprob)
     alive = next_alive
 
-    for index in range(1, settings.max_tokens + 1):
-        if index < settings.max_tokens:  # launch step `index` before reading step `index - 1`
-            if compiled and device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
-            uniform = draw_uniform(batch, sampling, settings.generator, device)
-            with guards_checked(not compiled or index <= GUARDED_STEPS):
-                outputs = step(
-                    cache.layer_keys, cache.layer_values, tokens, positions, alive, uniform,
-                    sampling.temperature, sampling.top_p, sampling.top_k,
-                )  # fmt: skip
-            tokens, token_logprob, positions, alive, emitted = outputs
-            if compiled and device.type == "cuda":
-                # A CUDA graph's outputs are overwritten by its next replay: keep copies of the state
-                # fed back in (what the host reads is copied out before that replay, in stream order).
-                tokens, positions, alive = tokens.clone(), positions.clone(), alive.clone()
-            reader.push(emitted, token_logprob)
-        if not _record(reader.pop(), index - 1, settings, generated, logprobs):
-            break  # every row had finished; the step launched after it wrote nothing
+    counted = positions  # (B,) the tokens the cache holds for certain, should the loop be cut short
+    try:
+        for index in range(1, settings.max_tokens + 1):
+            # Steps up to `index - 1` have run: they fed every token recorded so far (the one read
+            # next, whose on_token may raise, is not counted, as in the eager loop).
+            counted = positions
+            if index < settings.max_tokens:  # launch step `index` before reading step `index - 1`
+                if compiled and device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                uniform = draw_uniform(batch, sampling, settings.generator, device)
+                with guards_checked(not compiled or index <= GUARDED_STEPS):
+                    outputs = step(
+                        cache.layer_keys, cache.layer_values, tokens, positions, alive, uniform,
+                        sampling.temperature, sampling.top_p, sampling.top_k,
+                    )  # fmt: skip
+                tokens, token_logprob, positions, alive, emitted = outputs
+                if compiled and device.type == "cuda":
+                    # A CUDA graph's outputs are overwritten by its next replay: keep copies of the state
+                    # fed back in (what the host reads is copied out before that replay, in stream order).
+                    tokens, positions, alive = tokens.clone(), positions.clone(), alive.clone()
+                reader.push(emitted, token_logprob)
+            if not _record(reader.pop(), index - 1, settings, generated, logprobs):
+                break  # every row had finished; the step launched after it wrote nothing
+    except BaseException:  # on_token raised, Ctrl-C: the count stayed at the prompt's (a later call misread the cache)
+        cache.tokens_seen = counted.tolist()
+        raise
     cache.tokens_seen = positions.tolist()
 
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from mixtral_infer.fast.decode_loop import compile_seconds
-from mixtral_infer.generation.generate import generate
-from mixtral_infer.generation.settings import SEED_LIMIT
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.generation.generate import decode_mode, generate
+from mixtral_infer.generation.settings import SEED_LIMIT, check_options
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
@@ -66,6 +67,8 @@ class Conversation:
         seed: Optional[int] = None,
         decode: str = "auto",
     ):
+        check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)  # not at the first reply
+        decode_mode(decode, model)
         self.model, self.tokenizer, self.instruct = model, tokenizer, instruct
         self.settings = dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, chunk_size=chunk_size, decode=decode
@@ -96,7 +99,11 @@ class Conversation:
         """Answer ``text``, calling ``emit`` with each new piece of the answer."""
         if not self.instruct:
             self.reset()  # plain completion: every line is a new prompt
+        if not isinstance(text, str):
+            raise GenerationError(f"reply({text!r:.40}): give the text of the turn")
         turn = self._turn_tokens(text)
+        if self.cache is not None and self.cache.damaged:  # a prompt cut short (Ctrl-C): read the history again
+            self.cache.start_sequences(1)
         if self.cache is not None:
             seen = self.cache.tokens_seen[0] if self.cache.tokens_seen else 0
             cache = self.cache

@@ -198,6 +198,25 @@ def check_cache_capacity(
     needs (a model without a window, or S below the window) it would silently turn into
     a sliding window of S tokens.
     """
+    check_cache_matches(cache, model)
+    seen = cache.tokens_seen or [0] * len(prompts)
+    for index, (before, prompt) in enumerate(zip(seen, prompts)):
+        n_tokens = before + len(prompt) + max_tokens
+        if cache.cache_size < cache_slots_needed(model, n_tokens):
+            raise GenerationError(
+                f"the cache holds {cache.cache_size} slots per sequence, but sequence {index} needs "
+                f"{cache_slots_needed(model, n_tokens)} ({before} already seen + {len(prompt)} prompt tokens + "
+                f"max_tokens={max_tokens}): make it with model.make_cache(batch, max_seqlen={n_tokens}) or larger"
+            )
+
+
+def check_cache_matches(cache: "RotatingBufferCache", model: "Transformer") -> None:
+    """The cache was made for this model: its layers, KV heads, head size, dtype, device and window
+    (``model.make_cache``); GenerationError otherwise (a dtype that differs was index_copy_'s error)."""
+    from mixtral_infer.model.cache import RotatingBufferCache
+
+    if not isinstance(cache, RotatingBufferCache):
+        raise GenerationError(f"cache={cache!r:.40} must be a cache from model.make_cache(batch), or None")
     expected = (len(model.layer_ids), len(model.parallel.share(model.args.n_kv_heads)), model.args.head_dim)
     got = (cache.n_layers, cache.cache_k.shape[3], cache.cache_k.shape[4])
     if got != expected or cache.cache_k.dtype != model.dtype or cache.device != model.device:
@@ -210,12 +229,3 @@ def check_cache_capacity(
             f"the cache was made for sliding_window={cache.sliding_window}, the model has "
             f"sliding_window={model.args.sliding_window}: make it with model.make_cache"
         )
-    seen = cache.tokens_seen or [0] * len(prompts)
-    for index, (before, prompt) in enumerate(zip(seen, prompts)):
-        n_tokens = before + len(prompt) + max_tokens
-        if cache.cache_size < cache_slots_needed(model, n_tokens):
-            raise GenerationError(
-                f"the cache holds {cache.cache_size} slots per sequence, but sequence {index} needs "
-                f"{cache_slots_needed(model, n_tokens)} ({before} already seen + {len(prompt)} prompt tokens + "
-                f"max_tokens={max_tokens}): make it with model.make_cache(batch, max_seqlen={n_tokens}) or larger"
-            )

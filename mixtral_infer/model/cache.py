@@ -40,6 +40,8 @@ from typing import List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.generation.settings import as_int
 from mixtral_infer.model.xformers_bias import (
     AttentionBias,
     BlockDiagonalCausalMask,
@@ -402,6 +404,11 @@ class RotatingBufferCache:
         self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
         self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
         self.tokens_seen: List[int] = []
+        # A prompt chunk (more than one token of a sequence) cut short between layers leaves the early
+        # layers' slots holding its keys where, with a wrapped window, the positions before it still
+        # needed theirs: the cache refuses more tokens until its sequences start again. One decoding
+        # token cut short writes only its own position's slot, which nothing reads any more.
+        self.damaged = False
         self._views: Optional[tuple] = None  # (cache_k, cache_v, their layers' views): layer_keys
 
     @property
@@ -417,9 +424,11 @@ class RotatingBufferCache:
 
     def start_sequences(self, batch_size: int) -> None:
         """Hold ``batch_size`` new sequences, none of whose tokens are seen yet (the buffers are reused as they are)."""
-        if batch_size > self.max_batch_size:
-            raise ValueError(f"batch of {batch_size} sequences exceeds the cache's max_batch_size={self.max_batch_size}")
-        self.tokens_seen = [0] * batch_size
+        if as_int(batch_size) is None or not 1 <= batch_size <= self.max_batch_size:
+            raise GenerationError(f"start_sequences({batch_size!r}): a cache of max_batch_size={self.max_batch_size} "
+                                  f"holds 1 to {self.max_batch_size} sequences")  # fmt: skip
+        self.tokens_seen = [0] * as_int(batch_size)
+        self.damaged = False
 
     def get_input_metadata(self, chunk_lengths: List[int]) -> RotatingCacheInputMetadata:
         if not self.tokens_seen:

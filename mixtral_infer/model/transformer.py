@@ -14,7 +14,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +122,19 @@ class ModelArgs:
         """The params.json dict (no null entries, no max_batch_size)."""
         params = dataclasses.asdict(self)
         return {key: value for key, value in params.items() if value is not None and key != "max_batch_size"}
+
+
+def integers(values: object, name: str) -> List[int]:
+    """``values`` (a list, tuple or 1-D tensor of integers) as Python ints; GenerationError otherwise
+    (bools and floats too: a mask of bools read as indices 0 and 1, 2.7 as 2)."""
+    if isinstance(values, torch.Tensor) and values.dim() == 1:
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise GenerationError(f"{name}={values!r:.40} must be a list of integers")
+    ints = [as_int(v) for v in values]
+    if any(v is None for v in ints):
+        raise GenerationError(f"{name}={list(values)!r:.60} must be a list of integers")
+    return ints
 
 
 class RMSNorm(nn.Module):
@@ -312,15 +325,7 @@ class Transformer(nn.Module):
         the output matrix for every other token (for vocab 32000 and dim 1024, 14% of a
         Mixtral prefill's work). Every layer still runs over all T tokens.
         """
-        seqlens = [int(n) for n in seqlens]
-        if input_ids.dim() != 1 or input_ids.shape[0] != sum(seqlens):
-            raise ValueError(
-                f"input_ids must be flat with sum(seqlens)={sum(seqlens)} tokens, got shape {tuple(input_ids.shape)}"
-            )
-        if logit_rows is not None:
-            logit_rows = [int(r) for r in logit_rows]
-            if any(not 0 <= r < input_ids.shape[0] for r in logit_rows):
-                raise ValueError(f"logit_rows must index the {input_ids.shape[0]} tokens, got {logit_rows}")
+        seqlens, logit_rows = self.checked_inputs(input_ids, seqlens, cache, logit_rows)
         if cache is None:
             positions = torch.cat([torch.arange(n) for n in seqlens]) if seqlens else torch.zeros(0, dtype=torch.long)
             positions = positions.to(self.device)
@@ -332,12 +337,57 @@ class Transformer(nn.Module):
         rotary = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
 
         h = self._stage_input(input_ids)  # (T, D)
-        for local_index, layer in enumerate(self.layers.values()):
-            view = cache.get_view(local_index, metadata) if cache is not None else None
-            h = layer(h, rotary, view, mask)
+        try:
+            for local_index, layer in enumerate(self.layers.values()):
+                view = cache.get_view(local_index, metadata) if cache is not None else None
+                h = layer(h, rotary, view, mask)
+        except BaseException:  # Ctrl-C, out of memory: see RotatingBufferCache.damaged
+            if cache is not None and max(seqlens, default=0) > 1:
+                cache.damaged = True
+            raise
         if cache is not None:
             cache.advance(seqlens)
         return self._stage_output(h, logit_rows)  # (T, V) or (len(logit_rows), V)
+
+    def checked_inputs(
+        self, input_ids: object, seqlens: object, cache: object, logit_rows: object
+    ) -> Tuple[List[int], Optional[List[int]]]:
+        """``forward``'s arguments checked before any work, GenerationError naming the first that
+        cannot be (torch's own errors said little: an arange's step sign, an embedding's index);
+        ``seqlens`` and ``logit_rows`` as lists of ints (tensors of them taken, bools and floats not)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise GenerationError(f"input_ids must be a 1-D tensor of every sequence's token ids, concatenated; got {shape}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise GenerationError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
+        lengths = integers(seqlens, "seqlens")
+        if any(n < 0 for n in lengths) or sum(lengths) != input_ids.shape[0]:
+            raise GenerationError(f"seqlens={lengths!r:.60} must be lengths >= 0 that add up to the {input_ids.shape[0]} input_ids")
+        if self.parallel.is_first_stage and input_ids.device.type == "cpu" and input_ids.numel():  # no sync on a GPU
+            low, high = (int(v) for v in torch.aminmax(input_ids))
+            if low < 0 or high >= self.args.vocab_size:
+                outside = low if low < 0 else high
+                raise GenerationError(f"input_ids has token id {outside} outside the vocabulary [0, {self.args.vocab_size})")
+        rows = None if logit_rows is None else integers(logit_rows, "logit_rows")
+        if rows is not None and any(not 0 <= r < input_ids.shape[0] for r in rows):
+            raise GenerationError(f"logit_rows={rows!r:.60} must index the {input_ids.shape[0]} input_ids")
+        if cache is not None:
+            from mixtral_infer.generation.settings import cache_slots_needed, check_cache_matches
+
+            check_cache_matches(cache, self)
+            if cache.damaged:
+                raise GenerationError("the cache was left half-written by a prompt chunk that was interrupted (some layers "
+                                      "wrote their keys, later ones did not): start its sequences again, "
+                                      "cache.start_sequences(n), and feed them from their first token")  # fmt: skip
+            seen = cache.tokens_seen or [0] * len(lengths)
+            if len(seen) != len(lengths):
+                raise GenerationError(f"got {len(lengths)} sequence lengths for a cache holding {len(seen)} sequences")
+            for index, (before, n) in enumerate(zip(seen, lengths)):  # fewer slots would make a shorter window
+                if cache.cache_size < cache_slots_needed(self, before + n):
+                    raise GenerationError(f"the cache holds {cache.cache_size} slots per sequence, but sequence {index} "
+                                          f"needs {cache_slots_needed(self, before + n)} ({before} already seen + {n}): "
+                                          f"make it with model.make_cache(batch, max_seqlen={before + n}) or larger")  # fmt: skip
+        return lengths, rows
 
     def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings on the first pipeline stage; the previous stage's hidden states elsewhere."""
