@@ -325,6 +325,27 @@ def test_torchrun_with_two_processes_prints_the_same_completions(option):
     assert result.stdout == single.stdout  # only rank 0 prints
 
 
+def test_perplexity_of_a_pipe_under_torchrun_is_one_process_s():
+    """Rank 0 reads /dev/stdin and shares the text: every rank read its own part of the pipe, and the
+    ranks' collectives of different sizes aborted (or one rank said the text was empty)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    text = " ".join(["In the beginning God created the heaven and the earth."] * 30)
+    single = run("perplexity", "--text", "/dev/stdin", "--dtype", "float32", stdin=text)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(port), str(REPO / "main.py"), "perplexity", "--text", "/dev/stdin", "--tensor_parallel", "2",
+        "--dtype", "float32",
+    ]  # fmt: skip
+    result = subprocess.run(command, input=text, capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert result.returncode == 0 and single.returncode == 0, result.stderr
+    assert result.stdout == single.stdout and result.stdout.startswith("perplexity ")
+
+
 def test_parallel_options_without_torchrun_are_a_clear_error():
     result = run("demo", "--tensor_parallel", "2")
     assert result.returncode == 1

@@ -43,6 +43,9 @@ def assert_one_line_error(result, message):
         (["demo", "--seed", str(2**64 + 1)], f"seed={2**64 + 1} must be an integer in [0, 2**63)"),
         (["demo", "--device", "meta"], "--device meta: a model runs on cpu, cuda or mps, not meta"),
         (["demo", "--device", "cpu:1"], "--device cpu:1: the CPU is one device, cpu"),  # the index was ignored
+        # said before "launch with torchrun", which led to these errors only after the weights loaded
+        (["demo", "--tensor_parallel", "2", "--num_pipeline_ranks", "2"], "use either --tensor_parallel or --num_pipeline_ranks, not both"),
+        (["demo", "--tensor_parallel", "2", "--decode", "static"], "--decode static needs the whole model in one process"),
         (["demo", "--device", "mps"], "--device mps: MPS is not available on this machine" if not torch.backends.mps.is_available() else None),
         (["demo", "--tensor_parallel", "abc"], "--tensor_parallel 'abc' must be an integer >= 1"),
         (["convert", "a", "b", "c", "d", "e", "f", "g"], "convert: unexpected argument 'g'"),
@@ -97,6 +100,15 @@ def test_option_errors_answer_before_torch_is_imported():
                              "error: temperature='inf' must be a number >= 0 (0 means greedy)"]  # fmt: skip
 
 
+def test_a_stray_world_size_is_one_line():
+    """WORLD_SIZE left in the environment without torchrun's other variables: torch's rendezvous
+    error was a traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run([sys.executable, str(REPO / "main.py"), "demo", "--tensor_parallel", "2"], capture_output=True,
+                            text=True, timeout=300, env={**env, "WORLD_SIZE": "2"})  # fmt: skip
+    assert_one_line_error(result, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not: launch with torchrun")
+
+
 def test_interactive_with_a_bad_setting_and_empty_input_fails():
     assert_one_line_error(run_cli("interactive", "--temperature", "-1", stdin=""), "temperature=-1 must be >= 0")
 
@@ -146,6 +158,33 @@ def test_convert_refuses_a_destination_name_too_long_for_its_partial_folder(tmp_
     with pytest.raises(CheckpointError, match=r"^a{37}\.\.\.: name too long \(the partial folder .NAME.partial-PID "
                                               r"written first needs \d+ fewer bytes\); choose a shorter destination$"):  # fmt: skip
         convert(REPO / "mixtral_infer/shipped/tiny-mistral", tmp_path / ("a" * length), quantize="int8")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_on_a_full_disk_names_the_destination(tmp_path, monkeypatch):
+    """safetensors' own error for a full disk was a traceback (``--to hf``), and a tokenizer that
+    could not be copied was reported as the source file that could not be written."""
+    import shutil
+
+    from safetensors import SafetensorError
+
+    import mixtral_infer.checkpoint.convert as convert_module
+    from mixtral_infer.errors import CheckpointError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(convert_module, "write_hf_shards", full)
+    dst = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=rf"^{dst}: cannot write \(No space left on device \(os error 28\)\); nothing was written"):
+        convert_module.convert("tiny-mistral", dst, to="hf")
+
+    def no_room(src, copy_to, **kwargs):
+        raise OSError(28, "No space left on device", str(src))
+
+    monkeypatch.setattr(shutil, "copyfile", no_room)
+    with pytest.raises(CheckpointError, match=rf"^{dst}: cannot write \(No space left on device\); nothing was written"):
+        convert_module.convert("tiny-mistral", dst, to="mistral")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError
 
 from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published, published_to_hf
 from mixtral_infer.checkpoint.hf_tokenizer import write_hf_tokenizer
@@ -126,10 +127,10 @@ def convert(
                     if (checkpoint.folder / name).is_file():
                         shutil.copyfile(checkpoint.folder / name, partial / name)
         os.rename(partial, dst)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:  # a full disk: safetensors' writer raises its own error
         shutil.rmtree(partial, ignore_errors=True)
-        where = error.filename or dst
-        raise CheckpointError(f"{where}: cannot write ({error.strerror}); nothing was written to {dst}") from None
+        why = error.strerror if isinstance(error, OSError) else str(error).rpartition(": ")[2]
+        raise CheckpointError(f"{dst}: cannot write ({why}); nothing was written to {dst}") from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

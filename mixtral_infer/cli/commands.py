@@ -21,6 +21,7 @@ import difflib
 import functools
 import inspect
 import json
+import os
 import re
 import sys
 import time
@@ -126,6 +127,8 @@ def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Op
     parallel_size = tensor_parallel * num_pipeline_ranks
     if parallel_size == 1:
         return Parallel(), parse_device(device)
+    if tensor_parallel > 1 and num_pipeline_ranks > 1:  # said before "launch with torchrun", which would only lead here
+        raise MixtralInferError("use either --tensor_parallel or --num_pipeline_ranks, not both")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != parallel_size:
         raise MixtralInferError(
@@ -139,6 +142,10 @@ def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Op
     if use_cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:  # WORLD_SIZE alone, left in the environment: torch's rendezvous error was a traceback
+            raise MixtralInferError(f"WORLD_SIZE={world_size} is set but {', '.join(missing)} not: "
+                                    f"launch with torchrun --nproc-per-node {parallel_size} main.py ...")  # fmt: skip
         dist.init_process_group("nccl" if use_cuda else "gloo")
     parallel = Parallel(tensor_parallel=tensor_parallel, num_pipeline_ranks=num_pipeline_ranks, rank=dist.get_rank())
     return parallel, torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
@@ -180,6 +187,8 @@ def load(
     from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
 
     folder = model_folder(model_path)
+    if int(tensor_parallel) * int(num_pipeline_ranks) > 1 and decode in ("static", "compiled"):  # said after loading
+        raise MixtralInferError(f"--decode {decode} needs the whole model in one process; use --decode eager (or auto)")
     parallel, torch_device = join_process_group(int(tensor_parallel), int(num_pipeline_ranks), device)
     torch_dtype = parse_dtype(dtype)
     tokenizer_path = find_tokenizer(folder)
@@ -506,8 +515,11 @@ def perplexity(
     from mixtral_infer.generation.settings import check_context
 
     context = check_context(context, "--context")
-    words = read_text(text)
-    if not words:  # said before the model loads (perplexity() says it of a text that encodes to nothing)
+    # Under torchrun rank 0 reads the text and shares it once the group is joined: a pipe (/dev/stdin)
+    # read by every rank gave each a part, and collectives of different sizes.
+    reads = int(os.environ.get("RANK", "0")) == 0
+    words = read_text(text) if reads else check_text_option(text)  # None until shared
+    if reads and not words:  # said before the model loads (perplexity() says it of a text that encodes to nothing)
         raise GenerationError(f"no tokens to score: {text} is empty")
     from mixtral_infer.checkpoint.loading import open_checkpoint
     from mixtral_infer.generation.generate import PREFILL_TOKENS
@@ -519,6 +531,7 @@ def perplexity(
         context = DEFAULT_CONTEXT
     batch = 1 if context is None else max(1, min(64, PREFILL_TOKENS // context))  # segments read at once
     model, tokenizer = load(model_path, batch, device, dtype, tensor_parallel, num_pipeline_ranks, 0, quantize)
+    words = _share_line(words)
     ids = tokenizer.encode(words, bos=False)
     progress = ProgressBar("scoring")
     start = time.perf_counter()
@@ -532,12 +545,16 @@ def perplexity(
         print(f"scored in {elapsed:.2f}s ({result.tokens / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
 
 
-def read_text(path: object) -> str:
-    """The text of the file ``--text`` names (/dev/stdin for standard input)."""
+def check_text_option(path: object) -> None:
     if path is None or isinstance(path, bool):  # fire reads `--text` alone, or `--text -`, as True
         raise GenerationError(
             "--text FILE is required: the file whose perplexity to measure (/dev/stdin for standard input)"
         )
+
+
+def read_text(path: object) -> str:
+    """The text of the file ``--text`` names (/dev/stdin for standard input)."""
+    check_text_option(path)
     try:
         return Path(str(path)).read_text(encoding="utf-8", errors="replace")
     except OSError as error:
@@ -751,6 +768,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`| head -1`): stop quietly, as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit fails no more
+        return 141
     finally:
         if "torch.distributed" in sys.modules:
             import torch.distributed as dist
