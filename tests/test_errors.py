@@ -305,6 +305,14 @@ def test_a_cache_of_no_rows_or_slots_is_refused(model, args, message):
         model.make_cache(*args)  # -1 was zeros()' RuntimeError
 
 
+@pytest.mark.parametrize("option, message", [(dict(parallel=5), "parallel=5 must be a Parallel"),
+                                             (dict(progress=5), "progress=5 must be a function progress"),
+                                             (dict(pack=1), "pack=1: use True")])  # fmt: skip
+def test_load_model_names_an_option_of_the_wrong_kind(model_folder, option, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):  # were an AttributeError and a TypeError mid-read
+        load_model(model_folder, **option)
+
+
 @pytest.mark.parametrize("cache", [5, {}])
 def test_a_cache_that_is_not_one_is_refused(model, cache):
     with pytest.raises(GenerationError, match=rf"cache={cache!r} must be a cache from model.make_cache\(batch\), or None"):

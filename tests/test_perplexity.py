@@ -80,8 +80,19 @@ def test_progress_is_reported_after_each_batch_of_segments():
         ([5, 500], None, r"the text has token id 500 outside the vocabulary \[0, 128\)"),
         ([5, 6], 1, "context=1 must be an integer >= 2"),
         ([5, 6], 2.5, "context=2.5 must be an integer >= 2"),
+        (None, None, "ids=None must be the text's token ids"),  # were TypeErrors
+        (torch.tensor([[5, 6]]), None, r"ids=tensor\(\[\[5, 6\]\]\) must be the text's token ids, a list or a 1-D"),
     ],
 )
 def test_bad_input_is_refused_before_any_work(ids, context, message):
     with pytest.raises(GenerationError, match=message):
         perplexity(random_model(tiny_args()), ids, BOS, context=context)
+
+
+def test_bad_settings_are_refused_before_any_work():
+    """on_segments=5 failed after the first batch was scored; a bos_id outside the vocabulary was
+    blamed on prompt 0."""
+    with pytest.raises(GenerationError, match="on_segments=5 must be a function"):
+        perplexity(random_model(tiny_args()), [5, 6], BOS, on_segments=5)
+    with pytest.raises(GenerationError, match=r"bos_id=500 must be a token id in \[0, 128\)"):
+        perplexity(random_model(tiny_args()), [5, 6], 500)

@@ -447,8 +447,12 @@ def load_model(
     On CPU, blocks freed after loading stay in the process for the next prompt
     (``mixtral_infer.memory``; ``release_freed_memory()`` hands them back).
     """
-    if pack not in (True, False, "columns"):
+    if pack not in (True, False, "columns") or type(pack) is int:  # 1 == True
         raise ConfigError(f"pack={pack!r}: use True (oneDNN's layout), 'columns' (compiled decoding) or False (plain)")
+    if not isinstance(parallel, Parallel):
+        raise ConfigError(f"parallel={parallel!r:.40} must be a Parallel (mixtral_infer.model.parallel), or left out")
+    if progress is not None and not callable(progress):  # it failed while reading
+        raise ConfigError(f"progress={progress!r:.40} must be a function progress(done, total), or None")
     scheme = QuantScheme.parse(quantize)
     device = checked_device(device, f"device={device!r}")
     dtype = checked_dtype(dtype, f"dtype={dtype!r}")

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Sequence
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.generate import generate
-from mixtral_infer.generation.settings import check_cache_fits, check_context, kv_cache_bytes, token_ids
+from mixtral_infer.generation.settings import as_int, check_cache_fits, check_context, kv_cache_bytes, token_ids
 from mixtral_infer.model.transformer import Transformer
 
 DEFAULT_CONTEXT = 4096  # tokens a segment for a model without a sliding window (BOS included)
@@ -69,6 +69,12 @@ def perplexity(
         context = DEFAULT_CONTEXT
     if isinstance(ids, (str, bytes)):
         raise GenerationError("ids is text: pass its token ids, tokenizer.encode(text, bos=False)")
+    if not hasattr(ids, "__iter__") or (hasattr(ids, "dim") and ids.dim() != 1):  # None; a (1, T) tensor
+        raise GenerationError(f"ids={ids!r:.40} must be the text's token ids, a list or a 1-D tensor")
+    if on_segments is not None and not callable(on_segments):  # it failed after the first batch was scored
+        raise GenerationError(f"on_segments={on_segments!r:.40} must be a function on_segments(done, total), or None")
+    if as_int(bos_id) is None or not 0 <= as_int(bos_id) < model.args.vocab_size:
+        raise GenerationError(f"bos_id={bos_id!r:.40} must be a token id in [0, {model.args.vocab_size})")
     ids = token_ids(ids, "the text", model.args.vocab_size)
     if not ids:
         raise GenerationError("no tokens to score: the text is empty")
