@@ -446,6 +446,27 @@ def test_sizing_docstring_example():
     assert int((72e9 - 14.5e9 - 1e9) // row) == 105
 
 
+def test_a_step_that_breaks_off_mid_prompt_fails_its_requests_and_the_next_ones_run(tiny):
+    """A prompt chunk cut short between layers marks the cache damaged (``RotatingBufferCache.damaged``);
+    the engine fails what it held, as for any broken step, and its next requests start afresh (the
+    mark would otherwise refuse every later step)."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=2, decode="eager")
+    prompt = list(range(3, 3 + 40))
+    recorder = Recorder()
+    engine.submit(prompt, RequestSettings(max_tokens=4, temperature=0), recorder.sink("broken"))
+    hook = model.layers["1"].register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step()
+    hook.remove()
+    assert engine.cache.damaged
+    engine._fail_all("RuntimeError: out of memory")  # as the engine's thread does
+    assert recorder.finished("broken").reason == "error"
+    engine.submit(prompt, RequestSettings(max_tokens=4, temperature=0), recorder.sink("next"))
+    run(engine)
+    assert recorder.tokens("next") == generate([prompt], model, max_tokens=4)[0][0]
+
+
 def test_finite_rows_finds_nan_and_inf_anywhere():
     logits = torch.randn(5, 7)
     logits[1, 3], logits[2, 0], logits[3, 6] = float("nan"), float("inf"), -float("inf")

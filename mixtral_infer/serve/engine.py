@@ -352,6 +352,7 @@ class Engine:
         for request in failed:
             self._finish(request, "error", error=message)
         self._clear_rows(slice(None))  # a step that broke off may have left anything in the cache
+        self.cache.damaged = False  # every sequence it held has ended: the next ones start from their first token
 
     def _clear_rows(self, rows) -> None:
         """Zero these rows of the cache. A row's next request never sees slots it has not written, but
