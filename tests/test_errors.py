@@ -245,8 +245,10 @@ def test_generation_settings_out_of_range(model, settings, message):
 
 
 def test_more_prompts_than_max_batch_size(model):
-    with pytest.raises(GenerationError, match="3 prompts exceed max_batch_size=2"):
+    with pytest.raises(GenerationError, match="3 prompts exceed max_batch_size=2: pass fewer prompts or load the model"):
         generate([[1], [1], [1]], model, max_tokens=2)
+    with pytest.raises(GenerationError, match=r"2 prompts exceed max_batch_size=1: pass fewer prompts or make the cache for more"):
+        generate([[1], [1]], model, max_tokens=2, cache=model.make_cache(1))  # it said to load the model otherwise
 
 
 def test_no_prompts(model):

@@ -83,10 +83,10 @@ def check_settings(
             raise GenerationError(f"prompt {index} is empty: encode it with bos=True or give at least one token")
         prompts.append(token_ids(prompt, index, model.args.vocab_size))
     if len(prompts) > max_batch_size:
-        raise GenerationError(
-            f"{len(prompts)} prompts exceed max_batch_size={max_batch_size}: pass fewer prompts or load "
-            "the model with a larger max_batch_size"
-        )
+        larger = "load the model with a larger max_batch_size"
+        if max_batch_size != model.args.max_batch_size:  # the limit is a cache's: generate(cache=...)
+            larger = "make the cache for more, model.make_cache(batch)"
+        raise GenerationError(f"{len(prompts)} prompts exceed max_batch_size={max_batch_size}: pass fewer prompts or {larger}")
     if on_token is not None and not callable(on_token):
         raise GenerationError(f"on_token={on_token!r:.40} must be a function on_token(prompt_index, token), or None")
     eos = None if eos_id is None else as_int(eos_id)
