@@ -20,6 +20,7 @@ from mixtral_infer.generation.settings import (
     DECODE_MODES,
     as_int,
     check_cache_capacity,
+    check_cache_matches,
     check_new_cache,
     check_options,
     effective_temperature,
@@ -227,8 +228,8 @@ def generate(
     runs that step through ``torch.compile`` (on CUDA as a CUDA graph; on CPU built by
     AOTInductor, ``fast/cpu_aot_step.py``); ``auto``: compiled on CUDA, eager on CPU.
     """
-    if cache is not None and not isinstance(cache, RotatingBufferCache):
-        raise GenerationError(f"cache={cache!r:.40} must be a cache from model.make_cache(batch), or None")
+    if cache is not None:
+        check_cache_matches(cache, model)  # made for this model (its batch limit is read next)
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
     encoded_prompts = check_settings(
         encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed, eos_id,

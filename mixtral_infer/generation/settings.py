@@ -192,22 +192,28 @@ def check_new_cache(
 def check_cache_capacity(
     cache: "RotatingBufferCache", model: "Transformer", prompts: Sequence[Sequence[int]], max_tokens: int
 ) -> None:
-    """A cache handed to ``generate`` must fit the model and hold every sequence to its end.
-
-    A cache of S slots stores position p in slot p % S: with fewer slots than a sequence
-    needs (a model without a window, or S below the window) it would silently turn into
-    a sliding window of S tokens.
-    """
-    check_cache_matches(cache, model)
+    """A cache handed to ``generate`` (made for the model: ``check_cache_matches``, which ``generate``
+    calls first) must hold every sequence to its end (``check_slots``)."""
     seen = cache.tokens_seen or [0] * len(prompts)
     for index, (before, prompt) in enumerate(zip(seen, prompts)):
-        n_tokens = before + len(prompt) + max_tokens
-        if cache.cache_size < cache_slots_needed(model, n_tokens):
-            raise GenerationError(
-                f"the cache holds {cache.cache_size} slots per sequence, but sequence {index} needs "
-                f"{cache_slots_needed(model, n_tokens)} ({before} already seen + {len(prompt)} prompt tokens + "
-                f"max_tokens={max_tokens}): make it with model.make_cache(batch, max_seqlen={n_tokens}) or larger"
-            )
+        what = f"{len(prompt)} prompt tokens + max_tokens={max_tokens}"
+        check_slots(cache, model, index, before, len(prompt) + max_tokens, what)
+
+
+def check_slots(
+    cache: "RotatingBufferCache", model: "Transformer", index: int, before: int, more: int, what: str
+) -> None:
+    """Sequence ``index`` of ``cache``, ``before`` tokens seen, has room for ``more`` (``what`` they
+    are). A cache of S slots stores position p in slot p % S: with fewer slots than a sequence needs
+    (a model without a window, or S below the window) it would silently turn into a sliding window
+    of S tokens."""
+    n_tokens = before + more
+    if cache.cache_size < cache_slots_needed(model, n_tokens):
+        raise GenerationError(
+            f"the cache holds {cache.cache_size} slots per sequence, but sequence {index} needs "
+            f"{cache_slots_needed(model, n_tokens)} ({before} already seen + {what}): make it with "
+            f"model.make_cache(batch, max_seqlen={n_tokens}) or larger"
+        )
 
 
 def check_cache_matches(cache: "RotatingBufferCache", model: "Transformer") -> None:

@@ -187,7 +187,7 @@ def build_input_metadata(
     ``split``: a pass that mixes one-token sequences with longer chunks attends in parts (``split_mixed``).
     """
     if len(chunk_lengths) != len(seen_before):
-        raise ValueError(f"got {len(chunk_lengths)} sequence lengths for a cache holding {len(seen_before)} sequences")
+        raise GenerationError(f"got {len(chunk_lengths)} sequence lengths for a cache holding {len(seen_before)} sequences")
     if any(n < 0 for n in chunk_lengths):
         raise ValueError(f"sequence lengths must be >= 0, got {chunk_lengths}")
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixtral_infer.errors import ConfigError, GenerationError
-from mixtral_infer.generation.settings import as_int
+from mixtral_infer.generation.settings import as_int, check_cache_matches, check_slots
 from mixtral_infer.model.attention import attention
 from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_attention_bias
 from mixtral_infer.model.linear import linear, linears
@@ -372,21 +372,13 @@ class Transformer(nn.Module):
         if rows is not None and any(not 0 <= r < input_ids.shape[0] for r in rows):
             raise GenerationError(f"logit_rows={rows!r:.60} must index the {input_ids.shape[0]} input_ids")
         if cache is not None:
-            from mixtral_infer.generation.settings import cache_slots_needed, check_cache_matches
-
             check_cache_matches(cache, self)
             if cache.damaged:
                 raise GenerationError("the cache was left half-written by a prompt chunk that was interrupted (some layers "
                                       "wrote their keys, later ones did not): start its sequences again, "
                                       "cache.start_sequences(n), and feed them from their first token")  # fmt: skip
-            seen = cache.tokens_seen or [0] * len(lengths)
-            if len(seen) != len(lengths):
-                raise GenerationError(f"got {len(lengths)} sequence lengths for a cache holding {len(seen)} sequences")
-            for index, (before, n) in enumerate(zip(seen, lengths)):  # fewer slots would make a shorter window
-                if cache.cache_size < cache_slots_needed(self, before + n):
-                    raise GenerationError(f"the cache holds {cache.cache_size} slots per sequence, but sequence {index} "
-                                          f"needs {cache_slots_needed(self, before + n)} ({before} already seen + {n}): "
-                                          f"make it with model.make_cache(batch, max_seqlen={before + n}) or larger")  # fmt: skip
+            for index, (before, n) in enumerate(zip(cache.tokens_seen or [0] * len(lengths), lengths)):
+                check_slots(cache, self, index, before, n, f"{n}")  # fewer slots would make a shorter window
         return lengths, rows
 
     def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
