@@ -16,6 +16,7 @@ or nf4 codes per byte) and ``X.scales`` the scales; ``params.json`` records the 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional, Tuple
 
@@ -115,10 +116,11 @@ def check_stored_scales(name: str, scales: torch.Tensor, scheme: QuantScheme, dt
     """``check_finite_scales``, and CheckpointError where stored ``scales`` are negative (``quantize``
     never writes one: the folder is damaged) or stand for weights beyond ``dtype``'s range (float16's
     65504: a scale turned inf, or 127 times an int8 scale past it, would make the products inf)."""
-    check_finite_scales(name, scales, source)
     if scales.numel() == 0:
         return
-    smallest, largest = (float(v) for v in torch.aminmax(scales.float()))
+    smallest, largest = (float(v) for v in torch.aminmax(scales.float()))  # one pass: NaN and inf carry through
+    if not (math.isfinite(smallest) and math.isfinite(largest)):
+        check_finite_scales(name, scales, source)  # says so
     if smallest < 0:
         raise CheckpointError(f"{source}: {name} holds negative scales: the folder is damaged; write it again (convert --quantize)")
     check_scales_fit(f"{source}: {name}", largest, scheme, dtype, "load in bfloat16 or float32")
