@@ -434,7 +434,7 @@ def run_engine_in_process(
 
 def without_aot(run: Callable, *args):
     """``run(*args)`` with the CPU decode steps compiled by torch.compile, not built by AOTInductor."""
-    import mixtral_infer.fast.decode_step as static_step
+    import mixtral_infer.steps.decode_step as static_step
 
     static_step.AHEAD_OF_TIME_ON_CPU = False
     try:

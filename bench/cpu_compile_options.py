@@ -3,7 +3,7 @@
     python bench/cpu_compile_options.py FOLDER [--dtype bfloat16] [--quantize int8] [--batch 1]
                                         [--rounds 5] [--out bench/results_cpu_compile_options.jsonl]
 
-``fast/cpu_aot_step.CPU_INDUCTOR_OPTIONS`` builds every compiled CPU step with gcc's
+``steps/cpu_aot_step.CPU_INDUCTOR_OPTIONS`` builds every compiled CPU step with gcc's
 ``-ffp-contract=fast``, so a multiply and the add after it are one instruction; inductor's default
 is ``off``. Two copies of the model, the first's decode step built with inductor's default, the
 second's with the package's options, then compiled decode of 128 tokens after a 64-token prompt at
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_modes import alternating_tok_s, copies_parser, decode_seconds, report_copies  # noqa: E402
 
 from mixtral_infer import load_model  # noqa: E402
-from mixtral_infer.fast import cpu_aot_step  # noqa: E402
+from mixtral_infer.steps import cpu_aot_step  # noqa: E402
 
 NEW_TOKENS = 128
 FLAG = "cpp.enable_floating_point_contract_flag"

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mixtral_infer.fast import cpu_reductions  # noqa: E402
-from mixtral_infer.fast.cpu_aot_step import CPU_INDUCTOR_OPTIONS  # noqa: E402
+from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS  # noqa: E402
 
 OUT, IN, WEIGHTS = 3584, 1024, 96
 

@@ -42,7 +42,7 @@
 # for that run carry the wheel itself, .whl as the device README says, and little else.)
 #
 # Compiling a step took 170-250 s of a lease's device time with every block written out; each block is
-# now one region compiled once (fast/decode_step.in_regions; on CPU 18 s against 121 s at 32 layers),
+# now one region compiled once (steps/decode_step.in_regions; on CPU 18 s against 121 s at 32 layers),
 # which `regions` measures on the GPU. Inductor's and Triton's caches (graphs,
 # kernels, coordinate-descent results) go to .gpu_cache, packed at the end into $OUT/gpu_cache.tgz.part0..3
 # (15 MB each: a returned file may have 16 MiB, a call 8 files; not at all past 4 parts: the

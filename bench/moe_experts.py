@@ -3,7 +3,7 @@
     python bench/moe_experts.py FOLDER [--dtype bfloat16] [--batch 1] [--rounds 5]
                                 [--quantize int8|int4] [--out bench/results_moe_experts.jsonl]
 
-``fast/decode_step.moe_one_token`` multiplies the chosen experts of a step with fewer assignments
+``steps/decode_step.moe_one_token`` multiplies the chosen experts of a step with fewer assignments
 than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or more), each product a
 reduction read in 8 places, where the batched product of the gathered experts is one loop read in
 one place per core. At a batch with at least as many assignments as experts (``--batch 4`` or more
@@ -29,7 +29,7 @@ from bench_decode_modes import alternating_tok_s, copies_parser, decode_seconds,
 
 from mixtral_infer import generate, load_model  # noqa: E402
 from mixtral_infer.checkpoint.loading import open_checkpoint  # noqa: E402
-from mixtral_infer.fast import decode_step  # noqa: E402
+from mixtral_infer.steps import decode_step  # noqa: E402
 
 NEW_TOKENS = 128
 EAGER_TOKENS = 32  # greedy tokens compared with the eager loop's

@@ -4,7 +4,7 @@
                                      [--widths bench|7b] [--device cpu|cuda] [--rounds 3]
                                      [--out bench/results_regional_compile.jsonl]
 
-``fast/decode_step.in_regions``: under ``torch.compile`` each transformer block is a
+``steps/decode_step.in_regions``: under ``torch.compile`` each transformer block is a
 ``torch.compiler.nested_compile_region``, traced and compiled for the first layer and called for
 the others. For each ``--layers``, two copies of a random model of mistral-bench's widths (dim
 1024, 16 heads over 4, hidden 3584, vocabulary 32000, window 256) with that many layers, the
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_modes import alternating_tok_s, decode_seconds, report_copies  # noqa: E402
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer  # noqa: E402
-from mixtral_infer.fast import decode_step  # noqa: E402
+from mixtral_infer.steps import decode_step  # noqa: E402
 from mixtral_infer.quant.model import quantize_model  # noqa: E402
 
 NEW_TOKENS = 128

@@ -15,7 +15,7 @@ kernels) and the generated C++ kernels themselves. So a step splits into
   decode loop's own Python).
 
 The split is of torch.compile's step. ``--aoti`` then times whole decode loops with the step the
-package builds on CPU, by AOTInductor (``fast/cpu_aot_step.py``: the same kernels, a C++ wrapper,
+package builds on CPU, by AOTInductor (``steps/cpu_aot_step.py``: the same kernels, a C++ wrapper,
 no dynamo), against torch.compile's, alternating in one process (``aoti_step_ms``,
 ``compile_step_ms``).
 ``--tiny SHAPE`` runs a copy of a bench shape with dim 64 (same layers, heads, window), whose
@@ -41,9 +41,9 @@ import bench_vs_transformers as b  # noqa: E402
 from bench_decode_modes import decode_seconds  # noqa: E402
 from profile_decode import tiny_copy  # noqa: E402
 
-import mixtral_infer.fast.decode_step as decode_step  # noqa: E402
+import mixtral_infer.steps.decode_step as decode_step  # noqa: E402
 from mixtral_infer import load_model  # noqa: E402
-from mixtral_infer.fast.decode_loop import step_compiler  # noqa: E402
+from mixtral_infer.steps.decode_loop import step_compiler  # noqa: E402
 
 NEW_TOKENS = 128
 

@@ -16,6 +16,8 @@ from mixtral_infer.errors import CheckpointError, ConfigError, GenerationError, 
 _LAZY = {  # name -> the module that defines it
     "load_model": "mixtral_infer.checkpoint.loading",
     "generate": "mixtral_infer.generation.generate",
+    "forward": "mixtral_infer.generation.settings",
+    "Tuning": "mixtral_infer.tuning",
     "CacheView": "mixtral_infer.model.cache",
     "RotatingBufferCache": "mixtral_infer.model.cache",
     "RotatingCacheInputMetadata": "mixtral_infer.model.cache",
@@ -31,6 +33,7 @@ _LAZY = {  # name -> the module that defines it
 if TYPE_CHECKING:  # what type checkers and editors see
     from mixtral_infer.checkpoint.loading import load_model
     from mixtral_infer.generation.generate import generate
+    from mixtral_infer.generation.settings import forward
     from mixtral_infer.model.cache import (
         CacheView,
         RotatingBufferCache,
@@ -41,6 +44,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from mixtral_infer.model.moe import MoeArgs, MoeLayer
     from mixtral_infer.model.transformer import ModelArgs, Transformer
     from mixtral_infer.tokenizer import Tokenizer
+    from mixtral_infer.tuning import Tuning
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
 Three decisions depend on it, each measured where it is made:
 
-* ``model.linear``: whether few-row float32 matmuls are split into one block per thread
+* ``fast.linear``: whether few-row float32 matmuls are split into one block per thread
   (MKL's few-row path runs on one core on AMD CPUs and on every core on Intel ones);
 * ``checkpoint.compute_dtype``: whether a bfloat16 or float16 checkpoint computes in its own
   dtype (the CPU has native arithmetic for it) or in float32;

@@ -13,7 +13,7 @@ from mixtral_infer.model.attention import (
     one_query_sdpa,
     single_query_gather,
     single_query_keys,
-    torch_attention,
+    attention,
     window_tiles,
 )
 from mixtral_infer.model.cache import build_input_metadata
@@ -52,7 +52,7 @@ def test_first_chunk_causal_local(window):
     bias = BlockDiagonalMask.from_seqlens(seqlens, device=torch.device("cpu")).make_local_attention(window)
     assert isinstance(bias, BlockDiagonalCausalLocalAttentionMask)
     q, k, v = random_qkv(sum(seqlens), sum(seqlens))
-    torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [2, 4, 7])
@@ -62,7 +62,7 @@ def test_later_chunk_causal_local_from_bottom_right(window):
     bias = bias.make_local_attention_from_bottomright(window)
     assert isinstance(bias, BlockDiagonalCausalLocalAttentionFromBottomRightMask)
     q, k, v = random_qkv(sum(q_seqlens), sum(kv_seqlens))
-    torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [100, 256, 300])
@@ -74,7 +74,7 @@ def test_long_blocks_run_in_query_tiles_with_the_same_result(window):
     later = later.make_local_attention_from_bottomright(window)
     for bias, n_q, n_k in [(first, 730, 730), (later, 603, 608 + window - 1)]:
         q, k, v = random_qkv(n_q, n_k, seed=window)
-        torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 def test_single_query_keys_docstring_example():
@@ -108,7 +108,7 @@ def test_serving_step_single_queries_batched_beside_prompt_chunks(window):
     bias = BlockDiagonalMask.from_seqlens(q_seqlens, kv_seqlens, device=torch.device("cpu"))
     bias = bias.make_local_attention_from_bottomright(window) if window else bias.make_causal_from_bottomright()
     q, k, v = random_qkv(sum(q_seqlens), sum(kv_seqlens), seed=window or 0)
-    torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 def test_first_chunk_with_several_one_token_prompts():
@@ -116,7 +116,7 @@ def test_first_chunk_with_several_one_token_prompts():
     seqlens = [1, 5, 1, 1]
     bias = BlockDiagonalMask.from_seqlens(seqlens, device=torch.device("cpu")).make_local_attention(3)
     q, k, v = random_qkv(sum(seqlens), sum(seqlens), seed=5)
-    torch.testing.assert_close(torch_attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_padded_keys_with_finished_sequences():
@@ -129,7 +129,7 @@ def test_decode_padded_keys_with_finished_sequences():
     k[2 * 4 + 2 : 3 * 4] = float("nan")  # sequence 2 uses 2 of its 4 slots
     v[2 * 4 + 2 : 3 * 4] = float("nan")
     k[4:8] = float("nan")  # sequence 1 takes no part in this step
-    got = torch_attention(q, k, v, bias)
+    got = attention(q, k, v, bias)
     assert torch.isfinite(got).all()
     expected = dense_attention(q, torch.nan_to_num(k), torch.nan_to_num(v), bias)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -139,7 +139,7 @@ def test_decode_with_every_slot_in_use_takes_the_unmasked_path():
     metadata = build_input_metadata([1, 1], [7, 12], cache_size=4, sliding_window=4, device=torch.device("cpu"))
     q, k, v = random_qkv(2, 8, seed=3)
     torch.testing.assert_close(
-        torch_attention(q, k, v, metadata.mask), dense_attention(q, k, v, metadata.mask), atol=1e-5, rtol=1e-5
+        attention(q, k, v, metadata.mask), dense_attention(q, k, v, metadata.mask), atol=1e-5, rtol=1e-5
     )
 
 

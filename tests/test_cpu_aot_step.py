@@ -1,4 +1,4 @@
-"""The CPU decode step built by AOTInductor (fast/cpu_aot_step.py) = torch.compile's step, bit for bit."""
+"""The CPU decode step built by AOTInductor (steps/cpu_aot_step.py) = torch.compile's step, bit for bit."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
-import mixtral_infer.fast.decode_step as decode_step
+import mixtral_infer.steps.decode_step as decode_step
 from mixtral_infer import Tokenizer, generate
-from mixtral_infer.fast.cpu_aot_step import (
+from mixtral_infer.steps.cpu_aot_step import (
     CPU_INDUCTOR_OPTIONS,
     AotStep,
     BuildCache,
@@ -18,7 +18,7 @@ from mixtral_infer.fast.cpu_aot_step import (
     inductor_configs,
 )
 from mixtral_infer.fast.cpu_packed import pack_model
-from mixtral_infer.fast.decode_loop import step_compiler
+from mixtral_infer.steps.decode_loop import step_compiler
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.serve.engine import CpuDecodeStep, Engine, RequestSettings, TokenEvent
 

@@ -11,7 +11,8 @@ from conftest import generated_loops, random_model, tiny_args
 from mixtral_infer import load_model
 from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.errors import ConfigError
-from mixtral_infer.fast import cpu_column_blocks, cpu_reductions, decode_step
+from mixtral_infer.fast import cpu_column_blocks, cpu_reductions
+from mixtral_infer.steps import decode_step
 from mixtral_infer.fast.cpu_column_blocks import (
     ColumnBlocks,
     ColumnBlocksParameter,
@@ -22,8 +23,8 @@ from mixtral_infer.fast.cpu_column_blocks import (
     to_blocks,
     unblock_long_rows,
 )
-from mixtral_infer.fast.decode_step import decode_logits
-from mixtral_infer.model.linear import linear
+from mixtral_infer.steps.decode_step import decode_logits
+from mixtral_infer.fast.linear import linear
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter
 

@@ -26,8 +26,8 @@ from mixtral_infer.fast.cpu_packed import (
     side_by_side_groups,
     unpack_model,
 )
-from mixtral_infer.fast.decode_step import _every_expert_one_by_one, _experts_one_by_one, decode_logits
-from mixtral_infer.model.linear import linear, linears
+from mixtral_infer.steps.decode_step import _every_expert_one_by_one, _experts_one_by_one, decode_logits
+from mixtral_infer.fast.linear import linear, linears
 from mixtral_infer.serve.sizing import weight_bytes
 
 DTYPES = [torch.bfloat16, torch.float16]

@@ -13,7 +13,7 @@ from conftest import generated_loops
 
 from mixtral_infer.fast import cpu_reductions
 from mixtral_infer.hardware import CpuInfo
-from mixtral_infer.model.linear import linear
+from mixtral_infer.fast.linear import linear
 
 INTEL, AMD = CpuInfo(vendor="GenuineIntel"), CpuInfo(vendor="AuthenticAMD")
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mixtral_infer.fast import cpu_upcast
 from mixtral_infer.fast.cpu_packed import pack
 from mixtral_infer.fast.cpu_upcast import UPCAST_ROWS, should_upcast, upcast_is_faster, upcast_linear
-from mixtral_infer.model.linear import linear
+from mixtral_infer.fast.linear import linear
 from mixtral_infer.quant.weights import QuantScheme, quantize
 
 
@@ -46,7 +46,7 @@ def test_linear_takes_the_chosen_path_for_plain_packed_and_int8_weights(forced, 
     forced(choice)
     widened = []
     real = cpu_upcast.upcast_linear
-    for module in ("mixtral_infer.model.linear", "mixtral_infer.quant.kernels"):
+    for module in ("mixtral_infer.fast.linear", "mixtral_infer.quant.kernels"):
         monkeypatch.setattr(f"{module}.upcast_linear", lambda x, w: widened.append(x.shape[0]) or real(x, w))
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(32, 64, generator=g).to(torch.bfloat16)

@@ -21,9 +21,9 @@ from test_decode_step import SAMPLINGS, assert_same, compiled_code, eos_that_sto
 from test_model import TOLERANCE, cached_logits, hf_logits, random_prompts
 
 from mixtral_infer import Tokenizer, generate, load_model
-from mixtral_infer.fast.decode_loop import step_compiler
-from mixtral_infer.fast.decode_step import decode_logits
-from mixtral_infer.model.linear import linear
+from mixtral_infer.steps.decode_loop import step_compiler
+from mixtral_infer.steps.decode_step import decode_logits
+from mixtral_infer.fast.linear import linear
 from mixtral_infer.quant import gemlite_cuda, kernels, nf4
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.model import quantize_model

@@ -17,9 +17,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
 
 from mixtral_infer import GenerationError, generate
-from mixtral_infer.fast import decode_step
-from mixtral_infer.fast.decode_loop import compile_seconds, step_compiler
-from mixtral_infer.fast.decode_step import (
+from mixtral_infer.steps import decode_step
+from mixtral_infer.steps.decode_loop import compile_seconds, step_compiler
+from mixtral_infer.steps.decode_step import (
     StepCompiler,
     _every_expert_batched,
     _every_expert_one_by_one,
@@ -32,7 +32,7 @@ from mixtral_infer.fast.decode_step import (
     slot_bucket,
     slots_and_visibility,
 )
-from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
+from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling
 from mixtral_infer.quant.model import quantize_model
@@ -558,7 +558,7 @@ def test_guards_are_skipped_only_within_one_loop_after_two_checked_steps(monkeyp
     apart (``GUARDED_STEPS``); the caller's on_token keeps every guard, and a model edited
     between two calls is seen by the next call's checked steps. The fullgraph test's mixture, with
     its sampling (``compiled_case``): the same step, loaded where that test built it."""
-    from mixtral_infer.fast import decode_loop
+    from mixtral_infer.steps import decode_loop
 
     model, prompts, eos_id = compiled_case(moe=True)
     settings = dict(max_tokens=6, eos_id=eos_id, **SAMPLINGS["top-k top-p"])

@@ -15,7 +15,7 @@ import torch
 from conftest import WINDOW, random_model, tiny_args
 
 from mixtral_infer import generate
-from mixtral_infer.fast import decode_step
+from mixtral_infer.steps import decode_step
 from mixtral_infer.quant import gemlite_cuda, kernels
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize

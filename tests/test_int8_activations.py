@@ -10,7 +10,7 @@ from test_model import random_prompts
 
 from mixtral_infer import generate, load_model
 from mixtral_infer.errors import ConfigError
-from mixtral_infer.fast.decode_step import moe_one_token
+from mixtral_infer.steps.decode_step import moe_one_token
 from mixtral_infer.hardware import CpuInfo
 from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.int8_activations import int8_activations_linear, reference_linear

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.model import linear as linear_module
-from mixtral_infer.model.linear import linear
+from mixtral_infer.fast import linear as linear_module
+from mixtral_infer.fast.linear import linear
 
 
 @pytest.fixture(autouse=True, params=[True, False], ids=["bmm-blocks", "f-linear"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
 
-from mixtral_infer.fast.mixed_step import (
+from mixtral_infer.steps.mixed_step import (
     cached_positions,
     chunk_visibility,
     chunk_writes,

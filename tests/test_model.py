@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import WINDOW, random_model, tiny_args
 
+from mixtral_infer import forward
 from mixtral_infer.errors import GenerationError
 
 TOLERANCE = 1e-4
@@ -101,7 +102,7 @@ def test_logit_rows_select_rows_of_the_full_logits(model_pair):
 def test_logit_rows_out_of_range_is_refused(model_pair):
     ours, _, args = model_pair
     with pytest.raises(ValueError, match=r"logit_rows=\[3\] must index the 3 input_ids"):
-        ours(torch.tensor([5, 6, 7]), [3], logit_rows=[3])
+        forward(ours, torch.tensor([5, 6, 7]), [3], logit_rows=[3])
 
 
 @pytest.mark.parametrize(
@@ -118,7 +119,7 @@ def test_logit_rows_out_of_range_is_refused(model_pair):
 def test_forward_names_an_input_it_cannot_take(args, message):
     ours = random_model(tiny_args(moe=False))
     with pytest.raises(GenerationError, match=message):
-        ours(*args)
+        forward(ours, *args)  # the model's own forward checks nothing
 
 
 def test_forward_takes_tensors_of_lengths_and_rows_not_masks_or_short_caches():
@@ -128,12 +129,12 @@ def test_forward_takes_tensors_of_lengths_and_rows_not_masks_or_short_caches():
     args = ours.args
     ids = torch.tensor(random_prompts([12], args.vocab_size, seed=2)[0])
     expected = ours(ids, [12], logit_rows=[3, 11])
-    torch.testing.assert_close(ours(ids, torch.tensor([12]), logit_rows=torch.tensor([3, 11])), expected)
+    torch.testing.assert_close(forward(ours, ids, torch.tensor([12]), logit_rows=torch.tensor([3, 11])), expected)
     for rows in (torch.arange(12) % 2 == 0, [2.7]):
         with pytest.raises(GenerationError, match="logit_rows=.* must be a list of integers"):
-            ours(ids, [12], logit_rows=rows)
+            forward(ours, ids, [12], logit_rows=rows)
     short = ours.make_cache(1, max_seqlen=WINDOW // 2)
     with pytest.raises(GenerationError, match=rf"the cache holds {WINDOW // 2} slots per sequence, but sequence 0 needs {WINDOW}"):
-        ours(ids, [12], cache=short)
+        forward(ours, ids, [12], cache=short)
     with pytest.raises(GenerationError, match="cache=5 must be a cache from model.make_cache"):
-        ours(ids, [12], cache=5)
+        forward(ours, ids, [12], cache=5)

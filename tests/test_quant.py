@@ -14,8 +14,8 @@ from test_model import random_prompts
 from mixtral_infer import generate
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.cpu_reductions import REDUCTION_ROWS
-from mixtral_infer.fast.decode_step import moe_one_token
-from mixtral_infer.model.linear import linear
+from mixtral_infer.steps.decode_step import moe_one_token
+from mixtral_infer.fast.linear import linear
 from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import prepare, quantized_linear, reference_linear, uses_cpu_kernel
 from mixtral_infer.quant.model import is_quantized, is_quantized_published, quantize_model
@@ -330,7 +330,7 @@ def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as
     experts), large bfloat16 ones up to batch 2 (4 = E, ``CPU_CHOSEN_UP_TO["plain bfloat16"]``),
     small plain ones are gathered at batch 1 only. With the switch at 0, every expert from batch 2
     on. Each form equals the grouped layer."""
-    from mixtral_infer.fast import decode_step
+    from mixtral_infer.steps import decode_step
 
     model = random_model(tiny_args(moe=True), seed=25)
     quantized = scheme.startswith("int")

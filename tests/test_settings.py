@@ -157,7 +157,7 @@ def test_max_tokens_beyond_memory_without_a_window_is_refused_before_allocating(
 
 @pytest.mark.parametrize(
     "module",
-    ["generation.settings", "checkpoint.safetensors_reader", "checkpoint.weight_shapes", "checkpoint.hf_format", "devices"],
+    ["errors", "checkpoint.safetensors_reader", "checkpoint.weight_shapes", "checkpoint.hf_format", "devices"],
 )
 def test_docstring_examples(module):
     import doctest

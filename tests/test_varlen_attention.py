@@ -15,7 +15,7 @@ from mixtral_infer.fast.varlen_attention import (
     varlen_attention,
     window_size_of,
 )
-from mixtral_infer.model.attention import torch_attention
+from mixtral_infer.model.attention import attention
 from mixtral_infer.model.cache import build_input_metadata
 from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalFromBottomRightMask,
@@ -78,7 +78,7 @@ def test_translation_equals_the_sdpa_path(case):
     n_q, n_k = sizes(bias)
     assert isinstance(bias, BlockDiagonalMask)
     q, k, v = random_qkv(n_q, n_k, seed=n_q + n_k)
-    expected = torch_attention(q, k, v, bias)
+    expected = attention(q, k, v, bias)
     got = varlen_attention(q, k, v, bias, reference_varlen_attention)  # GQA through repeat_interleave
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     args = varlen_arguments(bias, CPU)
@@ -103,5 +103,5 @@ def test_the_cuda_kernel_equals_the_sdpa_path_on_every_bias():
         q, k, v = (t.to(device, torch.bfloat16) for t in random_qkv(n_q, n_k, seed=n_q + n_k))
         assert can_use_torch_varlen(q, bias), name
         got = varlen_attention(q, k, v, bias, torch_varlen_kernel())
-        expected = torch_attention(q.float(), k.float(), v.float(), bias)
+        expected = attention(q.float(), k.float(), v.float(), bias)
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2, msg=name)

@@ -59,9 +59,9 @@ from mixtral_infer.devices import checked_device, checked_dtype, default_device
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_column_blocks import block_long_rows
 from mixtral_infer.fast.cpu_packed import pack_model
+from mixtral_infer.fast.formats import use_formats
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.json_file import read_object
-from mixtral_infer.memory import keep_freed_memory
 from mixtral_infer.model.parallel import Parallel, Selection
 from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.quant import int8_activations
@@ -69,6 +69,7 @@ from mixtral_infer.quant.model import check_quantizable, install, is_quantized_p
 from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme
 from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
+from mixtral_infer.tuning import Tuning
 
 PARAMS_FILE = "params.json"
 SAFETENSORS_FILE = "consolidated.safetensors"
@@ -351,6 +352,7 @@ def build_model(
     parallel: Parallel = Parallel(),
     quantize: Optional[QuantScheme] = None,
     stored: Optional[QuantScheme] = None,
+    kernel_layouts: bool = True,
 ) -> Transformer:
     """A model on ``device`` in ``dtype`` (default float32, bfloat16 on CUDA) from published (name, tensor) pairs.
 
@@ -359,6 +361,8 @@ def build_model(
     ``quantize``: quantize the weights (``quant.model``) as they are read, each expert on
     its own, so the peak is the quantized model plus one float tensor and one layer's
     quantized experts. ``stored``: the tensors are a quantized folder's (``convert --quantize``).
+    ``kernel_layouts``: quantized weights in their kernels' layouts (False: the plain layout the
+    reference reads). The model's modules are the reference's (``fast.formats.use_formats`` swaps).
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -368,9 +372,9 @@ def build_model(
         raise ConfigError(f"{source}: the weights are stored quantized as {stored.label} already; "
                           "load without quantize= (--quantize)")  # fmt: skip
     if quantize is not None:
-        tensors = quantize_published(tensors, quantize, dtype, device)
+        tensors = quantize_published(tensors, quantize, dtype, device, kernel_layouts)
     elif stored is not None:
-        tensors = from_stored(tensors, stored, dtype, device, str(source))
+        tensors = from_stored(tensors, stored, dtype, device, str(source), kernel_layouts)
     seen = set()
     for name, tensor in _stack_experts(tensors, args, parallel, str(source)):
         if name in seen:
@@ -426,8 +430,13 @@ def load_model(
     parallel: Parallel = Parallel(),
     quantize: Optional[str | QuantScheme] = None,
     pack: bool | str = True,
+    fast: Optional[bool] = None,
 ) -> Transformer:
     """Load a Mistral or Hugging Face model folder (format detected from its files).
+
+    ``fast``: swap in the fast modules and kernels (``fast.formats``); False keeps the readable
+    reference everywhere (no packed layouts, quantized weights dequantized for each product), for
+    reading, debugging and as the oracle in tests. None: fast unless ``MIXTRAL_INFER_REFERENCE=1``.
 
     ``dtype``: what the model computes in; by default the checkpoint's own dtype where the
     device has native arithmetic for it, else float32 (``checkpoint.compute_dtype``).
@@ -444,8 +453,8 @@ def load_model(
     them plain but for rows longer than 2048 (at Mistral 7B's widths, every matrix), stored in blocks of columns
     (``fast.cpu_column_blocks``; the CLI's ``--decode compiled`` loads so); ``pack=False`` keeps
     plain ``nn.Parameter``s throughout: to edit weights.
-    On CPU, blocks freed after loading stay in the process for the next prompt
-    (``mixtral_infer.memory``; ``release_freed_memory()`` hands them back).
+    No process-wide setting changes; the command line and the server keep freed blocks in the
+    process for the next prompt (``mixtral_infer.memory.keep_freed_memory``).
     """
     if pack not in (True, False, "columns") or type(pack) is int:  # 1 == True
         raise ConfigError(f"pack={pack!r}: use True (oneDNN's layout), 'columns' (compiled decoding) or False (plain)")
@@ -453,6 +462,9 @@ def load_model(
         raise ConfigError(f"parallel={parallel!r:.40} must be a Parallel (mixtral_infer.model.parallel), or left out")
     if progress is not None and not callable(progress):  # it failed while reading
         raise ConfigError(f"progress={progress!r:.40} must be a function progress(done, total), or None")
+    if fast not in (None, True, False) or type(fast) is int:
+        raise ConfigError(f"fast={fast!r}: use True (the fast modules), False (the reference) or None (by the environment)")
+    tuning = Tuning.default() if fast is None else Tuning(fast=fast)
     scheme = QuantScheme.parse(quantize)
     device = checked_device(device, f"device={device!r}")
     dtype = checked_dtype(dtype, f"dtype={dtype!r}")
@@ -484,16 +496,16 @@ def load_model(
     tensors = checkpoint.published_tensors(progress, select)
     if checkpoint.bitsandbytes is not None:
         tensors = bnb_4bit.placed(tensors, is_quantized_published, dtype, device)
-    model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored)
-    join_side_by_side(model)  # nf4 on CPU: wq wk wv, and w1 w3, one kernel call each
-    int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
-    if pack == "columns":
-        model = block_long_rows(model)
-    elif pack:
-        model = pack_model(model)
-    if device.type == "cpu":
-        keep_freed_memory()  # from here on, prompts' activations reuse the heap's pages (mixtral_infer/memory.py)
-    return model
+    model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored,
+                        kernel_layouts=tuning.fast)  # fmt: skip
+    if tuning.fast:
+        join_side_by_side(model)  # nf4 on CPU: wq wk wv, and w1 w3, one kernel call each
+        int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
+        if pack == "columns":
+            model = block_long_rows(model)
+        elif pack:
+            model = pack_model(model)
+    return use_formats(model, tuning)
 
 
 # ---------------------------------------------------------------- writing

@@ -44,12 +44,13 @@ METADATA_KEY = "quantization"  # in the safetensors file's __metadata__: the sch
 Tensors = Iterator[Tuple[str, torch.Tensor]]
 
 
-def quantize_published(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, device: torch.device) -> Iterator:
+def quantize_published(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
+                       kernel_layout: bool = True) -> Iterator:  # fmt: skip
     """Published (name, float tensor) -> (name, QuantizedWeight) for the weights that are quantized,
     in the layout of ``device``'s kernel, scales in ``dtype``; other tensors pass unchanged."""
     for name, tensor in tensors:
         if is_quantized_published(name):
-            weight = quantize_tensor(tensor, scheme, dtype, device, name)
+            weight = quantize_tensor(tensor, scheme, dtype, device, name, kernel_layout)
             del tensor
             release_freed_memory()
             yield name, weight
@@ -73,7 +74,8 @@ def to_stored(tensors: Tensors, scheme: QuantScheme) -> Tensors:
             yield scales_name(name), weight.scales
 
 
-def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, device: torch.device, source: str) -> Iterator:
+def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, device: torch.device, source: str,
+                kernel_layout: bool = True) -> Iterator:  # fmt: skip
     """The inverse of ``to_stored``: each ``X.weight`` with its ``X.scales`` as one QuantizedWeight."""
     waiting: Dict[str, torch.Tensor] = {}  # name -> the half of a pair that came first
     for name, tensor in tensors:
@@ -94,7 +96,8 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
             raise CheckpointError(f"{source}: {name} has dtype {scales.dtype}, expected floating point")
         check_stored_scales(scales_name(weight_name), scales, scheme, dtype, source)  # before the cast to dtype
         in_features = values.shape[-1] * (2 if scheme.four_bit else 1)
-        weight = prepare(QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features))
+        weight = QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features)
+        weight = prepare(weight) if kernel_layout else weight
         del values, scales, tensor
         release_freed_memory()
         yield weight_name, weight

@@ -211,6 +211,10 @@ def load(
         quantize=quantize,
         pack="columns" if decode == "compiled" else True,  # compiled: plain weights, long rows in blocks
     )
+    if torch_device.type == "cpu":
+        from mixtral_infer.memory import keep_freed_memory
+
+        keep_freed_memory()  # this process's prompts reuse freed heap pages (see --help)
     from mixtral_infer.fast.cpu_column_blocks import blocked_numel
     from mixtral_infer.fast.cpu_packed import packed_numel
     from mixtral_infer.quant.model import model_scheme, quantized_numel
@@ -279,7 +283,7 @@ def demo(
     check_quantize(quantize)
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
     prompts = prompt_list(prompt)
-    from mixtral_infer.fast.decode_loop import compile_seconds
+    from mixtral_infer.steps.decode_loop import compile_seconds
     from mixtral_infer.generation.generate import generate
 
     model, tokenizer = load(
@@ -654,6 +658,11 @@ commands:
   serve [MODEL_PATH] [--port 8000]         an OpenAI-compatible HTTP server (the serve extra)
 
 MODEL_PATH: {MODEL_PATH_HELP}.
+
+On CPU the commands that load a model keep freed heap memory in the process, so that each
+prompt reuses the pages of the last (glibc's mallopt; mixtral_infer.memory). The Python API's
+load_model changes no such setting.
+MIXTRAL_INFER_REFERENCE=1 runs the readable reference path everywhere (no fast modules).
 
 mixtral-infer COMMAND --help lists a command's options with their defaults.
 mixtral-infer --version prints the version.

@@ -178,7 +178,8 @@ def block_long_rows(model: nn.Module) -> nn.Module:
     quantize: ``w2`` at Mistral 7B's widths) in column blocks: float parameters, and int8
     weight-only integers on CPU, which then keep the blocks as their kernel layout
     (``packed = (blocks, scales)``, ``values`` dropped: ``integers()`` puts them back together)."""
-    from mixtral_infer.quant.model import is_quantized, replace_parameter  # here: quant's kernels import fast/
+    from mixtral_infer.fast.formats import replace_parameter  # here: formats import this module
+    from mixtral_infer.quant.model import is_quantized
     from mixtral_infer.quant.weights import QuantizedParameter
     for name, param in list(model.named_parameters()):
         if is_quantized(name) and blocks_rows(param):
@@ -209,7 +210,7 @@ def int8_blocks(weight) -> Optional[torch.Tensor]:
 
 def unblock_long_rows(model: nn.Module) -> nn.Module:
     """Plain ``nn.Parameter``s (and int8 integers) again, in place: for code that edits weights."""
-    from mixtral_infer.quant.model import replace_parameter
+    from mixtral_infer.fast.formats import replace_parameter  # here: formats import this module
     from mixtral_infer.quant.weights import QuantizedParameter
     for name, module in list(model.named_modules()):
         if isinstance(module, ColumnBlocksParameter):

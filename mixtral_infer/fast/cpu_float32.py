@@ -16,7 +16,7 @@ so a float32 model's prompts there (mistral-bench, 2048 tokens) prefill at 716 t
 (``onednn_is_faster``: a 256 x 1024 by 1024 x 2048 product both ways, best of 3, about 30 ms) and
 taken only with a clear margin (``MARGIN``), so a CPU where MKL is as fast (the Intel Xeon of the
 other tables is not measured) keeps it. ``onednn`` forces the choice (True / False; None =
-measure). Products of fewer rows (decoding) keep ``model.linear``'s paths, as do products that
+measure). Products of fewer rows (decoding) keep ``fast.linear``'s paths, as do products that
 record gradients (oneDNN's op has no backward).
 """
 

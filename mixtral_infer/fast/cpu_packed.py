@@ -270,7 +270,8 @@ def _plain_in_state_dict(module: PackedParameter, state_dict: dict, prefix: str,
 def pack_model(model: nn.Module) -> nn.Module:
     """Pack, in place, the float matrices that decoding reads (those ``quant.model`` would quantize):
     ``wq wk wv`` side by side, as are ``w1 w3`` (``SIDE_BY_SIDE``), the others one by one."""
-    from mixtral_infer.quant.model import is_quantized, replace_parameter  # here: quant's kernels import this module
+    from mixtral_infer.fast.formats import replace_parameter  # here: formats import this module
+    from mixtral_infer.quant.model import is_quantized
     params = dict(model.named_parameters())
     packable = [name for name, param in params.items() if is_quantized(name) and can_pack(param)]
     for group in side_by_side_groups(packable, lambda name: params[name].shape):
@@ -312,7 +313,7 @@ def _side_by_side_names(name: str) -> List[str]:
 
 def unpack_model(model: nn.Module) -> nn.Module:
     """Plain ``nn.Parameter``s again, in place: for code that edits weights or compiles the model."""
-    from mixtral_infer.quant.model import replace_parameter  # here: quant's kernels import this module
+    from mixtral_infer.fast.formats import replace_parameter  # here: formats import this module
     for name, module in list(model.named_modules()):
         if isinstance(module, PackedParameter):
             replace_parameter(model, name, nn.Parameter(module.dense(), requires_grad=False))

@@ -30,7 +30,7 @@ one weight after another, ms a weight (``bench/reduction_rows.py``,
 rows                                                          1       2       3       4       8
 ==========================================================  ======  ======  ======  ======  ======
 float32 reductions                                           0.50    0.52    0.57    0.86    1.22
-float32 bmm blocks (``model.linear``, AMD)                   0.50    0.52    1.02    1.33    2.02
+float32 bmm blocks (``fast.linear``, AMD)                   0.50    0.52    1.02    1.33    2.02
 bfloat16 reductions                                          0.25    0.28    0.30    0.61    0.81
 bfloat16 ``F.linear``, plain weight                          0.48    0.48    0.47    0.58    0.71
 int8 reductions                                              0.15    0.20    0.23    0.33    0.54

@@ -6,7 +6,7 @@ format and a conversation's state) and ``perplexity`` (a text's, its segments sc
 The static-shaped CUDA decode step is in ``mixtral_infer.fast``.
 
 Nothing is imported here (the function is ``mixtral_infer.generate``, or
-``mixtral_infer.generation.generate.generate``): ``fast.decode_step`` uses
+``mixtral_infer.generation.generate.generate``): ``steps.decode_step`` uses
 ``generation.sampling`` and ``generate`` uses ``fast``, so importing ``generate`` with the
 package made an import cycle for whoever imported ``fast`` first (the serving engine's process).
 """

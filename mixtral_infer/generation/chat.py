@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from mixtral_infer.fast.decode_loop import compile_seconds
+from mixtral_infer.steps.decode_loop import compile_seconds
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.generate import decode_mode, generate
 from mixtral_infer.generation.settings import SEED_LIMIT, check_options

@@ -13,8 +13,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.fast.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
-from mixtral_infer.fast.decode_step import supports_static_decode
+from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
+from mixtral_infer.steps.decode_step import supports_static_decode
 from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample, token_logprobs
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
@@ -24,6 +24,7 @@ from mixtral_infer.generation.settings import (
     check_new_cache,
     check_options,
     effective_temperature,
+    forward,
     token_ids,
 )
 from mixtral_infer.model.cache import RotatingBufferCache
@@ -134,7 +135,7 @@ def prefill(
     last_logits: List[Optional[torch.Tensor]] = [None] * len(encoded_prompts)
     for start, lengths, input_ids, ends in prompt_chunks(encoded_prompts, chunk_size, model.device):
         ends_at = list(accumulate(lengths))  # each sequence's end in the flat chunk
-        logits = model(input_ids, lengths, cache, logit_rows=[ends_at[i] - 1 for i in ends])  # (len(ends), V)
+        logits = forward(model, input_ids, lengths, cache, logit_rows=[ends_at[i] - 1 for i in ends])  # (len(ends), V)
         _check_finite(logits, f"while reading the prompts (tokens {start}..{start + max(lengths) - 1})")
         for row, i in enumerate(ends):
             last_logits[i] = logits[row]
@@ -152,7 +153,7 @@ def prefill_with_logprobs(
     last_logits: List[Optional[torch.Tensor]] = [None] * len(encoded_prompts)
     prompt_logprobs: List[List[float]] = [[] for _ in encoded_prompts]
     for start, lengths, input_ids, ends in prompt_chunks(encoded_prompts, chunk_size, model.device):
-        logits = model(input_ids, lengths, cache)  # (T, V)
+        logits = forward(model, input_ids, lengths, cache)  # (T, V)
         _check_finite(logits, f"while reading the prompts (tokens {start}..{start + max(lengths) - 1})")
         normalizer = torch.logsumexp(logits, dim=-1)  # (T,), so no second (T, V) tensor for log_softmax
         offset = 0
@@ -224,9 +225,9 @@ def generate(
 
     ``decode``: how the tokens after the prompt are produced, all with the same results:
     ``eager`` runs ``Transformer.forward`` per step (the readable reference); ``static``
-    runs the fixed-shape step of ``mixtral_infer.fast.decode_step`` op by op; ``compiled``
+    runs the fixed-shape step of ``mixtral_infer.steps.decode_step`` op by op; ``compiled``
     runs that step through ``torch.compile`` (on CUDA as a CUDA graph; on CPU built by
-    AOTInductor, ``fast/cpu_aot_step.py``); ``auto``: compiled on CUDA, eager on CPU.
+    AOTInductor, ``steps/cpu_aot_step.py``); ``auto``: compiled on CUDA, eager on CPU.
     """
     if cache is not None:
         check_cache_matches(cache, model)  # made for this model (its batch limit is read next)

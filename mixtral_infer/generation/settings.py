@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
-import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from mixtral_infer.errors import GenerationError
+from mixtral_infer.errors import GenerationError, as_int  # noqa: F401 (as_int: imported from here too)
 
 if TYPE_CHECKING:
     import torch
@@ -30,23 +28,6 @@ GREEDY_BELOW = 1e-30
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch
 SEED_LIMIT = 2**63  # seeds go through int64 tensors (shared across ranks)
 DECODE_MODES = ("auto", "eager", "static", "compiled")  # generate(decode=...), --decode
-
-
-def as_int(value: object) -> Optional[int]:
-    """``value`` as a Python int if it is an integer of any kind (numpy, a 0-d torch integer), else None.
-
-    >>> import numpy, torch
-    >>> as_int(numpy.int64(5)), as_int(torch.tensor(7)), as_int(2.0), as_int(True)
-    (5, 7, None, None)
-    """
-    torch = sys.modules.get("torch")  # a value can only be a tensor once torch is imported
-    is_tensor = torch is not None and isinstance(value, torch.Tensor)
-    if isinstance(value, bool) or (is_tensor and (value.dim() != 0 or value.dtype == torch.bool)):
-        return None  # a one-element tensor would also pass operator.index
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _is_number(value: object) -> bool:
@@ -235,3 +216,67 @@ def check_cache_matches(cache: "RotatingBufferCache", model: "Transformer") -> N
             f"the cache was made for sliding_window={cache.sliding_window}, the model has "
             f"sliding_window={model.args.sliding_window}: make it with model.make_cache"
         )
+
+
+def integers(values: object, name: str) -> List[int]:
+    """``values`` (a list, tuple or 1-D tensor of integers) as Python ints; GenerationError otherwise
+    (bools and floats too: a mask of bools read as indices 0 and 1, 2.7 as 2)."""
+    import torch
+
+    if isinstance(values, torch.Tensor) and values.dim() == 1:
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise GenerationError(f"{name}={values!r:.40} must be a list of integers")
+    ints = [as_int(v) for v in values]
+    if any(v is None for v in ints):
+        raise GenerationError(f"{name}={list(values)!r:.60} must be a list of integers")
+    return ints
+
+
+def check_forward_inputs(
+    model: "Transformer", input_ids: object, seqlens: object, cache: object, logit_rows: object
+) -> "tuple[List[int], Optional[List[int]]]":
+    """``model.forward``'s arguments checked before any work, GenerationError naming the first that
+    cannot be (torch's own errors say little: an arange's step sign, an embedding's index);
+    ``seqlens`` and ``logit_rows`` as lists of ints (tensors of them taken, bools and floats not)."""
+    import torch
+
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise GenerationError(f"input_ids must be a 1-D tensor of every sequence's token ids, concatenated; got {shape}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise GenerationError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
+    lengths = integers(seqlens, "seqlens")
+    if any(n < 0 for n in lengths) or sum(lengths) != input_ids.shape[0]:
+        raise GenerationError(f"seqlens={lengths!r:.60} must be lengths >= 0 that add up to the {input_ids.shape[0]} input_ids")
+    if model.parallel.is_first_stage and input_ids.device.type == "cpu" and input_ids.numel():  # no sync on a GPU
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        if low < 0 or high >= model.args.vocab_size:
+            outside = low if low < 0 else high
+            raise GenerationError(f"input_ids has token id {outside} outside the vocabulary [0, {model.args.vocab_size})")
+    rows = None if logit_rows is None else integers(logit_rows, "logit_rows")
+    if rows is not None and any(not 0 <= r < input_ids.shape[0] for r in rows):
+        raise GenerationError(f"logit_rows={rows!r:.60} must index the {input_ids.shape[0]} input_ids")
+    if cache is not None:
+        check_cache_matches(cache, model)
+        if cache.damaged:
+            raise GenerationError("the cache was left half-written by a prompt chunk that was interrupted (some layers "
+                                  "wrote their keys, later ones did not): start its sequences again, "
+                                  "cache.start_sequences(n), and feed them from their first token")  # fmt: skip
+        for index, (before, n) in enumerate(zip(cache.tokens_seen or [0] * len(lengths), lengths)):
+            check_slots(cache, model, index, before, n, f"{n}")  # fewer slots would make a shorter window
+    return lengths, rows
+
+
+def forward(
+    model: "Transformer",
+    input_ids: "torch.Tensor",
+    seqlens: Sequence[int],
+    cache: "Optional[RotatingBufferCache]" = None,
+    logit_rows: Optional[Sequence[int]] = None,
+) -> "torch.Tensor":
+    """``model(input_ids, seqlens, cache, logit_rows)`` with its inputs checked first
+    (``check_forward_inputs``): the model's own forward checks nothing, so research code that
+    feeds it what users typed calls this instead."""
+    lengths, rows = check_forward_inputs(model, input_ids, seqlens, cache, logit_rows)
+    return model(input_ids, lengths, cache, logit_rows=rows)

@@ -1,9 +1,6 @@
-"""Attention over a flat batch, with the mask given as an xformers attention bias.
-
-On CUDA, when xformers' kernels load, ``xformers.ops.memory_efficient_attention``
-does the work; when they do not (any torch newer than the one xformers was built for),
-prefill runs on torch's ragged flash attention (``fast/varlen_attention.py``). Everywhere
-else the same result is computed with ``scaled_dot_product_attention``:
+"""Attention over a flat batch, with the mask given as an xformers attention bias, computed
+with torch's ``scaled_dot_product_attention``. This is the reference; ``fast.cuda_attention``
+swaps CUDA kernels in.
 
 * block-diagonal biases (prefill): one SDPA call per sequence, with that
   sequence's (q_len, kv_len) causal / sliding-window mask, never a dense mask
@@ -14,22 +11,18 @@ else the same result is computed with ``scaled_dot_product_attention``:
 * the padded-keys bias (decoding): one batched call, each sequence's single
   query against its own cache buffer, with a per-sequence key length.
 
-Grouped-query attention uses SDPA's ``enable_gqa``: K/V are never repeated.
-
-Single queries on CPU (decoding, one-token prompts) are attended in float32: the CPU kernel is
-slow for one bfloat16 query, and fast for one float32 query (``one_query_sdpa``).
+Grouped-query attention uses SDPA's ``enable_gqa``: K/V are never repeated. Single queries
+on CPU are attended in float32 (``one_query_sdpa``).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.varlen_attention import can_use_torch_varlen, torch_varlen_kernel, varlen_attention
 from mixtral_infer.model.xformers_bias import (
     AttentionBias,
     BlockDiagonalCausalWithOffsetPaddedKeysMask,
@@ -38,51 +31,13 @@ from mixtral_infer.model.xformers_bias import (
 )
 
 
-@functools.lru_cache(maxsize=None)
-def xformers_kernels_available() -> bool:
-    """True when xformers' CUDA kernels can be used on this machine.
-
-    Without CUDA there is nothing to try, and importing ``xformers.ops`` would only
-    print xformers' "can't load C++/CUDA extensions" warning, so it is not imported.
-    """
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import xformers
-
-        if not getattr(xformers, "_has_cpp_library", False):
-            return False
-        from xformers.ops import memory_efficient_attention  # noqa: F401
-    except Exception as error:  # pragma: no cover - depends on the installed wheel
-        logging.getLogger(__name__).warning("xformers kernels unavailable (%s); using torch SDPA", error)
-        return False
-    return True
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
-    """Attention of q ``(T_q, H, Dh)`` over k, v ``(T_k, H_kv, Dh)``; returns ``(T_q, H, Dh)``.
-
-    On CUDA: xformers' kernels when they load, else torch's ragged flash attention for the
-    prefill biases (``fast.varlen_attention``); everywhere else the SDPA path below.
-    """
-    if q.is_cuda and xformers_kernels_available():
-        return _xformers_attention(q, k, v, bias)
-    if can_use_torch_varlen(q, bias):
-        return varlen_attention(q, k, v, bias, torch_varlen_kernel())
-    return torch_attention(q, k, v, bias)
-
-
-def _xformers_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
-    from xformers.ops import memory_efficient_attention
-
-    n_heads, n_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    group = n_heads // n_kv_heads
-    # xformers' grouped layout (its B, M, G, H, K): 1 batch, T tokens, H_kv groups, H/H_kv heads each, Dh.
-    q5 = q.view(1, q.shape[0], n_kv_heads, group, head_dim)
-    k5 = k.view(1, k.shape[0], n_kv_heads, 1, head_dim).expand(-1, -1, -1, group, -1)
-    v5 = v.view(1, v.shape[0], n_kv_heads, 1, head_dim).expand(-1, -1, -1, group, -1)
-    out = memory_efficient_attention(q5, k5, v5, attn_bias=bias)  # (1, T_q, H_kv, H/H_kv, Dh)
-    return out.view(q.shape)
+    """Attention of q ``(T_q, H, Dh)`` over k, v ``(T_k, H_kv, Dh)``; returns ``(T_q, H, Dh)``."""
+    if isinstance(bias, BlockDiagonalCausalWithOffsetPaddedKeysMask):
+        return _padded_keys_attention(q, k, v, bias)
+    if isinstance(bias, BlockDiagonalMask):
+        return _block_diagonal_attention(q, k, v, bias)
+    raise NotImplementedError(f"no attention for bias type {type(bias).__name__}")
 
 
 def local_causal_mask(q_len: int, kv_len: int, window: Optional[int], device: torch.device) -> torch.Tensor:
@@ -104,9 +59,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
     """SDPA on (T, H, Dh) layouts; returns (T_q, H, Dh). ``mask`` None: plain causal (square).
 
     The inputs get a batch dimension of 1: given 3-D tensors, SDPA on CPU takes its math path
-    (the scores materialized, mask and all), where 4-D ones take its flash kernel. Measured on the
-    2-core Xeon, 16 heads of 64 over 4 KV heads: 256 queries x 511 keys with a mask 9.95 -> 3.40 ms
-    in float32, 10.5 -> 5.1 ms in bfloat16; a 31-token prompt, causal, 0.19 -> 0.08 ms.
+    (the scores materialized, mask and all), where 4-D ones take its flash kernel.
     """
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -230,19 +183,7 @@ def one_query_sdpa(
 
     PyTorch's CPU attention kernel is slow for one bfloat16 query and fast for one float32 query,
     so 16-bit inputs on CPU are widened first (exactly: every bfloat16 and float16 value is a
-    float32 value; the result is rounded back once). 2-core AMD EPYC, torch 2.13.0, one row
-    unless said, ms per layer:
-
-    =========================================  ===========  ===========  ==================
-    heads (query, key/value) x size; slots      bfloat16     float32      bfloat16, widened
-    =========================================  ===========  ===========  ==================
-    mistral-bench: 16, 4 x 64; 256               0.24         0.05         0.09
-    7B: 32, 8 x 128; 256                         1.54         0.13         0.20
-    7B: 32, 8 x 128; 4,096                       27.4-32.9    4.6-6.5      5.7-17.0
-    7B, 8 rows; 4,096                            219          44           113
-    =========================================  ===========  ===========  ==================
-
-    (The widened copies' cost varies with whether their memory is fresh from the system.)
+    float32 value; the result is rounded back once). docs/performance.md has the figures.
     """
     dtype = q.dtype
     if q.device.type == "cpu":
@@ -290,12 +231,3 @@ def _padded_keys_attention(
     keys = k.view(batch, padding, n_kv_heads, head_dim)[:, : lengths[0]]  # (B, S, H_kv, Dh)
     values = v.view(batch, padding, n_kv_heads, head_dim)[:, : lengths[0]]
     return one_query_sdpa(q, keys, values)  # (B, H, Dh) == (T_q, H, Dh)
-
-
-def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:
-    """The portable path: same semantics as xformers' kernels for the biases used here."""
-    if isinstance(bias, BlockDiagonalCausalWithOffsetPaddedKeysMask):
-        return _padded_keys_attention(q, k, v, bias)
-    if isinstance(bias, BlockDiagonalMask):
-        return _block_diagonal_attention(q, k, v, bias)
-    raise NotImplementedError(f"no CPU attention for bias type {type(bias).__name__}")

@@ -439,7 +439,7 @@ class RotatingBufferCache:
     def layer_keys(self) -> Tuple[torch.Tensor, ...]:
         """Each layer's key buffer ``(max_batch_size, cache_size, n_kv_heads, head_dim)``: views of
         ``cache_k``, the same objects at every call (what a compiled step takes and writes in place:
-        ``fast.decode_step.layer_buffers``)."""
+        ``steps.decode_step.layer_buffers``)."""
         return self._layer_views()[0]
 
     @property

@@ -17,8 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixtral_infer.fast.cpu_reductions import expert_of
-from mixtral_infer.model.linear import linear, linears
 from mixtral_infer.model.parallel import Parallel
 
 
@@ -44,15 +42,15 @@ class MoeLayer(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Chosen experts ``(T, A)`` and their mixing weights ``(T, A)`` for x ``(T, D)``."""
-        logits = linear(x, self.gate.weight)  # (T, E); compiled on CPU, a reduction fused with the norm before it
+        logits = self.gate(x)  # (T, E)
         top_logits, experts = torch.topk(logits, self.args.num_experts_per_tok, dim=-1)  # (T, A)
         weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
         return experts, weights
 
     def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of this rank's e-th expert on x ``(N, D)`` (``e`` a 0-d tensor in compiled code)."""
-        gate, up = linears(x, expert_of(self.w1, e), expert_of(self.w3, e))  # (N, I) each
-        return linear(F.silu(gate) * up, expert_of(self.w2, e))
+        """SwiGLU of this rank's e-th expert on x ``(N, D)`` (``e`` may be a 0-d tensor)."""
+        hidden = F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e])  # (N, I)
+        return F.linear(hidden, self.w2[e])  # (N, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
         experts, weights = self.route(x)  # (T, A), (T, A)

@@ -14,17 +14,15 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixtral_infer.errors import ConfigError, GenerationError
-from mixtral_infer.generation.settings import as_int, check_cache_matches, check_slots
+from mixtral_infer.errors import ConfigError, GenerationError, as_int
 from mixtral_infer.model.attention import attention
 from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_attention_bias
-from mixtral_infer.model.linear import linear, linears
 from mixtral_infer.model.moe import MoeArgs, MoeLayer
 from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.rope import apply_rotary, rotary_angles
@@ -124,19 +122,6 @@ class ModelArgs:
         return {key: value for key, value in params.items() if value is not None and key != "max_batch_size"}
 
 
-def integers(values: object, name: str) -> List[int]:
-    """``values`` (a list, tuple or 1-D tensor of integers) as Python ints; GenerationError otherwise
-    (bools and floats too: a mask of bools read as indices 0 and 1, 2.7 as 2)."""
-    if isinstance(values, torch.Tensor) and values.dim() == 1:
-        values = values.tolist()
-    if not isinstance(values, (list, tuple)):
-        raise GenerationError(f"{name}={values!r:.40} must be a list of integers")
-    ints = [as_int(v) for v in values]
-    if any(v is None for v in ints):
-        raise GenerationError(f"{name}={list(values)!r:.60} must be a list of integers")
-    return ints
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -162,12 +147,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * args.head_dim, args.dim, bias=False)
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three projections of x ``(T, D)``: ``(T, H*Dh)``, ``(T, H_kv*Dh)``, ``(T, H_kv*Dh)``."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def project(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``(T, H, Dh)``, keys and values ``(T, H_kv, Dh)`` of x ``(T, D)``, q and k rotated."""
         n_tokens = x.shape[0]
-        xq, xk, xv = linears(x, self.wq.weight, self.wk.weight, self.wv.weight)
+        xq, xk, xv = self.qkv(x)
         xq = xq.reshape(n_tokens, self.n_heads, self.head_dim)  # (T, H, Dh)
         xk = xk.reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
         xv = xv.reshape(n_tokens, self.n_kv_heads, self.head_dim)  # (T, H_kv, Dh)
@@ -183,11 +172,11 @@ class Attention(nn.Module):
         n_tokens = x.shape[0]
         xq, xk, xv = self.project(x, rotary)
         out = self.attend(xq, xk, xv, cache, mask)  # (T, H, Dh)
-        out = linear(out.reshape(n_tokens, self.n_heads * self.head_dim), self.wo.weight)  # (T, D)
+        out = self.wo(out.reshape(n_tokens, self.n_heads * self.head_dim))  # (T, D)
         return self.parallel.all_reduce(out)
 
-    @staticmethod
     def attend(
+        self,
         xq: torch.Tensor,  # (T, H, Dh)
         xk: torch.Tensor,  # (T, H_kv, Dh)
         xv: torch.Tensor,
@@ -196,19 +185,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Each query over the keys it sees, writing the chunk's keys and values to the cache: ``(T, H, Dh)``."""
         if cache is None:
-            return attention(xq, xk, xv, mask)
+            return self.kernel(xq, xk, xv, mask)
         parts = cache.parts
         if parts is not None:  # one-token sequences beside prompt chunks: each part as its own kind of pass
             out = torch.empty_like(xq)
             for rows, view in parts:
-                out[rows] = Attention.attend(xq[rows], xk[rows], xv[rows], view, None)
+                out[rows] = self.attend(xq[rows], xk[rows], xv[rows], view, None)
             return out
         if cache.decoding:
             cache.update(xk, xv)
-            return attention(xq, cache.key, cache.value, cache.mask)  # keys (B*S, H_kv, Dh)
+            return self.kernel(xq, cache.key, cache.value, cache.mask)  # keys (B*S, H_kv, Dh)
         key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), H_kv, Dh)
         cache.update(xk, xv)
-        return attention(xq, key, value, cache.mask)
+        return self.kernel(xq, key, value, cache.mask)
+
+    def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias) -> torch.Tensor:
+        """Attention of q ``(T_q, H, Dh)`` over k, v ``(T_k, H_kv, Dh)`` under ``bias``: ``(T_q, H, Dh)``.
+        The reference is torch's SDPA (``model.attention``); a fast module may override it."""
+        return attention(q, k, v, bias)
 
 
 class FeedForward(nn.Module):
@@ -223,9 +217,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, local_hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linears(x, self.w1.weight, self.w3.weight)  # (T, I) each
-        hidden = F.silu(gate) * up  # (T, I)
-        return self.parallel.all_reduce(linear(hidden, self.w2.weight))
+        hidden = F.silu(self.w1(x)) * self.w3(x)  # (T, I)
+        return self.parallel.all_reduce(self.w2(hidden))
 
 
 class TransformerBlock(nn.Module):
@@ -242,11 +235,6 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rotary, cache: Optional[CacheView], mask) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rotary, cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
-
-
-# What the fast paths keep on a model (``fast.decode_loop.step_compiler``, ``serve.engine.built_steps``):
-# compiled decode steps that hold its tensors as they were when the steps were built.
-BUILT_STEPS = ("_step_compiler", "_engine_decode_steps")
 
 
 class Transformer(nn.Module):
@@ -266,17 +254,6 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, parallel) for i in self.layer_ids})
         self.norm = RMSNorm(args.dim, args.norm_eps) if parallel.is_last_stage else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if parallel.is_last_stage else None
-
-    def forget_built_steps(self) -> None:
-        """Drop the compiled steps kept with this model (``BUILT_STEPS``): its weights were replaced
-        (quantized), and a step built before would decode with the old ones. (A cast or a move
-        needs no call: steps are kept by their cache's dtype and device.)"""
-        for name in BUILT_STEPS:
-            self.__dict__.pop(name, None)
-
-    def __getstate__(self):
-        # A copy (copy.deepcopy, pickle) builds its own steps: the kept ones read this model's weights.
-        return {name: value for name, value in super().__getstate__().items() if name not in BUILT_STEPS}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -325,7 +302,10 @@ class Transformer(nn.Module):
         the output matrix for every other token (for vocab 32000 and dim 1024, 14% of a
         Mixtral prefill's work). Every layer still runs over all T tokens.
         """
-        seqlens, logit_rows = self.checked_inputs(input_ids, seqlens, cache, logit_rows)
+        if cache is not None and cache.damaged:
+            raise GenerationError("the cache was left half-written by a prompt chunk that was interrupted (some layers "
+                                  "wrote their keys, later ones did not): start its sequences again, "
+                                  "cache.start_sequences(n), and feed them from their first token")  # fmt: skip
         if cache is None:
             positions = torch.cat([torch.arange(n) for n in seqlens]) if seqlens else torch.zeros(0, dtype=torch.long)
             positions = positions.to(self.device)
@@ -349,38 +329,6 @@ class Transformer(nn.Module):
             cache.advance(seqlens)
         return self._stage_output(h, logit_rows)  # (T, V) or (len(logit_rows), V)
 
-    def checked_inputs(
-        self, input_ids: object, seqlens: object, cache: object, logit_rows: object
-    ) -> Tuple[List[int], Optional[List[int]]]:
-        """``forward``'s arguments checked before any work, GenerationError naming the first that
-        cannot be (torch's own errors said little: an arange's step sign, an embedding's index);
-        ``seqlens`` and ``logit_rows`` as lists of ints (tensors of them taken, bools and floats not)."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
-            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise GenerationError(f"input_ids must be a 1-D tensor of every sequence's token ids, concatenated; got {shape}")
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise GenerationError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
-        lengths = integers(seqlens, "seqlens")
-        if any(n < 0 for n in lengths) or sum(lengths) != input_ids.shape[0]:
-            raise GenerationError(f"seqlens={lengths!r:.60} must be lengths >= 0 that add up to the {input_ids.shape[0]} input_ids")
-        if self.parallel.is_first_stage and input_ids.device.type == "cpu" and input_ids.numel():  # no sync on a GPU
-            low, high = (int(v) for v in torch.aminmax(input_ids))
-            if low < 0 or high >= self.args.vocab_size:
-                outside = low if low < 0 else high
-                raise GenerationError(f"input_ids has token id {outside} outside the vocabulary [0, {self.args.vocab_size})")
-        rows = None if logit_rows is None else integers(logit_rows, "logit_rows")
-        if rows is not None and any(not 0 <= r < input_ids.shape[0] for r in rows):
-            raise GenerationError(f"logit_rows={rows!r:.60} must index the {input_ids.shape[0]} input_ids")
-        if cache is not None:
-            check_cache_matches(cache, self)
-            if cache.damaged:
-                raise GenerationError("the cache was left half-written by a prompt chunk that was interrupted (some layers "
-                                      "wrote their keys, later ones did not): start its sequences again, "
-                                      "cache.start_sequences(n), and feed them from their first token")  # fmt: skip
-            for index, (before, n) in enumerate(zip(cache.tokens_seen or [0] * len(lengths), lengths)):
-                check_slots(cache, self, index, before, n, f"{n}")  # fewer slots would make a shorter window
-        return lengths, rows
-
     def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings on the first pipeline stage; the previous stage's hidden states elsewhere."""
         if self.parallel.is_first_stage:
@@ -394,7 +342,7 @@ class Transformer(nn.Module):
     def _logits(self, h: torch.Tensor, rows: Optional[List[int]]) -> torch.Tensor:
         if rows is not None:
             h = h[torch.tensor(rows, dtype=torch.long, device=h.device)]  # (R, D)
-        return linear(self.norm(h), self.output.weight).float()  # (R, V)
+        return self.output(self.norm(h)).float()  # (R, V)
 
     def _stage_output(self, h: torch.Tensor, rows: Optional[List[int]] = None) -> torch.Tensor:
         """Float logits on the last stage, shared with every stage; elsewhere, pass h on."""

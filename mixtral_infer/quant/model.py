@@ -6,7 +6,7 @@ decoding step reads. Kept as they are: the embeddings (a lookup of one row per t
 a matmul), the norms and the MoE router (small, and the routing decides which experts run).
 
 A quantized weight replaces its ``nn.Parameter`` under the same attribute name, so
-``linear(x, self.wq.weight)`` and ``self.w1[e]`` read it as before.
+the module holding it becomes the one that reads it (``fast.formats``).
 
 On disk (a folder written by ``convert --quantize``) a quantized weight is two tensors
 under its published name: ``X.weight`` holds the integers (int8, or uint8 with two int4
@@ -25,6 +25,7 @@ from torch import nn
 
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_packed import side_by_side_groups
+from mixtral_infer.fast.formats import replace_parameter
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.kernels import nf4_layout, prepare
@@ -79,24 +80,17 @@ def check_quantizable(args, scheme: QuantScheme, tensor_parallel: int = 1) -> No
             raise ConfigError(f"{name}{share} = {inputs} inputs is not a multiple of the {scheme.name} group size {scheme.group_size}: choose a group size that divides it")
 
 
-def replace_parameter(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:
-    """Put ``new`` (a weight holder, or a parameter again) where attribute ``name`` of ``model`` was."""
-    module_path, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_path) if module_path else model
-    if hasattr(module, leaf):
-        delattr(module, leaf)
-    setattr(module, leaf, new)
-
-
 def install(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
     """Put ``weight`` where internal parameter ``name`` was (the parameter is removed)."""
     replace_parameter(model, name, QuantizedParameter(weight))
 
 
 def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
-                    name: str = "the weight") -> QuantizedWeight:  # fmt: skip
-    """One weight quantized on ``device``, in the layout of that device's kernel."""
-    return prepare(quantize(tensor.to(device), scheme, dtype, name))
+                    name: str = "the weight", kernel_layout: bool = True) -> QuantizedWeight:  # fmt: skip
+    """One weight quantized on ``device``, in the layout of that device's kernel (``kernel_layout``;
+    False: the plain layout the reference reads)."""
+    weight = quantize(tensor.to(device), scheme, dtype, name)
+    return prepare(weight) if kernel_layout else weight
 
 
 def check_finite_scales(name: str, scales: torch.Tensor, source: str,
@@ -133,9 +127,6 @@ def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     done = next((module for module in model.modules() if isinstance(module, QuantizedParameter)), None)
     if done is not None:
         raise ConfigError(f"the model is quantized already ({done.scheme.label}): quantize its float original instead")
-    forget_built_steps = getattr(model, "forget_built_steps", None)
-    if forget_built_steps is not None:  # a step compiled before would decode with the float weights
-        forget_built_steps()
     # By name: a list of the parameters themselves would keep every float weight alive until the
     # end (Mixtral 8x7B on one GPU: 93 GB of bfloat16 beside 47 GB of int8); this way each float
     # weight is freed as its quantized one takes its place.

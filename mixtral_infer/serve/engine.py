@@ -43,11 +43,11 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.fast import decode_step as static_step
-from mixtral_infer.fast.cpu_aot_step import AotStep
-from mixtral_infer.fast.decode_loop import GUARDED_STEPS, guards_checked
-from mixtral_infer.fast.decode_step import decode_logits, finite_rows, one_line, supports_static_decode
-from mixtral_infer.fast.mixed_step import mixed_logits, pack_chunk
+from mixtral_infer.steps import decode_step as static_step
+from mixtral_infer.steps.cpu_aot_step import AotStep
+from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked
+from mixtral_infer.steps.decode_step import decode_logits, finite_rows, one_line, supports_static_decode
+from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling import Sampling, sample
 from mixtral_infer.generation.text_stream import TextStream
@@ -170,7 +170,7 @@ class Engine:
     without a C++ compiler), ``auto`` goes on with the uncompiled steps after a warning.
 
     A step that both decodes and reads prompts is one forward pass: the weights are read once.
-    Where decode-only steps are static, it is the static mixed step (``fast.mixed_step``): the
+    Where decode-only steps are static, it is the static mixed step (``steps.mixed_step``): the
     decoding rows attend in place, the prompt chunks over their rows' slots, in fixed shapes.
     ``compile_prompts`` (default: on CUDA, with ``compiled``) compiles it for a few chunk sizes
     (``mixed_chunk_sizes``; at most ``MIXED_SEGMENTS`` prompts a step), as gpt-fast compiles its

@@ -54,7 +54,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.decode_step import (
+from mixtral_infer.steps.decode_step import (
     as_region,
     attend_in_place,
     feed_forward_rows,
@@ -63,7 +63,6 @@ from mixtral_infer.fast.decode_step import (
     slots_and_visibility,
     write_slots,
 )
-from mixtral_infer.model.linear import linear
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Transformer, TransformerBlock
 
@@ -247,7 +246,7 @@ def mixed_logits(
     for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
         h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, chunk, chunk_visible, writes, grouped_moe)
     ends = torch.cat([torch.arange(tokens.shape[0], device=h.device), tokens.shape[0] + chunk.last])  # (R + K,)
-    return linear(model.norm(h[ends]), model.output.weight).float()  # (R + K, V)
+    return model.output(model.norm(h[ends])).float()  # (R + K, V)
 
 
 def mixed_block(
@@ -283,7 +282,7 @@ def mixed_block(
         xq[:n_rows], xk[:n_rows], xv[:n_rows], layer_k, layer_v, slots, alive, visible
     )  # (R, H, Dh)
     out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
-    h = h + linear(out, attention.wo.weight)  # (R + C, D)
+    h = h + attention.wo(out)  # (R + C, D)
     return h + feed_forward_rows(layer, h, grouped_moe)
 
 

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.fast.decode_step import (
+from mixtral_infer.steps.decode_step import (
     NOT_FINITE,
     StepCompiler,
     StepOutputs,

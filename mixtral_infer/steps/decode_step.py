@@ -43,14 +43,14 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.fast.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
+from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.fast.cpu_reductions import chosen_experts, materialized
 from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache
-from mixtral_infer.model.linear import linear
+from mixtral_infer.fast.formats import expert
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Attention, Transformer, TransformerBlock
@@ -83,7 +83,7 @@ def attend_one_token(
     batch = x.shape[0]
     xq, xk, xv = attention.project(x, rotary)  # (B, H, Dh), (B, H_kv, Dh), (B, H_kv, Dh)
     out = attend_in_place(xq, xk, xv, layer_k, layer_v, slots, alive, visible)  # (B, H, Dh)
-    return linear(out.reshape(batch, attention.n_heads * attention.head_dim), attention.wo.weight)  # (B, D)
+    return attention.wo(out.reshape(batch, attention.n_heads * attention.head_dim))  # (B, D)
 
 
 def layer_buffers(buffers: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -304,9 +304,8 @@ def _experts_one_by_one(
     -> 46.4, int8 87.3 -> 87.6 and 101.8 -> 114.3; ``cpu_reductions``, "The chosen experts in
     fewer places")."""
     batch, k = experts.shape
-    expert = moe.expert  # e: an int, or a 0-d tensor the products read; rows (N, D) -> (N, D)
-    with chosen_experts():
-        out = [sum(expert(experts[b, j], x[b : b + 1]) * weights[b, j] for j in range(k)) for b in range(batch)]
+    with chosen_experts():  # e: a 0-d tensor the products read; rows (N, D) -> (N, D)
+        out = [sum(expert(moe, experts[b, j], x[b : b + 1]) * weights[b, j] for j in range(k)) for b in range(batch)]
     return torch.cat(out)  # (B, D)
 
 
@@ -315,7 +314,7 @@ def _every_expert_one_by_one(
 ) -> torch.Tensor:
     """``_every_expert_batched`` as a loop over the E experts, each on every row of ``x (B, D)``."""
     mix = _routing_matrix(experts, weights, moe.w1.shape[0])  # (B, E)
-    return sum(moe.expert(e, x) * mix[:, e : e + 1] for e in range(moe.w1.shape[0]))
+    return sum(expert(moe, e, x) * mix[:, e : e + 1] for e in range(moe.w1.shape[0]))
 
 
 def _routing_matrix(experts: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -363,7 +362,7 @@ def decode_logits(
     h = model.tok_embeddings(tokens)  # (B, D)
     for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
         h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe)  # (B, D)
-    return linear(model.norm(h), model.output.weight).float()  # (B, V)
+    return model.output(model.norm(h)).float()  # (B, V)
 
 
 def decode_block(

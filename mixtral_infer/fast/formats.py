@@ -1,0 +1,194 @@
+"""Fast modules swapped in for the reference model's, after loading (``use_formats``).
+
+The model (``mixtral_infer.model``) calls ``self.wq(x)`` and never asks what its weights are.
+Here each kind of weight gets a module with its own ``forward``, a subclass of the reference
+module it replaces, so parameter names, ``state_dict()`` and ``model.to`` stay as they were:
+
+====================  ==================================  ======================================
+weight (``.weight``)   module                              forward
+====================  ==================================  ======================================
+``nn.Parameter``       ``PlainLinear``                     ``fast.linear.linear``: few-row CPU
+                                                           products over every core, compiled
+                                                           reductions, prompts widened
+``PackedParameter``    ``PackedLinear``                    oneDNN's packed bfloat16 product
+``ColumnBlocks…``      ``ColumnBlocksLinear``              blocks of columns (compiled decoding)
+``QuantizedParameter`` ``QuantizedLinear``                 the device's int8 / int4 / nf4 / w8a8
+                                                           / GemLite kernel (``quant.kernels``)
+====================  ==================================  ======================================
+
+and the blocks that multiply one input by several weights read them in one product where they
+are joined side by side (``FastAttention``: ``wq wk wv``; ``FastFeedForward``: ``w1 w3``;
+``FastMoeLayer``: an expert's ``w1 w3``, and its kernels read an expert in place), with CUDA's
+attention kernels (``fast.cuda_attention``).
+
+``Tuning(fast=False)`` keeps the reference modules; weights that are not plain parameters
+(quantized ones) then get modules whose forward is the reference: ``dequantize`` and ``F.linear``.
+The swap changes an instance's class (``module.__class__``) to a subclass that adds no state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks, block_products
+from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
+from mixtral_infer.fast.cpu_reductions import expert_of, reduces, rows_as_reductions
+from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
+from mixtral_infer.fast.cuda_attention import cuda_attention
+from mixtral_infer.fast.linear import linear, linears
+from mixtral_infer.model.moe import MoeLayer
+from mixtral_infer.model.transformer import Attention, FeedForward
+from mixtral_infer.quant.kernels import quantized_linear, reference_linear
+from mixtral_infer.quant.weights import QuantizedWeight
+from mixtral_infer.tuning import Tuning
+
+
+class PlainLinear(nn.Linear):
+    """A float weight ``(OUT, IN)``, through ``fast.linear.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class PackedLinear(nn.Linear):
+    """A bfloat16 weight in oneDNN's layout (``fast.cpu_packed``); prompts the CPU multiplies
+    faster in float32 are widened (``fast.cpu_upcast``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if should_upcast(x):
+            return upcast_linear(x, self.weight.dense())
+        return packed_linear(x, self.weight)
+
+
+class ColumnBlocksLinear(nn.Linear):
+    """A float weight with long rows kept in blocks of columns (``fast.cpu_column_blocks``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if reduces(x, weight):  # compiled few-row products: reductions block by block
+            return rows_as_reductions(x, weight.blocks)
+        if torch.compiler.is_compiling() or x.dtype == torch.float32:  # float32 sums: nothing rounded between blocks
+            return block_products(x, weight)
+        return linear(x, weight.dense())
+
+
+class QuantizedLinear(nn.Linear):
+    """Integers and scales (``quant.weights``) through the device's kernel (``quant.kernels``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self.weight)
+
+
+class ReferenceQuantizedLinear(nn.Linear):
+    """Integers and scales, read the readable way: ``F.linear(x, dequantize(weight))``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reference_linear(x, self.weight)
+
+
+class FastAttention(Attention):
+    """``wq wk wv`` in one product where they are joined side by side; CUDA's attention kernels."""
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xq, xk, xv = linears(x, self.wq.weight, self.wk.weight, self.wv.weight)
+        return xq, xk, xv
+
+    def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias) -> torch.Tensor:
+        return cuda_attention(q, k, v, bias) if q.is_cuda else super().kernel(q, k, v, bias)
+
+
+class FastFeedForward(FeedForward):
+    """``w1 w3`` in one product where they are joined side by side."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linears(x, self.w1.weight, self.w3.weight)  # (T, I) each
+        return self.parallel.all_reduce(self.w2(F.silu(gate) * up))
+
+
+class FastMoeLayer(MoeLayer):
+    """Each expert through its weights' kernels, read where they lie (``expert_of``)."""
+
+    def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return expert(self, e, x)
+
+
+def expert(moe: MoeLayer, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of ``moe`` on x ``(N, D)`` through its weights' kernels (``e`` a 0-d tensor in
+    compiled steps, read in place: ``expert_of``): ``(N, D)``."""
+    gate, up = linears(x, expert_of(moe.w1, e), expert_of(moe.w3, e))  # (N, I) each
+    return linear(F.silu(gate) * up, expert_of(moe.w2, e))
+
+
+class ReferenceQuantizedMoeLayer(MoeLayer):
+    """Quantized experts, read the readable way: each expert dequantized, then ``F.linear``."""
+
+    def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        def weight(stacked: QuantizedWeight) -> torch.Tensor:
+            return stacked[e].dequantize(x.dtype)
+
+        hidden = F.silu(F.linear(x, weight(self.w1))) * F.linear(x, weight(self.w3))
+        return F.linear(hidden, weight(self.w2))
+
+
+def linear_class(weight: object, fast: bool) -> type:
+    """The module for a linear layer holding ``weight``."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedLinear if fast else ReferenceQuantizedLinear
+    if isinstance(weight, PackedWeight):
+        return PackedLinear
+    if isinstance(weight, ColumnBlocks):
+        return ColumnBlocksLinear
+    return PlainLinear if fast else nn.Linear
+
+
+def block_class(module: nn.Module, fast: bool) -> Optional[type]:
+    """The module for an attention, feed-forward or MoE block, or None for any other module."""
+    if isinstance(module, MoeLayer):
+        if fast:
+            return FastMoeLayer
+        return ReferenceQuantizedMoeLayer if isinstance(module.w1, QuantizedWeight) else MoeLayer
+    if isinstance(module, Attention):
+        return FastAttention if fast else Attention
+    if isinstance(module, FeedForward):
+        return FastFeedForward if fast else FeedForward
+    return None
+
+
+def use_formats(model: nn.Module, tuning: Optional[Tuning] = None) -> nn.Module:
+    """Give every module of ``model`` the class its weights and ``tuning`` call for, in place
+    (the reference classes for ``Tuning(fast=False)``). Run again after weights are replaced."""
+    tuning = tuning if tuning is not None else tuning_of(model)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            wanted = linear_class(module.weight, tuning.fast)
+        else:
+            wanted = block_class(module, tuning.fast)
+        if wanted is not None and type(module) is not wanted:
+            module.__class__ = wanted
+        if wanted is not None:
+            module.__dict__["tuning"] = tuning
+    return model
+
+
+def tuning_of(model: nn.Module) -> Tuning:
+    """The tuning ``use_formats`` gave ``model``, or ``Tuning.default()`` for a model it has not seen."""
+    for module in model.modules():
+        tuning = module.__dict__.get("tuning")
+        if tuning is not None:
+            return tuning
+    return Tuning.default()
+
+
+def replace_parameter(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:
+    """Put ``new`` (a weight holder, or a parameter again) where attribute ``name`` of ``model`` was,
+    and give the module holding it the class that reads it (``use_formats``)."""
+    module_path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_path) if module_path else model
+    if hasattr(module, leaf):
+        delattr(module, leaf)
+    setattr(module, leaf, new)
+    use_formats(model)
