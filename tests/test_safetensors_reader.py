@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from mixtral_infer import CheckpointError
 from mixtral_infer.checkpoint import safetensors_reader as reader
 from mixtral_infer.checkpoint.safetensors_reader import DTYPES, MAX_NESTING, iter_tensors, parse_header, read_header
-from mixtral_infer.model.parallel import Selection
+from mixtral_infer.checkpoint.shares import Selection
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ import torch
 from mixtral_infer.checkpoint.weight_shapes import Shape, check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.moe import MoeArgs
-from mixtral_infer.model.parallel import LAYER_TENSOR
+from mixtral_infer.checkpoint.shares import LAYER_TENSOR
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant.weights import QuantizedWeight
 

@@ -62,7 +62,8 @@ from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.fast.formats import use_formats
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.json_file import read_object
-from mixtral_infer.model.parallel import Parallel, Selection
+from mixtral_infer.checkpoint.shares import Selection, select_share
+from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.model import check_quantizable, install, is_quantized_published, join_side_by_side
@@ -490,7 +491,7 @@ def load_model(
     tokenizer = find_tokenizer(checkpoint.folder)
     if tokenizer is not None:
         check_tokenizer_vocab(tokenizer, checkpoint.args)  # before any weight is read
-    select = None if parallel == Parallel() else lambda name: parallel.select(name, checkpoint.args)
+    select = None if parallel == Parallel() else lambda name: select_share(parallel, name, checkpoint.args)
     if select is not None and stored is not None:
         select = stored_select(select, stored)  # a quantized folder's integers and scales
     tensors = checkpoint.published_tensors(progress, select)

@@ -25,7 +25,7 @@ import torch
 from mixtral_infer.checkpoint.weight_shapes import check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.memory import release_freed_memory
-from mixtral_infer.model.parallel import Selection
+from mixtral_infer.checkpoint.shares import Selection
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.model import (

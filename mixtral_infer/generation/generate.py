@@ -28,7 +28,6 @@ from mixtral_infer.generation.settings import (
     token_ids,
 )
 from mixtral_infer.model.cache import RotatingBufferCache
-from mixtral_infer.model.parallel import shared_seed
 from mixtral_infer.model.transformer import Transformer
 
 # Prompt tokens per forward pass when no chunk_size is given, over the whole batch. Large
@@ -315,3 +314,16 @@ def decode_eager(
         input_ids = torch.tensor([generated[i][-1] for i in active], dtype=torch.long, device=model.device)
         logits = model(input_ids, seqlens, cache)  # (B_active, V)
         _check_finite(logits, f"at generation step {step + 1}")
+
+
+def shared_seed(seed: Optional[int]) -> Optional[int]:
+    """In a process group, every rank must sample alike: rank 0's seed is used by all."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return seed
+    value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**62, ()).item())], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.broadcast(value, src=0)
+    return int(value.item())

@@ -258,11 +258,7 @@ def check_forward_inputs(
     if rows is not None and any(not 0 <= r < input_ids.shape[0] for r in rows):
         raise GenerationError(f"logit_rows={rows!r:.60} must index the {input_ids.shape[0]} input_ids")
     if cache is not None:
-        check_cache_matches(cache, model)
-        if cache.damaged:
-            raise GenerationError("the cache was left half-written by a prompt chunk that was interrupted (some layers "
-                                  "wrote their keys, later ones did not): start its sequences again, "
-                                  "cache.start_sequences(n), and feed them from their first token")  # fmt: skip
+        check_cache_matches(cache, model)  # (a damaged cache is refused by the forward itself)
         for index, (before, n) in enumerate(zip(cache.tokens_seen or [0] * len(lengths), lengths)):
             check_slots(cache, model, index, before, n, f"{n}")  # fewer slots would make a shorter window
     return lengths, rows

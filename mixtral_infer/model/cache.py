@@ -4,9 +4,8 @@ With a sliding window of W tokens, position ``p`` only ever attends to positions
 ``p-W+1 .. p``. So a sequence needs at most W keys/values in its cache, and the
 keys/values of position ``i`` are stored in slot ``i % W``: the buffer "rotates".
 
-Worked example (from 猛猿's article "图解Mixtral 8 * 7b推理优化原理与源码实现", "Mixtral 8x7b
-inference optimisation explained, with source code", on 大猿搬砖简记), W = 3, one prompt of 10 tokens
-prefilled in chunks of 5. Only the last W tokens of a chunk are written::
+Worked example (from the article "图解Mixtral 8 * 7b推理优化原理与源码实现"), W = 3, one prompt
+of 10 tokens prefilled in chunks of 5. Only the last W tokens of a chunk are written::
 
     chunk 0, positions 0..4: writes 2 -> slot 2, 3 -> slot 0, 4 -> slot 1
              cache slots hold positions [3, 4, 2]
@@ -52,11 +51,8 @@ from mixtral_infer.model.xformers_bias import (
 T = TypeVar("T")
 
 
-# On CPU, interleave_kv loops over the sequences (a view and a copy each) up to this many, and
-# gathers by index beyond: the loop copies each cache once, the gather twice, but the loop's
-# Python cost grows with the sequences. Measured: a serving step of 32 sequences (tiny-mixtral)
-# 8.9 ms gathered against 9.8 looped; one 512-token chunk over 1000 cached keys 1.0 ms looped
-# against 2.4 gathered.
+# On CPU, interleave_kv loops over up to this many sequences (copying each cache once) and
+# gathers by index beyond (copying twice, but with no Python cost per sequence).
 LOOP_MAX_SEQUENCES = 8
 
 
@@ -101,8 +97,6 @@ class RotatingCacheInputMetadata:
         to_cache_mask   = [F F T T T | F F F F T T T | T T]   (last W of each)
         to_cache_rows   = [2 3 4 | 9 10 11 | 12 13]
         cache_positions = [2 0 1 | 5 3 4 | 6 7]              (b * W + p % W)
-
-    (``chunk_lengths`` was called ``seqlens``, and ``decoding`` was ``not prefill``.)
     """
 
     positions: torch.Tensor  # (T,) absolute position of each token in its sequence
@@ -158,10 +152,6 @@ def split_mixed(chunk_lengths: List[int], device: torch.device) -> Optional[Tupl
     pass: the one-token sequences as in decoding (over their buffers), the chunks over
     ``[cache | chunk]`` of their sequences alone, and no decoding sequence's cache is copied.
     CUDA's ragged kernels take the whole batch in one call, so it stays one part there.
-
-    Measured (2-core CPU, medians of alternating runs), a pass of 31 decoding sequences and one
-    30-token prompt: tiny-mixtral's whole forward 8.1 -> 7.6 ms; one layer's attention at the
-    Mistral-7B shape (W = 4096, 8 KV heads of 128, bfloat16, prompt of 200) 812 -> 346 ms.
 
     ``[1, 0, 5, 1]`` -> ``([1, 0, 0, 1], [0, 0, 5, 0])``; ``[1, 1]`` and ``[4, 2]`` -> None.
     """
@@ -376,9 +366,7 @@ class RotatingBufferCache:
     ``cache_size`` is the sliding window, or, when the model has none, the longest
     sequence the caller will run (prompt + new tokens): nothing is ever evicted then.
     ``tokens_seen`` counts the tokens each sequence has seen so far (not clamped; empty
-    until ``start_sequences``). Renamed: ``seqlens`` -> ``tokens_seen``,
-    ``start_sequences`` -> ``start_sequences``, ``advance`` -> ``advance``; ``reset()``
-    is ``start_sequences(batch)``.
+    until ``start_sequences``).
     """
 
     def __init__(

@@ -22,25 +22,12 @@ Worked example, 4 layers, 8 query heads, 2 KV heads, 4 experts, N = 2::
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from mixtral_infer.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Which part of a published tensor one rank keeps."""
-
-    rows: Optional[slice] = None  # keep these rows (read as one byte range)
-    columns: Optional[slice] = None  # then keep these columns
-
-
-LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)$")  # a published tensor of layer i: (i, the rest)
-_EXPERT = re.compile(r"^feed_forward\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -102,36 +89,6 @@ class Parallel:
         size = n // self.tensor_parallel
         return range(self.rank * size, (self.rank + 1) * size)
 
-    def select(self, name: str, args) -> Optional[Selection]:
-        """The part of published tensor ``name`` this rank keeps; None when it keeps nothing."""
-        if name == "tok_embeddings.weight":
-            return Selection() if self.is_first_stage else None
-        if name in ("norm.weight", "output.weight"):
-            return Selection() if self.is_last_stage else None
-        match = LAYER_TENSOR.match(name)
-        if match is None:
-            return Selection()  # not ours to judge: the loader reports it as unexpected
-        if int(match[1]) not in self.layer_range(args.n_layers):
-            return None
-        if self.tensor_parallel == 1:
-            return Selection()
-        rest = match[2]
-        expert = _EXPERT.match(rest)
-        if expert is not None:
-            return Selection() if int(expert[1]) in self.share(args.moe.num_experts if args.moe else 0) else None
-        heads = _as_slice(self.share(args.n_heads), args.head_dim)
-        kv_heads = _as_slice(self.share(args.n_kv_heads), args.head_dim)
-        hidden = _as_slice(self.share(args.hidden_dim), 1)
-        return {
-            "attention.wq.weight": Selection(rows=heads),
-            "attention.wk.weight": Selection(rows=kv_heads),
-            "attention.wv.weight": Selection(rows=kv_heads),
-            "attention.wo.weight": Selection(columns=heads),
-            "feed_forward.w1.weight": Selection(rows=hidden),
-            "feed_forward.w3.weight": Selection(rows=hidden),
-            "feed_forward.w2.weight": Selection(columns=hidden),
-        }.get(rest, Selection())
-
     # ------------------------------------------------------------ communication
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,20 +98,3 @@ class Parallel:
 
             dist.all_reduce(x)
         return x
-
-
-def _as_slice(units: range, width: int) -> slice:
-    return slice(units.start * width, units.stop * width)
-
-
-def shared_seed(seed: Optional[int]) -> Optional[int]:
-    """In a process group, every rank must sample alike: rank 0's seed is used by all."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return seed
-    value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**62, ()).item())], dtype=torch.long)
-    if dist.get_backend() == "nccl":
-        value = value.cuda()
-    dist.broadcast(value, src=0)
-    return int(value.item())
