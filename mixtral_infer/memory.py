@@ -4,23 +4,16 @@ glibc's ``malloc`` serves every block larger than its mmap threshold (at most 32
 with fresh pages from the system and hands them back when the block is freed. A prompt's
 activations are such blocks: one 2048-token chunk of Mistral 7B's feed-forward makes four of
 2048 x 14336 float32 values (117 MB each) per layer, every one of them new pages that the kernel
-faults in and zeroes on first touch. Measured on a 2-core AMD EPYC VM (torch 2.13.0): ``silu`` of
-such a block 38.6 ms into new pages against 7.1 ms into reused ones (about 1 us a 4 KB page; up
-to 180 ms a call inside a whole prompt, the VM's pages being slower at times). A 2048-token
-prompt of ``mistral-wide`` (Mistral 7B's widths, 4 layers) took 942,000 page faults in float32;
-it prefills at 109 tokens/s that way and at 117 with the heap kept (a handful of faults); bfloat16 211
--> 226, mistral-bench float32 753 -> 828 (``bench/bench_heap.py``: one process alternating the
-two settings, medians of 3).
+faults in and zeroes on first touch, at a cost that can exceed the arithmetic done in them
+(docs/performance.md, "The heap").
 
 ``keep_freed_memory`` raises both thresholds so those blocks come from the heap and stay there
 for the next chunk, as PyTorch's CUDA caching allocator keeps GPU memory. It also has threads
 started afterwards share the main heap: glibc gives each thread an arena of its own, whose heaps
-hold no block over 64 MB, and the serving engine runs its steps in a thread (there, without it,
-every page of 64 MB blocks and a quarter of 16 MB blocks' pages were faulted in afresh at each
-use; mistral-wide bfloat16 prompts in a thread 214-227 tokens/s without, 221-233 with).
-``load_model`` calls it for CPU models once their weights are in place. What stays resident is
-the largest working set a forward pass has needed (a few hundred MB per 2048-token chunk at 7B
-widths); ``release_freed_memory`` hands the free pages back (as ``torch.cuda.empty_cache`` does
+hold no block over 64 MB, and the serving engine runs its steps in a thread, where large
+blocks would otherwise get fresh pages at each use. ``load_model`` calls it for CPU models once
+their weights are in place. What stays resident is the largest working set a forward pass has
+needed; ``release_freed_memory`` hands the free pages back (as ``torch.cuda.empty_cache`` does
 on a GPU), and quantizing calls it while loading. Elsewhere than glibc both do nothing.
 """
 
@@ -53,8 +46,7 @@ def release_freed_memory() -> None:
 
     Quantizing leaves the float tensor and its working copies freed between the integers
     the model keeps; glibc keeps such holes resident, and over a model they add up to
-    about the quantized size again (measured: peak 2.2x the quantized model without this,
-    1.1x with it).
+    about the quantized size again (docs/performance.md, "The heap").
     """
     if _LIBC is not None:
         _LIBC.malloc_trim(0)

@@ -34,7 +34,7 @@ one gets its own ``▁`` prefix: ``"x<tool>y"`` is ``▁ x <tool> ▁ y`` there 
 ``▁ x <tool> y`` in sentencepiece (``"x<tool>"`` is alike in both). The other choice, transformers'
 non-legacy ``Metaspace`` pre-tokenizer, gets these right but prepends nothing to a text
 that starts with a space (``" x"`` is ``▁▁x`` in sentencepiece, ``▁x`` there). Exact
-plain text was preferred; ``write_hf_tokenizer`` warns when a model has user-defined pieces.
+plain text is preferred here; ``write_hf_tokenizer`` warns when a model has user-defined pieces.
 """
 
 from __future__ import annotations

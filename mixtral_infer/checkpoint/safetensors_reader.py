@@ -11,7 +11,7 @@ Then ``safetensors.safe_open`` memory-maps the file, and each tensor, or the row
 columns of it a rank keeps (``get_slice``), is copied out of the map into memory of its
 own: the model does not depend on the file once loaded, and a rank's share touches
 only its pages. The file is opened once per tensor, so those pages are unmapped right
-after the copy (``_read`` says why; ``bench/load_memory.py`` measures both kinds of memory).
+after the copy (``_read`` says why).
 
 The layout: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mixtral_infer.errors import CheckpointError
-from mixtral_infer.model.parallel import Selection
+from mixtral_infer.checkpoint.shares import Selection
 
 DTYPES = {
     "F64": torch.float64,
@@ -249,11 +249,9 @@ def _read(path: Path, entry: TensorEntry, selection: Selection) -> torch.Tensor:
 
     The file is opened for this one tensor, so closing it unmaps the pages the copy
     touched. With one handle for the whole file, every page read stays mapped, and
-    resident, until the end: ``bench/load_memory_handles.json`` (1.71 GB float32 checkpoint,
-    ``load_model``, median of 2) peaks at 1718 MB file-backed with one handle, 135 MB (the
-    largest tensor) with one per tensor, with the same anonymous peak (2048 MB) and no
-    difference in time beyond this machine's noise. Opening costs 0.9 ms per tensor with
-    Mixtral 8x7B's 995-tensor header (97 KB): under a second for the whole model.
+    resident, until the end: the file-backed peak is then the whole checkpoint rather than
+    its largest tensor. Opening the file again for each tensor costs little beside reading it
+    (docs/performance.md, "Loading: memory and time").
     """
     try:
         with safe_open(path, framework="pt") as handle:

@@ -16,12 +16,10 @@ next tensor is read; then ``model.safetensors.index.json``. A model that fits on
 
 **A Mistral folder** has a single ``consolidated.safetensors``. The library writes a file
 only from all of its tensors at once (``save_file(dict)``; it has no streaming writer), so
-this file is written here, which is the one hand-written piece left. Measured by
-``bench/convert_memory.py`` on a 1.71 GB float32 checkpoint (``bench/convert_memory.json``):
-written by one ``save_file`` call (``--to hf`` at the default 5GB, one shard) it peaks at
-1722 MB of anonymous memory, the model; streamed here (``--to mistral``), at 368 MB. With the plan, the header is known first, so the file is written in one
-pass: the header, then each tensor's bytes at its offset as it arrives, under ``.partial``
-until complete.
+this file is written here, by hand: one ``save_file`` call would hold the whole model in
+memory, a stream holds one tensor (docs/performance.md, "Loading: memory and time"). With the
+plan, the header is known first, so the file is written in one pass: the header, then each
+tensor's bytes at its offset as it arrives, under ``.partial`` until complete.
 The format: an 8-byte little-endian header length, the JSON header
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``, then the raw bytes.
 """

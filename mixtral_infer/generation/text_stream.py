@@ -13,8 +13,9 @@ from mixtral_infer.tokenizer import Tokenizer
 REPLACEMENT_CHARACTER = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
 
 # Per tokenizer, the text of each token decoded alone: a push decodes the last piece shown again,
-# nearly always one token, so half of the tokenizer's calls become a dict lookup (a call costs
-# ~10 us, most of it sentencepiece's Python wrapper; a server makes one per token per request).
+# nearly always one token, so half of the tokenizer's calls become a dict lookup (a call goes
+# through sentencepiece's Python wrapper, and a server makes one per token per request:
+# docs/performance.md, "Serving").
 _ONE_TOKEN_TEXT: "weakref.WeakKeyDictionary[object, Dict[int, str]]" = weakref.WeakKeyDictionary()
 
 

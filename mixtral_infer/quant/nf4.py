@@ -11,12 +11,10 @@ Worked example, G = 4, one row ``w = [0.5, -0.25, 0.1, 0.0]``: absmax 0.5, ``w /
 bytes ``[15 | 2 << 4, 9 | 7 << 4] = [47, 121]``; dequantized ``[0.5, -0.2625, 0.0805, 0.0]``.
 
 Why a second 4-bit scheme: on CPU every int4 product in PyTorch converts each weight to a float
-and multiplies, about as many weights a second as our int8 loop (``bench/int4_reductions.py``),
-so int4 halves the bytes but not the time. bitsandbytes ships an AVX512-BF16 kernel for NF4 rows
-(``gemv_4bit_inference_cpu_nf4_bf16``: a 16-entry table lookup per nibble, bfloat16 dot
-products) that multiplies 1.3-2.0x as many weights a second as our int8 reductions
-(``bench/nf4_kernel.py``, one row, op by op, the 2-core AMD EPYC, billions of weights a second:
-3584 x 1024 31.9 against 23.2, 14336 x 4096 43.5 against 22.0; PyTorch's int4 kernel 24.9, 30.1).
+and multiplies, at about the speed of our int8 loop, so int4 halves the bytes but not the time.
+bitsandbytes ships an AVX512-BF16 kernel for NF4 rows (``gemv_4bit_inference_cpu_nf4_bf16``: a
+16-entry table lookup per nibble, bfloat16 dot products) that multiplies more weights a second
+than our int8 reductions (docs/performance.md, "nf4: bitsandbytes' CPU kernel").
 It is loaded from the installed ``bitsandbytes`` package as a plain library (``kernel()``), not
 through bitsandbytes' Python side, which probes for CUDA and looks for kernels on the network. Without the package, or
 on a CPU without AVX512-BF16 (the library's own ``has_avx512bf16_cpu``), or on a GPU, NF4 takes
@@ -28,8 +26,8 @@ transposed, ``(IN/G, OUT)``. The tests check the layout by the products the kern
 On CUDA, the same package's CUDA library has a fused dequantize-and-multiply for few rows
 (``cuda_kernel()``: ``cgemm_4bit_bf16``, which picks its own SIMT or tensor-core variant per GPU).
 It reads bitsandbytes' own format (``cuda_layout``: the plain bytes with their nibbles swapped)
-and float32 scales ``(OUT, IN/G)``. Not measured here (no GPU lent to the session that wrote it):
-this machine checks the format with bitsandbytes' CPU reader of it, a GPU test the products.
+and float32 scales ``(OUT, IN/G)``. The tests check that format on any machine with bitsandbytes'
+CPU reader of it, and the products where a GPU is.
 """
 
 from __future__ import annotations
@@ -82,9 +80,10 @@ def _bin_tables(device: torch.device = torch.device("cpu")) -> tuple[torch.Tenso
 def nearest_codes(v: torch.Tensor) -> torch.Tensor:
     """The code of the NF4 value nearest each of ``v`` (values in [-1, 1]), as uint8: how many of
     the 15 midpoints between neighbouring codes lie below it (a value on a midpoint takes the lower
-    code). Two lookups instead of 15 comparisons (2.4x their speed; ``torch.bucketize`` is slower
-    than the comparisons): ``v``'s bin, ``floor(v * 2048) + 2048`` (exact), gives the code below the
-    bin's lower edge and the one midpoint that can lie between that edge and ``v``; above it, one more.
+    code). Two lookups, faster than 15 comparisons or ``torch.bucketize`` (docs/performance.md,
+    "nf4: bitsandbytes' CPU kernel"): ``v``'s bin, ``floor(v * 2048) + 2048`` (exact), gives the
+    code below the bin's lower edge and the one midpoint that can lie between that edge and ``v``;
+    above it, one more.
 
     Example: ``v = 0.1205`` falls in bin 2294, ``[0.12012, 0.12061)``, whose lower edge has 8
     midpoints below it; the next, 0.12026 (between NF4[8] = 0.0796 and NF4[9] = 0.1609), lies in

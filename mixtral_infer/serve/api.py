@@ -220,8 +220,8 @@ class CompletionFormat:
 
     def text_sse(self, text: str) -> str:
         """``sse(self.chunk(text, None, None))``, the event of a streamed token's text, from a
-        template made once per response: only the text is encoded per token. The server's process
-        does this for every token of every stream: 1.1 against 4.8 us a token here."""
+        template made once per response: only the text is encoded per token, since the server's
+        process does this for every token of every stream (docs/performance.md, "Serving")."""
         if self._text_template is None:
             self._text_template = sse(self.chunk(TEXT_MARK, None, None)).split(json.dumps(TEXT_MARK, ensure_ascii=False))
         before, after = self._text_template

@@ -164,10 +164,9 @@ class Engine:
     ``auto`` (compiled on CUDA and CPU; on CPU, per step, the compiled step or the eager pass,
     whichever reads less: ``_static_step_is_cheaper``). All give the same tokens. Unlike
     ``generate``'s ``auto``, which decodes eagerly on CPU because a compilation there costs more
-    than a short generation, a server compiles once (``warm_up``, before it serves): tiny-mixtral,
-    384 requests over HTTP, 1.40-1.44x static batching against 1.23-1.31x with the uncompiled
-    static step (``bench/bench_serve.py``, alternating runs). Where compiling fails (a CPU
-    without a C++ compiler), ``auto`` goes on with the uncompiled steps after a warning.
+    than a short generation, a server compiles once (``warm_up``, before it serves) and serves
+    faster for it (docs/performance.md, "Serving"). Where compiling fails (a CPU without a C++
+    compiler), ``auto`` goes on with the uncompiled steps after a warning.
 
     A step that both decodes and reads prompts is one forward pass: the weights are read once.
     Where decode-only steps are static, it is the static mixed step (``steps.mixed_step``): the
@@ -176,7 +175,7 @@ class Engine:
     (``mixed_chunk_sizes``; at most ``MIXED_SEGMENTS`` prompts a step), as gpt-fast compiles its
     decode step; on CUDA the eager pass is bound by the host. Off CUDA it runs op by op with its
     experts grouped: compiled, its padded chunks and every-expert-on-every-token MoE cost more on
-    CPU than they save (tiny-mixtral, 384 requests in process: 3800 tok/s against 4600-4900).
+    CPU than they save (docs/performance.md, "Serving").
     Otherwise it is ``Transformer.forward`` over the ragged batch, whose attention runs in two
     parts off CUDA, the decoding rows over their own buffers and the prompts over their own caches
     (``cache.split_mixed``).
@@ -413,13 +412,10 @@ class Engine:
 
         Default: ``ADMIT_EVERY_COMPILED`` where decode-only steps run compiled and the steps that
         read prompts do not (``compiled`` and ``auto`` on CPU), else 1. A step that reads prompts then runs op by
-        op, so the cheaper the compiled decode steps, the more grouping saves. Measured on
-        tiny-mixtral, 384 requests at once on 32 rows, 5 alternating rounds in process: compiled
-        4522 tok/s at k = 1, 4808 at k = 6; eager (``auto`` on CPU) gains 1-2% at k = 3-6. Where
-        prompts are read by a compiled step too (``compile_prompts``, CUDA), such a step costs
-        about what a decode step costs, and grouping would only delay first tokens (not measured:
-        no GPU was lent). Below capacity free rows outnumber running ones, so prompts still join at
-        once there.
+        op, so the cheaper the compiled decode steps, the more grouping saves (docs/performance.md,
+        "Serving"). Where prompts are read by a compiled step too (``compile_prompts``, CUDA), such
+        a step costs about what a decode step costs, and grouping would only delay first tokens.
+        Below capacity free rows outnumber running ones, so prompts still join at once there.
         """
         if not self.queue or None not in self.slots:
             return False
@@ -573,10 +569,7 @@ class Engine:
         prompt chunk), each over its row's S slots and its line (``K * P * (S + P)``). The eager
         pass gathers each decoding row's keys, padded to the longest row's count L (``N * L``), and
         each prompt's cached keys and chunk (``n * (cached + n)`` for a chunk of n); a gathered key
-        costs about ``GATHER_COST`` keys read in place. Measured, one layer at the Mistral-7B shape (bfloat16, 2 threads, 32 rows, S =
-        4096), decoding: in place 99 ms whatever the lengths; gathered 12 / 54 / 111 / 226 ms for
-        L = 256 / 1024 / 2048 / 4096 (break-even near L = 1850). tiny-mixtral (S = 32) serving 384
-        requests: a decode-only pass 5.3 -> 4.4 ms, a pass that reads prompts 7.7 -> 7.3 ms.
+        costs about ``GATHER_COST`` keys read in place (docs/performance.md, "The KV cache").
 
         Example, R = 4 rows, S = 8, 3 rows decoding: at 2, 3 and 4 tokens seen (L = 5, as the new
         token counts), 32 > 2 * 3 * 5 = 30: eager; at 2, 3 and 8 (L = 8), 32 <= 48: static. With
@@ -586,7 +579,8 @@ class Engine:
         The static step reads unwritten slots under its mask, so they must hold finite numbers:
         the cache starts zeroed, and a row whose logits went non-finite is zeroed (``_choose``).
         Its experts run grouped, as in the eager pass (``decode_logits``' ``grouped_moe``): the
-        static step's own MoE computes every expert on every row, 1.2-2.7x slower on CPU.
+        static step's own MoE computes every expert on every row, which is slower on CPU
+        (docs/performance.md, "The MoE decode step").
         """
         slots = self.cache.cache_size
         seen = self.cache.tokens_seen
@@ -730,11 +724,8 @@ def mixed_chunk_sizes(prefill_tokens: int, cap: Optional[int] = None) -> List[in
     512]``, ``mixed_chunk_sizes(7) == [7]``, ``mixed_chunk_sizes(512, cap=64) == [16, 64]``.
 
     The cap is for a mixture of experts (``MIXED_MOE_TOKENS``): the compiled step runs every expert on
-    every token, which stays bound by reading the weights only for a few dozen tokens. Mixtral 8x7B:
-    every expert on a token is about 90 GFLOP (top-2 would be a quarter of it); T = 96 tokens (32
-    rows and 64 prompt tokens) about 8.6 TFLOP, some 12 ms on an H200 (~700 TFLOP/s), under the 19 ms
-    of reading its 93 GB (~4.8 TB/s); T = 288 would take 37 ms. Arithmetic, not measured: no GPU
-    was lent.
+    every token, which stays bound by reading the weights only for a few dozen tokens (an estimate
+    for Mixtral 8x7B: docs/performance.md, "Serving").
     """
     budget = prefill_tokens if cap is None else min(prefill_tokens, cap)
     return [size for size in MIXED_CHUNKS if size < budget] + [budget]
@@ -753,7 +744,7 @@ def sample_rows(
     """
     vocab = logits.shape[-1]
     # The greedy rows' tokens: max's indices are argmax's (the first of equal maxima), and on CPU
-    # they come 1.6x faster (32 x 2000 float32 logits: 68 against 112 us; 32 x 32000: 1.07 against 1.79 ms).
+    # they come faster (docs/performance.md, "On-device checks instead of syncs").
     tokens = logits.max(dim=-1).indices  # (N,)
     groups: Dict[bool, List[int]] = {False: [], True: []}  # filtered -> rows
     for index, s in enumerate(settings):
@@ -779,7 +770,7 @@ def sample_rows(
 class CpuDecodeStep:
     """The engine's compiled decode step on CPU, as ``generate``'s: built on its first call by
     AOTInductor (``static_step.built_ahead_of_time``: the kernels torch.compile would make, called
-    from C++ without dynamo's Python, 0.5-1 ms less a step at the bench shapes), by torch.compile
+    from C++ without dynamo's Python: docs/performance.md, "AOTInductor on CPU"), by torch.compile
     where it cannot be. What it builds is kept with the model (``built_steps``), so a new engine on
     the same model and rows reuses it without exporting it again (AOTInductor's builds are kept on
     disk, ``cpu_aot_step.BuildCache``, but finding one takes an export of the step).
@@ -787,8 +778,8 @@ class CpuDecodeStep:
     The library reads the weights the model held when it was built; whether they are still the
     model's (``AotStep.current``) is checked on the first call and when the engine starts work
     after being idle (``check_weights``), and a step whose weights were replaced is built again.
-    Not at every step: the check finds every weight by its place, 0.4 ms at mistral-bench, up to a
-    tenth of a step. So replace weights while no request runs (an edit in place is read at once)."""
+    Not at every step: the check finds every weight by its place, a noticeable part of a step. So
+    replace weights while no request runs (an edit in place is read at once)."""
 
     def __init__(self, model: Transformer, step: Callable[..., torch.Tensor], grouped_moe: bool):
         self.model, self.step, self.grouped_moe = model, step, grouped_moe

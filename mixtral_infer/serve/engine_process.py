@@ -2,11 +2,9 @@
 
 Why a process: the engine's steps and the server's per-token work (a JSON chunk and a socket
 write per token per client) are both Python, and in one process they take turns on one
-interpreter lock, so together they use one core. Measured on this package's 2-core CPU with
-tiny-mixtral, 384 streamed requests from 32 clients (``bench/bench_serve.py``): with the engine
-in a thread of the server, HTTP delivered 0.55-0.66x what the same engine makes alone without
-HTTP; with the engine in a process of its own, 0.92x (2975 against 3246 tok/s). vLLM runs its
-engine core apart from its API server for the same reason.
+interpreter lock, so together they use one core; in a process of its own the engine keeps
+nearly all its speed behind HTTP (docs/performance.md, "Serving"). vLLM runs its engine core
+apart from its API server for the same reason.
 
 ::
 
@@ -49,8 +47,8 @@ from mixtral_infer.serve.metrics import ServeMetrics
 from mixtral_infer.serve.sizing import plan_rows
 
 Load = Callable[[], Tuple[Any, Any]]  # () -> (model, tokenizer), called in the engine process
-# The engine process's thread switch interval (run_engine). Measured, tiny-mixtral, 384 requests over HTTP,
-# 3 rounds each, alternating: 4539 / 4533 tok/s at Python's default 5 ms, 4614 / 4627 at 0.5 ms.
+# The engine process's thread switch interval (run_engine), a tenth of Python's default 5 ms so that
+# requests reach the engine sooner (docs/performance.md, "Serving").
 ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -275,11 +273,8 @@ def split_cpus(cpus: Sequence[int]) -> Optional[Tuple[List[int], List[int]]]:
     the rest for the engine's; None for fewer than 2. ``split_cpus([0, 1]) == ([0], [1])``,
     ``split_cpus([2, 3, 5]) == ([2], [3, 5])``.
 
-    On this package's 2-core VM, 384 streamed requests (tiny-mixtral, ``bench/bench_serve.py``,
-    the bench's clients on the server's CPU), two alternating pairs: 4162 / 4267 tok/s unpinned,
-    4335 / 4420 pinned. Unpinned, the scheduler now and then runs the server's or the clients'
-    threads on the engine's CPU, and its step waits: measured in the engine's process, a
-    forward pass took 7.05 ms over HTTP against 6.34 ms in the bench's own process.
+    Unpinned, the scheduler now and then runs the server's or the clients' threads on the
+    engine's CPU, and the engine's step waits for them (docs/performance.md, "Serving").
     """
     cpus = list(cpus)
     return ([cpus[0]], cpus[1:]) if len(cpus) >= 2 else None
@@ -296,8 +291,8 @@ def run_engine(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server handles it
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Two threads here: the engine's, busy with steps, and this one, which unpickles each request
-    # as it arrives. With Python's default 5 ms switch interval a request waited up to 5 ms (about
-    # a step) for the engine thread to let it go and so missed the step that could admit it.
+    # as it arrives. At Python's default 5 ms switch interval a request can wait that long for the
+    # engine thread to let it go, and so miss the step that could admit it.
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     outbox = Outbox(conn)
     try:

@@ -70,8 +70,8 @@ class ServeMetrics:
             self._update_rate(now)
 
     def _update_rate(self, now: float) -> None:
-        # A running total: summing the window on every call cost O(tokens in the last 10 s) per
-        # token, which at 3000 tok/s halved the server's throughput within a minute.
+        # A running total: summing the window on every call would cost O(tokens in the window) per
+        # token, which slows a busy server down (docs/performance.md, "Serving").
         while self._recent and self._recent[0][0] < now - RATE_WINDOW:
             self._recent_total -= self._recent.popleft()[1]
         self.tokens_per_second.set(self._recent_total / RATE_WINDOW)
