@@ -442,7 +442,7 @@ def hf_decode(hf, prompts: List[List[int]], new_tokens: int) -> tuple[float, Lis
 def ours_generate_overhead(model: Transformer, batch: int, repeats: int = 200) -> float:
     """Per-step ms of generate()'s bookkeeping that the timed loop leaves out (log-softmax, checks, tolist)."""
     from mixtral_infer.generation.generate import _check_finite
-    from mixtral_infer.generation.sampling import sample_next
+    from mixtral_infer.sampling import sample_next
 
     logits = torch.randn(batch, model.args.vocab_size)
     start = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixtral_infer.generation.sampling import Sampling, sample, sample_next, token_logprobs
+from mixtral_infer.sampling import Sampling, sample, sample_next, token_logprobs
 from mixtral_infer.generation.settings import effective_temperature
 
 

@@ -9,7 +9,7 @@ from mixtral_infer.errors import GenerationError
 from mixtral_infer.steps import mixed_step
 from mixtral_infer.steps.cpu_aot_step import BuildCache
 from mixtral_infer.steps.decode_loop import GUARDED_STEPS
-from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample
+from mixtral_infer.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.generation.settings import kv_cache_bytes
 from mixtral_infer.serve import sizing
 from mixtral_infer.serve.engine import (

@@ -15,7 +15,7 @@ import torch
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
-from mixtral_infer.generation.sampling import Sampling, draw_uniform, sample, token_logprobs
+from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
     as_int,

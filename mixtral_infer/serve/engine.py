@@ -49,7 +49,7 @@ from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.steps.decode_step import decode_logits, finite_rows, one_line, supports_static_decode
 from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
-from mixtral_infer.generation.sampling import Sampling, sample
+from mixtral_infer.sampling import Sampling, sample
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.serve.text import StopStrings

@@ -28,7 +28,7 @@ from mixtral_infer.steps.decode_step import (
     emitted_tokens,
     make_decode_step,
 )
-from mixtral_infer.generation.sampling import Sampling, draw_uniform
+from mixtral_infer.sampling import Sampling, draw_uniform
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
 

@@ -47,7 +47,7 @@ from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, buil
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.fast.cpu_reductions import chosen_experts, materialized
-from mixtral_infer.generation.sampling import Sampling, sample, token_logprobs
+from mixtral_infer.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.fast.formats import expert

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from mixtral_infer.generation.settings import FLOAT32_MAX
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
