@@ -11,8 +11,8 @@ faults in and zeroes on first touch, at a cost that can exceed the arithmetic do
 for the next chunk, as PyTorch's CUDA caching allocator keeps GPU memory. It also has threads
 started afterwards share the main heap: glibc gives each thread an arena of its own, whose heaps
 hold no block over 64 MB, and the serving engine runs its steps in a thread, where large
-blocks would otherwise get fresh pages at each use. ``load_model`` calls it for CPU models once
-their weights are in place. What stays resident is the largest working set a forward pass has
+blocks would otherwise get fresh pages at each use. It changes the whole process, so the
+library never calls it: the command line and the server do, once a CPU model is loaded. What stays resident is the largest working set a forward pass has
 needed; ``release_freed_memory`` hands the free pages back (as ``torch.cuda.empty_cache`` does
 on a GPU), and quantizing calls it while loading. Elsewhere than glibc both do nothing.
 """

@@ -33,8 +33,12 @@ def tiny_args(moe: bool = True, sliding_window: int | None = WINDOW, max_batch_s
     )
 
 
-def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
-    """Our model with random weights large enough that logits are far from uniform."""
+def random_model(args: ModelArgs, seed: int = 0, fast: bool = True) -> Transformer:
+    """Our model with random weights large enough that logits are far from uniform, with the fast
+    modules swapped in as ``load_model`` does (``fast=False``: the reference modules)."""
+    from mixtral_infer.fast.formats import use_formats
+    from mixtral_infer.tuning import Tuning
+
     torch.manual_seed(seed)
     model = Transformer(args)
     with torch.no_grad():
@@ -43,7 +47,7 @@ def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
                 param.uniform_(0.8, 1.2)
             else:
                 param.normal_(0.0, 0.15)
-    return model.eval()
+    return use_formats(model, Tuning(fast=fast)).eval()
 
 
 def hf_config(args: ModelArgs):

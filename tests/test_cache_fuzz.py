@@ -21,9 +21,12 @@ from hypothesis import strategies as st
 
 from mixtral_infer import RotatingBufferCache, unrotate
 from mixtral_infer.model import cache as cache_module
-from mixtral_infer.model.transformer import Attention
+from mixtral_infer.model.transformer import Attention, ModelArgs
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 4
+# attend() reads no weight: one layer's module of these head counts attends as the model's do
+ATTENTION = Attention(ModelArgs(dim=8, n_layers=1, head_dim=HEAD_DIM, hidden_dim=8, n_heads=N_HEADS,
+                                n_kv_heads=N_KV_HEADS, norm_eps=1e-5, vocab_size=8))  # fmt: skip
 
 
 def reference_attention(q, history_k, history_v, positions, window):
@@ -84,7 +87,7 @@ def check_against_full_history(window, prompt_lengths, chunk_size, participation
         xv = torch.randn(total, N_KV_HEADS, HEAD_DIM, generator=generator)
 
         metadata = cache.get_input_metadata(seqlens)
-        out = Attention.attend(q, xk, xv, cache.get_view(0, metadata), None)
+        out = ATTENTION.attend(q, xk, xv, cache.get_view(0, metadata), None)
         cache.advance(seqlens)
 
         offset = 0

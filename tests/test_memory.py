@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, resource, threading, torch
 from mixtral_infer import load_model
-from mixtral_infer.memory import release_freed_memory
+from mixtral_infer.memory import keep_freed_memory, release_freed_memory
 
 def faults_of_four_steps():  # steps that make and free three 64 MB blocks each, after 8 uncounted ones
     def step():
@@ -38,6 +38,8 @@ def resident_mb():
 
 before = faults_of_four_steps()
 load_model("tiny-mistral", device="cpu")
+after_load = faults_of_four_steps()  # load_model changes no process-wide setting
+keep_freed_memory()  # what the command line and the server do
 after = faults_of_four_steps()
 in_thread = {}  # as the serving engine runs its steps
 thread = threading.Thread(target=lambda: in_thread.update(faults=faults_of_four_steps()))
@@ -47,7 +49,7 @@ blocks = [torch.ones(16 * 2**20) for _ in range(4)]  # 256 MB at once, then free
 del blocks
 kept_mb = resident_mb()
 release_freed_memory()
-measured = {"before": before, "after": after, "in_thread": in_thread["faults"], "kept_mb": kept_mb}
+measured = {"before": before, "after_load": after_load, "after": after, "in_thread": in_thread["faults"], "kept_mb": kept_mb}
 print(json.dumps({**measured, "released_mb": resident_mb()}))
 """
 
@@ -60,9 +62,31 @@ def test_a_cpu_model_reuses_freed_blocks_and_release_hands_them_back():
     # glibc's default: every 64 MB block gets fresh pages, a fault per page touched (4 KB pages: 16,384
     # a block; where transparent huge pages are always on, 32)
     assert measured["before"] >= 4 * 3 * 32, measured
-    # after load_model: the freed blocks are reused, their pages already there (the heap may still
-    # grow by a block now and then: measured 0 or one block's pages of the twelve)
+    # load_model alone leaves glibc's settings: the blocks still get fresh pages
+    assert measured["after_load"] * 2 > measured["before"], measured
+    # after keep_freed_memory: the freed blocks are reused, their pages already there (the heap may
+    # still grow by a block now and then: 0 or one block's pages of the twelve)
     assert measured["after"] * 4 < measured["before"], measured
     assert measured["in_thread"] * 4 < measured["before"], measured  # a thread's own arena faults them all
     # the 256 MB freed stays resident until release_freed_memory hands it back
     assert measured["kept_mb"] - measured["released_mb"] > 200, measured
+
+
+def test_load_model_leaves_the_heap_settings_alone(monkeypatch):
+    """A library call changes no process-wide setting: only the command line and the server keep
+    freed memory (``keep_freed_memory``); loading may still hand freed pages back (``malloc_trim``)."""
+    import mixtral_infer.memory as memory
+    from mixtral_infer import load_model
+
+    class Libc:
+        trimmed = 0
+
+        def mallopt(self, *args):
+            raise AssertionError(f"load_model called mallopt{args}")
+
+        def malloc_trim(self, pad):
+            Libc.trimmed += 1
+
+    monkeypatch.setattr(memory, "_LIBC", Libc())
+    load_model("tiny-mistral", device="cpu", quantize="int8")
+    assert Libc.trimmed > 0  # the fake was the one in use

@@ -39,8 +39,7 @@ from typing import List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-from mixtral_infer.errors import GenerationError
-from mixtral_infer.generation.settings import as_int
+from mixtral_infer.errors import GenerationError, as_int
 from mixtral_infer.model.xformers_bias import (
     AttentionBias,
     BlockDiagonalCausalMask,
