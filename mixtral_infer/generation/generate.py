@@ -13,6 +13,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast.formats import tuning_of
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
 from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs
@@ -173,14 +174,15 @@ def decode_mode(decode: str, model: Transformer) -> str:
     """``eager``, ``static`` or ``compiled`` for the requested ``decode`` setting.
 
     ``auto`` is ``compiled`` on CUDA (the eager loop there is bound by the host, not the GPU)
-    and ``eager`` on CPU: there compiling takes 10-35 s, more than a short generation gains,
-    though the compiled step decodes faster per token (2-core AMD EPYC, mistral-bench bfloat16:
-    57.6 tok/s eager, about 100 compiled from plain weights; ``fast.cpu_reductions``).
+    and ``eager`` on CPU, where compiling takes longer than a short generation gains
+    (docs/performance.md, "Compiled steps"); and ``eager`` for a reference model
+    (``load_model(..., fast=False)``), which reads its readable path only.
     """
     if decode not in DECODE_MODES:
         raise GenerationError(f"decode={decode!r} must be one of {', '.join(DECODE_MODES)}")
     if decode == "auto":
-        return "compiled" if model.device.type == "cuda" and supports_static_decode(model) else "eager"
+        fast = tuning_of(model).fast
+        return "compiled" if fast and model.device.type == "cuda" and supports_static_decode(model) else "eager"
     if decode != "eager" and not supports_static_decode(model):
         raise GenerationError(f"decode={decode!r} needs the whole model in one process; use decode='eager'")
     return decode
