@@ -99,6 +99,7 @@ import torch
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_to_published
 from mixtral_infer.checkpoint.loading import build_model
+from mixtral_infer.checkpoint.params import args_to_params
 from mixtral_infer.fast.cpu_column_blocks import blocked_numel
 from mixtral_infer.fast.cpu_packed import packed_numel
 from mixtral_infer.generation.generate import default_chunk_size
@@ -805,7 +806,7 @@ def main(argv=None) -> int:
         ours = ours_from_hf(hf, args)
         weights = sum(p.nbytes for p in ours.parameters())
         r: dict = {
-            "args": args.to_params(),
+            "args": args_to_params(args),
             "weights_gb": weights / 1e9,
             "hf_impl": f"attn={hf.config._attn_implementation}"
             + (f", experts={hf.config._experts_implementation}" if args.moe else ""),

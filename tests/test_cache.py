@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mixtral_infer import RotatingBufferCache, interleave_list, unrotate
-from mixtral_infer.model.cache import build_input_metadata, kv_gather, split_mixed
+from mixtral_infer.fast.cache_gather import LOOP_MAX_SEQUENCES, gather_kv, gathered_kv, kv_gather
+from mixtral_infer.model.cache import build_input_metadata, split_mixed
 from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
     BlockDiagonalCausalLocalAttentionMask,
@@ -110,8 +111,8 @@ def test_gathered_kv_equals_the_unrotated_interleave(first, second):
     view = cache.get_view(0, metadata)
     chunk = 100 + metadata.positions.float()[:, None, None]
     key, value = view.interleave_kv(chunk, chunk)
-    assert torch.equal(view.gather_kv(chunk), key)
-    assert torch.equal(view.gather_kv(chunk, values=True), value)
+    assert torch.equal(gather_kv(view, chunk), key)
+    assert torch.equal(gather_kv(view, chunk, values=True), value)
 
 
 def test_interleave_list():
@@ -138,10 +139,8 @@ def test_cache_without_window_is_sized_by_the_caller_and_never_wraps():
 
 
 def test_interleave_kv_of_many_sequences_gathers_the_same_keys():
-    """Beyond LOOP_MAX_SEQUENCES sequences the CPU gathers by index (a serving step: most
-    sequences bring one token): each cache in position order, then its chunk."""
-    from mixtral_infer.model.cache import LOOP_MAX_SEQUENCES
-
+    """Beyond LOOP_MAX_SEQUENCES sequences the fast modules gather by index on CPU too (a serving
+    step: most sequences bring one token): each cache in position order, then its chunk."""
     batch, window = LOOP_MAX_SEQUENCES + 3, 4
     cache = position_cache(window=window, batch=batch)
     first = [1 + (3 * b) % 9 for b in range(batch)]  # 1..9 tokens already seen
@@ -149,7 +148,7 @@ def test_interleave_kv_of_many_sequences_gathers_the_same_keys():
     second = [1] * (batch - 2) + [3, 0]  # the last sequence sits this step out
     metadata = cache.get_input_metadata(second)
     chunk = metadata.positions.float()[:, None, None]
-    key, value = cache.get_view(0, metadata).interleave_kv(chunk, chunk)
+    key, value = gathered_kv(cache.get_view(0, metadata), chunk, chunk)
     expected = [p for seen, n in zip(first, second) if n for p in range(max(0, seen - window), seen + n)]
     assert key[:, 0, 0].long().tolist() == expected
     assert torch.equal(key, value)

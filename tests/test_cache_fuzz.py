@@ -12,6 +12,7 @@ prompt is done), chunk sizes and decode steps. After every step:
 
 from __future__ import annotations
 
+import copy
 import math
 from unittest import mock
 
@@ -20,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixtral_infer import RotatingBufferCache, unrotate
+from mixtral_infer.fast.formats import FastAttention
 from mixtral_infer.model import cache as cache_module
 from mixtral_infer.model.transformer import Attention, ModelArgs
 
@@ -27,6 +29,8 @@ N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 1, 4
 # attend() reads no weight: one layer's module of these head counts attends as the model's do
 ATTENTION = Attention(ModelArgs(dim=8, n_layers=1, head_dim=HEAD_DIM, hidden_dim=8, n_heads=N_HEADS,
                                 n_kv_heads=N_KV_HEADS, norm_eps=1e-5, vocab_size=8))  # fmt: skip
+FAST_ATTENTION = copy.deepcopy(ATTENTION)
+FAST_ATTENTION.__class__ = FastAttention
 
 
 def reference_attention(q, history_k, history_v, positions, window):
@@ -44,7 +48,7 @@ def reference_attention(q, history_k, history_v, positions, window):
 @st.composite
 def scenarios(draw):
     window = draw(st.integers(1, 6))
-    batch = draw(st.integers(1, 10))  # more than LOOP_MAX_SEQUENCES: interleave_kv gathers
+    batch = draw(st.integers(1, 10))  # more than LOOP_MAX_SEQUENCES: FastAttention gathers
     prompt_lengths = draw(st.lists(st.integers(1, 4 * window + 3), min_size=batch, max_size=batch))
     chunk_size = draw(st.integers(1, 3 * window + 2))
     decode_steps = draw(st.integers(0, 2 * window + 2))
@@ -56,14 +60,17 @@ def scenarios(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(scenarios(), st.integers(0, 2**31 - 1), st.booleans())
-def test_rotating_cache_matches_full_history(scenario, seed, split):
+@given(scenarios(), st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+def test_rotating_cache_matches_full_history(scenario, seed, split, fast):
+    """The reference module's attention, and the fast module's (keys gathered by index beyond
+    LOOP_MAX_SEQUENCES sequences), each against the full history."""
     window, prompt_lengths, chunk_size, participation = scenario
+    attention = FAST_ATTENTION if fast else ATTENTION
     with mock.patch.object(cache_module, "split_mixed", cache_module.split_mixed if split else lambda *_: None):
-        check_against_full_history(window, prompt_lengths, chunk_size, participation, seed)
+        check_against_full_history(window, prompt_lengths, chunk_size, participation, seed, attention)
 
 
-def check_against_full_history(window, prompt_lengths, chunk_size, participation, seed):
+def check_against_full_history(window, prompt_lengths, chunk_size, participation, seed, attention):
     batch = len(prompt_lengths)
     generator = torch.Generator().manual_seed(seed)
     cache = RotatingBufferCache(1, batch, window, N_KV_HEADS, HEAD_DIM, sliding_window=window)
@@ -87,7 +94,7 @@ def check_against_full_history(window, prompt_lengths, chunk_size, participation
         xv = torch.randn(total, N_KV_HEADS, HEAD_DIM, generator=generator)
 
         metadata = cache.get_input_metadata(seqlens)
-        out = ATTENTION.attend(q, xk, xv, cache.get_view(0, metadata), None)
+        out = attention.attend(q, xk, xv, cache.get_view(0, metadata), None)
         cache.advance(seqlens)
 
         offset = 0

@@ -35,6 +35,7 @@ from mixtral_infer.checkpoint.loading import (
     check_finite,
     open_checkpoint,
 )
+from mixtral_infer.checkpoint.params import args_to_params
 from mixtral_infer.checkpoint.quantized import PARAMS_KEY, recorded, to_stored
 from mixtral_infer.checkpoint.safetensors_reader import read_header
 from mixtral_infer.checkpoint.safetensors_writer import (
@@ -100,7 +101,7 @@ def convert(
         raise CheckpointError(f"{dst.parent}: cannot write here ({error.strerror})") from None
     try:
         tensors = finite(checkpoint.published_tensors(), dtype, str(checkpoint.folder))
-        params = checkpoint.args.to_params()
+        params = args_to_params(checkpoint.args)
         plan = planned_tensors(checkpoint, target, dtype)
         if scheme is not None:
             tensors = to_stored(tensors, scheme)

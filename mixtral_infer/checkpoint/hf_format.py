@@ -21,6 +21,7 @@ from typing import Iterable, Iterator, Optional, Tuple
 
 import torch
 
+from mixtral_infer.checkpoint.params import checked_args
 from mixtral_infer.checkpoint.weight_shapes import Shape, check_shape, published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.moe import MoeArgs
@@ -78,7 +79,7 @@ def args_from_hf_config(config: dict, source: str = "config.json") -> ModelArgs:
             num_experts=_field(config, "num_local_experts", (int,), source),
             num_experts_per_tok=_field(config, "num_experts_per_tok", (int,), source),
         )
-    return ModelArgs.checked(
+    return checked_args(
         dict(
             dim=dim,
             n_layers=_field(config, "num_hidden_layers", (int,), source),

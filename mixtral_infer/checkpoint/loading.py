@@ -30,6 +30,7 @@ from torch import nn
 
 from mixtral_infer.checkpoint import bnb_4bit
 from mixtral_infer.checkpoint.compute_dtype import compute_dtype, stored_dtype
+from mixtral_infer.checkpoint.params import args_from_params, args_to_params, checked_args
 from mixtral_infer.checkpoint.hf_format import (
     args_from_hf_config,
     check_hf_shape,
@@ -120,7 +121,7 @@ def _read_params(folder: str | Path) -> Tuple[ModelArgs, Optional[QuantScheme]]:
     path = Path(folder) / PARAMS_FILE
     params = _read_json(path)
     stored = scheme_from_params(params, str(path))
-    return ModelArgs.from_params(params, source=str(path)), stored
+    return args_from_params(params, source=str(path)), stored
 
 
 # ---------------------------------------------------------------- reading tensors
@@ -470,7 +471,7 @@ def load_model(
     device = checked_device(device, f"device={device!r}")
     dtype = checked_dtype(dtype, f"dtype={dtype!r}")
     checkpoint = open_checkpoint(folder)
-    checkpoint.args = ModelArgs.checked({**vars(checkpoint.args), "max_batch_size": max_batch_size}, "load_model")
+    checkpoint.args = checked_args({**vars(checkpoint.args), "max_batch_size": max_batch_size}, "load_model")
     parallel.check(checkpoint.args)
     stored = checkpoint.quantization
     if scheme is not None and stored is not None:
@@ -532,5 +533,5 @@ def save_consolidated(model: Transformer, folder: str | Path) -> None:
         raise ConfigError("save_consolidated writes float models: write a quantized folder with convert --quantize")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / PARAMS_FILE).write_text(json.dumps(model.args.to_params(), indent=2) + "\n", encoding="utf-8")
+    (folder / PARAMS_FILE).write_text(json.dumps(args_to_params(model.args), indent=2) + "\n", encoding="utf-8")
     write_safetensors(folder / SAFETENSORS_FILE, internal_to_published(model.state_dict(), model.args))

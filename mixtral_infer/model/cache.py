@@ -32,7 +32,6 @@ in the chunk, H_kv KV heads, Dh head dim.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, TypeVar
@@ -49,10 +48,6 @@ from mixtral_infer.model.xformers_bias import (
 
 T = TypeVar("T")
 
-
-# On CPU, interleave_kv loops over up to this many sequences (copying each cache once) and
-# gathers by index beyond (copying twice, but with no Python cost per sequence).
-LOOP_MAX_SEQUENCES = 8
 
 
 def interleave_list(first: Sequence[T], second: Sequence[T]) -> List[T]:
@@ -115,11 +110,6 @@ class RotatingCacheInputMetadata:
     def nothing_cached(self) -> bool:
         """No sequence taking part has anything cached yet: attend within the chunk only."""
         return all(seen == 0 for seen, n in zip(self.seen_before, self.chunk_lengths) if n > 0)
-
-    @functools.cached_property
-    def kv_gather(self) -> "KVGather":
-        """``interleave_kv``'s order as index tensors, made once per chunk for every layer."""
-        return kv_gather(self.chunk_lengths, self.seen_before, self.cache_size, self.positions.device)
 
 
 def _causal_mask(q_seqlens: List[int], window: Optional[int], device: torch.device) -> AttentionBias:
@@ -232,50 +222,6 @@ def build_input_metadata(
     )
 
 
-@dataclass
-class KVGather:
-    """Where each key of ``[cache_0 | chunk_0 | cache_1 | chunk_1 | ...]`` comes from.
-
-    ``key[cache_dst] = flat_cache[cache_rows]`` and ``key[chunk_dst] = chunk``: three index
-    operations per layer instead of a split, an unrotate and a cat per sequence.
-    """
-
-    cache_rows: torch.Tensor  # (N_c,) rows of the flat (B*S) buffer, each sequence's in position order
-    cache_dst: torch.Tensor  # (N_c,) where they go in the key tensor (N_c: cached keys taking part)
-    chunk_dst: torch.Tensor  # (T,) where the chunk's tokens go
-    total: int  # rows of the key tensor: sum(min(seen_b, S) + T_b)
-
-
-def kv_gather(chunk_lengths: List[int], seen_before: List[int], cache_size: int, device: torch.device) -> KVGather:
-    """The index form of ``interleave_list(unrotated caches, chunks)`` over the sequences taking part.
-
-    S = 3, chunk_lengths ``[2, 0, 1]``, seen ``[4, 9, 1]``: sequence 0 holds positions 1..3 in slots
-    ``[1, 2, 0]`` (oldest first), sequence 2 position 0 in slot 0 (flat row 2 * 3 + 0 = 6)::
-
-        key rows    0 1 2 | 3 4   | 5 | 6
-        from        cache rows 1 2 0 | chunk 0 1 | cache row 6 | chunk 2
-        cache_rows = [1, 2, 0, 6], cache_dst = [0, 1, 2, 5], chunk_dst = [3, 4, 6]
-    """
-    cache_rows: List[int] = []
-    cache_dst: List[int] = []
-    chunk_dst: List[int] = []
-    offset = 0
-    for b, (n, seen) in enumerate(zip(chunk_lengths, seen_before)):
-        if n == 0:
-            continue
-        cached = min(seen, cache_size)
-        oldest = seen % cache_size if seen >= cache_size else 0
-        cache_rows.extend(b * cache_size + (oldest + j) % cache_size for j in range(cached))
-        cache_dst.extend(range(offset, offset + cached))
-        chunk_dst.extend(range(offset + cached, offset + cached + n))
-        offset += cached + n
-
-    def as_tensor(values: List[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return KVGather(as_tensor(cache_rows), as_tensor(cache_dst), as_tensor(chunk_dst), offset)
-
-
 class CacheView:
     """One layer's keys/values buffers seen through one chunk's metadata."""
 
@@ -328,8 +274,6 @@ class CacheView:
             return xk, xv
         lengths, seen = self.metadata.chunk_lengths, self.metadata.seen_before
         active = [b for b, n in enumerate(lengths) if n > 0]
-        if xk.is_cuda or len(active) > LOOP_MAX_SEQUENCES:
-            return self.gather_kv(xk), self.gather_kv(xv, values=True)
         chunk_k = torch.split(xk, [lengths[b] for b in active])
         chunk_v = torch.split(xv, [lengths[b] for b in active])
         cached_k = [unrotate(self.cache_k[b], seen[b]) for b in active]
@@ -337,17 +281,6 @@ class CacheView:
         key = torch.cat(interleave_list(cached_k, chunk_k), dim=0)
         value = torch.cat(interleave_list(cached_v, chunk_v), dim=0)
         return key, value
-
-    def gather_kv(self, chunk: torch.Tensor, values: bool = False) -> torch.Tensor:
-        """``interleave_kv``'s keys (or values) by three index operations (``KVGather``):
-        the same tensor, with no Python loop over the sequences (used on CUDA, and for many sequences)."""
-        gather = self.metadata.kv_gather
-        buffer = self.cache_v if values else self.cache_k
-        flat = buffer.view(-1, *buffer.shape[2:])  # (B_max*S, H_kv, Dh)
-        out = chunk.new_empty(gather.total, *chunk.shape[1:])  # (sum(cached + T_b), H_kv, Dh)
-        out.index_copy_(0, gather.cache_dst, flat.index_select(0, gather.cache_rows))
-        out.index_copy_(0, gather.chunk_dst, chunk)
-        return out
 
     @property
     def key(self) -> torch.Tensor:

@@ -10,9 +10,6 @@ I feed-forward hidden dim, E experts, A experts chosen per token (top-k), V voca
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -20,20 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixtral_infer.errors import ConfigError, GenerationError, as_int
+from mixtral_infer.errors import GenerationError, as_int
 from mixtral_infer.model.attention import attention
 from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_attention_bias
 from mixtral_infer.model.moe import MoeArgs, MoeLayer
 from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.rope import apply_rotary, rotary_angles
 
-MAX_LAYERS = 4096  # the largest published decoders have ~130 layers
-MAX_SIZE = 2**31 - 1  # every width, head and vocabulary count (torch sizes past 2**63 are a traceback)
-
-
 @dataclass
 class ModelArgs:
-    """A model's shape, as in ``params.json`` (``from_params`` / ``to_params``), plus the batch it serves."""
+    """A model's shape, as in ``params.json``, plus the batch it serves. Read from files and checked
+    by ``checkpoint.params``."""
 
     dim: int
     n_layers: int
@@ -52,74 +46,6 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.rope_theta is None:
             self.rope_theta = 10000.0 if self.sliding_window is not None else 1e6
-        self.validate()
-
-    def validate(self, source: str = "ModelArgs") -> None:
-        """Raise ConfigError on values no model can have."""
-        for name in ("dim", "n_layers", "head_dim", "hidden_dim", "n_heads", "n_kv_heads", "vocab_size", "max_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{source}: {name}={value!r} must be a positive integer")
-            if value > MAX_SIZE and name != "n_layers":  # n_layers: MAX_LAYERS below
-                raise ConfigError(f"{source}: {name}={value} is more than 2**31 - 1, no model has a size that large")
-        if self.n_layers > MAX_LAYERS:
-            # Building the model makes Python objects per layer: 1e12 layers would hang, not fail.
-            raise ConfigError(f"{source}: n_layers={self.n_layers} is more than {MAX_LAYERS}, no model has that many layers")
-        for name in ("norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ConfigError(f"{source}: {name}={value!r} must be a positive number")
-        if self.n_heads % self.n_kv_heads != 0:
-            raise ConfigError(
-                f"{source}: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
-            )
-        if self.head_dim % 2 != 0:
-            raise ConfigError(f"{source}: head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.sliding_window is not None and (
-            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
-        ):
-            raise ConfigError(f"{source}: sliding_window={self.sliding_window!r} must be a positive integer or null")
-        if self.moe is not None:
-            n, k = self.moe.num_experts, self.moe.num_experts_per_tok
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (n, k)):
-                raise ConfigError(f"{source}: moe needs positive integers, got num_experts={n!r}, num_experts_per_tok={k!r}")
-            if k > n:
-                raise ConfigError(f"{source}: moe.num_experts_per_tok={k} exceeds moe.num_experts={n}")
-            if n > MAX_SIZE:
-                raise ConfigError(f"{source}: moe.num_experts={n} is more than 2**31 - 1, no model has that many experts")
-
-    @classmethod
-    def from_params(cls, params: dict, source: str = "params.json") -> "ModelArgs":
-        """Build from a params.json dict; unknown keys are ignored with a warning."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            warnings.warn(f"{source}: ignoring unknown keys {unknown}", stacklevel=2)
-        missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in params]
-        if missing:
-            raise ConfigError(f"{source}: missing required field(s) {missing}")
-        fields = {key: value for key, value in params.items() if key in known}
-        moe = fields.get("moe")
-        if moe is not None:
-            if not isinstance(moe, dict) or set(moe) - {"num_experts", "num_experts_per_tok"} or len(moe) != 2:
-                raise ConfigError(f"{source}: moe must be {{'num_experts': int, 'num_experts_per_tok': int}}, got {moe!r}")
-            fields["moe"] = MoeArgs(**moe)
-        return cls.checked(fields, source)
-
-    @classmethod
-    def checked(cls, fields: dict, source: str) -> "ModelArgs":
-        """``ModelArgs(**fields)``, with ``source`` (the file) named in any ConfigError."""
-        try:
-            return cls(**fields)
-        except ConfigError as error:
-            raise ConfigError(str(error).replace("ModelArgs:", f"{source}:", 1)) from None
-        except TypeError as error:
-            raise ConfigError(f"{source}: {error}") from None
-
-    def to_params(self) -> dict:
-        """The params.json dict (no null entries, no max_batch_size)."""
-        params = dataclasses.asdict(self)
-        return {key: value for key, value in params.items() if value is not None and key != "max_batch_size"}
 
 
 class RMSNorm(nn.Module):
@@ -195,9 +121,13 @@ class Attention(nn.Module):
         if cache.decoding:
             cache.update(xk, xv)
             return self.kernel(xq, cache.key, cache.value, cache.mask)  # keys (B*S, H_kv, Dh)
-        key, value = cache.interleave_kv(xk, xv)  # (sum(cached + T_b), H_kv, Dh)
+        key, value = self.cached_keys(cache, xk, xv)  # (sum(cached + T_b), H_kv, Dh)
         cache.update(xk, xv)
         return self.kernel(xq, key, value, cache.mask)
+
+    def cached_keys(self, cache: CacheView, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's keys and values after its sequences' cached ones (``interleave_kv``)."""
+        return cache.interleave_kv(xk, xv)
 
     def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias) -> torch.Tensor:
         """Attention of q ``(T_q, H, Dh)`` over k, v ``(T_k, H_kv, Dh)`` under ``bias``: ``(T_q, H, Dh)``.
