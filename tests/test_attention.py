@@ -1,4 +1,5 @@
-"""The CPU attention path equals dense masked attention with xformers' own materialized bias."""
+"""The reference attention and the fast one (single queries batched) each equal dense masked
+attention with xformers' own materialized bias."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.model.attention import (
-    _single_query_attention,
-    one_query_sdpa,
+from mixtral_infer.fast.batched_attention import (
+    batched_attention,
+    single_query_attention,
     single_query_gather,
     single_query_keys,
-    attention,
-    window_tiles,
 )
+from mixtral_infer.model.attention import attention, one_query_sdpa, window_tiles
 from mixtral_infer.model.cache import build_input_metadata
 from mixtral_infer.model.xformers_bias import (
     BlockDiagonalCausalLocalAttentionFromBottomRightMask,
@@ -25,6 +25,7 @@ from mixtral_infer.model.xformers_bias import (
 )
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 8
+BOTH = pytest.mark.parametrize("attend", [attention, batched_attention], ids=["reference", "batched"])
 
 
 def dense_attention(q, k, v, bias):
@@ -47,26 +48,29 @@ def random_qkv(n_q, n_k, seed=0):
 
 
 @pytest.mark.parametrize("window", [1, 3, 16])
-def test_first_chunk_causal_local(window):
+@BOTH
+def test_first_chunk_causal_local(window, attend):
     seqlens = [5, 1, 9]
     bias = BlockDiagonalMask.from_seqlens(seqlens, device=torch.device("cpu")).make_local_attention(window)
     assert isinstance(bias, BlockDiagonalCausalLocalAttentionMask)
     q, k, v = random_qkv(sum(seqlens), sum(seqlens))
-    torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [2, 4, 7])
-def test_later_chunk_causal_local_from_bottom_right(window):
+@BOTH
+def test_later_chunk_causal_local_from_bottom_right(window, attend):
     q_seqlens, kv_seqlens = [3, 1, 6], [3 + 4, 1 + 2, 6 + 4]
     bias = BlockDiagonalMask.from_seqlens(q_seqlens, kv_seqlens, device=torch.device("cpu"))
     bias = bias.make_local_attention_from_bottomright(window)
     assert isinstance(bias, BlockDiagonalCausalLocalAttentionFromBottomRightMask)
     q, k, v = random_qkv(sum(q_seqlens), sum(kv_seqlens))
-    torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [100, 256, 300])
-def test_long_blocks_run_in_query_tiles_with_the_same_result(window):
+@BOTH
+def test_long_blocks_run_in_query_tiles_with_the_same_result(window, attend):
     """Blocks longer than QUERY_TILE (256) go through window_tiles; the result is the dense one."""
     assert window_tiles(700, 700, 100) == [(0, 256, 0, 256), (256, 512, 157, 512), (512, 700, 413, 700)]
     first = BlockDiagonalMask.from_seqlens([700, 30], device=torch.device("cpu")).make_local_attention(window)
@@ -74,7 +78,7 @@ def test_long_blocks_run_in_query_tiles_with_the_same_result(window):
     later = later.make_local_attention_from_bottomright(window)
     for bias, n_q, n_k in [(first, 730, 730), (later, 603, 608 + window - 1)]:
         q, k, v = random_qkv(n_q, n_k, seed=window)
-        torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attend(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
 def test_single_query_keys_docstring_example():
@@ -94,13 +98,14 @@ def test_a_gather_made_under_inference_mode_serves_a_pass_with_gradients():
     with torch.inference_mode():
         single_query_gather(tuple(ranges), None, torch.device("cpu"))  # cached here
     k = torch.randn(7, 1, 4, requires_grad=True)
-    out = _single_query_attention(torch.randn(2, 2, 4), k, torch.randn(7, 1, 4), ranges, None)
+    out = single_query_attention(torch.randn(2, 2, 4), k, torch.randn(7, 1, 4), ranges, None)
     out.sum().backward()
     assert k.grad is not None and torch.isfinite(k.grad).all()
 
 
 @pytest.mark.parametrize("window", [None, 3, 6])
-def test_serving_step_single_queries_batched_beside_prompt_chunks(window):
+@BOTH
+def test_serving_step_single_queries_batched_beside_prompt_chunks(window, attend):
     """A continuous-batching step: decoding sequences (one query over their cache) beside prompt
     chunks. The single queries go through one batched call; the result is the dense one."""
     q_seqlens = [1, 4, 1, 1, 7, 1]
@@ -108,18 +113,20 @@ def test_serving_step_single_queries_batched_beside_prompt_chunks(window):
     bias = BlockDiagonalMask.from_seqlens(q_seqlens, kv_seqlens, device=torch.device("cpu"))
     bias = bias.make_local_attention_from_bottomright(window) if window else bias.make_causal_from_bottomright()
     q, k, v = random_qkv(sum(q_seqlens), sum(kv_seqlens), seed=window or 0)
-    torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
-def test_first_chunk_with_several_one_token_prompts():
+@BOTH
+def test_first_chunk_with_several_one_token_prompts(attend):
     """Top-left causal blocks of one token each (square 1 x 1) take the batched call too."""
     seqlens = [1, 5, 1, 1]
     bias = BlockDiagonalMask.from_seqlens(seqlens, device=torch.device("cpu")).make_local_attention(3)
     q, k, v = random_qkv(sum(seqlens), sum(seqlens), seed=5)
-    torch.testing.assert_close(attention(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(q, k, v, bias), dense_attention(q, k, v, bias), atol=1e-5, rtol=1e-5)
 
 
-def test_decode_padded_keys_with_finished_sequences():
+@BOTH
+def test_decode_padded_keys_with_finished_sequences(attend):
     """One query per sequence (none for the second), each over its own padded buffer of 4 keys."""
     metadata = build_input_metadata([1, 0, 1, 1], [9, 5, 1, 3], cache_size=4, sliding_window=4, device=torch.device("cpu"))
     bias = metadata.mask
@@ -129,17 +136,18 @@ def test_decode_padded_keys_with_finished_sequences():
     k[2 * 4 + 2 : 3 * 4] = float("nan")  # sequence 2 uses 2 of its 4 slots
     v[2 * 4 + 2 : 3 * 4] = float("nan")
     k[4:8] = float("nan")  # sequence 1 takes no part in this step
-    got = attention(q, k, v, bias)
+    got = attend(q, k, v, bias)
     assert torch.isfinite(got).all()
     expected = dense_attention(q, torch.nan_to_num(k), torch.nan_to_num(v), bias)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_with_every_slot_in_use_takes_the_unmasked_path():
+@BOTH
+def test_decode_with_every_slot_in_use_takes_the_unmasked_path(attend):
     metadata = build_input_metadata([1, 1], [7, 12], cache_size=4, sliding_window=4, device=torch.device("cpu"))
     q, k, v = random_qkv(2, 8, seed=3)
     torch.testing.assert_close(
-        attention(q, k, v, metadata.mask), dense_attention(q, k, v, metadata.mask), atol=1e-5, rtol=1e-5
+        attend(q, k, v, metadata.mask), dense_attention(q, k, v, metadata.mask), atol=1e-5, rtol=1e-5
     )
 
 

@@ -1,6 +1,5 @@
 """Attention on CUDA: xformers' kernels where they load, else torch's ragged flash attention
-(``fast.varlen_attention``) for the prefill biases, else the reference SDPA path
-(``model.attention``). ``CudaAttention`` is swapped in for the model's ``Attention`` by
+(``fast.varlen_attention``) for the prefill biases, else SDPA (``fast.batched_attention``). ``CudaAttention`` is swapped in for the model's ``Attention`` by
 ``fast.formats.use_formats``; on other devices it is the reference."""
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import logging
 import torch
 
 from mixtral_infer.fast.varlen_attention import can_use_torch_varlen, torch_varlen_kernel, varlen_attention
-from mixtral_infer.model.attention import attention
+from mixtral_infer.fast.batched_attention import batched_attention
 from mixtral_infer.model.xformers_bias import AttentionBias
 
 
@@ -42,7 +41,7 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Atte
         return _xformers_attention(q, k, v, bias)
     if can_use_torch_varlen(q, bias):
         return varlen_attention(q, k, v, bias, torch_varlen_kernel())
-    return attention(q, k, v, bias)
+    return batched_attention(q, k, v, bias)
 
 
 def _xformers_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: AttentionBias) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixtral_infer.fast.batched_attention import batched_attention
 from mixtral_infer.fast.cache_gather import gathered_kv
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks, block_products
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
@@ -99,7 +100,7 @@ class FastAttention(Attention):
         return xq, xk, xv
 
     def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias) -> torch.Tensor:
-        return cuda_attention(q, k, v, bias) if q.is_cuda else super().kernel(q, k, v, bias)
+        return cuda_attention(q, k, v, bias) if q.is_cuda else batched_attention(q, k, v, bias)
 
     def cached_keys(self, cache, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gathered_kv(cache, xk, xv)

@@ -1,15 +1,13 @@
 """Attention over a flat batch, with the mask given as an xformers attention bias, computed
-with torch's ``scaled_dot_product_attention``. This is the reference; ``fast.cuda_attention``
-swaps CUDA kernels in.
+with torch's ``scaled_dot_product_attention``. This is the reference: ``fast.batched_attention``
+batches single queries, ``fast.cuda_attention`` swaps CUDA kernels in.
 
 * block-diagonal biases (prefill): one SDPA call per sequence, with that
   sequence's (q_len, kv_len) causal / sliding-window mask, never a dense mask
   over the whole batch; a sequence much longer than the window in tiles of
-  queries, each over only the keys it can see (``window_tiles``); the sequences
-  that bring a single query (one-token prompts) together in one batched call
-  (``single_query_keys``);
-* the padded-keys bias (decoding): one batched call, each sequence's single
-  query against its own cache buffer, with a per-sequence key length.
+  queries, each over only the keys it can see (``window_tiles``);
+* the padded-keys bias (decoding): each sequence's query against its own cache
+  buffer; one batched call where every sequence has as many keys.
 
 Grouped-query attention uses SDPA's ``enable_gqa``: K/V are never repeated. Single queries
 on CPU are attended in float32 (``one_query_sdpa``).
@@ -17,7 +15,6 @@ on CPU are attended in float32 (``one_query_sdpa``).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -72,7 +69,12 @@ def _block_diagonal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalMask
 ) -> torch.Tensor:
     bottom_right, window = block_semantics(bias)
-    return _per_block_attention(q, k, v, bias, bottom_right, window)
+    return block_attention(q, k, v, blocks_of(bias), bottom_right, window, torch.empty_like(q))
+
+
+def blocks_of(bias: BlockDiagonalMask) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Each block's ``((q_start, q_end), (k_start, k_end))`` in the flat queries and keys."""
+    return list(zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()))
 
 
 QUERY_TILE = 256  # queries per SDPA call in a long sliding-window block (at least the window)
@@ -101,25 +103,17 @@ def window_tiles(q_len: int, kv_len: int, window: Optional[int]) -> list[tuple[i
     ]
 
 
-def _per_block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
+def block_attention(
+    q: torch.Tensor,  # (T_q, H, Dh)
+    k: torch.Tensor,  # (T_k, H_kv, Dh)
     v: torch.Tensor,
-    bias,
+    blocks: list[tuple[tuple[int, int], tuple[int, int]]],  # blocks_of(bias)
     bottom_right: bool,
     window: Optional[int],
+    out: torch.Tensor,  # (T_q, H, Dh), its blocks' rows written
 ) -> torch.Tensor:
-    """SDPA per block of the bias, each with its own causal (q_len, kv_len) mask; long
-    sliding-window blocks in tiles of queries (``window_tiles``)."""
-    out = torch.empty_like(q)
-    blocks = list(zip(bias.q_seqinfo.intervals(), bias.k_seqinfo.intervals()))
-    singles = [(q_start, k_start, k_end) for (q_start, q_end), (k_start, k_end) in blocks if q_end - q_start == 1]
-    if len(singles) > 1:
-        # A single query is the last position of its block, whether the block is aligned at the
-        # bottom right or (square, 1 x 1) at the top left: one batched call for all of them.
-        rows = torch.tensor([q_start for q_start, _, _ in singles], device=q.device)
-        out[rows] = _single_query_attention(q[rows], k, v, [(k_start, k_end) for _, k_start, k_end in singles], window)
-        blocks = [block for block in blocks if block[0][1] - block[0][0] != 1]
+    """SDPA per block, each with its own causal (q_len, kv_len) mask; long sliding-window blocks in
+    tiles of queries (``window_tiles``). Returns ``out``."""
     for (q_start, q_end), (k_start, k_end) in blocks:
         q_len, kv_len = q_end - q_start, k_end - k_start
         if q_len == 0:
@@ -136,41 +130,6 @@ def _per_block_attention(
                 v[k_start + k_from : k_start + k_to], mask,
             )  # fmt: skip
     return out
-
-
-def single_query_keys(key_ranges: list[tuple[int, int]], window: Optional[int]) -> tuple[list[int], list[int]]:
-    """First key row and key count each single query sees, its query being its block's last key.
-
-    Blocks ``[0, 5)`` and ``[5, 6)`` and ``[6, 40)`` with a window of 8: the first query sees keys
-    0..4, the second key 5 alone, the third the last 8 keys of its block, 32..39::
-
-        starts = [0, 5, 32], lengths = [5, 1, 8]
-    """
-    starts = [max(start, end - window) if window is not None else start for start, end in key_ranges]
-    return starts, [end - first for first, (_, end) in zip(starts, key_ranges)]
-
-
-@functools.lru_cache(maxsize=16)
-def single_query_gather(
-    key_ranges: tuple[tuple[int, int], ...], window: Optional[int], device: torch.device
-) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
-    """The rows of k that ``_single_query_attention`` reads ``(N*L,)``, the mask of the padding
-    ``(N, 1, 1, L)`` (None when every query sees L keys), and L, the most keys a query sees.
-
-    Every layer of a pass asks for the same ones, so they are made once (cached; never written;
-    made as normal tensors even under ``inference_mode``, so a later pass with gradients can use them).
-    Blocks ``[0, 3)`` and ``[3, 4)``: query 0 reads rows 0 1 2, query 1 reads row 3 then repeats it::
-
-        index = [0, 1, 2, 3, 3, 3], mask = [[T, T, T], [T, F, F]], L = 3
-    """
-    starts, lengths = single_query_keys(list(key_ranges), window)
-    longest = max(lengths)
-    with torch.inference_mode(False):
-        offsets = torch.arange(longest, device=device)  # (L,)
-        start, length = torch.tensor([starts, lengths], device=device)[:, :, None]  # (N, 1) each
-        index = (start + torch.minimum(offsets, length - 1)).view(-1)  # (N*L,)
-        mask = (offsets < length)[:, None, None, :] if min(lengths) < longest else None  # (N, 1, 1, L)
-    return index, mask, longest
 
 
 def one_query_sdpa(
@@ -194,39 +153,17 @@ def one_query_sdpa(
     return out[:, :, 0, :].to(dtype)
 
 
-def _single_query_attention(
-    q: torch.Tensor,  # (N, H, Dh): one query per block
-    k: torch.Tensor,  # (T_k, H_kv, Dh)
-    v: torch.Tensor,
-    key_ranges: list[tuple[int, int]],  # each block's [k_start, k_end) in k
-    window: Optional[int],
-) -> torch.Tensor:
-    """One batched call: query n against the keys it sees (``single_query_keys``), padded to the
-    longest. A padded slot repeats its block's last key and is masked out, so it reads only that
-    block's own keys (a NaN elsewhere in the batch cannot leak in)."""
-    index, mask, longest = single_query_gather(tuple(key_ranges), window, k.device)
-    shape = (len(key_ranges), longest, *k.shape[1:])  # (N, L, H_kv, Dh)
-    return one_query_sdpa(q, k.index_select(0, index).view(shape), v.index_select(0, index).view(shape), mask)
-
-
 def _padded_keys_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: BlockDiagonalCausalWithOffsetPaddedKeysMask
 ) -> torch.Tensor:
-    """Decoding: at most one query per sequence, each over its own padded block of keys."""
+    """Decoding: each sequence's queries over its own padded block of keys, causal from the bottom
+    right; one batched call when every sequence brings one query over as many keys."""
     q_seqlens = [end - start for start, end in bias.q_seqinfo.intervals()]
-    kv_seqlens = bias.k_seqinfo.seqlen_py
-    padding = bias.k_seqinfo.padding
-    if max(q_seqlens, default=0) > 1:
-        # Several queries per sequence: causal from the bottom right within each used block.
-        return _per_block_attention(q, k, v, bias, bottom_right=True, window=None)
-    batch = len(q_seqlens)
-    rows = [b for b, n in enumerate(q_seqlens) if n == 1]
-    lengths = [kv_seqlens[b] for b in rows]
-    if len(rows) != batch or min(lengths) != max(lengths):
-        # Sequences sitting out, or of unequal lengths: gather each one's own keys. Unused
-        # slots (they may hold anything, NaN included) are never read.
-        return _single_query_attention(q, k, v, [(b * padding, b * padding + kv_seqlens[b]) for b in rows], None)
-    n_kv_heads, head_dim = k.shape[1:]
+    lengths = bias.k_seqinfo.seqlen_py
+    if any(n != 1 for n in q_seqlens) or min(lengths) != max(lengths):
+        # Unused slots (they may hold anything, NaN included) are never read.
+        return block_attention(q, k, v, blocks_of(bias), True, None, torch.empty_like(q))
+    batch, padding, (n_kv_heads, head_dim) = len(q_seqlens), bias.k_seqinfo.padding, k.shape[1:]
     # Every sequence has the same number of keys: its block's first lengths[0] slots, in place.
     keys = k.view(batch, padding, n_kv_heads, head_dim)[:, : lengths[0]]  # (B, S, H_kv, Dh)
     values = v.view(batch, padding, n_kv_heads, head_dim)[:, : lengths[0]]
