@@ -20,14 +20,10 @@ The whole batch is one flat tensor of ``sum(chunk_lengths)`` tokens. A chunk of 
 later prefill attends to ``[unrotated cache of seq 0 | chunk of seq 0 | unrotated
 cache of seq 1 | chunk of seq 1 | ...]``: ``interleave_list`` builds that order.
 
-``RotatingBufferCache`` owns the buffers and how many tokens each sequence has
-seen (``tokens_seen``); ``RotatingCacheInputMetadata`` says, for one chunk of
-``chunk_lengths`` tokens per sequence, which tokens go where and which attention
-bias to use; ``CacheView`` is one layer's window onto both. Nothing here knows
-about layers or weights.
-
-Shapes: B sequences (``B_max`` rows in the buffers), S slots per sequence, T tokens
-in the chunk, H_kv KV heads, Dh head dim.
+``RotatingBufferCache`` owns the buffers and counts the tokens each sequence has seen;
+``RotatingCacheInputMetadata`` says, for one chunk, which tokens go where and which attention
+bias to use; ``CacheView`` is one layer's window onto both. Nothing here knows about weights.
+Shapes: B sequences (``B_max`` rows in the buffers), S slots per sequence, T tokens in the chunk.
 """
 
 from __future__ import annotations
@@ -134,13 +130,10 @@ def causal_attention_bias(seqlens: List[int], window: Optional[int], device: tor
 def split_mixed(chunk_lengths: List[int], device: torch.device) -> Optional[Tuple[List[int], List[int]]]:
     """The chunk lengths of the two parts of a mixed pass, or None when it attends in one.
 
-    A serving step feeds one token to each decoding sequence and a chunk of a prompt to
-    others. Attended as one block-diagonal batch, every decoding sequence's cache is gathered
-    into ``[cache | chunk]`` order beside the prompts, then gathered again for the batched
-    single queries. Off CUDA such a pass attends in two parts instead, each as its own kind of
-    pass: the one-token sequences as in decoding (over their buffers), the chunks over
-    ``[cache | chunk]`` of their sequences alone, and no decoding sequence's cache is copied.
-    CUDA's ragged kernels take the whole batch in one call, so it stays one part there.
+    A serving step feeds one token to some sequences and a prompt chunk to others. Off CUDA it
+    attends in two parts, each as its own kind of pass: the one-token sequences over their buffers
+    as in decoding, the chunks over ``[cache | chunk]``; no decoding sequence's cache is copied
+    into the ``[cache | chunk]`` order. CUDA's ragged kernels take the whole batch in one call.
 
     ``[1, 0, 5, 1]`` -> ``([1, 0, 0, 1], [0, 0, 5, 0])``; ``[1, 1]`` and ``[4, 2]`` -> None.
     """

@@ -1,10 +1,9 @@
-"""The Mistral / Mixtral decoder: GQA attention with rotary embeddings, RMSNorm,
-SwiGLU (dense) or mixture-of-experts feed-forward.
+"""The Mistral / Mixtral decoder: GQA attention with rotary embeddings, RMSNorm, SwiGLU (dense)
+or mixture-of-experts feed-forward. The batch is one flat tensor of ``sum(seqlens)`` tokens with
+the list of sequence lengths, so ragged batches need no padding.
 
-The batch is one flat tensor of ``sum(seqlens)`` tokens with the list of
-sequence lengths, so ragged batches need no padding. Shape legend, one meaning
-per letter across the package: T tokens in the flat batch, B sequences, D model dim,
-H query heads, H_kv KV heads, Dh head dim, S cache slots per sequence, L layers,
+Shape legend, one meaning per letter across the package: T tokens in the flat batch, B sequences,
+D model dim, H query heads, H_kv KV heads, Dh head dim, S cache slots per sequence, L layers,
 I feed-forward hidden dim, E experts, A experts chosen per token (top-k), V vocabulary.
 """
 
@@ -23,6 +22,7 @@ from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_att
 from mixtral_infer.model.moe import MoeArgs, MoeLayer
 from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.rope import apply_rotary, rotary_angles
+
 
 @dataclass
 class ModelArgs:
@@ -227,15 +227,13 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Float logits ``(T, V)``. Without a cache: causal sliding-window attention per sequence.
 
-        ``logit_rows``: compute the logits of these rows of ``input_ids`` only, and return
-        ``(len(logit_rows), V)``. A prefill that needs only each prompt's last logits skips
-        the output matrix for every other token (for vocab 32000 and dim 1024, 14% of a
-        Mixtral prefill's work). Every layer still runs over all T tokens.
+        ``logit_rows``: the logits of these rows of ``input_ids`` only, ``(len(logit_rows), V)``: a
+        prefill that needs each prompt's last logits skips the output matrix for the other tokens.
+        The inputs are taken as given: ``mixtral_infer.forward`` checks them first.
         """
         if cache is not None and cache.damaged:
-            raise GenerationError("the cache was left half-written by a prompt chunk that was interrupted (some layers "
-                                  "wrote their keys, later ones did not): start its sequences again, "
-                                  "cache.start_sequences(n), and feed them from their first token")  # fmt: skip
+            raise GenerationError("the cache was left half-written by an interrupted prompt chunk: start its "
+                                  "sequences again (cache.start_sequences(n)) and feed them from their first token")
         if cache is None:
             positions = torch.cat([torch.arange(n) for n in seqlens]) if seqlens else torch.zeros(0, dtype=torch.long)
             positions = positions.to(self.device)
