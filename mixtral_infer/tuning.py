@@ -7,8 +7,10 @@ run as ``dequantize`` followed by ``F.linear``.
 
 Every other field says how a fast path computes, never what: each choice gives the reference's
 numbers (to the rounding of the dtype) either way. A ``Tuning()`` holds safe defaults, the same on
-every machine. Tests and benches pass one of their own (``fast.formats.use_formats(model, tuning)``,
-``make_decode_step(..., tuning=...)``).
+every machine. ``load_model`` gives a model the tuning of the machine it runs on
+(``fast.measured.machine_tuning``): the choices that depend on the machine measured once there and
+kept on disk. Tests and benches pass one of their own (``load_model(..., tuning=...)``,
+``fast.formats.use_formats(model, tuning)``, ``make_decode_step(..., tuning=...)``).
 
 The compiled steps read the fields when they are traced: a step built for one tuning keeps it.
 
