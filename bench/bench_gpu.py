@@ -37,7 +37,7 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
   alone for none): the same model's weights quantized (``quant.model.quantize_model``: int8 per
   output row, int4 in groups of 32 or 128, nf4 in groups of 64 through bitsandbytes' CUDA kernel;
   without ``-gemlite``, PyTorch's kernels even where GemLite is installed; ``-gemlite-f32``:
-  GemLite's outputs in float32, converted by the compiled step, ``gemlite_cuda.FLOAT32_OUTPUTS`` on),
+  GemLite's outputs in float32, converted by the compiled step, ``Tuning.gemlite_float32_outputs`` on),
   decode at batch 1 eager and fast, with the greedy agreement of its tokens with the bfloat16 model's
   (``same_tokens``: leading tokens equal). A copy is quantized where one fits beside the
   bfloat16 model; else the model itself, and later schemes are skipped.
@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -81,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mixtral_infer import ModelArgs, MoeArgs, Transformer, generate  # noqa: E402
 from mixtral_infer.checkpoint.hf_format import hf_to_published  # noqa: E402
 from mixtral_infer.checkpoint.loading import build_model  # noqa: E402
+from mixtral_infer.fast.formats import tuning_of, use_formats  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size, prefill  # noqa: E402
 from mixtral_infer.model.moe import MoeLayer  # noqa: E402
 from mixtral_infer.quant import gemlite_cuda  # noqa: E402
@@ -380,7 +382,7 @@ def bench_transformers_decode(hf, prompts, ours_tokens: list, repeats: int, hf_c
 
 
 GEMLITE = "-gemlite"  # a scheme's suffix: its dense weights through GemLite (quant/gemlite_cuda.py)
-FLOAT32 = "-f32"  # after GEMLITE: GemLite's outputs in float32, converted by the compiled step (FLOAT32_OUTPUTS on)
+FLOAT32 = "-f32"  # after GEMLITE: GemLite's outputs in float32, converted by the compiled step (Tuning.gemlite_float32_outputs)
 
 
 def quantized_with(model: Transformer, scheme: str) -> Transformer:
@@ -395,8 +397,8 @@ def quantized_with(model: Transformer, scheme: str) -> Transformer:
             return quantize_model(model, scheme)
     if gemlite_cuda.library() is None:
         raise RuntimeError("GemLite does not import here: carry its package folder (bench/gpu_lease.sh)")
-    with mock.patch.object(gemlite_cuda, "FLOAT32_OUTPUTS", float32):
-        return quantize_model(model, scheme[: -len(GEMLITE)])
+    use_formats(model, dataclasses.replace(tuning_of(model), gemlite_float32_outputs=float32))  # read by quantize_model
+    return quantize_model(model, scheme[: -len(GEMLITE)])
 
 
 def bench_quantized_decode(

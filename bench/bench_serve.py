@@ -83,7 +83,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -384,9 +384,10 @@ def run_generate_batches(model, tokenizer, requests: List[Dict], max_batch: int,
 
 def run_engine_in_process(
     model, tokenizer, requests: List[Dict], clients: int, prefill_tokens: int, admit_every: Optional[int] = None,
-    decode: str = "auto", compile_prompts: Optional[bool] = None,
+    decode: str = "auto", compile_prompts: Optional[bool] = None, tuning=None,
 ) -> List[Dict]:
-    """Continuous batching without HTTP: the engine's thread, requests submitted at their arrivals."""
+    """Continuous batching without HTTP: the engine's thread, requests submitted at their arrivals;
+    the engine's steps built as ``tuning`` says (None: the model's)."""
     from mixtral_infer.serve.engine import Engine, Finished, RequestSettings
 
     # A model without a window (Mixtral 8x7B) sizes its rows by the longest request: prompt + max_tokens.
@@ -394,7 +395,7 @@ def run_engine_in_process(
     engine = Engine(
         model, tokenizer, rows=clients, prefill_tokens=prefill_tokens, max_queue=len(requests), admit_every=admit_every,
         decode=decode, compile_prompts=compile_prompts,
-        max_model_len=None if model.args.sliding_window is not None else longest,
+        max_model_len=None if model.args.sliding_window is not None else longest, tuning=tuning,
     )  # fmt: skip
     engine.start()
     slots = threading.Semaphore(clients)
@@ -432,15 +433,13 @@ def run_engine_in_process(
     return records
 
 
-def without_aot(run: Callable, *args):
-    """``run(*args)`` with the CPU decode steps compiled by torch.compile, not built by AOTInductor."""
-    import mixtral_infer.steps.decode_step as static_step
+def without_aot(model):
+    """``model``'s tuning with the CPU decode steps compiled by torch.compile, not built by AOTInductor."""
+    import dataclasses
 
-    static_step.AHEAD_OF_TIME_ON_CPU = False
-    try:
-        return run(*args)
-    finally:
-        static_step.AHEAD_OF_TIME_ON_CPU = True
+    from mixtral_infer.fast.formats import tuning_of
+
+    return dataclasses.replace(tuning_of(model), ahead_of_time=False)
 
 
 def paired_ratios(throughputs: Dict[str, List[float]]) -> Dict[str, float]:
@@ -520,9 +519,9 @@ def main() -> None:
             "engine-grouped": lambda: run_engine_in_process(
                 model, tokenizer, requests, args.clients, args.prefill_tokens, args.admit_every, args.decode, compile_prompts
             ),
-            "engine-torch-compile": lambda: without_aot(
-                run_engine_in_process, model, tokenizer, requests, args.clients, args.prefill_tokens, None, args.decode,
-                compile_prompts,
+            "engine-torch-compile": lambda: run_engine_in_process(
+                model, tokenizer, requests, args.clients, args.prefill_tokens, None, args.decode, compile_prompts,
+                without_aot(model),
             ),
             "static": lambda: run_generate_batches(model, tokenizer, requests, args.clients),
             "static-compiled": lambda: run_generate_batches(model, tokenizer, requests, args.clients, decode="compiled"),

@@ -2,11 +2,10 @@
 
     python bench/fused_places.py [--fused 1 2 4] [--places 1 2 4 8] [--rounds 9]
 
-``cpu_reductions.row_sums`` reads a weight in up to ``max_streams()`` places at once (8 on Intel
-CPUs, 2 on AMD ones). Products that read the same row of activations and loop over as many weight
-rows are fused by inductor into one loop: on AMD a bfloat16 Mixtral's two chosen experts' ``w1``
-and ``w3`` were one loop reading 4 x 2 places (hence ``cpu_reductions.VENDOR_EXPERT_STREAMS``, 1
-place for them there). Here one bfloat16 row times 96 weights of 3584 x 1024
+``cpu_reductions.row_sums`` reads a weight in up to ``Tuning.streams`` places at once. Products that
+read the same row of activations and loop over as many weight rows are fused by inductor into one
+loop: a bfloat16 Mixtral's two chosen experts' ``w1`` and ``w3`` are one loop reading 4 x k places
+(hence ``Tuning.expert_streams``, the places for them). Here one bfloat16 row times 96 weights of 3584 x 1024
 (Mixtral-bench's experts; 700 MB, more than any cache), ``--fused`` of them per compiled call, each
 read in ``--places`` places: every variant compiled in one process, then all of them in turn for
 ``--rounds`` rounds (this VM's bandwidth moves by 20% within minutes, so compare within a round).
@@ -33,8 +32,8 @@ OUT, IN, WEIGHTS = 3584, 1024, 96
 
 def products(x: torch.Tensor, weights: list, places: int) -> torch.Tensor:
     """``x (1, IN)`` times each of ``weights`` as the package multiplies them, each read in ``places``
-    places (``cpu_reductions.STREAMS``, read when traced; ``places`` keys the compiled variant)."""
-    return torch.cat([cpu_reductions.rows_as_reductions(x, weight) for weight in weights], -1)  # (1, n * OUT)
+    places (``Tuning.streams``; ``places`` keys the compiled variant)."""
+    return torch.cat([cpu_reductions.rows_as_reductions(x, weight, streams=places) for weight in weights], -1)
 
 
 def main() -> None:
@@ -51,11 +50,9 @@ def main() -> None:
     compiled = torch.compile(products, dynamic=False, options=dict(CPU_INDUCTOR_OPTIONS))
     variants = [(fused, places) for fused in options.fused for places in options.places]
     for fused, places in variants:
-        cpu_reductions.STREAMS = places  # OUT = 3584 is read in all of them (``streams``)
-        compiled(x, weights[:fused], places)
+        compiled(x, weights[:fused], places)  # OUT = 3584 is read in all of them (``cpu_reductions.places``)
 
     def gb_s(fused: int, places: int) -> float:
-        cpu_reductions.STREAMS = places  # so that the variant's guards hold
         start = time.perf_counter()
         for i in range(0, WEIGHTS, fused):
             compiled(x, weights[i : i + fused], places)

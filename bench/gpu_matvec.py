@@ -39,7 +39,6 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +130,7 @@ def gemlite_products(x: torch.Tensor, weights: list, bf16_atomics: bool = False,
                      ) -> Callable[[], list]:  # fmt: skip
     """GemLite's product of ``x`` by each weight (``gemlite_cuda.product``, packed on the first
     call, so a machine without GemLite fails inside the timed way's try), the kernel alone: its
-    float32 outputs as they come (``gemlite_cuda.FLOAT32_OUTPUTS``; a compiled step converts them
+    float32 outputs as they come (``product``'s ``float32_outputs``; a compiled step converts them
     inside the kernel that reads them). Its first call of each shape autotunes where GemLite's
     cached configurations lack it (H100's are loaded on an H200). ``native``: outputs in the
     activations' dtype, as GemLite's own layers make them (converted by GemLite where it adds in
@@ -144,8 +143,7 @@ def gemlite_products(x: torch.Tensor, weights: list, bf16_atomics: bool = False,
         if library is None:
             raise RuntimeError("GemLite does not import here: carry its package folder (bench/gpu_lease.sh)")
         if not products:
-            with mock.patch.object(gemlite_cuda, "FLOAT32_OUTPUTS", not native):
-                products.extend(gemlite_cuda.product(q) for q in weights)
+            products.extend(gemlite_cuda.product(q, float32_outputs=not native) for q in weights)
         library.set_native_atomic_bfp16(bf16_atomics)
         try:
             if native:

@@ -4,13 +4,13 @@
                                 [--quantize int8|int4] [--out bench/results_moe_experts.jsonl]
 
 ``steps/decode_step.moe_one_token`` multiplies the chosen experts of a step with fewer assignments
-than experts one by one on CPU (experts of ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` or more), each product a
+than experts one by one on CPU (experts of ``Tuning.one_by_one_min_weights`` or more), each product a
 reduction read in 8 places, where the batched product of the gathered experts is one loop read in
 one place per core. At a batch with at least as many assignments as experts (``--batch 4`` or more
 for top-2 of 8), the copies are every expert on every row, or the chosen ones one by one (the
-experts' entry of ``CPU_CHOSEN_UP_TO``: "plain", "plain bfloat16", or with ``--quantize``
-"quantized", at any batch). One copy of the model each way, its compiled decode step built while the
-switch had that value (``compile_s``), then compiled decode of 128 tokens after a 64-token prompt at
+experts' field of the ``Tuning``, ``decode_step.chosen_up_to_field``: ``chosen_up_to_plain``,
+``chosen_up_to_bfloat16``, or with ``--quantize`` ``chosen_up_to_quantized``, at any batch). One copy
+of the model each way, its compiled decode step built with the field at that value (``compile_s``), then compiled decode of 128 tokens after a 64-token prompt at
 ``--batch``, the copies alternating, ``--rounds`` times. Prints (and appends to ``--out``) one JSON
 line: medians and every run, tokens/s, and the first 32 greedy tokens of each copy beside the eager
 loop's.
@@ -18,6 +18,7 @@ loop's.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,9 @@ from bench_decode_modes import alternating_tok_s, copies_parser, decode_seconds,
 
 from mixtral_infer import generate, load_model  # noqa: E402
 from mixtral_infer.checkpoint.loading import open_checkpoint  # noqa: E402
+from mixtral_infer.fast.formats import tuning_of  # noqa: E402
 from mixtral_infer.steps import decode_step  # noqa: E402
+from mixtral_infer.steps.decode_loop import step_compiler  # noqa: E402
 
 NEW_TOKENS = 128
 EAGER_TOKENS = 32  # greedy tokens compared with the eager loop's
@@ -59,10 +62,13 @@ def main(argv=None) -> int:
     for way, value in ways:
         model = load_model(options.folder, max_batch_size=options.batch, device="cpu",
                            dtype=getattr(torch, options.dtype), pack="columns", quantize=options.quantize)  # fmt: skip
-        if every_or_chosen:  # the experts' own entry (decode_step.cpu_experts_kind), read when the step is built
-            decode_step.CPU_CHOSEN_UP_TO[decode_step.cpu_experts_kind(model.layers["0"].feed_forward)] = value
+        tuning = tuning_of(model)
+        if every_or_chosen:  # the experts' own field (decode_step.chosen_up_to_field), read when the step is built
+            field = decode_step.chosen_up_to_field(model.layers["0"].feed_forward, tuning)
+            tuning = dataclasses.replace(tuning, **{field: value})
         else:
-            decode_step.CPU_ONE_BY_ONE_MIN_WEIGHTS = value
+            tuning = dataclasses.replace(tuning, one_by_one_min_weights=value)
+        step_compiler(model).tuning = tuning
         start = time.perf_counter()
         decode_seconds(model, prompts, "compiled", NEW_TOKENS)  # builds the step at the timed shapes
         compile_s[way] = round(time.perf_counter() - start, 1)

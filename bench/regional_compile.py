@@ -8,9 +8,9 @@
 ``torch.compiler.nested_compile_region``, traced and compiled for the first layer and called for
 the others. For each ``--layers``, two copies of a random model of mistral-bench's widths (dim
 1024, 16 heads over 4, hidden 3584, vocabulary 32000, window 256) with that many layers, the
-first's step compiled with every block written out (``REGIONS = False``), the second's with
+first's step compiled with every block written out (``Tuning(regions=False)``), the second's with
 regions; both by ``torch.compile`` (the path of CUDA and of CPU steps AOTInductor does not build:
-``AHEAD_OF_TIME_ON_CPU`` off here), in a fresh inductor cache. Then compiled decode of 128 tokens
+``Tuning.ahead_of_time`` off here), in a fresh inductor cache. Then compiled decode of 128 tokens
 after a 64-token prompt at ``--batch``, the copies alternating, ``--rounds`` times. Prints (and
 appends to ``--out``) one JSON line per layer count: each copy's compile seconds, medians and every
 run in tokens/s. The written-out copy compiles first, so a kernel both share (few do: a region's
@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_modes import alternating_tok_s, decode_seconds, report_copies  # noqa: E402
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer  # noqa: E402
-from mixtral_infer.steps import decode_step  # noqa: E402
 from mixtral_infer.quant.model import quantize_model  # noqa: E402
+from mixtral_infer.steps.decode_loop import step_compiler  # noqa: E402
+from mixtral_infer.tuning import Tuning  # noqa: E402
 
 NEW_TOKENS = 128
 
@@ -74,14 +75,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     options = parser.parse_args(argv)
-    decode_step.AHEAD_OF_TIME_ON_CPU = False  # torch.compile, where regions apply
     prompts = [list(range(1 + i, 65 + i)) for i in range(options.batch)]
     for layers in options.layers:
         models, compile_s = {}, {}
         for way, regions in (("blocks written out", False), ("one region a block", True)):
-            decode_step.REGIONS = regions  # read when the step is traced, on its first call below
             model = bench_model(options.widths, layers, getattr(torch, options.dtype), options.batch,
                                 options.quantize, options.device)  # fmt: skip
+            # torch.compile, where regions apply; read when the step is traced, on its first call below
+            step_compiler(model).tuning = Tuning(regions=regions, ahead_of_time=False)
             start = time.perf_counter()
             decode_seconds(model, prompts, "compiled", NEW_TOKENS)  # builds the step at the timed shapes
             compile_s[way] = round(time.perf_counter() - start, 1)

@@ -27,6 +27,7 @@ Prints one JSON line of medians (ms).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -41,8 +42,8 @@ import bench_vs_transformers as b  # noqa: E402
 from bench_decode_modes import decode_seconds  # noqa: E402
 from profile_decode import tiny_copy  # noqa: E402
 
-import mixtral_infer.steps.decode_step as decode_step  # noqa: E402
 from mixtral_infer import load_model  # noqa: E402
+from mixtral_infer.fast.formats import tuning_of  # noqa: E402
 from mixtral_infer.steps.decode_loop import step_compiler  # noqa: E402
 
 NEW_TOKENS = 128
@@ -92,7 +93,7 @@ class Clock:
 def split_step(model, rounds: int) -> Dict[str, float]:
     """The step as torch.compile builds it (on CPU the package builds it with AOTInductor, whose
     wrapper is C++: nothing of it to time from Python)."""
-    decode_step.AHEAD_OF_TIME_ON_CPU = False
+    step_compiler(model).tuning = dataclasses.replace(tuning_of(model), ahead_of_time=False)
     clock = Clock()
     clock.time_graph_calls()
     prompts = b.random_prompts(1, 64, model.args.vocab_size, seed=1)
@@ -120,7 +121,7 @@ def aot_against_compile(model, rounds: int) -> Dict[str, float]:
     ways = {"aoti": True, "compile": False}
     steps: Dict[str, Dict] = {}
     for name, ahead in ways.items():  # build both (the split above built torch.compile's already)
-        decode_step.AHEAD_OF_TIME_ON_CPU = ahead
+        compiler.tuning = dataclasses.replace(tuning_of(model), ahead_of_time=ahead)
         compiler.steps.clear()
         start = time.perf_counter()
         decode_seconds(model, prompts, "compiled", NEW_TOKENS)
@@ -128,10 +129,10 @@ def aot_against_compile(model, rounds: int) -> Dict[str, float]:
     times: Dict[str, List[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, ahead in ways.items():
-            decode_step.AHEAD_OF_TIME_ON_CPU = ahead
+            compiler.tuning = dataclasses.replace(tuning_of(model), ahead_of_time=ahead)
             compiler.steps = dict(steps[name]["steps"])
             times[name].append(decode_seconds(model, prompts, "compiled", NEW_TOKENS) / (NEW_TOKENS - 1) * 1e3)
-    decode_step.AHEAD_OF_TIME_ON_CPU = True
+    compiler.tuning = None
     kinds = [type(step).__name__ for step in steps["aoti"]["steps"].values()]
     medians = {f"{name}_step_ms": statistics.median(ms) for name, ms in times.items()}
     return {"aoti_built": kinds == ["AotStep"], "aoti_build_s": steps["aoti"]["build_s"], **medians}

@@ -4,23 +4,103 @@
 ``fast=False``, or ``MIXTRAL_INFER_REFERENCE=1`` in the environment, keeps the readable
 reference everywhere: plain ``F.linear``, SDPA attention, eager decoding. Quantized weights then
 run as ``dequantize`` followed by ``F.linear``.
+
+Every other field says how a fast path computes, never what: each choice gives the reference's
+numbers (to the rounding of the dtype) either way. A ``Tuning()`` holds safe defaults, the same on
+every machine. ``load_model`` gives a model the tuning of the machine it runs on
+(``fast.measured.machine_tuning``): the choices that depend on the machine measured once there and
+kept on disk. Tests and benches pass one of their own (``load_model(..., tuning=...)``,
+``fast.formats.use_formats(model, tuning)``, ``make_decode_step(..., tuning=...)``).
+
+The compiled steps read the fields when they are traced: a step built for one tuning keeps it.
+
+Example: ``dataclasses.replace(tuning_of(model), streams=2)`` given to ``use_formats`` makes the
+next compiled step read each weight in 2 places; its products are the same bits.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Collection, Optional, Tuple
+
+import torch
+import torch.utils._pytree as pytree
 
 REFERENCE_VARIABLE = "MIXTRAL_INFER_REFERENCE"
+WIDE_DTYPES: Tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)  # what ``upcast`` may hold
 
 
 @dataclass(frozen=True)
 class Tuning:
-    """``fast``: swap in the fast modules and kernels; False: the reference path everywhere."""
+    """What the fast paths do. Defaults: safe on any machine, measured nowhere."""
 
+    # Swap in the fast modules and kernels; False: the reference path everywhere.
     fast: bool = True
 
+    # Op by op, float32 products of a few rows on CPU: one ``bmm`` block of output rows per thread
+    # (``fast.linear``), for a library whose few-row product runs on one core; False: ``F.linear``.
+    few_row_blocks: bool = False
+    # Compiled few-row products on CPU read a weight's rows in up to this many places at once, one
+    # reduction each (``fast.cpu_reductions.row_sums``): more reads in flight where one stream per
+    # core does not fill the memory's bandwidth, fewer where more places read slower.
+    streams: int = 8
+    # The same for a Mixtral's chosen experts, whose products inductor fuses into shared loops
+    # (``steps.decode_step._experts_one_by_one``); None: ``streams``.
+    expert_streams: Optional[int] = None
+    # Prompt-sized float32 products on CPU by oneDNN instead of MKL (``fast.cpu_float32``).
+    onednn_float32: bool = False
+    # 16-bit dtypes whose prompt-sized CPU products are computed in float32 (``fast.cpu_upcast``);
+    # any collection of them, kept as a tuple in ``WIDE_DTYPES``' order.
+    upcast: Tuple[torch.dtype, ...] = ()
+
+    # Compiled steps trace a block once and call its code for every layer (``decode_step.in_regions``).
+    regions: bool = True
+    # On CPU the compiled step is built by AOTInductor (``steps.cpu_aot_step``); False: torch.compile.
+    ahead_of_time: bool = True
+    # Plain experts of at least this many weights a matrix go one by one on CPU, each product a
+    # reduction (``decode_step.moe_one_token``); smaller ones stay one gathered product.
+    one_by_one_min_weights: int = 1 << 20
+    # On CPU the chosen experts are read while the assignments ``B * k`` are at most this many times
+    # the experts ``E``, every expert on every row beyond (0: only while ``B * k < E``): quantized
+    # experts; large plain float32 and float16 ones; large plain bfloat16 ones.
+    chosen_up_to_quantized: int = 2
+    chosen_up_to_plain: int = 2
+    chosen_up_to_bfloat16: int = 1
+
+    # GemLite (CUDA) asked for float32 outputs, converted by the compiled step where they are read
+    # (``quant.gemlite_cuda``, "Outputs"); read when weights are packed for it.
+    gemlite_float32_outputs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.streams < 1 or (self.expert_streams is not None and self.expert_streams < 1):
+            raise ValueError(f"streams={self.streams}, expert_streams={self.expert_streams}: at least 1 place")
+        if any(dtype not in WIDE_DTYPES for dtype in self.upcast):
+            raise ValueError(f"upcast={tuple(self.upcast)}: only 16-bit float dtypes are widened")
+        object.__setattr__(self, "upcast", widened(self.upcast))
+
     @classmethod
-    def default(cls) -> "Tuning":
-        """The tuning a model gets when none is passed: fast unless ``MIXTRAL_INFER_REFERENCE=1``."""
-        return cls(fast=os.environ.get(REFERENCE_VARIABLE, "") not in ("1", "true", "yes"))
+    def default(cls, fast: Optional[bool] = None) -> "Tuning":
+        """The safe defaults, fast unless told (``fast``) or ``MIXTRAL_INFER_REFERENCE=1``."""
+        if fast is None:
+            fast = os.environ.get(REFERENCE_VARIABLE, "") not in ("1", "true", "yes")
+        return cls(fast=fast)
+
+    def for_experts(self) -> "Tuning":
+        """This tuning for the chosen experts' products: read in ``expert_streams`` places."""
+        if self.expert_streams is None or self.expert_streams == self.streams:
+            return self
+        return replace(self, streams=self.expert_streams)
+
+
+def widened(dtypes: Collection[torch.dtype]) -> Tuple[torch.dtype, ...]:
+    """``dtypes`` as ``Tuning.upcast`` keeps them: a tuple in ``WIDE_DTYPES``' order, so that two
+    tunings that widen the same dtypes are equal."""
+    return tuple(dtype for dtype in WIDE_DTYPES if dtype in dtypes)
+
+
+# A compiled step takes its Tuning as an argument of each block's region (``steps.decode_step``):
+# registered as a pytree of constants (its fields), a region is traced once and reused for every
+# layer, as for its tensor and number arguments. An older torch without it writes blocks out.
+if hasattr(pytree, "register_dataclass") and Tuning not in pytree.SUPPORTED_NODES:
+    pytree.register_dataclass(Tuning)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import warnings
 
 import pytest
 import torch
+
+# Nothing measures the machine in the tests (fast.measured): load_model gives Tuning()'s defaults,
+# in this process and the ones it starts. Tests that want other choices pass a Tuning.
+os.environ["MIXTRAL_INFER_MEASURE"] = "0"
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published

@@ -21,6 +21,7 @@ from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.steps.decode_loop import step_compiler
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.serve.engine import CpuDecodeStep, Engine, RequestSettings, TokenEvent
+from mixtral_infer.tuning import Tuning
 
 SAMPLED = dict(temperature=0.9, top_k=20, top_p=0.9, seed=5)
 
@@ -29,17 +30,17 @@ def steps_built(model) -> list:
     return [type(step).__name__ for step in step_compiler(model).steps.values()]
 
 
-def decode_both_ways(model, monkeypatch, prompts, **settings):
+def decode_both_ways(model, prompts, **settings):
     """(tokens, logprobs) from the AOTInductor step, then from torch.compile's, same settings; both
-    of the same graph, every block written out (``decode_step.REGIONS`` off for torch.compile's:
+    of the same graph, every block written out (``Tuning.regions`` off for torch.compile's:
     export takes no regions, and the kernels of a region end at its block, so their sums may differ
     in the last bits)."""
-    monkeypatch.setattr(decode_step, "REGIONS", False)
     messages = []
     step_compiler(model).announce = messages.append
+    step_compiler(model).tuning = Tuning(regions=False)
     ahead = generate(prompts, model, decode="compiled", **settings)
     assert steps_built(model) == ["AotStep"], messages
-    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", False)
+    step_compiler(model).tuning = Tuning(regions=False, ahead_of_time=False)
     step_compiler(model).steps.clear()
     compiled = generate(prompts, model, decode="compiled", **settings)
     assert len(steps_built(model)) == 1 and steps_built(model) != ["AotStep"]
@@ -51,7 +52,7 @@ def decode_both_ways(model, monkeypatch, prompts, **settings):
     [(False, torch.bfloat16, "int8"), (True, torch.bfloat16, "int4")],
     ids=["mistral-int8", "mixtral-int4"],
 )
-def test_the_aot_step_decodes_as_torch_compile_does(moe, dtype, quantize, monkeypatch):
+def test_the_aot_step_decodes_as_torch_compile_does(moe, dtype, quantize):
     """Ragged prompts, sampling, decoding 3x past the window: the same tokens and the same
     log-probabilities to the last bit (the same kernels, called from C++). Plain weights: float32
     MoE in the serving engine's test below (bit for bit too), float32 dense in the replaced-weight
@@ -61,7 +62,7 @@ def test_the_aot_step_decodes_as_torch_compile_does(moe, dtype, quantize, monkey
     if quantize is not None:
         quantize_model(model, quantize)
     prompts = random_prompts([2 * WINDOW + 1, 3, 6], model.args.vocab_size, seed=9)
-    ahead, compiled = decode_both_ways(model, monkeypatch, prompts, max_tokens=3 * WINDOW, **SAMPLED)
+    ahead, compiled = decode_both_ways(model, prompts, max_tokens=3 * WINDOW, **SAMPLED)
     assert ahead == compiled
 
 
@@ -242,17 +243,19 @@ def served(engine, prompts):
     return [[(e.token, e.logprob) for e in events[i] if isinstance(e, TokenEvent)] for i in range(len(prompts))]
 
 
-def engine_for(model, decode="compiled"):
-    return Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=2, prefill_tokens=8, decode=decode)
+WRITTEN_OUT = Tuning(regions=False)  # the AOT step's graph, as in decode_both_ways
 
 
-def test_the_serving_engine_s_cpu_decode_step_is_built_ahead_of_time(monkeypatch):
+def engine_for(model, decode="compiled", tuning=WRITTEN_OUT):
+    return Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=2, prefill_tokens=8, decode=decode, tuning=tuning)
+
+
+def test_the_serving_engine_s_cpu_decode_step_is_built_ahead_of_time():
     """The engine's compiled decode step on CPU (``CpuDecodeStep``) is the AOT step: 3 requests on
     2 rows, decoding 2x past the window, get the tokens and log-probabilities torch.compile's step
     gives, bit for bit; a second engine reuses the build; a weight replaced between requests makes
     it build again (it would read the old one), and the requests then get what the static step
     gives them on the new weights."""
-    monkeypatch.setattr(decode_step, "REGIONS", False)  # the AOT step's graph, as in decode_both_ways
     model = random_model(tiny_args(moe=True, max_batch_size=2), seed=46)
     prompts = random_prompts([5, 11, 3], model.args.vocab_size, seed=13)
     engine = engine_for(model)
@@ -263,11 +266,9 @@ def test_the_serving_engine_s_cpu_decode_step_is_built_ahead_of_time(monkeypatch
     second = engine_for(model)  # a new engine on the same model and rows: the step is kept with the model
     assert served(second, prompts) == ahead and second._steps["decode"].built is first
 
-    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", False)
-    other = engine_for(model)
+    other = engine_for(model, tuning=Tuning(regions=False, ahead_of_time=False))
     assert served(other, prompts) == ahead
     assert not isinstance(other._steps["decode"].built, AotStep)
-    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", True)
 
     model.output.weight = torch.nn.Parameter(-model.output.weight.detach())
     again = served(engine, prompts)

@@ -12,7 +12,6 @@ from mixtral_infer import load_model
 from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast import cpu_column_blocks, cpu_reductions
-from mixtral_infer.steps import decode_step
 from mixtral_infer.fast.cpu_column_blocks import (
     ColumnBlocks,
     ColumnBlocksParameter,
@@ -27,6 +26,7 @@ from mixtral_infer.steps.decode_step import decode_logits
 from mixtral_infer.fast.linear import linear
 from mixtral_infer.quant.model import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter
+from mixtral_infer.tuning import Tuning
 
 
 def test_the_docstring_example():
@@ -158,9 +158,9 @@ def assert_compiled_step_equals_plain(moe: bool, dtype: torch.dtype, batch: int)
     return blocked
 
 
-def compiled_block_product(rows: int, seed: int):
-    """A random (OUT=128, IN=96) bfloat16 weight in 2 blocks of 48 times ``rows`` random rows, compiled:
-    ``(weight, x, product, generated code)``."""
+def compiled_block_product(rows: int, seed: int, tuning: Tuning = Tuning()):
+    """A random (OUT=128, IN=96) bfloat16 weight in 2 blocks of 48 times ``rows`` random rows, compiled
+    as ``tuning`` says: ``(weight, x, product, generated code)``."""
     from torch._inductor.utils import run_and_get_code
 
     g = torch.Generator().manual_seed(seed)
@@ -168,18 +168,17 @@ def compiled_block_product(rows: int, seed: int):
     blocks = to_blocks(weight, 48)  # (2, 128, 48)
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     torch._dynamo.reset()
-    got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocks), fullgraph=True), x)
+    got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocks, tuning), fullgraph=True), x)
     return weight, x, got, code
 
 
-def test_compiled_products_walk_the_blocks_one_after_the_other(monkeypatch):
+def test_compiled_products_walk_the_blocks_one_after_the_other():
     """One loop per block, each over the 128 rows of its contiguous (OUT, B) matrix as a plain
     weight's is (so both threads share every block), in 4 places (``cpu_reductions.row_sums``): 32
     steps, block 0 read at weight index ``x1 + 48*x0`` (row x0, column x1) and 3 more places 1536
     apart, block 1 from ``6144 + x1 + 48*x0``; the plain weight's loop would step 96 columns a row.
     The result is the plain product's."""
-    monkeypatch.setattr(cpu_reductions, "STREAMS", 8)  # as on Intel CPUs (AMD ones read in 2 places)
-    weight, x, got, code = compiled_block_product(rows=1, seed=7)
+    weight, x, got, code = compiled_block_product(rows=1, seed=7, tuning=Tuning(streams=8))
     row_by_row = "static_cast<int64_t>(0L); x0<static_cast<int64_t>(32L); x0+=static_cast<int64_t>(1L))"
     over_rows = [loop for loop in generated_loops([code]) if loop.startswith(row_by_row)]
     assert len(over_rows) == 2
@@ -223,17 +222,15 @@ INT8_STEP_IDS = [f"{batch}-{'moe' if moe else 'dense'}" for moe, batch in INT8_S
 
 
 @pytest.mark.parametrize("moe, batch", INT8_STEPS, ids=INT8_STEP_IDS)
-def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks, monkeypatch):
+def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch, short_blocks):
     """The compiled step never puts w2's integers back together (a copy every step): batches 1-2
     multiply its blocks as reductions, no int8 kernel (MoE batch 2: its 4 chosen experts one by one,
     each read in place through the routing's index); batch 9 (more rows than int8's reductions take)
     runs the kernel on each of its 2 blocks, where the plain model runs it once. Its logits equal
     the plain model's op by op within bfloat16's rounding. (Every expert on few rows: the float32
     and bfloat16 tests'; the same reductions with more rows: ``test_quant.py``'s.) The blocks are
-    written out (``decode_step.REGIONS`` off), so that the code holds every layer's calls."""
+    written out (``Tuning.regions`` off), so that the code holds every layer's calls."""
     from torch._inductor.utils import run_and_get_code
-
-    monkeypatch.setattr(decode_step, "REGIONS", False)
 
     plain, blocked = int8_model(moe, False, seed=31), int8_model(moe, True, seed=31)
     cache = plain.make_cache(batch)
@@ -244,7 +241,8 @@ def test_compiled_int8_steps_read_the_blocks_and_equal_the_plain_step(moe, batch
     torch._dynamo.reset()
     with torch.inference_mode():
         expected = decode_logits(plain, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (B, V)
-        compiled = torch.compile(functools.partial(decode_logits, blocked), fullgraph=True, dynamic=False)
+        step = functools.partial(decode_logits, blocked, tuning=Tuning(regions=False))
+        compiled = torch.compile(step, fullgraph=True, dynamic=False)
         logits, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
 
     calls = ("= extern_kernels._weight_int8pack_mm(", "int8_expert_mm.default(")

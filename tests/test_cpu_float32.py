@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from mixtral_infer.fast import cpu_float32
 from mixtral_infer.fast.linear import linear
+from mixtral_infer.tuning import Tuning
 
 
 @pytest.fixture
@@ -20,21 +21,20 @@ def onednn_calls(monkeypatch):
 
 @pytest.mark.parametrize("choice", [True, False], ids=["onednn", "mkl"])
 @pytest.mark.parametrize("rows", [cpu_float32.ROWS - 1, cpu_float32.ROWS, 300])
-def test_linear_of_prompt_rows_equals_f_linear_by_either_library(monkeypatch, onednn_calls, choice, rows):
-    monkeypatch.setattr(cpu_float32, "onednn", choice)
+def test_linear_of_prompt_rows_equals_f_linear_by_either_library(onednn_calls, choice, rows):
     g = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, 72, generator=g), torch.randn(97, 72, generator=g)  # (M, IN), (OUT, IN)
-    got = linear(x, weight)
+    got = linear(x, weight, Tuning(onednn_float32=choice))
     assert got.shape == (rows, 97)
     torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
     assert onednn_calls == ([rows] if choice and rows >= cpu_float32.ROWS else [])
 
 
-def test_the_measured_choice_decides_when_not_forced(monkeypatch, onednn_calls):
-    monkeypatch.setattr(cpu_float32, "onednn", None)
-    monkeypatch.setattr(cpu_float32, "onednn_is_faster", lambda: True)
-    linear(torch.randn(cpu_float32.ROWS, 8), torch.randn(16, 8))
-    monkeypatch.setattr(cpu_float32, "onednn_is_faster", lambda: False)
+def test_the_tuning_decides_and_none_given_is_mkl(onednn_calls):
+    """Tuning.onednn_float32 (measured once per machine, fast.measured) decides; without a tuning,
+    Tuning()'s default: MKL."""
+    linear(torch.randn(cpu_float32.ROWS, 8), torch.randn(16, 8), Tuning(onednn_float32=True))
+    linear(torch.randn(cpu_float32.ROWS, 8), torch.randn(16, 8), Tuning(onednn_float32=False))
     linear(torch.randn(cpu_float32.ROWS, 8), torch.randn(16, 8))
     assert onednn_calls == [cpu_float32.ROWS]
 
@@ -43,38 +43,33 @@ def test_the_measurement_takes_onednn_only_with_a_clear_margin(monkeypatch):
     for mkl, onednn, expected in ((1.0, 0.8, True), (1.0, 0.95, False), (0.5, 1.0, False)):
         times = iter([mkl, onednn])
         monkeypatch.setattr(cpu_float32, "best_seconds", lambda fn: next(times))
-        cpu_float32.onednn_is_faster.cache_clear()
         assert cpu_float32.onednn_is_faster() is (expected and torch.backends.mkldnn.is_available())
-    cpu_float32.onednn_is_faster.cache_clear()
 
 
-def test_products_that_record_gradients_keep_f_linear(monkeypatch, onednn_calls):
+def test_products_that_record_gradients_keep_f_linear(onednn_calls):
     """oneDNN's op has no backward: a research script taking gradients through the model still can."""
-    monkeypatch.setattr(cpu_float32, "onednn", True)
+    tuning = Tuning(onednn_float32=True)
     weight = torch.randn(16, 8, requires_grad=True)
-    linear(torch.randn(cpu_float32.ROWS, 8), weight).sum().backward()
+    linear(torch.randn(cpu_float32.ROWS, 8), weight, tuning).sum().backward()
     assert weight.grad is not None and onednn_calls == []
     with torch.no_grad():
-        linear(torch.randn(cpu_float32.ROWS, 8), weight)
+        linear(torch.randn(cpu_float32.ROWS, 8), weight, tuning)
     assert onednn_calls == [cpu_float32.ROWS]
 
 
-def test_widened_16_bit_prompts_take_the_same_choice(monkeypatch, onednn_calls):
+def test_widened_16_bit_prompts_take_the_same_choice(onednn_calls):
     """fast.cpu_upcast multiplies in float32 by the faster library too."""
-    from mixtral_infer.fast import cpu_upcast
-
-    monkeypatch.setattr(cpu_upcast, "upcast", True)
-    monkeypatch.setattr(cpu_float32, "onednn", True)
+    tuning = Tuning(upcast=frozenset({torch.bfloat16}), onednn_float32=True)
     x, weight = torch.randn(cpu_float32.ROWS, 8).bfloat16(), torch.randn(16, 8).bfloat16()
-    got = linear(x, weight)
+    got = linear(x, weight, tuning)
     assert got.dtype == torch.bfloat16 and onednn_calls == [cpu_float32.ROWS]
     torch.testing.assert_close(got, F.linear(x.float(), weight.float()).bfloat16(), atol=0, rtol=2**-7)
 
 
-def test_strided_inputs_by_onednn(monkeypatch, onednn_calls):
+def test_strided_inputs_by_onednn(onednn_calls):
     """Transposed activations (the bmm path's views) and a transposed weight multiply correctly too."""
-    monkeypatch.setattr(cpu_float32, "onednn", True)
     g = torch.Generator().manual_seed(5)
     x, weight = torch.randn(40, 300, generator=g).T, torch.randn(40, 96, generator=g).T  # (M, IN), (OUT, IN) views
-    torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    got = linear(x, weight, Tuning(onednn_float32=True))
+    torch.testing.assert_close(got, F.linear(x, weight), atol=1e-5, rtol=1e-5)
     assert onednn_calls == [300]

@@ -12,10 +12,8 @@ import torch.nn.functional as F
 from conftest import generated_loops
 
 from mixtral_infer.fast import cpu_reductions
-from mixtral_infer.hardware import CpuInfo
 from mixtral_infer.fast.linear import linear
-
-INTEL, AMD = CpuInfo(vendor="GenuineIntel"), CpuInfo(vendor="AuthenticAMD")
+from mixtral_infer.tuning import Tuning
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -56,7 +54,7 @@ def test_rows_as_reductions_worked_example():
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.bfloat16, torch.float32])
-def test_compiled_reductions_read_their_rows_from_memory(weight_dtype, monkeypatch):
+def test_compiled_reductions_read_their_rows_from_memory(weight_dtype):
     """fast.cpu_reductions: the RMSNorm before a product runs once, into a buffer; inductor would
     otherwise recompute it inside the loop over the weight's rows (one square root per row here).
     The result equals the product op by op within bfloat16's rounding of the norm's output."""
@@ -72,9 +70,8 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype, monkeypat
     def normed_product(h):
         wide = h.float()
         x = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).to(h.dtype) * norm_weight  # (1, IN)
-        return cpu_reductions.rows_as_reductions(x, weight, scales)  # (1, OUT)
+        return cpu_reductions.rows_as_reductions(x, weight, scales, streams=8)  # (1, OUT): 96 rows in 2 places
 
-    monkeypatch.setattr(cpu_reductions, "STREAMS", 8)  # whatever the CPU's vendor: 96 rows in 2 places
     torch._dynamo.reset()
     got, (code,) = run_and_get_code(torch.compile(normed_product, fullgraph=True), h)
     loops = generated_loops([code])
@@ -85,61 +82,42 @@ def test_compiled_reductions_read_their_rows_from_memory(weight_dtype, monkeypat
     torch.testing.assert_close(got, want, atol=0.01 * want.abs().max().item(), rtol=2**-7)
 
 
-def test_streams_worked_example(monkeypatch):
-    """fast.cpu_reductions.streams' examples: the largest power of two up to max_streams() (8 here)
+def test_places_worked_example():
+    """fast.cpu_reductions.places' examples: the largest power of two up to the streams (8 here)
     dividing OUT into groups of at least MIN_GROUP_ROWS rows."""
-    monkeypatch.setattr(cpu_reductions, "STREAMS", 8)
     assert cpu_reductions.MIN_GROUP_ROWS == 32
     outs = (256, 32000, 128, 96, 48, 7, 1024, 8, 64, 3584)
-    assert [cpu_reductions.streams(out) for out in outs] == [8, 8, 4, 2, 1, 1, 8, 1, 2, 8]
+    assert [cpu_reductions.places(out, 8) for out in outs] == [8, 8, 4, 2, 1, 1, 8, 1, 2, 8]
+    assert [cpu_reductions.places(32000, streams) for streams in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 2, 4, 4, 8, 16]
 
 
-def test_amd_cpus_read_each_weight_in_2_places_others_in_8(monkeypatch):
-    """max_streams: by the CPU's vendor (AMD 2, Intel and unknown 8) unless STREAMS forces it."""
-    assert (cpu_reductions.VENDOR_STREAMS, cpu_reductions.DEFAULT_STREAMS) == ({"AuthenticAMD": 2}, 8)
-    assert cpu_reductions.STREAMS is None  # by vendor
-    for info, places in [(INTEL, 8), (AMD, 2), (CpuInfo(), 8)]:
-        monkeypatch.setattr(cpu_reductions, "cpu_info", lambda info=info: info)
-        assert cpu_reductions.max_streams() == places
-        assert cpu_reductions.streams(32000) == places
-    monkeypatch.setattr(cpu_reductions, "STREAMS", 4)
-    assert cpu_reductions.max_streams() == 4  # forced, on the AMD CPU too
+def test_the_tuning_says_the_places_the_chosen_experts_theirs():
+    """Tuning.streams for every product (8 unless told), Tuning.expert_streams for the chosen
+    experts' (Tuning.for_experts; None: as the others)."""
+    assert Tuning().streams == cpu_reductions.STREAMS == 8 and Tuning().expert_streams is None
+    for tuning, outside, inside in [(Tuning(), 8, 8), (Tuning(streams=2, expert_streams=1), 2, 1),
+                                    (Tuning(streams=4), 4, 4), (Tuning(streams=4, expert_streams=2), 4, 2)]:
+        assert (tuning.streams, tuning.for_experts().streams) == (outside, inside)
+        assert cpu_reductions.places(3584, tuning.for_experts().streams) == inside
+        assert tuning.for_experts().for_experts() == tuning.for_experts()
+    with pytest.raises(ValueError, match="at least 1 place"):
+        Tuning(streams=0)
 
 
-def test_chosen_experts_read_in_their_vendor_s_places(monkeypatch):
-    """Inside chosen_experts(): AMD CPUs read in 1 place (2 outside), Intel ones as outside (8);
-    STREAMS forces both, EXPERT_STREAMS the experts' only; the setting ends with the block, nested too."""
-    assert cpu_reductions.VENDOR_EXPERT_STREAMS == {"AuthenticAMD": 1} and cpu_reductions.EXPERT_STREAMS is None
-    for info, outside, inside in [(INTEL, 8, 8), (AMD, 2, 1), (CpuInfo(), 8, 8)]:
-        monkeypatch.setattr(cpu_reductions, "cpu_info", lambda info=info: info)
-        with cpu_reductions.chosen_experts():
-            with cpu_reductions.chosen_experts():
-                assert cpu_reductions.max_streams() == inside
-            assert (cpu_reductions.max_streams(), cpu_reductions.streams(3584)) == (inside, inside)
-        assert cpu_reductions.max_streams() == outside
-    monkeypatch.setattr(cpu_reductions, "STREAMS", 4)
-    with cpu_reductions.chosen_experts():
-        assert cpu_reductions.max_streams() == 4  # forced for every product, experts too
-        monkeypatch.setattr(cpu_reductions, "EXPERT_STREAMS", 2)
-        assert cpu_reductions.max_streams() == 2  # the experts' own number comes first
-    assert cpu_reductions.max_streams() == 4
-
-
-def test_compiled_chosen_experts_read_in_one_place_on_amd(monkeypatch):
-    """Compiled on an AMD CPU, one graph: the product traced inside chosen_experts() reads its 256-row
+def test_compiled_chosen_experts_read_in_their_own_places():
+    """Compiled, one graph, Tuning(streams=2, expert_streams=1): the expert's product reads its 256-row
     weight in one loop over all 256 rows with one sum, the other in a loop over 128 rows with 2; both
     are the product's bits (the places change the loops, not the sums)."""
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(cpu_reductions, "cpu_info", lambda: AMD)
+    tuning = Tuning(streams=2, expert_streams=1)
     g = torch.Generator().manual_seed(5)
     weights = torch.randn(2, 256, 64, generator=g).to(torch.bfloat16)  # (2, OUT, IN): an expert, a plain weight
     x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
 
-    def products(x):
-        with cpu_reductions.chosen_experts():
-            expert = cpu_reductions.rows_as_reductions(x, weights[0])
-        return expert, cpu_reductions.rows_as_reductions(x, weights[1])
+    def products(x, tuning=tuning):
+        expert = cpu_reductions.rows_as_reductions(x, weights[0], streams=tuning.for_experts().streams)
+        return expert, cpu_reductions.rows_as_reductions(x, weights[1], streams=tuning.streams)
 
     torch._dynamo.reset()
     (expert, plain), (code,) = run_and_get_code(torch.compile(products, fullgraph=True), x)
@@ -152,24 +130,24 @@ def test_compiled_chosen_experts_read_in_one_place_on_amd(monkeypatch):
     for got, weight in [(expert, weights[0]), (plain, weights[1])]:
         want = F.linear(x.float(), weight.float()).to(x.dtype)
         torch.testing.assert_close(got, want, atol=1e-3 * want.abs().max().item(), rtol=2**-7)
-    monkeypatch.setattr(cpu_reductions, "STREAMS", 1)
     torch._dynamo.reset()
-    one_place = torch.compile(products, fullgraph=True)(x)
+    one_place = torch.compile(lambda x: products(x, Tuning(streams=1)), fullgraph=True)(x)
     assert torch.equal(expert, one_place[0]) and torch.equal(plain, one_place[1])
 
 
-@pytest.mark.parametrize("info, places", [(INTEL, 8), (AMD, 2)], ids=["intel", "amd"])
-def test_compiled_code_reads_the_weight_in_the_vendor_s_places(monkeypatch, info, places):
-    """Compiled, a 256-row weight is read in 8 places on Intel (a loop over 32 rows with 8 sums), in
-    2 on AMD (a loop over 128 rows with 2 sums); the product is the weight's."""
+@pytest.mark.parametrize("places", [8, 2])
+def test_compiled_code_reads_the_weight_in_the_tuning_s_places(places):
+    """Compiled, a 256-row weight is read in 8 places with Tuning(streams=8) (a loop over 32 rows with
+    8 sums), in 2 with streams=2 (a loop over 128 rows with 2 sums); the product is the weight's."""
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(cpu_reductions, "cpu_info", lambda: info)
+    tuning = Tuning(streams=places)
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(256, 64, generator=g).to(torch.bfloat16)  # (OUT, IN)
     x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
     torch._dynamo.reset()
-    got, (code,) = run_and_get_code(torch.compile(lambda x: cpu_reductions.rows_as_reductions(x, weight)), x)
+    product = torch.compile(lambda x: linear(x, weight, tuning))
+    got, (code,) = run_and_get_code(product, x)
     over_rows = f"static_cast<int64_t>(0L); x0<static_cast<int64_t>({256 // places}L)"
     (loop,) = [loop for loop in generated_loops([code]) if loop.startswith(over_rows) and "x1<" in loop]
     assert len(set(re.findall(r"tmp_acc\d+_vec ", loop))) == places
@@ -182,14 +160,14 @@ def test_compiled_code_reads_the_weight_in_the_vendor_s_places(monkeypatch, info
     [(torch.int8, 256, 8, 1), (torch.int8, 256, 8, 3), (torch.bfloat16, 128, 4, 1), (torch.float32, 96, 2, 2),
      (torch.bfloat16, 7, 1, 1)],
 )
-def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weight_dtype, out, places, rows):
-    """row_sums: a weight of OUT rows is read in streams(OUT) places by loops over OUT / places
+def test_compiled_reductions_read_the_weight_in_several_places(weight_dtype, out, places, rows):
+    """row_sums: a weight of OUT rows is read in places(OUT, 8) places by loops over OUT / places
     rows, each place with its own sum for each row of x (one loop for one row; inductor shares more
     sums out over several loops), and the products are the
-    same bits as one reduction over all the weight's rows (STREAMS = 1), also for column blocks."""
+    same bits as one reduction over all the weight's rows (streams = 1), also for column blocks."""
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(cpu_reductions, "STREAMS", 8)  # as on Intel CPUs (AMD ones read in 2 places)
+    streams = 8
     g = torch.Generator().manual_seed(out + rows)
     weight = (torch.randn(out, 64, generator=g) * 40).to(weight_dtype)  # (OUT, IN)
     scales = torch.rand(out, generator=g) / 40 if weight_dtype == torch.int8 else None
@@ -197,8 +175,8 @@ def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weig
     blocks = weight.view(out, 2, 32).transpose(0, 1).contiguous()  # (2, OUT, 32): column blocks
 
     def products(x):
-        plain = cpu_reductions.rows_as_reductions(x, weight, scales)
-        return plain, cpu_reductions.rows_as_reductions(x, blocks, scales)
+        plain = cpu_reductions.rows_as_reductions(x, weight, scales, streams)
+        return plain, cpu_reductions.rows_as_reductions(x, blocks, scales, streams)
 
     torch._dynamo.reset()
     (got, got_blocks), (code,) = run_and_get_code(torch.compile(products, fullgraph=True), x)
@@ -209,7 +187,7 @@ def test_compiled_reductions_read_the_weight_in_several_places(monkeypatch, weig
         assert sums == places * rows * 3  # the plain weight's and each of the 2 blocks'
     if places > 1 and rows == 1:  # one loop reads the whole weight (each block) in all its places at once
         assert len(weight_loops) == 3
-    monkeypatch.setattr(cpu_reductions, "STREAMS", 1)
+    streams = 1
     torch._dynamo.reset()
     one_place, one_place_blocks = torch.compile(products, fullgraph=True)(x)
     assert torch.equal(got, one_place) and torch.equal(got_blocks, one_place_blocks)

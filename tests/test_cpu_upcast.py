@@ -11,14 +11,7 @@ from mixtral_infer.fast.cpu_packed import pack
 from mixtral_infer.fast.cpu_upcast import UPCAST_ROWS, should_upcast, upcast_is_faster, upcast_linear
 from mixtral_infer.fast.linear import linear
 from mixtral_infer.quant.weights import QuantScheme, quantize
-
-
-@pytest.fixture()
-def forced(monkeypatch):
-    def force(choice):
-        monkeypatch.setattr(cpu_upcast, "upcast", choice)
-
-    return force
+from mixtral_infer.tuning import WIDE_DTYPES, Tuning
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
@@ -32,38 +25,38 @@ def test_the_wide_product_is_the_exact_products_added_in_float32(dtype):
     assert (got.float() - F.linear(x, weight).float()).abs().max() <= 2**-7 * exact.float().abs().max()
 
 
-def test_only_prefill_sized_16_bit_cpu_products_are_widened(forced):
-    forced(True)
-    assert should_upcast(torch.zeros(UPCAST_ROWS, 8, dtype=torch.bfloat16))
-    assert not should_upcast(torch.zeros(UPCAST_ROWS - 1, 8, dtype=torch.bfloat16))  # decoding reads 16 bits faster
-    assert not should_upcast(torch.zeros(UPCAST_ROWS, 8))  # float32 already
-    forced(False)
-    assert not should_upcast(torch.zeros(UPCAST_ROWS, 8, dtype=torch.bfloat16))
+def test_only_prefill_sized_16_bit_cpu_products_are_widened():
+    wide = WIDE_DTYPES
+    assert should_upcast(torch.zeros(UPCAST_ROWS, 8, dtype=torch.bfloat16), wide)
+    assert not should_upcast(torch.zeros(UPCAST_ROWS - 1, 8, dtype=torch.bfloat16), wide)  # decoding reads 16 bits faster
+    assert not should_upcast(torch.zeros(UPCAST_ROWS, 8), wide)  # float32 already
+    assert not should_upcast(torch.zeros(UPCAST_ROWS, 8, dtype=torch.bfloat16), {torch.float16})  # the dtype's own choice
+    assert not should_upcast(torch.zeros(UPCAST_ROWS, 8, dtype=torch.bfloat16))  # none given: none widened
+    with pytest.raises(ValueError, match="16-bit"):
+        Tuning(upcast=frozenset({torch.float32}))
 
 
 @pytest.mark.parametrize("choice", [True, False])
-def test_linear_takes_the_chosen_path_for_plain_packed_and_int8_weights(forced, monkeypatch, choice):
-    forced(choice)
+def test_linear_takes_the_chosen_path_for_plain_packed_and_int8_weights(monkeypatch, choice):
+    tuning = Tuning(upcast=WIDE_DTYPES if choice else frozenset())
     widened = []
     real = cpu_upcast.upcast_linear
     for module in ("mixtral_infer.fast.linear", "mixtral_infer.quant.kernels"):
-        monkeypatch.setattr(f"{module}.upcast_linear", lambda x, w: widened.append(x.shape[0]) or real(x, w))
+        monkeypatch.setattr(f"{module}.upcast_linear", lambda x, w, onednn=False: widened.append(x.shape[0]) or real(x, w))
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(32, 64, generator=g).to(torch.bfloat16)
     x = torch.randn(600, 64, generator=g).to(torch.bfloat16)
     expected = upcast_linear(x, weight) if choice else F.linear(x, weight)
-    assert torch.equal(linear(x, weight), expected)
-    assert torch.equal(linear(x, pack(weight)), expected)
+    assert torch.equal(linear(x, weight, tuning), expected)
+    assert torch.equal(linear(x, pack(weight), tuning), expected)
     int8 = quantize(weight, QuantScheme.parse("int8"), torch.bfloat16)
-    linear(x, int8)
+    linear(x, int8, tuning)
     assert widened == ([600, 600, 600] if choice else [])
-    assert torch.equal(linear(x[:3], weight), F.linear(x[:3], weight))  # decoding-sized: never widened
+    assert torch.equal(linear(x[:3], weight, tuning), F.linear(x[:3], weight))  # decoding-sized: never widened
 
 
 def test_the_measurement_widens_only_with_a_clear_margin(monkeypatch):
     for narrow, wide, expected in ((1.0, 0.6, True), (1.0, 0.9, False), (0.3, 1.0, False)):
         times = iter([narrow, wide])
         monkeypatch.setattr(cpu_upcast, "best_seconds", lambda fn: next(times))
-        upcast_is_faster.cache_clear()
         assert upcast_is_faster(torch.bfloat16) is expected
-    upcast_is_faster.cache_clear()

@@ -36,6 +36,7 @@ from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling
 from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.tuning import Tuning
 
 LOGPROB_TOLERANCE = 1e-5
 SAMPLINGS = {
@@ -294,7 +295,6 @@ def test_a_step_whose_regions_fail_to_compile_has_its_blocks_written_out(monkeyp
     """Where regions cannot take the step (an older torch; here a region that fails when traced), the
     step compiles with every block written out, the terminal says so in a line, and it decodes as
     the eager loop does."""
-    monkeypatch.setattr(decode_step, "AHEAD_OF_TIME_ON_CPU", False)
 
     def failing_region(*args):
         raise RuntimeError("no regions here")
@@ -304,6 +304,7 @@ def test_a_step_whose_regions_fail_to_compile_has_its_blocks_written_out(monkeyp
     prompts = random_prompts([5, 3], model.args.vocab_size, seed=3)
     messages = []
     step_compiler(model).announce = messages.append
+    step_compiler(model).tuning = Tuning(ahead_of_time=False)  # torch.compile's step, where regions apply
     torch._dynamo.reset()
     compiled, _ = generate(prompts, model, max_tokens=2 * WINDOW, decode="compiled", temperature=0)
     eager, _ = generate(prompts, model, max_tokens=2 * WINDOW, decode="eager", temperature=0)
@@ -392,25 +393,25 @@ def copies_back(code: str) -> bool:
 
 @pytest.mark.parametrize("step, buffers, regions", [("decode", "layers", True), ("mixed", "layers", True),
                                                     ("decode", "whole", False)])
-def test_compiled_steps_write_the_cache_in_place(step, buffers, regions, monkeypatch):
+def test_compiled_steps_write_the_cache_in_place(step, buffers, regions):
     """Each layer's buffers are inputs of the step (``RotatingBufferCache.layer_keys``), and each
     layer's keys and values go into them by ``index_put``, which inductor does in place: the code
     copies nothing back (the mixed step: its chunk written before the decoding rows,
     ``mixed_step.mixed_block``). Given the whole ``(L, B, S, H_kv, Dh)`` buffer, a block without
     regions writes through a view of it, and the code copies the whole cache back (``decode_step.layer_buffers``)."""
-    monkeypatch.setattr(decode_step, "REGIONS", regions)
+    tuning = Tuning(regions=regions)
     model = random_model(tiny_args(moe=False, max_batch_size=4), seed=27)
     cache = model.make_cache(4)
     cache.start_sequences(4)
     layers = (cache.layer_keys, cache.layer_values) if buffers == "layers" else (cache.cache_k, cache.cache_v)
     if step == "decode":
-        code, _ = compiled_code(functools.partial(decode_logits, model), *layers, torch.tensor([5, 6]),
+        code, _ = compiled_code(functools.partial(decode_logits, model, tuning=tuning), *layers, torch.tensor([5, 6]),
                                 torch.tensor([3, 9]), torch.tensor([True, True]))  # fmt: skip
     else:
         chunk = pack_chunk([(3, 0, [1, 2, 3])], size=4, segments=1)
         alive = torch.tensor([True, True, False, False])
-        code, _ = compiled_code(functools.partial(mixed_logits, model), *layers, torch.tensor([5, 6, 0, 0]),
-                                torch.tensor([3, 9, 0, 0]), alive, chunk)  # fmt: skip
+        code, _ = compiled_code(functools.partial(mixed_logits, model, tuning=tuning), *layers,
+                                torch.tensor([5, 6, 0, 0]), torch.tensor([3, 9, 0, 0]), alive, chunk)  # fmt: skip
     assert "index_put" in code
     assert copies_back(code) == (buffers == "whole")
     if step == "decode":  # written out without regions (the mixed step's region, inductor inlines)
@@ -433,26 +434,26 @@ def test_moe_one_token_equals_the_grouped_layer(batch):
             torch.testing.assert_close(form(layer, x, experts, weights), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_the_chosen_experts_are_traced_as_chosen_experts(monkeypatch):
-    """``_experts_one_by_one`` runs each chosen expert inside ``cpu_reductions.chosen_experts()``
-    (compiled on an AMD CPU: their products read in 1 place), and the setting is off after it."""
-    from mixtral_infer.fast import cpu_reductions
-
+def test_the_chosen_experts_take_the_tuning_for_experts(monkeypatch):
+    """``_experts_one_by_one`` runs each chosen expert with the tuning for the experts
+    (``Tuning.for_experts``: compiled, their products read in ``expert_streams`` places), and the
+    tuning it was given is left as it was."""
     model = random_model(tiny_args(moe=True), seed=25)
     layer = model.layers["0"].feed_forward
     x = torch.randn(2, model.args.dim, generator=torch.Generator().manual_seed(2))  # (B, D)
-    seen, expert = [], type(layer).expert
+    tuning = Tuning(streams=2, expert_streams=1)
+    seen, expert = [], decode_step.expert
 
-    def noting_expert(self, e, rows):
-        seen.append(cpu_reductions._tracing_experts)
-        return expert(self, e, rows)
+    def noting_expert(moe, e, rows, tuning):
+        seen.append(tuning)
+        return expert(moe, e, rows, tuning)
 
     with torch.no_grad():
         expected = layer(x)
         experts, weights = layer.route(x)
-        monkeypatch.setattr(type(layer), "expert", noting_expert)
-        out = _experts_one_by_one(layer, x, experts, weights)
-    assert seen == [True] * 4 and not cpu_reductions._tracing_experts  # B * A = 4 chosen experts
+        monkeypatch.setattr(decode_step, "expert", noting_expert)
+        out = _experts_one_by_one(layer, x, experts, weights, tuning)
+    assert [t.streams for t in seen] == [1] * 4 and tuning.streams == 2  # B * A = 4 chosen experts
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -486,20 +487,19 @@ def test_batched_expert_products_give_each_expert_its_own_rows(form):
 
 
 @pytest.mark.parametrize("one_by_one", [True, False], ids=["large-experts", "small-experts"])
-def test_compiled_cpu_steps_read_the_chosen_experts_in_place(monkeypatch, one_by_one):
+def test_compiled_cpu_steps_read_the_chosen_experts_in_place(one_by_one):
     """Compiled on CPU, batch 1 multiplies its 2 chosen experts one by one where they are large
     (``moe_one_token``; here the threshold is lowered to the tiny model's experts): each of their 3
     matrices is selected by ``index_select`` at the routed index, which inductor loads through
     inside the product's loop. Small experts stay one gathered, batched product (no such selects).
     Either way no buffer in the generated code is as large as one expert's matrix (a copied expert
     would be), and the logits equal the step op by op within bfloat16's rounding."""
-    if one_by_one:
-        monkeypatch.setattr(decode_step, "CPU_ONE_BY_ONE_MIN_WEIGHTS", 0)
+    tuning = Tuning(one_by_one_min_weights=0) if one_by_one else Tuning()
     model = random_model(tiny_args(moe=True, max_batch_size=1), seed=31).to(torch.bfloat16)
     cache = model.make_cache(1)
     cache.start_sequences(1)
     inputs = (torch.tensor([5]), torch.tensor([3]), torch.ones(1, dtype=torch.bool))
-    step = functools.partial(decode_logits, model)
+    step = functools.partial(decode_logits, model, tuning=tuning)
     graph = compiled_graph(step, cache, *inputs)
     expert_shapes = {(model.args.hidden_dim, model.args.dim), (model.args.dim, model.args.hidden_dim)}
     selected = [
@@ -511,7 +511,7 @@ def test_compiled_cpu_steps_read_the_chosen_experts_in_place(monkeypatch, one_by
     assert "aten.mm.default" not in ops and ("aten.bmm.default" in ops) != one_by_one  # gathered: one batched product
     torch._dynamo.reset()
     with torch.inference_mode():
-        expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)  # (1, V)
+        expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs, tuning=tuning)  # (1, V)
         compiled = torch.compile(step, fullgraph=True, dynamic=False)
         logits, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
     buffers = [re.findall(r"\d+", shape) for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", "\n".join(codes))]

@@ -3,6 +3,7 @@ reference, and quantized models decoding alike on every path (eager, static, com
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -20,6 +21,7 @@ from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import prepare, quantized_linear, reference_linear, uses_cpu_kernel
 from mixtral_infer.quant.model import is_quantized, is_quantized_published, quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
+from mixtral_infer.tuning import Tuning
 
 INT8, INT4 = QuantScheme.parse("int8"), QuantScheme.parse("int4")
 needs_nf4_kernel = pytest.mark.skipif(
@@ -82,17 +84,15 @@ def test_kernel_equals_the_dequantize_reference(scheme, rows):
 @pytest.mark.parametrize("upcast", [False, True], ids=["16-bit", "float32"])
 def test_int8_prefill_chunks_dequantize_then_multiply(upcast, monkeypatch):
     """From DEQUANTIZE_ROWS rows on, CPU int8 skips its kernel (slower there) for dequantize + F.linear:
-    where 16-bit products are the faster (fast.cpu_upcast), exactly the reference's product."""
-    from mixtral_infer.fast import cpu_upcast
-
-    monkeypatch.setattr(cpu_upcast, "upcast", upcast)
+    where 16-bit products are the faster (Tuning.upcast, fast.cpu_upcast), exactly the reference's product."""
+    tuning = Tuning(upcast=frozenset({torch.bfloat16}) if upcast else frozenset())
     weight = prepare(quantize(torch.randn(64, 128), SCHEMES["int8"], torch.bfloat16))
     calls = []
     kernel = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     for rows in (kernels.DEQUANTIZE_ROWS - 1, kernels.DEQUANTIZE_ROWS):
         x = torch.randn(rows, 128).to(torch.bfloat16)
-        got, expected = quantized_linear(x, weight), reference_linear(x, weight)
+        got, expected = quantized_linear(x, weight, tuning), reference_linear(x, weight)
         assert (got.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()
     assert calls == [kernels.DEQUANTIZE_ROWS - 1]
     assert upcast or torch.equal(got, expected)
@@ -116,30 +116,26 @@ def test_the_int4_kernel_layout_reads_back_as_the_weight(rows, dtype):
 
 
 def test_int4_prefill_reads_its_layout_back_where_float32_is_faster(monkeypatch):
-    """With fast.cpu_upcast choosing float32 and at least INT4_DEQUANTIZE_ROWS rows, int4 skips its
+    """With Tuning.upcast choosing float32 and at least INT4_DEQUANTIZE_ROWS rows, int4 skips its
     kernel; a weight whose rows are not whole 64-row blocks (80) keeps it."""
-    from mixtral_infer.fast import cpu_upcast
-
-    monkeypatch.setattr(cpu_upcast, "upcast", True)
+    tuning = Tuning(upcast=frozenset({torch.bfloat16}))
     calls = []
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a[1].shape[0]) or kernel(*a))
     x = torch.randn(kernels.INT4_DEQUANTIZE_ROWS, 64).to(torch.bfloat16)
     for out_features in (128, 80):
         weight = prepare(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
-        got, expected = quantized_linear(x, weight).float(), reference_linear(x, weight).float()
+        got, expected = quantized_linear(x, weight, tuning).float(), reference_linear(x, weight).float()
         assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
-        quantized_linear(x[:4], weight)  # decoding-sized: the kernel
+        quantized_linear(x[:4], weight, tuning)  # decoding-sized: the kernel
     assert calls == [128, 80, 80]
 
 
 def test_int4_prefill_reads_its_layout_back_into_16_bits_where_those_are_faster(monkeypatch):
-    """Where fast.cpu_upcast keeps 16-bit products (they are the faster), int4 skips its kernel from
+    """Where Tuning.upcast keeps 16-bit products (they are the faster), int4 skips its kernel from
     DEQUANTIZE_ROWS rows on and equals the reference (which dequantizes to x's dtype too); a weight
     whose rows are not whole 64-row blocks (80) keeps the kernel."""
-    from mixtral_infer.fast import cpu_upcast
-
-    monkeypatch.setattr(cpu_upcast, "upcast", False)
+    tuning = Tuning(upcast=frozenset())
     calls = []
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
     counted = lambda *a: calls.append(a[1].shape[0]) or kernel(*a)  # noqa: E731
@@ -147,12 +143,12 @@ def test_int4_prefill_reads_its_layout_back_into_16_bits_where_those_are_faster(
     x = torch.randn(kernels.DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for out_features in (128, 80):
         weight = prepare(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
-        got, expected = quantized_linear(x, weight), reference_linear(x, weight)
+        got, expected = quantized_linear(x, weight, tuning), reference_linear(x, weight)
         if out_features == 128:
             assert torch.equal(got, expected)  # the same bfloat16 weight, the same product
         else:  # the kernel: its own rounding
             assert (got.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()
-        quantized_linear(x[:-1], weight)  # one row fewer: the kernel
+        quantized_linear(x[:-1], weight, tuning)  # one row fewer: the kernel
     assert calls == [128, 80, 80]
 
 
@@ -270,9 +266,9 @@ def test_quantizing_in_memory_frees_each_float_weight_as_it_goes(monkeypatch):
     alive_at_each_call = []
     quantize_tensor = quant_model.quantize_tensor
 
-    def counting(tensor, *args):
+    def counting(tensor, *args, **options):
         alive_at_each_call.append(sum(ref() is not None for ref in floats.values()))
-        return quantize_tensor(tensor, *args)
+        return quantize_tensor(tensor, *args, **options)
 
     monkeypatch.setattr(quant_model, "quantize_tensor", counting)
     quantize_model(model, "int8")
@@ -324,11 +320,11 @@ def test_quantized_moe_one_token_equals_the_grouped_layer(batch):
 )
 def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as_experts(scheme, monkeypatch):
     """4 experts, top-2: batch 1 (2 assignments) reads its chosen experts; quantized experts are read
-    one by one up to batch 4 (8 = 2E assignments, ``CPU_CHOSEN_UP_TO["quantized"]``; at batch 2 the
+    one by one up to batch 4 (8 = 2E assignments, ``Tuning.chosen_up_to_quantized``; at batch 2 the
     same 4 expert matrices as every expert would read, one row each), large plain float32 and
-    float16 ones too (``CPU_CHOSEN_UP_TO["plain"]``; the threshold lowered to the tiny model's
-    experts), large bfloat16 ones up to batch 2 (4 = E, ``CPU_CHOSEN_UP_TO["plain bfloat16"]``),
-    small plain ones are gathered at batch 1 only. With the switch at 0, every expert from batch 2
+    float16 ones too (``Tuning.chosen_up_to_plain``; ``one_by_one_min_weights`` lowered to the tiny
+    model's experts), large bfloat16 ones up to batch 2 (4 = E, ``Tuning.chosen_up_to_bfloat16``),
+    small plain ones are gathered at batch 1 only. With the field at 0, every expert from batch 2
     on. Each form equals the grouped layer."""
     from mixtral_infer.steps import decode_step
 
@@ -338,25 +334,25 @@ def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as
               "plain-small": torch.bfloat16}  # fmt: skip
     model = model.to(dtypes.get(scheme, torch.float32))
     layer = (quantize_model(model, scheme) if quantized else model).layers["0"].feed_forward
-    if scheme.startswith("plain-large"):
-        monkeypatch.setattr(decode_step, "CPU_ONE_BY_ONE_MIN_WEIGHTS", 0)
+    tuning = Tuning(one_by_one_min_weights=0) if scheme.startswith("plain-large") else Tuning()
     forms, letters = [], {"_experts_one_by_one": "c", "_gathered_experts": "g", "_every_expert_one_by_one": "v",
                           "_every_expert_batched": "v"}  # fmt: skip
     for name, letter in letters.items():
         form = getattr(decode_step, name)
         monkeypatch.setattr(decode_step, name, lambda *a, form=form, letter=letter: forms.append(letter) or form(*a))
-    kind = decode_step.cpu_experts_kind(layer)
-    assert kind == {"plain-large-bfloat16": "plain bfloat16", "plain-small": None}.get(
-        scheme, "quantized" if quantized else "plain"
+    field = decode_step.chosen_up_to_field(layer, tuning)
+    assert field == {"plain-large-bfloat16": "chosen_up_to_bfloat16", "plain-small": None}.get(
+        scheme, "chosen_up_to_quantized" if quantized else "chosen_up_to_plain"
     )
+    assert (Tuning().chosen_up_to_quantized, Tuning().chosen_up_to_plain, Tuning().chosen_up_to_bfloat16) == (2, 2, 1)
     close = dict(atol=1e-5, rtol=1e-5) if model.dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for up_to in (decode_step.CPU_CHOSEN_UP_TO.get(kind, 0), 0):
-        if kind is not None:
-            monkeypatch.setitem(decode_step.CPU_CHOSEN_UP_TO, kind, up_to)
+    for up_to in (getattr(tuning, field) if field else 0, 0):
+        if field is not None:
+            tuning = dataclasses.replace(tuning, **{field: up_to})
         for batch in (1, 2, 3, 4):
             x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch)).to(model.dtype)
             with torch.no_grad():
-                torch.testing.assert_close(moe_one_token(layer, x), layer(x), **close)
+                torch.testing.assert_close(moe_one_token(layer, x, tuning), layer(x), **close)
     # c: the chosen experts one by one, g: gathered (small plain experts), v: every expert
     expected = {"int8": "cccc" + "cvvv", "int4": "cccc" + "cvvv", "plain-large": "cccc" + "cvvv",
                 "plain-large-float16": "cccc" + "cvvv", "plain-large-bfloat16": "ccvv" + "cvvv",

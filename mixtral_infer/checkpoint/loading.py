@@ -61,6 +61,7 @@ from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_column_blocks import block_long_rows
 from mixtral_infer.fast.cpu_packed import pack_model
 from mixtral_infer.fast.formats import use_formats
+from mixtral_infer.fast.measured import machine_tuning
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.json_file import read_object
 from mixtral_infer.checkpoint.shares import Selection, select_share
@@ -433,12 +434,15 @@ def load_model(
     quantize: Optional[str | QuantScheme] = None,
     pack: bool | str = True,
     fast: Optional[bool] = None,
+    tuning: Optional[Tuning] = None,
 ) -> Transformer:
     """Load a Mistral or Hugging Face model folder (format detected from its files).
 
     ``fast``: swap in the fast modules and kernels (``fast.formats``); False keeps the readable
     reference everywhere (no packed layouts, quantized weights dequantized for each product), for
     reading, debugging and as the oracle in tests. None: fast unless ``MIXTRAL_INFER_REFERENCE=1``.
+    ``tuning``: what the fast paths do (``Tuning``, its ``fast`` in place of ``fast``); by default
+    this machine's, measured once and kept on disk (``fast.measured.machine_tuning``).
 
     ``dtype``: what the model computes in; by default the checkpoint's own dtype where the
     device has native arithmetic for it, else float32 (``checkpoint.compute_dtype``).
@@ -466,7 +470,10 @@ def load_model(
         raise ConfigError(f"progress={progress!r:.40} must be a function progress(done, total), or None")
     if fast not in (None, True, False) or type(fast) is int:
         raise ConfigError(f"fast={fast!r}: use True (the fast modules), False (the reference) or None (by the environment)")
-    tuning = Tuning.default() if fast is None else Tuning(fast=fast)
+    if tuning is not None and not isinstance(tuning, Tuning):
+        raise ConfigError(f"tuning={tuning!r:.40} must be a Tuning (mixtral_infer.tuning), or left out")
+    if tuning is not None and fast is not None and fast != tuning.fast:
+        raise ConfigError(f"fast={fast!r} and tuning=Tuning(fast={tuning.fast!r}) disagree: pass one of them")
     scheme = QuantScheme.parse(quantize)
     device = checked_device(device, f"device={device!r}")
     dtype = checked_dtype(dtype, f"dtype={dtype!r}")
@@ -498,6 +505,7 @@ def load_model(
     tensors = checkpoint.published_tensors(progress, select)
     if checkpoint.bitsandbytes is not None:
         tensors = bnb_4bit.placed(tensors, is_quantized_published, dtype, device)
+    tuning = tuning if tuning is not None else machine_tuning(fast)  # measured once per machine, before any weight is read
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored,
                         kernel_layouts=tuning.fast)  # fmt: skip
     if tuning.fast:

@@ -3,46 +3,17 @@
 A compiled few-row product multiplies each row of the weight by the input row ``x`` and sums
 (``fast.cpu_reductions``). Each core walks its share of the weight's rows, converting ``x``
 to float32 once and rereading it for every row: while those ``IN`` floats stay in the core's L1
-cache beside the streaming weight, the loop reads the weight at the memory's speed. On the 2-core
-AMD EPYC (a VM, 32 KB of L1 data a core) rows of 2048 (8 KB of ``x``) nearly always do; rows of
-3584 and 4096 (14-16 KB) only some of the time, and in other periods at two thirds of that speed;
-what changes between the periods was not found (another tenant's hyperthread sharing the L1 would
-do it). Compiled products (``dynamic=False``), one weight of 176M values per layout, 6 rounds
-interleaved, GB/s of weights read:
-
-===========================================  ==============================  ====================
-layout                                       bfloat16                        int8 weight-only
-===========================================  ==============================  ====================
-rows of 4096, plain                          20.0-20.4 (2 rounds), 31-32     13.3-15.1
-rows of 4096 in 2 blocks of 2048             27.3-34.1                       21.2-23.8
-rows of 14336 in 4 blocks of 3584            19.2-20.2 (3 rounds), 33        12.5-15.7
-rows of 14336 in 7 blocks of 2048            21.2 (1 round), 29.8-34.3       19.8-22.6
-===========================================  ==============================  ====================
+cache beside the streaming weight, the loop reads the weight at the memory's speed. Rows of 2048
+(8 KB of ``x``) fit a 32 KB L1 beside the weight; rows of 4096 and more do not reliably, and are
+then read markedly slower.
 
 So float weights (16-bit or float32) and int8 integers whose rows are longer than ``MAX_BLOCK``
 are stored as ``n`` blocks of equal width ``B <= MAX_BLOCK``, each block its own contiguous
 ``(OUT, B)`` matrix: ``(OUT, IN) -> (n, OUT, B)``. The product is then ``n`` products with rows
 of ``B``, one after the other, each against its own piece of ``x``, added up. At Mistral 7B's
 and Mixtral 8x7B's widths every matrix decoding reads is blocked (rows of 4096 in 2 blocks, w2's
-14336 in 7); at the bench shapes' only w2 (3584 in 2 of 1792). Compiled decode batch 1, one
-process alternating two copies of one random model (``bench/bench_column_blocks.py``, medians of
-5-6), tokens/s:
-
-=============================================  ==============  ================  ============
-mistral-wide (Mistral 7B's widths, 4 layers)   bfloat16        int8 weight-only  float32
-=============================================  ==============  ================  ============
-plain -> w2 in blocks of 3584                  16.4 -> 21.2    24.0 -> 29.7      10.4 -> 10.8
-w2 in blocks of 3584 -> all in blocks of 2048  15.2 -> 16.7    26.9 -> 30.3      9.4 -> 12.3
-=============================================  ==============  ================  ============
-
-(The first row from when ``MAX_BLOCK`` was 4096; the second ``--max-block 4096 2048``,
-``bench/results_column_blocks_widths_mistral_wide.json``.) bfloat16's median hides the periods:
-in that run blocks of 3584 never passed 17.9 tokens/s and blocks of 2048 reached 22.7-24.8 (in
-another run of 8 rounds, medians 16.8 against 23.4). The bench shapes did not change
-(mistral-bench bfloat16 134.0 -> 134.2, int8 166.0 -> 163.6), nor mixtral-wide's (2 layers of
-Mixtral 8x7B's widths: bfloat16 18.5 -> 18.7, int8 25.9 -> 24.8).
-Reading the plain weight's columns in blocks through a strided view instead, without moving them,
-gained nothing (16.0 -> 16.6): the rows' pieces are then 7 KB apart from each other.
+14336 in 7). Reading the plain weight's columns in blocks through a strided view instead, without
+moving them, gains nothing: the rows' pieces are then far apart from each other.
 
 Example, ``IN = 4``, two blocks of ``B = 2``::
 
@@ -57,13 +28,9 @@ whatever the layout. Compiled products of a few rows read the blocks (``cpu_redu
 chunks) multiply block by block (``block_products``, no copy of the weight in the graph; each
 block's product is rounded to the 16-bit type before the sum). Eager 16-bit products (prompts, the
 eager loop) multiply the plain weight, put back together for the call (``dense()``: a copy, so the
-readable path's numbers are the plain weight's; int8 integers likewise, ``integers()``). With every
-matrix of mistral-wide blocked, the copies cost a prompt about 0.1 s: one process alternating,
-medians of 3, tokens/s, w2 alone blocked -> every matrix: bfloat16 64 tokens 168 -> 133, 512 tokens
-220 -> 212; int8 76 -> 70 and 208 -> 201. Eager float32 products multiply block by block too:
-float32 sums round nothing between blocks, and the copy costs more than the product (Mistral 7B's
-w2, 235 MB: 85-137 ms against 8-70 ms for 1-64 rows; a 512-token mistral-wide prompt 95.5 tokens/s
-against 97.5 plain, 91.6 copying).
+readable path's numbers are the plain weight's; int8 integers likewise, ``integers()``). Eager
+float32 products multiply block by block too: float32 sums round nothing between blocks, and the
+copy would cost more than the product.
 
 ``load_model(..., pack="columns")`` stores a model's long rows so (the CLI's ``--decode compiled``
 loads that way); ``state_dict()`` still gives the plain weights, and ``unblock_long_rows`` puts
@@ -86,7 +53,7 @@ BLOCKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what compiled
 def block_width(in_features: int) -> Optional[int]:
     """The width of the fewest equal blocks of at most ``MAX_BLOCK`` columns that rows of
     ``in_features`` split into, or None when they need no splitting (or do not split evenly).
-    ``block_width(14336) == 3584`` (4 blocks), ``block_width(4096) is None``."""
+    ``block_width(14336) == 2048`` (7 blocks), ``block_width(4096) == 2048``, ``block_width(2048) is None``."""
     if in_features <= MAX_BLOCK:
         return None
     for n_blocks in range(-(-in_features // MAX_BLOCK), in_features // 32 + 1):

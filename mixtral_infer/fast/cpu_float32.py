@@ -2,29 +2,17 @@
 
 ``F.linear`` on float32 CPU tensors calls MKL's GEMM. PyTorch ships a second library, oneDNN
 (what it calls for bfloat16), whose product takes the same plain weight
-(``torch.ops.mkldnn._linear_pointwise``, no copy kept). Which is faster depends on the CPU. Measured
-with torch 2.13.0, 2 cores, (2048 x 1024) @ (1024 x 3584), ms:
-
-=======================  ==========  ==========
-CPU                       MKL         oneDNN
-=======================  ==========  ==========
-2-core AMD EPYC           94.8        81.2
-=======================  ==========  ==========
-
-so a float32 model's prompts there (mistral-bench, 2048 tokens) prefill at 716 tokens/s instead of
-631 (one process alternating, medians of 3). The choice is measured once per process
-(``onednn_is_faster``: a 256 x 1024 by 1024 x 2048 product both ways, best of 3, about 30 ms) and
-taken only with a clear margin (``MARGIN``), so a CPU where MKL is as fast (the Intel Xeon of the
-other tables is not measured) keeps it. ``onednn`` forces the choice (True / False; None =
-measure). Products of fewer rows (decoding) keep ``fast.linear``'s paths, as do products that
-record gradients (oneDNN's op has no backward).
+(``torch.ops.mkldnn._linear_pointwise``, no copy kept). Which is faster depends on the CPU, so the
+choice is ``Tuning.onednn_float32``: measured once per machine (``onednn_is_faster``, a prompt-sized
+product both ways) and taken only with a clear margin (``MARGIN``), so a CPU where MKL is as fast
+keeps it (``fast.measured``). Products of fewer rows (decoding) keep ``fast.linear``'s paths, as do
+products that record gradients (oneDNN's op has no backward).
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +21,6 @@ from mixtral_infer.fast.cpu_packed import onednn_linear
 
 ROWS = 256  # products with at least this many rows may go to oneDNN (prompts; as fast.cpu_upcast)
 MARGIN = 1.1  # only when oneDNN is at least this much faster
-onednn: Optional[bool] = None  # True / False forces the choice; None: measured once
 
 
 def best_seconds(fn: Callable[[], torch.Tensor], repeats: int = 3) -> float:
@@ -47,9 +34,10 @@ def best_seconds(fn: Callable[[], torch.Tensor], repeats: int = 3) -> float:
     return best
 
 
-@functools.lru_cache(maxsize=None)
 def onednn_is_faster() -> bool:
-    """Whether this CPU's oneDNN multiplies many float32 rows at least ``MARGIN`` times faster than MKL."""
+    """Whether this CPU's oneDNN multiplies many float32 rows at least ``MARGIN`` times faster than
+    MKL: a ``ROWS x 1024`` by ``1024 x 2048`` product both ways, best of 3 (``fast.measured`` asks once
+    per machine)."""
     if not torch.backends.mkldnn.is_available():
         return False
     g = torch.Generator().manual_seed(0)
@@ -57,16 +45,19 @@ def onednn_is_faster() -> bool:
     return best_seconds(lambda: F.linear(x, weight)) >= MARGIN * best_seconds(lambda: onednn_linear(x, weight))
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if x.dim() != 2 or x.shape[0] < ROWS or x.device.type != "cpu":
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor, onednn: bool) -> bool:
+    """Whether ``float32_linear`` hands this product to oneDNN: asked to (``onednn``), and a float32
+    CPU product of at least ``ROWS`` rows, outside compiled code, recording no gradient."""
+    if not onednn or x.dim() != 2 or x.shape[0] < ROWS or x.device.type != "cpu":
         return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return False
-    return onednn_is_faster() if onednn is None else onednn
+    return torch.backends.mkldnn.is_available()
 
 
-def float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` for float32 inputs ``(M, IN)``, ``(OUT, IN)``, by the faster library here."""
-    return onednn_linear(x, weight) if uses_onednn(x, weight) else F.linear(x, weight)
+def float32_linear(x: torch.Tensor, weight: torch.Tensor, onednn: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight)`` for float32 inputs ``(M, IN)``, ``(OUT, IN)``; by oneDNN where
+    ``onednn`` (``Tuning.onednn_float32``) says it is the faster library here."""
+    return onednn_linear(x, weight) if uses_onednn(x, weight, onednn) else F.linear(x, weight)

@@ -1,27 +1,13 @@
-"""bfloat16 weights in oneDNN's blocked layout, which CPU matmuls read 1.4x faster.
+"""bfloat16 weights in oneDNN's blocked layout, which CPU matmuls read faster.
 
 ``F.linear`` on a bfloat16 CPU tensor calls oneDNN, which first reorders the plain
 ``(OUT, IN)`` weight into its blocked layout on every call. Reordering each weight once,
 at load, and calling the same oneDNN product on the result (``torch.ops.mkldnn``'s
 ``_reorder_linear_weight`` and ``_linear_pointwise``, what ``torch.compile``'s CPU
-backend does to frozen weights) gives the same numbers, bit for bit, faster.
-
-Measured with torch 2.13.0 on the 2-core Xeon (avx512_bf16), 24 bfloat16 weights of
-3584 x 1024 in turn (none stays in cache):
-
-==================================  ==========  ==========  ==========  ==========
-rows                                 1           2           8           256
-==================================  ==========  ==========  ==========  ==========
-``F.linear``                         0.48 ms     0.51 ms     0.79 ms     11.5 ms
-the same op on the plain weight      0.50 ms
-blocked layout (this module)         0.33 ms     0.37 ms     0.58 ms     11.2 ms
-==================================  ==========  ==========  ==========  ==========
-
-so the layout, not the op, is the gain: the 8-layer mistral-bench decodes at 53 tokens/s
-instead of 41.5 in bfloat16. float16 is not packed by ``pack_model``: there the blocked layout
-is slower for one row (0.63 against 0.54 ms; faster from 4 rows, 0.53 against 0.70), and one
-row is what decoding a single sequence multiplies. ``pack`` itself takes either type, where
-this CPU's oneDNN can reorder it (``onednn_packs``: float16 needs avx512_fp16 or avx_ne_convert).
+backend does to frozen weights) gives the same numbers, bit for bit, faster: the layout,
+not the op, is the gain. float16 is not packed by ``pack_model``: there the blocked layout
+is slower for one row, and one row is what decoding a single sequence multiplies. ``pack``
+itself takes either type, where this CPU's oneDNN can reorder it (``onednn_packs``).
 
 A packed weight is opaque (a ``torch._mkldnn`` tensor), so it lives in a ``PackedWeight``
 that ``linear()`` recognises, in place of the ``nn.Parameter`` (``pack_model``):
@@ -32,10 +18,9 @@ packs the bfloat16 models it loads on CPU unless ``pack=False``.
 
 Weights that multiply the same input are packed side by side, as gpt-fast fuses ``wqkv``:
 ``wq wk wv`` as one matrix, ``w1 w3`` as one (per expert). Each keeps its own name and
-shape, as a block of rows (``PackedWeight.rows``), and ``model.linear.linears`` multiplies
+shape, as a block of rows (``PackedWeight.rows``), and ``fast.linear.linears`` multiplies
 the blocks of one matrix in one call: few-row products of small matrices read them slower,
-and each call costs about 20 us. Measured on the 2-core Xeon, decode batch 1 compiled,
-4 alternating runs each: mixtral-bench 38.8 -> 41.6 tokens/s, mistral-bench 66.0 -> 68.3.
+and each call has a cost of its own.
 
 ``torch.compile`` cannot trace the opaque tensors, so compiled code (the static decode
 step) reaches them through a custom op, ``mixtral_infer::packed_linear(x, handle, expert)``:
@@ -158,8 +143,8 @@ def can_pack(tensor: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether this CPU's oneDNN reorders ``dtype`` weights: bfloat16 needs AVX-512, float16
-    ``avx512_fp16`` or ``avx_ne_convert`` (a 2-core AMD EPYC with avx512_bf16 but neither of
-    those packs bfloat16 only)."""
+    ``avx512_fp16`` or ``avx_ne_convert`` (a CPU with avx512_bf16 but neither of those packs
+    bfloat16 only). Asked of oneDNN itself, by reordering a small matrix."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -217,7 +202,7 @@ def side_by_side(weights: Sequence) -> Optional[PackedWeight]:
 
 
 # Declared with torch.library.Library rather than the custom_op decorator: the dispatcher calls
-# the function directly, 2 us per call instead of 15-25 (57 calls per mistral-bench step).
+# the function directly, several times cheaper a call (dozens of calls a decoding step).
 _LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, int handle, Tensor? expert, int out_features) -> Tensor")
 

@@ -23,7 +23,8 @@ attention kernels (``fast.cuda_attention``).
 
 ``Tuning(fast=False)`` keeps the reference modules; weights that are not plain parameters
 (quantized ones) then get modules whose forward is the reference: ``dequantize`` and ``F.linear``.
-The swap changes an instance's class (``module.__class__``) to a subclass that adds no state.
+The swap changes an instance's class (``module.__class__``) to a subclass that adds no state but
+the ``tuning`` its kernels follow (``module.tuning``).
 """
 
 from __future__ import annotations
@@ -36,24 +37,26 @@ from torch import nn
 
 from mixtral_infer.fast.batched_attention import batched_attention
 from mixtral_infer.fast.cache_gather import gathered_kv
-from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks, block_products
+from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
-from mixtral_infer.fast.cpu_reductions import expert_of, reduces, rows_as_reductions
+from mixtral_infer.fast.cpu_reductions import expert_of
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.fast.cuda_attention import cuda_attention
-from mixtral_infer.fast.linear import linear, linears
+from mixtral_infer.fast.linear import column_blocks_linear, linear, linears
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.transformer import Attention, FeedForward
 from mixtral_infer.quant.kernels import quantized_linear, reference_linear
 from mixtral_infer.quant.weights import QuantizedWeight
 from mixtral_infer.tuning import Tuning
 
+DEFAULT = Tuning()  # the kernels' tuning for a module ``use_formats`` has not seen
+
 
 class PlainLinear(nn.Linear):
     """A float weight ``(OUT, IN)``, through ``fast.linear.linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.tuning)
 
 
 class PackedLinear(nn.Linear):
@@ -61,8 +64,8 @@ class PackedLinear(nn.Linear):
     faster in float32 are widened (``fast.cpu_upcast``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if should_upcast(x):
-            return upcast_linear(x, self.weight.dense())
+        if should_upcast(x, self.tuning.upcast):
+            return upcast_linear(x, self.weight.dense(), self.tuning.onednn_float32)
         return packed_linear(x, self.weight)
 
 
@@ -70,19 +73,14 @@ class ColumnBlocksLinear(nn.Linear):
     """A float weight with long rows kept in blocks of columns (``fast.cpu_column_blocks``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if reduces(x, weight):  # compiled few-row products: reductions block by block
-            return rows_as_reductions(x, weight.blocks)
-        if torch.compiler.is_compiling() or x.dtype == torch.float32:  # float32 sums: nothing rounded between blocks
-            return block_products(x, weight)
-        return linear(x, weight.dense())
+        return column_blocks_linear(x, self.weight, self.tuning)
 
 
 class QuantizedLinear(nn.Linear):
     """Integers and scales (``quant.weights``) through the device's kernel (``quant.kernels``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.weight)
+        return quantized_linear(x, self.weight, self.tuning)
 
 
 class ReferenceQuantizedLinear(nn.Linear):
@@ -96,7 +94,7 @@ class FastAttention(Attention):
     """``wq wk wv`` in one product where they are joined side by side; CUDA's attention kernels."""
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        xq, xk, xv = linears(x, self.wq.weight, self.wk.weight, self.wv.weight)
+        xq, xk, xv = linears(x, self.wq.weight, self.wk.weight, self.wv.weight, tuning=self.tuning)
         return xq, xk, xv
 
     def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias) -> torch.Tensor:
@@ -110,7 +108,7 @@ class FastFeedForward(FeedForward):
     """``w1 w3`` in one product where they are joined side by side."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linears(x, self.w1.weight, self.w3.weight)  # (T, I) each
+        gate, up = linears(x, self.w1.weight, self.w3.weight, tuning=self.tuning)  # (T, I) each
         return self.parallel.all_reduce(self.w2(F.silu(gate) * up))
 
 
@@ -118,14 +116,16 @@ class FastMoeLayer(MoeLayer):
     """Each expert through its weights' kernels, read where they lie (``expert_of``)."""
 
     def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return expert(self, e, x)
+        return expert(self, e, x, self.tuning)
 
 
-def expert(moe: MoeLayer, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def expert(moe: MoeLayer, e: int | torch.Tensor, x: torch.Tensor, tuning: Optional[Tuning] = None) -> torch.Tensor:
     """Expert ``e`` of ``moe`` on x ``(N, D)`` through its weights' kernels (``e`` a 0-d tensor in
-    compiled steps, read in place: ``expert_of``): ``(N, D)``."""
-    gate, up = linears(x, expert_of(moe.w1, e), expert_of(moe.w3, e))  # (N, I) each
-    return linear(F.silu(gate) * up, expert_of(moe.w2, e))
+    compiled steps, read in place: ``expert_of``), as ``tuning`` says (None: the layer's own):
+    ``(N, D)``."""
+    tuning = tuning if tuning is not None else moe.__dict__.get("tuning", DEFAULT)
+    gate, up = linears(x, expert_of(moe.w1, e), expert_of(moe.w3, e), tuning=tuning)  # (N, I) each
+    return linear(F.silu(gate) * up, expert_of(moe.w2, e), tuning)
 
 
 class ReferenceQuantizedMoeLayer(MoeLayer):

@@ -1,13 +1,11 @@
 """int8 and int4 products on CUDA through GemLite's Triton kernels, where GemLite is installed.
 
-Why: PyTorch's CUDA kernels for weight-only int8 and int4 read far under the bandwidth at one row
-(measured on an H200, README "Quantized weights": int8 compiled 0.93x bfloat16's decode, int4
-tinygemm 1.30x; the issue asks 1.6x and 2.2x). GemLite (Mobius Labs, Apache-2.0, ``pip install
-gemlite``) is the low-bit kernel library that torchao, SGLang and vLLM call for weight-only
-quantization: matrix-vector kernels for 1-4 rows (``GEMV_SPLITK`` for 8 bits, ``GEMV_REVSPLITK``
-for 4), split-K for up to 64, tuned per GPU. It is plain Python and Triton, so it runs with any
-torch that has Triton (xformers' and torchao's compiled kernels do not load with the lent GPU's
-torch). Not a dependency: a GPU user installs it; without it nothing here runs.
+Why: PyTorch's CUDA kernels for weight-only int8 and int4 read far under the bandwidth at one row.
+GemLite (Mobius Labs, Apache-2.0, ``pip install gemlite``) is the low-bit kernel library that
+torchao, SGLang and vLLM call for weight-only quantization: matrix-vector kernels for 1-4 rows
+(``GEMV_SPLITK`` for 8 bits, ``GEMV_REVSPLITK`` for 4), split-K for up to 64, tuned per GPU. It is
+plain Python and Triton, so it runs with any torch that has Triton. Not a dependency: a GPU user
+installs it; without it nothing here runs.
 
 Its format is HQQ's, ``W ~ (W_q - zeros) * scales`` with groups along the inputs, so our weights go
 in as they are (``arguments``):
@@ -29,24 +27,20 @@ it, as the op cannot take an index) in bfloat16 or float16, inputs a multiple of
 fewer than ``ROWS`` rows (GemLite's matrix-vector and split-K range). More rows take the path they
 took before (int4 dequantizes, int8 ``F.linear`` of the converted integers).
 
-Accuracy: GemLite's 4-bit matrix-vector kernel splits each output's sum among many programs (256
-for 4096 inputs with H100's tuning) that add their parts into the output atomically, in the
-output's dtype where the GPU can (bfloat16 on Hopper): 256 roundings to bfloat16, about 2% of each
-output (measured in float16 through Triton's interpreter on CPU: 1.7e-3 of the norm, 9x a float16
-product's; bfloat16 has 8x float16's step). ``library`` turns that off
-(``set_native_atomic_bfp16(False)``, GemLite's own switch "for higher accuracy"): the parts add up
-in float32 and the output is rounded once, as every other product here is (what the output's
-conversion costs: "Outputs"; ``bench/gpu_matvec.py`` times both ways).
+Accuracy: GemLite's 4-bit matrix-vector kernel splits each output's sum among many programs that
+add their parts into the output atomically, in the output's dtype where the GPU can (bfloat16 on
+Hopper): one rounding to bfloat16 a part, far more error than a product rounded once. ``library``
+turns that off (``set_native_atomic_bfp16(False)``, GemLite's own switch "for higher accuracy"):
+the parts add up in float32 and the output is rounded once, as every other product here is.
 
-Outputs: in the activations' dtype, as GemLite's own layers make them: the way measured on an
-H200 (below). ``FLOAT32_OUTPUTS = True`` asks GemLite for float32 instead, converted by
-``GemliteProduct`` to the activations' dtype through ``mixtral_infer::gemlite_mm``: where GemLite adds
-split sums in float32 (4-bit at 1-4 rows, every product of more rows) it otherwise converts its
-output to bfloat16 in a kernel of its own after the product (int4 Mistral 7B: 224 a decode step),
+Outputs: in the activations' dtype, as GemLite's own layers make them, unless
+``Tuning.gemlite_float32_outputs`` (``product(..., float32_outputs=True)``) asks GemLite for float32
+instead, converted by ``GemliteProduct`` to the activations' dtype through
+``mixtral_infer::gemlite_mm``: where GemLite adds split sums in float32 (4-bit at 1-4 rows, every
+product of more rows) it otherwise converts its output in a kernel of its own after the product,
 which a compiled step cannot fuse; ours is a graph op, done by the kernel that reads the product
 (rotary embedding, the SwiGLU product, the residual add). The same rounding, once; int8 at 1-2 rows
-writes its output's dtype directly either way. It stays off because it never ran on a GPU: it was
-written after the one lease that measured GemLite, and this work has no device time left
+writes its output's dtype directly either way. It is off by default: it has not been timed on a GPU
 (``bench_gpu.py``'s ``-gemlite`` and ``-gemlite-f32`` schemes compare the two ways). The tuned
 configurations are the same: GemLite keys them by input type and bits, not output.
 
@@ -55,11 +49,6 @@ hold it. It ships them per GPU name (``h100.json``...). An H200 is an H100's chi
 so on a GPU named H200, which no shipped file names, H100's are loaded (``library``). What it tunes
 here is kept, as its README advises, in ``tuning_file()`` beside inductor's cache: written when the
 process ends, loaded by the next (``keep_tuning``), so each shape autotunes once per machine.
-
-Measured on an H200 (2026-11-28, README "Quantized weights"): Mistral-7B decode at batch 1, compiled,
-int8 through GemLite 272.4 tokens/s against bfloat16's 218.7 (1.25x; PyTorch's int8 0.93x). int4
-through GemLite was not measured (the lease ended while it compiled). ``bench/gpu_matvec.py`` has
-its per-product rows, ``bench/gpu_lease.sh short`` the rest.
 """
 
 from __future__ import annotations
@@ -80,9 +69,6 @@ from mixtral_infer.quant import nf4
 ROWS = 64  # GemLite's own limit for its matrix-vector and split-K kernels (its GEMM from there on)
 MIN_INPUTS = 32  # GemLite's: inputs a multiple of this (and of the group size)
 SAME_CHIP = {"h200": "h100"}  # GPU name -> the shipped tuning file it can use (same chip, faster memory)
-# GemLite's outputs in the activations' dtype, as its own layers make them (converted inside its op where
-# it adds in float32); True: float32, converted by the caller's compiled code (module docstring, "Outputs").
-FLOAT32_OUTPUTS = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,7 +133,7 @@ class GemliteProduct:
     """``x (M, IN) @ W.T`` by GemLite's op for one weight: the tensors and integers its packed
     layer hands the op (``GemLiteLinear.get_tensor_args`` / ``get_meta_args``), kept as they are.
     A plain object, not a module: ``model.to(...)`` leaves it where it was made (``usable``).
-    ``float32_out``: GemLite was asked for float32 outputs (``FLOAT32_OUTPUTS``), converted here to
+    ``float32_out``: GemLite was asked for float32 outputs (``product``'s ``float32_outputs``), converted here to
     the activations' dtype, through ``mixtral_infer::gemlite_mm`` (GemLite's own fake would say its
     output has the activations' dtype)."""
 
@@ -172,7 +158,7 @@ def _gemlite_mm(x: torch.Tensor, tensors: List[torch.Tensor], meta: List[int]) -
 
 
 # GemLite's op as one of ours whose output is float32: compiled code converts it where it is read,
-# in the kernel that reads it (``FLOAT32_OUTPUTS``). The CPU implementation is for the tests, whose
+# in the kernel that reads it (``product``'s ``float32_outputs``). The CPU implementation is for the tests, whose
 # stand-in takes GemLite's op's name.
 _LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
 _LIBRARY.define("gemlite_mm(Tensor x, Tensor[] tensors, int[] meta) -> Tensor")
@@ -215,11 +201,12 @@ def dequantize(W_q: torch.Tensor, scales: torch.Tensor, zeros: Optional[int], gr
     return (integers * scales.to(torch.float32).repeat_interleave(group_size, dim=-1)).to(dtype)
 
 
-def product_or_none(weight) -> Optional[GemliteProduct]:
-    """``product(weight)``, or None with one logged line where GemLite fails to pack it (a GemLite
-    whose API moved, a shape it refuses): the weight then takes PyTorch's kernels, as without it."""
+def product_or_none(weight, float32_outputs: bool = False) -> Optional[GemliteProduct]:
+    """``product(weight, float32_outputs)``, or None with one logged line where GemLite fails to pack
+    it (a GemLite whose API moved, a shape it refuses): the weight then takes PyTorch's kernels, as
+    without it."""
     try:
-        return product(weight)
+        return product(weight, float32_outputs)
     except Exception as error:  # an optional accelerator: never the reason a model fails to load
         shape = "x".join(map(str, weight.shape))
         message = "GemLite could not pack a %s weight of %s (%s: %s); using PyTorch's kernels"
@@ -227,13 +214,14 @@ def product_or_none(weight) -> Optional[GemliteProduct]:
         return None
 
 
-def product(weight) -> GemliteProduct:
+def product(weight, float32_outputs: bool = False) -> GemliteProduct:
     """GemLite's layer for ``weight`` (on its GPU), packed from ``arguments``: int8 as GemLite's
-    ``A16W8_INT8`` packs pre-quantized weights, int4 by ``GemLiteLinear.pack`` (its README's use)."""
+    ``A16W8_INT8`` packs pre-quantized weights, int4 by ``GemLiteLinear.pack`` (its README's use).
+    Its outputs in the weight's dtype, or float32 with ``float32_outputs`` (module docstring)."""
     gemlite = library()
     W_q, scales, zeros, bits, group_size = arguments(weight)
     dtype = gemlite.DType.BF16 if weight.dtype == torch.bfloat16 else gemlite.DType.FP16
-    output_dtype = gemlite.DType.FP32 if FLOAT32_OUTPUTS else dtype
+    output_dtype = gemlite.DType.FP32 if float32_outputs else dtype
     if bits == 8:
         layer = gemlite.helper.A16W8_INT8(device=weight.device, dtype=weight.dtype).from_weights(W_q, scales=scales)
         layer.output_dtype = output_dtype  # read by its forward only (get_meta_args), not by its packing
@@ -243,7 +231,7 @@ def product(weight) -> GemliteProduct:
                                       input_dtype=dtype, output_dtype=output_dtype)  # fmt: skip
         layer.pack(W_q, scales, zeros)
     meta = tuple(int(m) for m in layer.get_meta_args())
-    return GemliteProduct(tuple(layer.get_tensor_args()), meta, float32_out=FLOAT32_OUTPUTS)
+    return GemliteProduct(tuple(layer.get_tensor_args()), meta, float32_out=float32_outputs)
 
 
 def usable(x: torch.Tensor, weight) -> bool:

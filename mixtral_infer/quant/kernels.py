@@ -1,59 +1,46 @@
 """The matrix products of quantized weights: PyTorch's weight-only kernels, chosen per device.
 
-Measured on the 2-core Xeon (avx512_bf16) with torch 2.13.0 and torchao 0.18.0,
-``bench/bench_quant_kernels.py``, 1-8 rows of bfloat16 times a 14336 x 1024 weight:
-
 * **CPU int8**: ``torch.ops.aten._weight_int8pack_mm`` (reads the int8 weight at the speed
-  ``F.linear`` reads bfloat16, so half the time). torchao's ``Int8WeightOnlyConfig`` runs a
-  dequantize-then-matmul on CPU, 20x slower.
+  ``F.linear`` reads bfloat16, so in half the time). torchao's ``Int8WeightOnlyConfig`` runs a
+  dequantize-then-matmul on CPU, far slower.
 * **CPU int4**: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the layout made by
-  ``_convert_weight_to_int4pack_for_cpu``. torchao 0.18 has no CPU int4 layout any more
-  (``Int4WeightOnlyConfig`` needs the CUDA-only ``mslk`` package), and its PyPI wheel declares but
-  does not build its x86 int8-activation x int4 op (``da8w4_linear_cpu``: NotImplementedError on CPU).
+  ``_convert_weight_to_int4pack_for_cpu`` (torchao has no CPU int4 layout of its own any more).
 * **CPU nf4** (``quant/nf4.py``): bitsandbytes' AVX512-BF16 kernel (``nf4.kernel()``), through the
   op ``mixtral_infer::nf4_mm``, for fewer than ``NF4_DEQUANTIZE_ROWS`` rows; more rows dequantize
   (``dequantize_nf4_kernel_layout``, the reference's numbers); no kernel on this CPU: the reference.
-  1.3-2.0x the weights a second of our int8 reductions.
 * **CUDA nf4** (``quant/nf4.py``): bitsandbytes' fused CUDA kernel (``nf4.cuda_kernel()``,
   ``cgemm_4bit_bf16``), through the op ``mixtral_infer::nf4_cuda_mm``, for fewer than
-  ``CUDA_NF4_KERNEL_ROWS`` rows; more rows, or no library for this CUDA: the reference. Not
-  measured (module's end).
-* **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): dequantizing
-  to bfloat16 (2 ms; ``dequantize_int8``) and multiplying with ``F.linear`` beats the int8 kernel, which is
-  compute-bound there: 3584 x 1024, 512 rows 25 vs 29 ms, 2048 rows 102 vs 119 ms (128 rows:
-  8.0 vs 7.5 ms). int4, where ``fast.cpu_upcast`` multiplies in float32, reads its kernel
-  layout back (``dequantize_int4_kernel_layout``, 15 ms: its plain values are dropped) from
-  ``INT4_DEQUANTIZE_ROWS`` rows on: 1024 rows 59 vs 111 ms, 2048 rows 107 vs 222 ms (512: even).
-  On CPUs that multiply bfloat16 faster than float32 (``fast.cpu_upcast`` does not widen: the
-  2-core AMD EPYC) it reads the layout back into bfloat16, as ``reference_linear`` does, from
-  ``DEQUANTIZE_ROWS`` rows on: 512 rows 14.5 vs 22.3 ms, 2048 rows 42.9 vs 90.8 ms (256: even).
+  ``CUDA_NF4_KERNEL_ROWS`` rows; more rows, or no library for this CUDA: the reference.
+* **CPU int8 with many rows** (prefill chunks of at least ``DEQUANTIZE_ROWS``): the int8 kernel is
+  compute-bound there, and dequantizing (``dequantize_int8``) then multiplying with ``F.linear`` is
+  faster. int4, where ``Tuning.upcast`` multiplies in float32 (``fast.cpu_upcast``), reads its
+  kernel layout back (``dequantize_int4_kernel_layout``: its plain values are dropped) from
+  ``INT4_DEQUANTIZE_ROWS`` rows on; where 16-bit products are the faster, it reads the layout back
+  into bfloat16, as ``reference_linear`` does, from ``DEQUANTIZE_ROWS`` rows on.
 * **CPU int8 in compiled code, 1-8 rows** (decoding): multiply-and-sum reductions that inductor
-  writes (``fast.cpu_reductions``), 1.5x the int8 kernel's speed (0.17-0.20 against 0.26-0.30 ms).
-  Integers with rows longer than 2048, loaded with ``pack="columns"``, are kept only as column
-  blocks (``fast.cpu_column_blocks``; ``packed = (blocks, scales)``), which the reductions read;
-  compiled code with more rows runs the int8 kernel block by block (``int8_blocks_linear``), and
-  op by op the kernel gets them put back together (``integers()``).
-* Both CPU kernels are vectorised for bfloat16 activations only (float32: 10-50x slower),
+  writes (``fast.cpu_reductions``), faster than the int8 kernel. Integers with long rows, loaded
+  with ``pack="columns"``, are kept only as column blocks (``fast.cpu_column_blocks``;
+  ``packed = (blocks, scales)``), which the reductions read; compiled code with more rows runs the
+  int8 kernel block by block (``int8_blocks_linear``), and op by op the kernel gets them put back
+  together (``integers()``).
+* Both CPU kernels are vectorised for bfloat16 activations only (float32 is many times slower),
   so float32 and float16 activations take the reference path: dequantize, then ``F.linear``.
 * **CUDA int8**: as gpt-fast does it, ``F.linear(x, q.to(x.dtype)) * scales`` (compiled, the
   conversion fuses into the product).
 * **CUDA int8 and int4 with GemLite installed** (``quant/gemlite_cuda.py``): GemLite's Triton
   matrix-vector and split-K kernels, for chunks of fewer than ``gemlite_cuda.ROWS`` rows of dense
-  weights (not stacked experts); more rows take the paths below. Not measured yet (its module).
+  weights (not stacked experts); more rows take the paths below.
 * **CUDA int4**: tinygemm, ``torch.ops.aten._weight_int4pack_mm`` on the layout made by
   ``_convert_weight_to_int4pack`` (gpt-fast's and torchao's int4 kernel), for bfloat16 chunks of
-  fewer than ``CUDA_INT4_DEQUANTIZE_ROWS`` rows. It is made for few rows: on an A6000 (torchao's
-  HQQ README) a 4096 x 4096 product takes 0.04 ms for 16 rows but 2.2 ms for 1024, where
-  dequantizing and a bfloat16 product cost a fraction of that; so a CUDA int4 weight keeps its
-  plain values beside the kernel layout (1 byte per weight in all, as int8) and prompt chunks
-  dequantize. The CUDA ops exist only there: this machine tests the layout handed to them
-  (``tinygemm_layout``), a CUDA test the product itself.
+  fewer than ``CUDA_INT4_DEQUANTIZE_ROWS`` rows. It is made for few rows: for many, dequantizing and
+  a bfloat16 product cost a fraction of it; so a CUDA int4 weight keeps its plain values beside the
+  kernel layout (1 byte per weight in all, as int8) and prompt chunks dequantize. The CUDA ops
+  exist only there: the CPU tests check the layout handed to them (``tinygemm_layout``), a CUDA
+  test the product itself.
 
-Measured on CUDA (an H200, ``bench/bench_gpu.py``): int8 and int4 at batch 1 (README). Not
-measured: the CUDA nf4 kernel and GemLite's (no GPU lent to the sessions that wrote them;
-``bench/gpu_matvec.py`` and ``bench/gpu_lease.sh first``, ``nf4`` and ``gemlite`` have their rows),
-and prompt lengths, so ``CUDA_INT4_DEQUANTIZE_ROWS`` and ``CUDA_NF4_KERNEL_ROWS`` are the public
-numbers' guesses until then.
+``CUDA_INT4_DEQUANTIZE_ROWS`` and ``CUDA_NF4_KERNEL_ROWS`` follow the libraries' own dispatch.
+``quantized_linear`` and ``quantized_linears`` take the ``Tuning`` to follow (``fast.formats``'
+modules pass their own).
 """
 
 from __future__ import annotations
@@ -70,6 +57,9 @@ from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.quant import gemlite_cuda, nf4
 from mixtral_infer.quant.int8_activations import int8_activations_linear
 from mixtral_infer.quant.weights import QuantizedWeight
+from mixtral_infer.tuning import Tuning
+
+DEFAULT = Tuning()  # what a call that is given no tuning follows
 
 
 def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -90,7 +80,7 @@ def uses_cuda_nf4_kernel(x: torch.Tensor, weight: QuantizedWeight) -> bool:
 def uses_int8_activations(x: torch.Tensor, weight: QuantizedWeight) -> bool:
     """w8a8 packed for fbgemm (``quant.int8_activations``), and a CPU product: every one, of any
     float dtype (fbgemm takes float32; bfloat16 converts) and any number of rows (prompts too:
-    fbgemm's integer product is 1.7x float32's there, 29 against 49 ms for 2048 x 1024 x 3584)."""
+    fbgemm's integer product is faster than float32's there)."""
     return weight.prepacked is not None and x.device.type == "cpu"
 
 
@@ -109,9 +99,7 @@ def int4_layout(weight: QuantizedWeight) -> Optional[str]:
 
 
 DEQUANTIZE_ROWS = 512  # CPU int8: from this many rows on, dequantize + F.linear is faster (module docstring)
-# CPU nf4: from this many rows on, dequantize_nf4_kernel_layout + F.linear (3584 x 1024 on the Zen 4,
-# ms, kernel against dequantize + F.linear: 512 rows 13.9 / 6.4 + 9.2, 1024 rows 29.4 / 6.4 + 20.6).
-NF4_DEQUANTIZE_ROWS = 1024
+NF4_DEQUANTIZE_ROWS = 1024  # CPU nf4: from this many rows on, dequantize_nf4_kernel_layout + F.linear
 # CUDA nf4: below this many rows, bitsandbytes' fused kernel; from it on, dequantize + F.linear.
 # bitsandbytes' own dispatch on Hopper keeps its kernel for up to 4 rows always and for 5-7 on most
 # shapes, and hands larger weights from 8 rows on to dequantize + F.linear on many shapes.
@@ -121,9 +109,8 @@ INT4_DEQUANTIZE_ROWS = 1024  # CPU int4, where float32 multiplies faster: readin
 
 # One expert of stacked weights, the expert a 0-d tensor (compiled code's routing): these ops
 # read it and call the CPU kernel on that expert's views, where a gather would copy the expert's
-# weights first (2 experts x 3 matrices per layer per token; mixtral-bench int4 compiled decode
-# 48 -> 72 tokens/s, bench/llamacpp/results_decode_compiled*.json). Declared with
-# torch.library.Library, as fast.cpu_packed's op: the dispatcher calls the function directly.
+# weights first (2 experts x 3 matrices per layer per token). Declared with torch.library.Library,
+# as fast.cpu_packed's op: the dispatcher calls the function directly.
 _LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
 _LIBRARY.define("int8_expert_mm(Tensor x, Tensor values, Tensor scales, Tensor expert) -> Tensor")
 _LIBRARY.define("int4_expert_mm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, Tensor expert) -> Tensor")
@@ -169,16 +156,15 @@ def expert_kernel_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tens
     return None
 
 
-def int8_blocks_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def int8_blocks_linear(x: torch.Tensor, weight: QuantizedWeight, streams: int = DEFAULT.streams) -> torch.Tensor:
     """Compiled code's ``x (M, IN) @ weight.T`` for int8 integers held in column blocks
-    (``fast.cpu_column_blocks``), without putting them back together (a copy on every step): 1-2
-    rows as reductions over the blocks, more rows block by block through the int8 kernel, each
-    block's product rounded to ``x``'s dtype before the sum. mistral-wide int8, compiled decode batch 4:
-    58.6 tok/s against 62.3 plain (as reductions: 50.0); batch 1: 29.7 against 24.0."""
+    (``fast.cpu_column_blocks``), without putting them back together (a copy on every step): a few
+    rows as reductions over the blocks (read in ``streams`` places), more rows block by block through
+    the int8 kernel, each block's product rounded to ``x``'s dtype before the sum."""
     weight = weight.resolved()  # one expert of stacked weights (compiled code gives an expert one row: read in place)
     blocks = int8_blocks(weight)  # (n, OUT, B)
     if reduces(x, blocks):
-        return rows_as_reductions(x, blocks, weight.scales)
+        return rows_as_reductions(x, blocks, weight.scales, streams)
     if not uses_cpu_kernel(x, weight):
         return reference_linear(x, weight)
     parts = x.reshape(x.shape[0], blocks.shape[0], -1).unbind(1)  # n x (M, B)
@@ -187,15 +173,18 @@ def int8_blocks_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
     return torch.stack(products).sum(0)  # (n, M, OUT) -> (M, OUT)
 
 
-def quantized_linears(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> List[torch.Tensor]:
-    """``[quantized_linear(x, w) for w in weights]``, in one product where they are w8a8 weights
-    packed side by side (``int8_activations.pack_weights``) and the product quantizes activations."""
+def quantized_linears(
+    x: torch.Tensor, weights: Sequence[QuantizedWeight], tuning: Tuning = DEFAULT
+) -> List[torch.Tensor]:
+    """``[quantized_linear(x, w, tuning) for w in weights]``, in one product where they are w8a8
+    weights packed side by side (``int8_activations.pack_weights``) and the product quantizes
+    activations."""
     joined = joined_linear(x, weights)
     if joined is not None:
         return joined
     whole = side_by_side([w.prepacked for w in weights])
     if whole is None or not uses_int8_activations(x, weights[0]):
-        return [quantized_linear(x, w) for w in weights]
+        return [quantized_linear(x, w, tuning) for w in weights]
     return list(int8_activations_linear(x, whole).split([w.shape[-2] for w in weights], dim=-1))
 
 
@@ -223,17 +212,18 @@ def joined_linear(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> Option
     return list(out.split([w.shape[-2] for w in weights], dim=-1))
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring)."""
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
+    """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring), as
+    ``tuning`` says (reductions' places, widening prompts to float32)."""
     if gemlite_cuda.usable(x, weight):
         return weight.gemlite(x)
     if uses_int8_activations(x, weight):
         return int8_activations_linear(x, weight.prepacked)
     if weight.scheme.name == "int8" and weight.values is not None and reduces(x, weight.values):
         weight = weight.resolved()  # one expert of stacked weights: compiled code reads it in place
-        return rows_as_reductions(x, weight.values, weight.scales)  # compiled CPU decoding (module docstring)
+        return rows_as_reductions(x, weight.values, weight.scales, tuning.streams)  # compiled CPU decoding
     if int8_blocks(weight) is not None and torch.compiler.is_compiling():
-        return int8_blocks_linear(x, weight)
+        return int8_blocks_linear(x, weight, tuning.streams)
     if weight.expert is not None:
         out = expert_kernel_linear(x, weight)
         if out is not None:
@@ -246,23 +236,24 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         if layout == "cpu" and uses_cpu_kernel(x, weight):
             if x.shape[0] < NF4_DEQUANTIZE_ROWS:
                 return torch.ops.mixtral_infer.nf4_mm(x.contiguous(), *weight.packed, weight.scheme.group_size)
-            if weight.packed[0].dim() == 2:  # prompts: reference_linear's numbers, dequantized 3.5x faster
+            if weight.packed[0].dim() == 2:  # prompts: reference_linear's numbers, dequantized faster
                 return F.linear(x, dequantize_nf4_kernel_layout(weight, x.dtype))
         return reference_linear(x, weight)
     if uses_cpu_kernel(x, weight):
         x = x.contiguous()
+        upcast = should_upcast(x, tuning.upcast)  # this CPU multiplies float32 faster (fast.cpu_upcast)
         if weight.scheme.name == "int8" and x.shape[0] >= DEQUANTIZE_ROWS:
-            if should_upcast(x):  # this CPU multiplies float32 faster (fast.cpu_upcast)
-                return upcast_linear(x, dequantize_int8(weight, torch.float32))
+            if upcast:
+                return upcast_linear(x, dequantize_int8(weight, torch.float32), tuning.onednn_float32)
             return F.linear(x, dequantize_int8(weight, x.dtype))  # reference_linear, bit for bit
         if weight.scheme.name == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, weight.integers(), weight.scales)
         cpu_layout = int4_layout(weight) == "cpu"
         if cpu_layout and x.shape[0] >= DEQUANTIZE_ROWS and weight.shape[-2] % INT4_BLOCK == 0:
-            if not should_upcast(x):  # this CPU multiplies 16-bit faster: as reference_linear does
+            if not upcast:  # this CPU multiplies 16-bit faster: as reference_linear does
                 return F.linear(x, dequantize_int4_kernel_layout(weight, x.dtype))
             if x.shape[0] >= INT4_DEQUANTIZE_ROWS:
-                return upcast_linear(x, dequantize_int4_kernel_layout(weight))
+                return upcast_linear(x, dequantize_int4_kernel_layout(weight), tuning.onednn_float32)
         if cpu_layout:
             packed, scales_and_zeros = weight.packed
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, weight.scheme.group_size, scales_and_zeros)
@@ -281,8 +272,7 @@ INT4_BLOCK = 64  # rows per block of the CPU int4 layout
 def dequantize_int8(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """``weight.dequantize(dtype)`` of an int8 weight, bit for bit, in one conversion and one
     multiply in place: for prompts, where the reference's two float32 copies of the weight cost
-    a third of the product (14336 x 4096: 186 against 44 ms; 2048 rows through it: 600 ms, on the
-    2-core AMD EPYC). The same numbers: an integer of at most 127 is exact in any float dtype, and
+    a good part of the product. The same numbers: an integer of at most 127 is exact in any float dtype, and
     PyTorch multiplies 16-bit numbers in float32, where ``q * scale`` is exact, rounding once."""
     return weight.integers().to(dtype).mul_(weight.scales[..., None])  # (..., OUT, IN)
 
@@ -304,7 +294,7 @@ def dequantize_int4_kernel_layout(weight: QuantizedWeight, dtype: torch.dtype = 
     nibbles[:, : INT4_BLOCK // 2] = (blocks & 15).transpose(1, 2)  # rows 64b + j
     nibbles[:, INT4_BLOCK // 2 :] = (blocks >> 4).transpose(1, 2)  # rows 64b + 32 + j
     # Written in dtype and scaled in place, as dequantize_int8 (one rounding, the reference's
-    # numbers): 14336 x 4096 into bfloat16, 75 against 262 ms through float32 copies.
+    # numbers), rather than through float32 copies.
     grouped = nibbles.view(out_features, -1, weight.scheme.group_size).sub_(8)  # (OUT, IN/G, G)
     return grouped.mul_(weight.scales[..., None]).view(out_features, in_features)
 
@@ -312,9 +302,9 @@ def dequantize_int4_kernel_layout(weight: QuantizedWeight, dtype: torch.dtype = 
 def dequantize_nf4_kernel_layout(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``weight.dequantize(dtype)`` of an nf4 weight ``(OUT, IN)`` held in bitsandbytes' layout, bit for
     bit, for prompts: ``ROWS_PER_CONVERSION`` rows at a time, both values of each byte looked up at once
-    (``nf4.byte_values``), put back in row order, scaled in float32 in place and rounded once.
-    3584 x 1024 into bfloat16: 6.4 against 22.7 ms through the readable path (``NF4_DEQUANTIZE_ROWS``
-    says when it pays). Byte ``t`` of a block's input pair ``i`` holds rows ``t // 2`` and
+    (``nf4.byte_values``), put back in row order, scaled in float32 in place and rounded once: faster
+    than the readable path (``NF4_DEQUANTIZE_ROWS`` says when it pays). Byte ``t`` of a block's input
+    pair ``i`` holds rows ``t // 2`` and
     ``16 + t // 2`` (``nf4.kernel_layout``), inputs ``2i + t % 2``."""
     packed, _ = weight.packed  # (OUT, IN/2), the kernel's layout
     out_features, in_features = weight.shape
@@ -325,7 +315,7 @@ def dequantize_nf4_kernel_layout(weight: QuantizedWeight, dtype: torch.dtype = t
         rows = part.shape[0]
         # byte t of block b, input pair i -> (b, i, t // 2, t % 2), each byte's [low, high] values last
         codes = part.reshape(rows // block, in_features // 2, block // 2, 2).long()  # (B, IN/2, 16, 2)
-        pairs = F.embedding(codes, table)  # (B, IN/2, 16, 2, 2); 3x the speed of table[codes] here
+        pairs = F.embedding(codes, table)  # (B, IN/2, 16, 2, 2); faster than table[codes] here
         # (b, nibble, t // 2, i, t % 2): row 32b + 16 * nibble + t // 2, input 2i + t % 2
         values = pairs.permute(0, 4, 2, 1, 3).reshape(rows, in_features)
         scales = weight.scales[start : start + rows, :, None].to(torch.float32)  # (rows, IN/G, 1)
@@ -333,7 +323,7 @@ def dequantize_nf4_kernel_layout(weight: QuantizedWeight, dtype: torch.dtype = t
     return out
 
 
-def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeight:
+def prepare(weight: QuantizedWeight, keep_values: bool = False, gemlite_float32_outputs: bool = False) -> QuantizedWeight:
     """Give ``weight`` the layout its device's kernel reads; drop the plain values unless ``keep_values``.
 
     Only 4-bit weights in bfloat16 have layouts of their own: int4 one per device, nf4 one on CPUs
@@ -348,10 +338,11 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False) -> QuantizedWeig
       (module docstring: prompt chunks dequantize).
 
     On a GPU where GemLite is installed, int8 and int4 weights it supports get its packed layer
-    instead (``weight.gemlite``, ``gemlite_cuda.product``), their plain values kept for prompts.
+    instead (``weight.gemlite``, ``gemlite_cuda.product``), their plain values kept for prompts; its
+    outputs float32 with ``gemlite_float32_outputs`` (``Tuning.gemlite_float32_outputs``).
     """
     if weight.device.type == "cuda" and gemlite_cuda.supports(weight) and gemlite_cuda.library() is not None:
-        weight.gemlite = gemlite_cuda.product_or_none(weight)
+        weight.gemlite = gemlite_cuda.product_or_none(weight, gemlite_float32_outputs)
         if weight.gemlite is not None:
             return weight
     if weight.dtype != torch.bfloat16 or not weight.scheme.four_bit:
@@ -416,9 +407,7 @@ CUDA_INT4_DEQUANTIZE_ROWS = 64  # CUDA int4: from this many rows on, dequantize 
 
 
 # tinygemm's tiling along the inputs: it reads 16 x tiles inputs per step, tiles in {2, 4, 8}.
-# gpt-fast uses 8; on the H200 at batch 1, 2 reads faster for each of Mistral 7B's shapes
-# (bench/gpu_matvec.py, bench/results_gpu_h200_matvec.json: 14336 x 4096 0.318 against 0.358 ms
-# for 16 weights, 4096 x 14336 0.334 against 0.347, 4096 x 4096 0.352 against 0.378 for 48).
+# gpt-fast uses 8; at batch 1, 2 reads Mistral 7B's shapes faster.
 CUDA_INNER_K_TILES = 2
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.fast.cpu_packed import side_by_side_groups
-from mixtral_infer.fast.formats import replace_parameter
+from mixtral_infer.fast.formats import replace_parameter, tuning_of
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.kernels import nf4_layout, prepare
@@ -86,11 +86,12 @@ def install(model: nn.Module, name: str, weight: QuantizedWeight) -> None:
 
 
 def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
-                    name: str = "the weight", kernel_layout: bool = True) -> QuantizedWeight:  # fmt: skip
+                    name: str = "the weight", kernel_layout: bool = True,
+                    gemlite_float32_outputs: bool = False) -> QuantizedWeight:  # fmt: skip
     """One weight quantized on ``device``, in the layout of that device's kernel (``kernel_layout``;
-    False: the plain layout the reference reads)."""
+    False: the plain layout the reference reads; ``gemlite_float32_outputs``: ``quant.kernels.prepare``'s)."""
     weight = quantize(tensor.to(device), scheme, dtype, name)
-    return prepare(weight) if kernel_layout else weight
+    return prepare(weight, gemlite_float32_outputs=gemlite_float32_outputs) if kernel_layout else weight
 
 
 def check_finite_scales(name: str, scales: torch.Tensor, source: str,
@@ -130,9 +131,11 @@ def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     # By name: a list of the parameters themselves would keep every float weight alive until the
     # end (Mixtral 8x7B on one GPU: 93 GB of bfloat16 beside 47 GB of int8); this way each float
     # weight is freed as its quantized one takes its place.
+    float32_outputs = tuning_of(model).gemlite_float32_outputs  # GemLite's outputs (quant.gemlite_cuda)
     for name in [name for name, _ in model.named_parameters() if is_quantized(name)]:
         param = model.get_parameter(name)
-        install(model, name, quantize_tensor(param.data, scheme, param.dtype, param.device, name))
+        weight = quantize_tensor(param.data, scheme, param.dtype, param.device, name, gemlite_float32_outputs=float32_outputs)
+        install(model, name, weight)
     join_side_by_side(model)  # nf4 on CPU: wq wk wv, and w1 w3, one kernel call each
     return int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
 

@@ -37,12 +37,13 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.fast.formats import tuning_of
 from mixtral_infer.steps import decode_step as static_step
 from mixtral_infer.steps.cpu_aot_step import AotStep
 from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked
@@ -54,6 +55,7 @@ from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.tokenizer import Tokenizer
+from mixtral_infer.tuning import Tuning
 
 NOT_FINITE = (
     "the model produced NaN or inf logits for this request: its weights may be broken, or its activations "
@@ -195,6 +197,7 @@ class Engine:
         compile_prompts: Optional[bool] = None,
         metrics=None,
         after_step: Optional[Callable[[], None]] = None,
+        tuning: Optional[Tuning] = None,
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
             raise GenerationError(f"rows={rows} and prefill_tokens={prefill_tokens} must be >= 1, max_queue={max_queue} >= 0")
@@ -202,6 +205,7 @@ class Engine:
         if window is None and max_model_len is None:
             raise GenerationError("a model without a sliding window needs max_model_len (tokens per sequence)")
         self.model, self.tokenizer = model, tokenizer
+        self.tuning = tuning if tuning is not None else tuning_of(model)  # how the static steps are built
         self.rows, self.max_queue, self.prefill_tokens = rows, max_queue, prefill_tokens
         self.max_model_len = max_model_len  # with a window, a bound on each request alone (rows hold the window)
         self.mode = decode_mode(decode, model)
@@ -525,7 +529,7 @@ class Engine:
                 return step(*inputs, *([chunk] if chunk is not None else []))
             except Exception as error:  # a first call compiles: it fails before the step writes anything
                 first = compiled and self._step_calls[key] == 1
-                regions = static_step.REGIONS and not self._blocks_written_out and not isinstance(step, CpuDecodeStep)
+                regions = self.tuning.regions and not self._blocks_written_out and not isinstance(step, CpuDecodeStep)
                 if first and regions:  # torch.compile's step (CpuDecodeStep builds with AOTInductor, no regions)
                     self._regions_failed(error)  # a torch whose regions cannot take the step
                 elif first and self.may_fall_back:
@@ -623,13 +627,13 @@ class Engine:
         # (mode eager), and for the steps that read prompts unless they compile.
         grouped_moe = self.mode == "eager" or (mixed and not compiled)
 
-        regions = False if self._blocks_written_out else None  # None: decode_step.REGIONS
+        tuning = replace(self.tuning, regions=False) if self._blocks_written_out else self.tuning
 
         def decode_step(cache_k, cache_v, tokens, positions, alive):
-            return decode_logits(model, cache_k, cache_v, tokens, positions, alive, grouped_moe, regions)
+            return decode_logits(model, cache_k, cache_v, tokens, positions, alive, grouped_moe, tuning)
 
         def mixed_step(cache_k, cache_v, tokens, positions, alive, chunk):
-            return mixed_logits(model, cache_k, cache_v, tokens, positions, alive, chunk, grouped_moe, regions)
+            return mixed_logits(model, cache_k, cache_v, tokens, positions, alive, chunk, grouped_moe, tuning)
 
         step = mixed_step if mixed else decode_step
         if not compiled:
@@ -642,7 +646,7 @@ class Engine:
                 torch._dynamo.mark_static_address(buffer)
         if cuda or mixed:
             return static_step.compiled(step, self.cache.cache_k.device)
-        return CpuDecodeStep(model, step, grouped_moe)
+        return CpuDecodeStep(model, step, grouped_moe, tuning)
 
     def _choose(self, sampled: List[Request], logits: torch.Tensor) -> None:
         """Sample every row's next token, then hand each to its request.
@@ -781,8 +785,8 @@ class CpuDecodeStep:
     Not at every step: the check finds every weight by its place, a noticeable part of a step. So
     replace weights while no request runs (an edit in place is read at once)."""
 
-    def __init__(self, model: Transformer, step: Callable[..., torch.Tensor], grouped_moe: bool):
-        self.model, self.step, self.grouped_moe = model, step, grouped_moe
+    def __init__(self, model: Transformer, step: Callable[..., torch.Tensor], grouped_moe: bool, tuning: Tuning):
+        self.model, self.step, self.grouped_moe, self.tuning = model, step, grouped_moe, tuning
         self.built: Optional[Callable[..., torch.Tensor]] = None
         self.check_weights = True
 
@@ -790,7 +794,7 @@ class CpuDecodeStep:
         if self.built is None:
             # the cache's layers (keys, then values), tokens, positions, alive
             shapes = tuple((arg.shape, arg.dtype) for arg in torch.utils._pytree.tree_leaves(args))
-            self.key = (shapes, self.grouped_moe, static_step.AHEAD_OF_TIME_ON_CPU)
+            self.key = (shapes, self.grouped_moe, self.tuning)
             self.built = built_steps(self.model).get(self.key)
         if self.check_weights and isinstance(self.built, AotStep) and not self.built.current():
             self.built = None  # the weights it reads were replaced: built again
@@ -806,7 +810,7 @@ class CpuDecodeStep:
         def warn(message: str) -> None:
             print(f"warning: {message}", file=sys.stderr, flush=True)
 
-        built = static_step.built_ahead_of_time(self.model, self.step, args, warn)
+        built = static_step.built_ahead_of_time(self.model, self.step, args, warn, self.tuning)
         return built or static_step.compiled(self.step, torch.device("cpu"))
 
 

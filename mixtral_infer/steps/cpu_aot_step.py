@@ -2,9 +2,8 @@
 
 A step compiled by ``torch.compile`` runs Python on every call: dynamo's frame hook and guards,
 AOTAutograd's wrapper, and inductor's Python wrapper, which allocates the step's intermediate
-buffers (about 200 at mistral-bench's 8 layers) and checks its inputs' sizes before it calls the
-one C++ kernel the step fuses into. At the bench shapes that is 0.7-1.1 ms of a 5-10 ms step, while
-the kernel itself takes about llama.cpp's whole step (``bench/step_overhead.py``; ``bench/PERFORMANCE_LOG.md``).
+buffers (hundreds of them) and checks its inputs' sizes before it calls the one C++ kernel the step
+fuses into: on a small model, a good part of the step.
 
 Here the same ``decode_one_token`` is exported (``torch.export``, non-strict: Python runs it once
 on fake tensors with ``torch.compiler.is_compiling()`` true, so it takes the forms written for
@@ -35,8 +34,8 @@ build is kept on disk (``BuildCache``), where inductor keeps its own: under ``TO
 (default ``/tmp/torchinductor_<user>``), folder ``mixtral_infer_aot``. A build is found again by
 its exported graph (every op, every value's shape, strides and dtype: the weights are read, not
 built in), the torch and package versions and the CPU; so another run, or another model of the same
-shapes, loads it in the time of the export. tiny-mixtral's step for batch 3: 15.8 s built, 1.5 s
-loaded (the 2-core Xeon). ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` switches it off, as inductor's.
+shapes, loads it in the time of the export instead of a build's. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
+switches it off, as inductor's.
 """
 
 from __future__ import annotations
@@ -90,10 +89,7 @@ class _StepModule(torch.nn.Module):
 # cannot). A multiply and the add after it are one fused multiply-add (gcc's ``-ffp-contract=fast``;
 # inductor's default, ``off``, keeps them two instructions, each rounded): fewer instructions a
 # weight in the decode loops' multiply-and-sums, which widen each 16-bit or int8 weight before they
-# multiply, and one rounding where there were two. 2-core AMD EPYC (Zen 4), compiled decode batch 1,
-# one process alternating a copy built each way, medians, tokens/s: mixtral-bench int8 80.4 -> 91.9
-# (5 of 5 rounds), mistral-bench int8 149.8 -> 161.1, bfloat16 103.3 -> 106.9; mixtral-bench
-# bfloat16 45.2 -> 45.3 (``bench/PERFORMANCE_LOG.md``, last section).
+# multiply, and one rounding where there were two.
 CPU_INDUCTOR_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
 
 

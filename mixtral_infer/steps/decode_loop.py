@@ -31,25 +31,21 @@ from mixtral_infer.steps.decode_step import (
 from mixtral_infer.sampling import Sampling, draw_uniform
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.tuning import Tuning
 
 TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
 
 # Compiled steps of one loop that run with dynamo's guards checked in full. From the next one on,
 # the loop passes the same model, cache and sampling tensors, and the step's own outputs (same
-# shapes, dtypes and strides), so every guard would pass: checking them cost 0.7 ms a step on
-# mistral-bench and more on mixtral-bench, which reads four times the weights (2-core CPU,
-# alternating A/B runs: mixtral-bench bfloat16 decode 28.9 -> 31.8 and 27.6 -> 32.4 tok/s). The
-# first step's inputs come from eager code and the second's from the graph, so both are checked;
-# a model edited between two generate() calls (quantize_model, unpack_model) is caught there and
-# recompiled. (Had a later step needed a recompile, torch raises rather than run a stale graph:
-# seen with GUARDED_STEPS = 0.) Not measured on CUDA: no GPU was lent. On CPU the step is built by
-# AOTInductor and has no guards (``cpu_aot_step``: ``AotStep.current`` catches a replaced weight).
-# What this mode still checks are the guards dynamo keeps to tell its graphs apart, which include
-# every tensor's (each weight's dtype, shape, strides): mistral-bench int8, 0.33-0.46 ms a step of
-# its 6.4, against 0.54-0.57 checked in full. Skipping those too (``guard_filter_fn=
-# torch.compiler.skip_all_guards_unsafe``, which needs a code object per compiled step so that no
-# step finds another's graph) measured +4.4% on mistral-bench int8 and nothing on mixtral-bench
-# (alternating, medians of 10-12): not taken.
+# shapes, dtypes and strides), so every guard would pass, and checking them costs a good part of a
+# step on a small model. The first step's inputs come from eager code and the second's from the
+# graph, so both are checked; a model edited between two generate() calls (quantize_model,
+# unpack_model) is caught there and recompiled. (Had a later step needed a recompile, torch raises
+# rather than run a stale graph.) On CPU the step is built by AOTInductor and has no guards
+# (``cpu_aot_step``: ``AotStep.current`` catches a replaced weight). What this mode still checks
+# are the guards dynamo keeps to tell its graphs apart, which include every tensor's (each weight's
+# dtype, shape, strides); skipping those too (``torch.compiler.skip_all_guards_unsafe``) would need
+# a code object per compiled step so that no step finds another's graph.
 GUARDED_STEPS = 2
 
 
@@ -109,14 +105,15 @@ def decode_static(
     generated: List[List[int]],
     logprobs: List[List[float]],
     step: Optional[Callable[..., StepOutputs]] = None,
+    tuning: Optional[Tuning] = None,
 ) -> None:
     """Decode with the fixed-shape step: ``step`` (a compiled ``decode_one_token``), or, when
-    None, the same step run op by op."""
+    None, the same step run op by op, as ``tuning`` says (None: the model's)."""
     batch, device = len(generated), model.device
     sampling = settings.sampling
     compiled = step is not None
     if step is None:
-        step = make_decode_step(model, sampling.greedy, sampling.filtered, settings.eos_id)
+        step = make_decode_step(model, sampling.greedy, sampling.filtered, settings.eos_id, tuning)
     positions = torch.tensor(cache.tokens_seen, dtype=torch.long, device=device)  # (B,) tokens seen
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     uniform = draw_uniform(batch, sampling, settings.generator, device)

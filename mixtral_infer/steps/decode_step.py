@@ -31,6 +31,10 @@ positions ``[4, 5, 6, 3]``, the last 4. A row at position 1 writes slot 1 and se
 ``decode_one_token`` compiles with ``torch.compile(fullgraph=True)``: there is nothing in it
 to break the graph, and each block is a region compiled once for all layers (``in_regions``).
 On CUDA ``StepCompiler`` also replays it as a CUDA graph.
+
+How the step is built and which forms it takes (regions, AOTInductor on CPU, the experts' forms,
+the places reductions read in) is a ``Tuning``: passed in, by default the model's
+(``fast.formats.tuning_of``). Its fields are read when the step is traced.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -46,23 +51,18 @@ import torch.nn.functional as F
 from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight
-from mixtral_infer.fast.cpu_reductions import chosen_experts, materialized
+from mixtral_infer.fast.cpu_reductions import materialized
 from mixtral_infer.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache
-from mixtral_infer.fast.formats import expert
+from mixtral_infer.fast.formats import expert, tuning_of
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Attention, Transformer, TransformerBlock
 from mixtral_infer.quant.weights import QuantizedWeight
+from mixtral_infer.tuning import Tuning
 
 StepOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-# On CPU the compiled step is built by AOTInductor (``cpu_aot_step``): the same kernels as
-# torch.compile's, called from a C++ wrapper instead of dynamo's and inductor's Python, 0.5-0.8 ms
-# less a step (mistral-bench 8.97 against 9.74 ms in bfloat16, 4.93 against 5.61 in int8, 2-core
-# AMD EPYC). False: torch.compile on CPU too (as on CUDA, where a CUDA graph removes that cost).
-AHEAD_OF_TIME_ON_CPU = True
 
 
 def supports_static_decode(model: Transformer) -> bool:
@@ -94,8 +94,7 @@ def layer_buffers(buffers: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[to
     layer_keys``), and writes each in place (``write_slots``). Views made inside a compiled step are
     views of one graph input, and a write through one of them is traced as a write into a copy of
     the whole input (``select_scatter``): every layer's write would copy the whole cache (8 layers
-    of a 4,096-slot bfloat16 cache, 8 KV heads of 128, compiled on CPU: 200 ms a step, against
-    0.09 ms written in place)."""
+    is far slower than the write in place)."""
     return buffers.unbind(0) if isinstance(buffers, torch.Tensor) else buffers
 
 
@@ -148,14 +147,9 @@ def one_query_attention(
     ``(B, H, Dh)``, the scores and their softmax in float32.
 
     Compiled, inductor fuses it into a few loops over the buffer, which never hold the broadcast
-    products. PyTorch's CPU kernel (a flash-attention kernel sized for many queries) is slow for
-    one: on a 2-core AMD EPYC, bfloat16, 0.46 ms a call against 0.09 compiled (1 row, 256 slots,
-    16 heads over 4 of 64: mistral-bench), 27.5 against 2.0 ms (1 row, 4,096 slots, 32 heads over
-    8 of 128: the 7B shape, per layer), 236 against 19 ms (8 rows). Compiled decode batch 1 there,
-    one process alternating, medians, tokens/s: mistral-bench w8a8 116.2 -> 151.5, bfloat16 67.6
-    -> 77.9, float32 68.9 -> 73.0; mixtral-bench bfloat16 41.5 -> 48.5, int4 85.2 -> 105.0. Op by
-    op (the eager steps) it would hold the products, so those keep the kernel, given float32
-    inputs, for which it is fast (``model.attention.one_query_sdpa``)."""
+    products. PyTorch's CPU kernel (a flash-attention kernel sized for many queries) is many times
+    slower for one query. Op by op (the eager steps) it would hold the products, so those keep the
+    kernel, given float32 inputs, for which it is fast (``model.attention.one_query_sdpa``)."""
     batch, n_heads, head_dim = xq.shape
     n_kv = keys.shape[2]
     q = xq.float().view(batch, 1, n_kv, n_heads // n_kv, head_dim)  # (B, 1, H_kv, G, Dh)
@@ -166,33 +160,21 @@ def one_query_attention(
     return out.reshape(batch, n_heads, head_dim).to(xq.dtype)
 
 
-# Plain chosen experts on CPU go one by one where an expert's matrix holds at least this many
-# weights (``moe_one_token``). Read when a step is traced, so ``bench/moe_experts.py`` can build a
-# copy each way (0: always; ``sys.maxsize``: never).
-CPU_ONE_BY_ONE_MIN_WEIGHTS = 1 << 20
-
-# How far the chosen experts go one by one on CPU, by the experts' kind (``cpu_experts_kind``): while
-# the assignments are at most this many times the experts (``B * k <= n * E``; top-2 of 8: 2 is to
-# batch 8, 1 to batch 4), every expert on every row beyond (0: only while fewer, ``B * k < E``).
-# Quantized experts and large plain float32 / float16 ones to 2E, large plain bfloat16 ones to E
-# (``moe_one_token`` says why). Read when a step is traced, so ``bench/moe_experts.py`` can build a
-# copy each way.
-CPU_CHOSEN_UP_TO = {"quantized": 2, "plain": 2, "plain bfloat16": 1}
-
-
-def cpu_experts_kind(moe: MoeLayer) -> str | None:
-    """The key of ``CPU_CHOSEN_UP_TO`` for these experts on CPU: "quantized"; "plain bfloat16" or
-    "plain" (float32, float16) for plain experts of at least ``CPU_ONE_BY_ONE_MIN_WEIGHTS`` weights
-    each; None for smaller plain experts and oneDNN-packed ones (read gathered / every expert)."""
+def chosen_up_to_field(moe: MoeLayer, tuning: Tuning) -> Optional[str]:
+    """The field of ``tuning`` that says how far these experts go one by one on CPU (``moe_one_token``):
+    ``"chosen_up_to_quantized"``; ``"chosen_up_to_bfloat16"`` or ``"chosen_up_to_plain"`` (float32,
+    float16) for plain experts of at least ``tuning.one_by_one_min_weights`` weights each; None for
+    smaller plain experts and oneDNN-packed ones (read gathered / every expert)."""
     if isinstance(moe.w1, QuantizedWeight):
-        return "quantized"
-    if isinstance(moe.w1, PackedWeight) or math.prod(moe.w1.shape[1:]) < CPU_ONE_BY_ONE_MIN_WEIGHTS:
+        return "chosen_up_to_quantized"
+    if isinstance(moe.w1, PackedWeight) or math.prod(moe.w1.shape[1:]) < tuning.one_by_one_min_weights:
         return None
-    return "plain bfloat16" if moe.w1.dtype == torch.bfloat16 else "plain"
+    return "chosen_up_to_bfloat16" if moe.w1.dtype == torch.bfloat16 else "chosen_up_to_plain"
 
 
-def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
-    """The mixture of experts on one token per row, x ``(B, D)``, with shapes fixed by B.
+def moe_one_token(moe: MoeLayer, x: torch.Tensor, tuning: Optional[Tuning] = None) -> torch.Tensor:
+    """The mixture of experts on one token per row, x ``(B, D)``, with shapes fixed by B; as ``tuning``
+    says (None: the layer's own, ``fast.formats.tuning_of``).
 
     Decoding is bound by reading weights. With ``B * k < E`` assignments only the chosen experts
     are read (batch 1, top-2 of 8: two experts); with ``B * k >= E`` nearly every expert is needed
@@ -203,56 +185,42 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor) -> torch.Tensor:
     through ``linear()`` for quantized or packed experts, whose kernels take one 2-D weight at a
     time (``_experts_one_by_one``, ``_every_expert_one_by_one``).
 
-    The chosen experts go one by one on CPU too. Compiled, both forms read the experts where they
+    The chosen experts go one by one on CPU too, where an expert's matrix holds at least
+    ``tuning.one_by_one_min_weights`` weights. Compiled, both forms read the experts where they
     lie (the index fused into the loops' loads), but one by one each product is
     ``cpu_reductions.rows_as_reductions``, whose loop reads a weight in several places at once from
-    a row widened once, where inductor writes the gathered product as one loop over all chosen experts'
-    rows, read in one place per core (mixtral-bench, compiled decode, one process alternating,
-    medians of 5, tokens/s: bfloat16 batch 1 45.7 -> 52.5, batch 2 50.6 -> 58.0; float32 batch 1
-    30.5 -> 32.4; ``bench/moe_experts.py``). The step takes longer to compile (mixtral-bench batch 1:
-    61 s against 36 s; batch 2: 123 s against 58 s). Small experts stay gathered: where the weights
-    sit in the cache, the step's time is its kernels' count (tiny-mixtral, 256 x 128 experts,
-    batch 1: 3769 tokens/s gathered, 3025 one by one), hence ``CPU_ONE_BY_ONE_MIN_WEIGHTS``
-    (mixtral-bench's experts are 3584 x 1024, Mixtral 8x7B's 14336 x 4096).
-    Every expert on every row stays one batched product on CPU: as 8 products of 4 rows one by one,
-    compiling mixtral-bench's step for batch 4 took 620 s. On CUDA the compiled gather is one
-    reduction too.
+    a row widened once, where inductor writes the gathered product as one loop over all chosen
+    experts' rows, read in one place per core. The step takes longer to compile. Small experts stay
+    gathered: where the weights sit in the cache, the step's time is its kernels' count. Every
+    expert on every row stays one batched product on CPU: as products of a few rows one by one, the
+    step compiles for many minutes. On CUDA the compiled gather is one reduction too.
 
-    Large plain bfloat16 experts on CPU stay the chosen ones up to ``B * k = E``
-    (``CPU_CHOSEN_UP_TO["plain bfloat16"]``): there both forms read E expert matrices, one row each
-    or B rows each. mixtral-bench bfloat16, compiled decode, tokens/s over the batch, every expert
-    (each with its own rows, ``_expert_products``) -> chosen: batch 4 33.9 -> 52.3 (the step
-    compiled in 96 s -> 300 s); batch 6 66.1 -> 65.0 (53 s -> 203 s), batch 8 (2E assignments) 53.3
-    -> 49.6 (35 s -> 322 s), so from there every expert. float32 and float16 experts stay the chosen
-    ones up to ``B * k = 2E`` (``CPU_CHOSEN_UP_TO["plain"]``): every expert on 4 or 8 rows is one
-    batched product that runs far under the bandwidth in these dtypes (bfloat16's runs on the CPU's
-    AMX tiles, which this Xeon has for bfloat16 only), while one row a product reads near it:
-    float32 batch 4 14.8 -> 27.5 (96 s -> 218 s), batch 8 27.6 -> 35.5 (146 s -> 380 s); float16
-    batch 4 25.1 -> 61.2 (88 s -> 227 s), batch 8 49.2 -> 65.2 (43 s -> 237 s).
-
-    Quantized experts on CPU go one by one further (``CPU_CHOSEN_UP_TO["quantized"]``): at
-    ``B * k = E`` (batch 4, top-2 of 8) both forms read E expert matrices, but one row a product
-    costs less arithmetic, and compiles sooner; the kernels' cost a row is such that reading the
-    chosen experts still wins at ``B * k = 2E`` (batch 8: 16 expert matrices read against 8).
-    mixtral-bench, compiled decode, tokens/s over the batch, every expert -> chosen
-    (``bench/moe_experts.py --quantize``; ``bench/PERFORMANCE_LOG.md``): int4 batch 4 55.0 -> 76.5
-    (compiled in 72 s and 47 s), batch 8 75.1 -> 88.2 (73 s, 71 s); int8 batch 4 chosen 55.5 (292
-    s), batch 8 112.8 (476 s), where every expert's reductions of 4 or 8 rows compiled for over 20
-    minutes, unfinished.
+    How far the chosen experts are read beyond ``B * k < E`` is the tuning's, by the experts' kind
+    (``chosen_up_to_field``): while ``B * k <= up_to * E``. At ``B * k = E`` both forms read E
+    expert matrices, one row each or B rows each; one row a product costs less arithmetic, and
+    every expert on a few rows is one batched product that may run far under the bandwidth
+    (float32, float16), while the chosen ones' products read near it. Large plain bfloat16 experts
+    (whose batched product may run on matrix units) stop sooner by default.
     """
+    tuning = tuning if tuning is not None else tuning_of(moe)
     x = materialized(x)  # compiled on CPU: in memory, not recomputed for each row of the experts (fast.cpu_reductions)
     experts, weights = moe.route(x)  # (B, A), (B, A)
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
     two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
     on_cpu = x.device.type == "cpu"
-    large = math.prod(moe.w1.shape[1:]) >= CPU_ONE_BY_ONE_MIN_WEIGHTS  # (I, D): one expert's matrix
+    large = math.prod(moe.w1.shape[1:]) >= tuning.one_by_one_min_weights  # (I, D): one expert's matrix
     one_by_one = two_d or (on_cpu and large)
     # the chosen experts are read while B * k <= up_to * E (and always while B * k < E)
-    up_to = CPU_CHOSEN_UP_TO.get(cpu_experts_kind(moe), 0) if on_cpu else 0
+    field = chosen_up_to_field(moe, tuning) if on_cpu else None
+    up_to = getattr(tuning, field) if field is not None else 0
     if batch * k < n_experts or batch * k <= up_to * n_experts:
-        return (_experts_one_by_one if one_by_one else _gathered_experts)(moe, x, experts, weights)
-    return (_every_expert_one_by_one if two_d else _every_expert_batched)(moe, x, experts, weights)
+        if one_by_one:
+            return _experts_one_by_one(moe, x, experts, weights, tuning)
+        return _gathered_experts(moe, x, experts, weights)
+    if two_d:
+        return _every_expert_one_by_one(moe, x, experts, weights, tuning)
+    return _every_expert_batched(moe, x, experts, weights)
 
 
 def _gathered_experts(
@@ -281,10 +249,8 @@ def _expert_products(rows: torch.Tensor, weight: torch.Tensor | ColumnBlocks) ->
     """``rows (..., N, IN)`` times ``weight (..., OUT, IN)``, each leading index its own expert:
     ``(..., N, OUT)``. Rows that several experts share (size-1 leading dimensions of ``rows``) are
     copied out to each expert first: einsum folds a broadcast dimension into the product's outputs,
-    one product of all the experts side by side, which in bfloat16 on CPU ran 46x slower
-    (mixtral-bench's 8 stacked w1 of 3584 x 1024 times 4 shared rows, op by op: 158 ms against 3.4
-    ms with the rows copied; its compiled decode at batch 4, every expert: 1.7 -> 33.9 tokens/s,
-    ``bench/PERFORMANCE_LOG.md``). A weight in column blocks ``(..., n, OUT, B)``
+    one product of all the experts side by side, which in bfloat16 on CPU runs many times slower.
+    A weight in column blocks ``(..., n, OUT, B)``
     (``fast.cpu_column_blocks``) is multiplied block by block, summed."""
     rows = rows.expand(*weight.shape[:-2], *rows.shape[-2:]).contiguous()  # (..., N, IN): a copy per expert
     if isinstance(weight, ColumnBlocks):
@@ -294,27 +260,29 @@ def _expert_products(rows: torch.Tensor, weight: torch.Tensor | ColumnBlocks) ->
 
 
 def _experts_one_by_one(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, tuning: Optional[Tuning] = None
 ) -> torch.Tensor:
     """``_gathered_experts`` as a loop of fixed length: the B * A chosen experts, one row each, each
-    expert's 2-D weight through ``linear()`` (``moe.expert``; ``e`` a 0-d tensor, read in place).
-    Compiled on CPU, inductor fuses the experts' reductions into shared loops, so they are traced
-    as ``cpu_reductions.chosen_experts()``: on AMD CPUs each reads its weight in 1 place, not 2
-    (mixtral-bench batch 1, one process alternating, tokens/s: bfloat16 57.4 -> 66.3, float32 41.2
-    -> 46.4, int8 87.3 -> 87.6 and 101.8 -> 114.3; ``cpu_reductions``, "The chosen experts in
-    fewer places")."""
+    expert's 2-D weight through ``linear()`` (``fast.formats.expert``; ``e`` a 0-d tensor, read in
+    place). Compiled on CPU, inductor fuses the experts' reductions into shared loops, so their
+    products read in the tuning's places for the experts (``Tuning.for_experts``; ``cpu_reductions``,
+    "The chosen experts")."""
     batch, k = experts.shape
-    with chosen_experts():  # e: a 0-d tensor the products read; rows (N, D) -> (N, D)
-        out = [sum(expert(moe, experts[b, j], x[b : b + 1]) * weights[b, j] for j in range(k)) for b in range(batch)]
+    tuning = (tuning if tuning is not None else tuning_of(moe)).for_experts()
+    out = [
+        sum(expert(moe, experts[b, j], x[b : b + 1], tuning) * weights[b, j] for j in range(k))  # (1, D)
+        for b in range(batch)
+    ]
     return torch.cat(out)  # (B, D)
 
 
 def _every_expert_one_by_one(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, tuning: Optional[Tuning] = None
 ) -> torch.Tensor:
     """``_every_expert_batched`` as a loop over the E experts, each on every row of ``x (B, D)``."""
+    tuning = tuning if tuning is not None else tuning_of(moe)
     mix = _routing_matrix(experts, weights, moe.w1.shape[0])  # (B, E)
-    return sum(expert(moe, e, x) * mix[:, e : e + 1] for e in range(moe.w1.shape[0]))
+    return sum(expert(moe, e, x, tuning) * mix[:, e : e + 1] for e in range(moe.w1.shape[0]))
 
 
 def _routing_matrix(experts: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -340,7 +308,7 @@ def decode_logits(
     positions: torch.Tensor,  # (B,) the position each token takes = tokens the row has seen
     alive: torch.Tensor,  # (B,) bool
     grouped_moe: bool = False,
-    regions: Optional[bool] = None,
+    tuning: Optional[Tuning] = None,
 ) -> torch.Tensor:
     """Float logits ``(B, V)`` of the next token of every row; writes the alive rows' keys/values.
 
@@ -348,20 +316,21 @@ def decode_logits(
     views ``RotatingBufferCache.layer_keys``/``layer_values``). ``grouped_moe``: experts through
     ``MoeLayer.forward`` (rows grouped by expert: shapes that depend on the routing, so eager only)
     instead of ``moe_one_token``. On CPU the latter's dense case, every expert on every row, is the
-    slower: one mixtral-bench layer (8 experts, top-2), 4 / 8 / 16 / 32 rows, bfloat16 packed 9.8 /
-    14.3 / 22.3 / 39.5 ms against 4.8 / 8.0 / 10.6 / 14.9 ms grouped.
+    slower op by op.
 
     Compiled, every block is one region (``decode_block``): traced and compiled once, its code
-    called once a layer (``in_regions``; ``regions=False``: every block written out).
+    called once a layer (``in_regions``; ``tuning.regions`` False: every block written out).
+    ``tuning``: None for the model's (``fast.formats.tuning_of``).
     """
+    tuning = tuning if tuning is not None else tuning_of(model)
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
     slots, visible = slots_and_visibility(positions, keys[0].shape[1])
     rotary = rotary_angles(positions, model.args.head_dim, model.args.rope_theta)
 
-    block = decode_block_region if in_regions(regions) else decode_block
+    block = decode_block_region if in_regions(tuning.regions) else decode_block
     h = model.tok_embeddings(tokens)  # (B, D)
     for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
-        h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe)  # (B, D)
+        h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe, tuning)  # (B, D)
     return model.output(model.norm(h)).float()  # (B, V)
 
 
@@ -375,34 +344,25 @@ def decode_block(
     alive: torch.Tensor,  # (B,) bool
     visible: torch.Tensor,  # (B, S) bool
     grouped_moe: bool,
+    tuning: Tuning,
 ) -> torch.Tensor:
     """One transformer block on rows of one token each: attention in place, then the feed-forward, ``(B, D)``."""
     h = h + attend_one_token(layer.attention, layer.attention_norm(h), rotary, layer_k, layer_v, slots, alive, visible)
-    return h + feed_forward_rows(layer, h, grouped_moe)
+    return h + feed_forward_rows(layer, h, grouped_moe, tuning)
 
 
-# Compiled steps trace a block once and call its code for every layer (``in_regions``). Read when a
-# step is traced, so ``bench/regional_compile.py`` can build a copy each way.
-REGIONS = True
-
-
-def in_regions(regions: Optional[bool] = None) -> bool:
+def in_regions(regions: bool = True) -> bool:
     """Whether code traced now calls each block as a region (``torch.compiler.nested_compile_region``),
-    where ``regions`` (None: ``REGIONS``) asks for them:
-    under ``torch.compile``, dynamo traces and inductor compiles a region for the first layer and
-    calls that code for the others, whose weights and buffers are other tensors of the same shapes.
+    where ``regions`` (``Tuning.regions``) asks for them: under ``torch.compile``, dynamo traces and
+    inductor compiles a region for the first layer and calls that code for the others, whose weights
+    and buffers are other tensors of the same shapes.
 
-    The step compiles in about the time of one block, however many there are. ``torch.compile`` on
-    a 2-core CPU, fresh inductor cache, blocks written out -> regions (``bench/regional_compile.py``):
-    mistral-bench's widths with 32 layers, bfloat16 84.6 -> 15.8 s, int8 92.8 -> 21.2 s; with its 8
-    layers 35.0 -> 8.5 s; mixtral-bench (8 layers) 42.7 -> 24.2 s; decoding as fast (32 layers
-    bfloat16 28.8 and 29.0 tokens/s, mixtral-bench 57.9 and 60.6). Not under ``torch.export`` (the
-    CPU step built ahead of time, ``cpu_aot_step``), whose build regions do not shorten and whose
-    export they lengthen (8.4 s against 2.8 s with 8 layers of dim 256): that build is kept on disk
-    instead. Op by op, regions are the plain functions. A step whose regions fail to compile (a torch
-    older than the 2.13 they were tested with) is compiled with ``regions=False`` (``StepCompiler``)."""
-    wanted = REGIONS if regions is None else regions
-    return wanted and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    The step compiles in about the time of one block, however many there are, and decodes as fast.
+    Not under ``torch.export`` (the CPU step built ahead of time, ``cpu_aot_step``), whose build
+    regions do not shorten and whose export they lengthen: that build is kept on disk instead. Op
+    by op, regions are the plain functions. A step whose regions fail to compile (an older torch) is
+    compiled with every block written out (``StepCompiler``)."""
+    return regions and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
 def as_region(block: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -415,12 +375,14 @@ def as_region(block: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 decode_block_region = as_region(decode_block)
 
 
-def feed_forward_rows(layer: TransformerBlock, h: torch.Tensor, grouped_moe: bool) -> torch.Tensor:
+def feed_forward_rows(
+    layer: TransformerBlock, h: torch.Tensor, grouped_moe: bool, tuning: Optional[Tuning] = None
+) -> torch.Tensor:
     """A block's feed-forward on rows ``h (B, D)`` of one token each, in static shapes
-    (``moe_one_token``) unless ``grouped_moe`` or the block is dense: ``(B, D)``."""
+    (``moe_one_token``, as ``tuning`` says) unless ``grouped_moe`` or the block is dense: ``(B, D)``."""
     x = layer.ffn_norm(h)
     moe = isinstance(layer.feed_forward, MoeLayer) and not grouped_moe
-    return moe_one_token(layer.feed_forward, x) if moe else layer.feed_forward(x)
+    return moe_one_token(layer.feed_forward, x, tuning) if moe else layer.feed_forward(x)
 
 
 def choose_tokens(
@@ -449,7 +411,7 @@ NOT_FINITE = -2  # the row's logits held NaN or inf
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     """Which rows of ``logits`` ``(N, V)`` hold no NaN or inf ``(N,)``: their largest and smallest
     values are finite (NaN propagates through both). On CPU ``isfinite(logits).all(-1)`` costs
-    5.6x more: 32 x 2000 float32 logits, 165 against 29 us; 32 x 32000, 2.8 against 0.30 ms."""
+    several times more."""
     return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
 
 
@@ -465,10 +427,11 @@ def emitted_tokens(
 
 
 def make_decode_step(
-    model: Transformer, greedy: bool, filtered: bool, eos_id: Optional[int], regions: Optional[bool] = None
+    model: Transformer, greedy: bool, filtered: bool, eos_id: Optional[int], tuning: Optional[Tuning] = None
 ) -> Callable[..., StepOutputs]:
-    """``decode_one_token`` bound to a model and to the batch's static sampling facts (and, compiled,
-    to blocks as regions or written out: ``in_regions``)."""
+    """``decode_one_token`` bound to a model, to the batch's static sampling facts and to ``tuning``
+    (None: the model's, ``fast.formats.tuning_of``), which compiled code reads when traced."""
+    tuning = tuning if tuning is not None else tuning_of(model)
 
     def decode_one_token(
         cache_k: Sequence[torch.Tensor],  # L x (B_max, S, H_kv, Dh): RotatingBufferCache.layer_keys
@@ -483,7 +446,7 @@ def make_decode_step(
     ) -> StepOutputs:
         """Feed each alive row's token, choose its next one. Returns
         ``(tokens, logprobs, positions, alive, emitted)`` (see ``emitted_tokens``)."""
-        logits = decode_logits(model, cache_k, cache_v, tokens, positions, alive, regions=regions)
+        logits = decode_logits(model, cache_k, cache_v, tokens, positions, alive, tuning=tuning)
         sampling = Sampling(temperature, top_p, top_k, greedy, filtered)
         next_tokens, logprobs, next_alive = choose_tokens(logits, alive, sampling, uniform, eos_id)
         emitted = emitted_tokens(logits, alive, next_tokens, next_alive)
@@ -506,11 +469,17 @@ class StepCompiler:
     cache at the addresses it was captured with, so the cache is marked static and kept:
     the next ``generate`` call of the same shape reuses its buffers (``cache_for``), as a
     static cache does in transformers.
+
+    ``tuning``: how the steps are built (``Tuning``); None: the model's when a step is built
+    (``fast.formats.tuning_of``). A step is kept per tuning too.
     """
 
-    def __init__(self, model: Transformer, announce: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self, model: Transformer, announce: Optional[Callable[[str], None]] = None, tuning: Optional[Tuning] = None
+    ):
         self.model = model
         self.announce = announce if announce is not None else lambda message: print(message, file=sys.stderr)
+        self.tuning = tuning
         self.steps: Dict[tuple, Callable[..., StepOutputs]] = {}
         self.cache: Optional[RotatingBufferCache] = None
         self.compile_seconds = 0.0  # spent building steps so far: what a tokens/s figure should leave out
@@ -539,7 +508,8 @@ class StepCompiler:
             # at other addresses is captured anew, not compiled anew).
             for buffer in (*cache.layer_keys, *cache.layer_values):
                 torch._dynamo.mark_static_address(buffer)
-        key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id)
+        tuning = self.tuning if self.tuning is not None else tuning_of(self.model)
+        key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id, tuning)
         built = self.steps.get(key)
         if isinstance(built, AotStep) and not built.current():
             built = None  # a weight was replaced since it was built: it would read the old one
@@ -553,9 +523,9 @@ class StepCompiler:
                 return self.steps[key](*args)
             self.announce(f"compiling the decode step for batch {batch}, {cache.cache_size} cache slots (once per shape)...")
             start = time.perf_counter()
-            step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id)
+            step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, tuning)
             on_cpu = cache.cache_k.device.type == "cpu"
-            built = built_ahead_of_time(self.model, step, args, self.announce) if on_cpu else None
+            built = built_ahead_of_time(self.model, step, args, self.announce, tuning) if on_cpu else None
             if built is None:
                 built = compiled(step, cache.cache_k.device)
             self.steps[key] = built
@@ -563,12 +533,13 @@ class StepCompiler:
                 try:
                     outputs = built(*args)  # torch.compile's step compiles here
                 except Exception as reason:  # before the step ran: nothing written
-                    if isinstance(built, AotStep) or not REGIONS:
+                    if isinstance(built, AotStep) or not tuning.regions:
                         raise
-                    # A torch whose regions cannot take this step (the lent GPU's is older than the
-                    # one tested): every block written out, as before regions.
+                    # A torch whose regions cannot take this step (an older one): every block
+                    # written out.
                     self.announce(regions_failed(reason))
-                    step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, regions=False)
+                    written_out = replace(tuning, regions=False)
+                    step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, written_out)
                     built = self.steps[key] = compiled(step, cache.cache_k.device)
                     outputs = built(*args)
             seconds = time.perf_counter() - start
@@ -606,13 +577,18 @@ def buffer_shape(cache: RotatingBufferCache) -> tuple:
 
 
 def built_ahead_of_time(
-    model: Transformer, step: Callable, args: Sequence, announce: Callable[[str], None]
+    model: Transformer,
+    step: Callable,
+    args: Sequence,
+    announce: Callable[[str], None],
+    tuning: Optional[Tuning] = None,
 ) -> Optional[AotStep]:
     """``step`` (a fixed-shape step of ``model`` on CPU) built by AOTInductor for the shapes of
-    ``args`` (``cpu_aot_step``), or None where it is not: switched off (``AHEAD_OF_TIME_ON_CPU``),
-    a model whose step it does not build, or a build that failed, which ``announce`` is told in a
-    line. The caller then compiles ``step`` with torch.compile."""
-    if not AHEAD_OF_TIME_ON_CPU or not builds_ahead_of_time(model):
+    ``args`` (``cpu_aot_step``), or None where it is not: switched off (``tuning.ahead_of_time``;
+    None: the model's tuning), a model whose step it does not build, or a build that failed, which
+    ``announce`` is told in a line. The caller then compiles ``step`` with torch.compile."""
+    tuning = tuning if tuning is not None else tuning_of(model)
+    if not tuning.ahead_of_time or not builds_ahead_of_time(model):
         return None
     try:
         return AotStep(model, step, args)

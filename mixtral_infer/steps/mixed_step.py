@@ -63,8 +63,10 @@ from mixtral_infer.steps.decode_step import (
     slots_and_visibility,
     write_slots,
 )
+from mixtral_infer.fast.formats import tuning_of
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Transformer, TransformerBlock
+from mixtral_infer.tuning import Tuning
 
 
 @dataclass
@@ -227,13 +229,14 @@ def mixed_logits(
     alive: torch.Tensor,  # (R,) bool: the row decodes now (rows in the chunk do not)
     chunk: PromptChunk,
     grouped_moe: bool = False,
-    regions: Optional[bool] = None,
+    tuning: Optional[Tuning] = None,
 ) -> torch.Tensor:
     """Float logits ``(R + K, V)``: each row's next token, then each segment's after its last chunk token.
 
-    Writes the alive rows' new keys and the chunk's. The cache, ``grouped_moe`` and ``regions`` as
+    Writes the alive rows' new keys and the chunk's. The cache, ``grouped_moe`` and ``tuning`` as
     in ``decode_logits``; compiled, every block is one region too (``mixed_block``).
     """
+    tuning = tuning if tuning is not None else tuning_of(model)
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
     n_slots = keys[0].shape[1]
     slots, visible = slots_and_visibility(positions, n_slots)  # (R,), (R, S)
@@ -241,10 +244,11 @@ def mixed_logits(
     writes = chunk_writes(chunk, n_slots)
     rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
 
-    block = mixed_block_region if in_regions(regions) else mixed_block
+    block = mixed_block_region if in_regions(tuning.regions) else mixed_block
     h = model.tok_embeddings(torch.cat([tokens, chunk.tokens]))  # (R + C, D)
     for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
-        h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, chunk, chunk_visible, writes, grouped_moe)
+        h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, chunk, chunk_visible, writes, grouped_moe,
+                  tuning)  # fmt: skip
     ends = torch.cat([torch.arange(tokens.shape[0], device=h.device), tokens.shape[0] + chunk.last])  # (R + K,)
     return model.output(model.norm(h[ends])).float()  # (R + K, V)
 
@@ -262,6 +266,7 @@ def mixed_block(
     chunk_visible: torch.Tensor,  # (K, P, S + P) bool
     writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
     grouped_moe: bool,
+    tuning: Tuning,
 ) -> torch.Tensor:
     """One transformer block on the decoding rows and the chunk's tokens: ``(R + C, D)``.
 
@@ -269,9 +274,7 @@ def mixed_block(
     reads a prompt sits out of decoding, writing back what its slot holds), so either order gives
     the same values; in this one inductor writes the buffers in place. Decoding rows first, the
     chunk's write came after the rows' write and the chunk's read of the buffer, and the generated
-    code copied each layer's whole buffers out and back around it: Mistral 7B's widths, one layer,
-    8 rows of 4,096 slots and a chunk of 8, compiled on CPU, 144-146 ms a step against 78-84 ms
-    (``bench/PERFORMANCE_LOG.md``)."""
+    code copied each layer's whole buffers out and back around it."""
     n_rows, n_tokens = slots.shape[0], chunk.tokens.shape[0]
     attention = layer.attention
     xq, xk, xv = attention.project(layer.attention_norm(h), rotary)  # (R + C, H, Dh), (R + C, H_kv, Dh) x2
@@ -283,7 +286,7 @@ def mixed_block(
     )  # (R, H, Dh)
     out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
     h = h + attention.wo(out)  # (R + C, D)
-    return h + feed_forward_rows(layer, h, grouped_moe)
+    return h + feed_forward_rows(layer, h, grouped_moe, tuning)
 
 
 mixed_block_region = as_region(mixed_block)

@@ -1,0 +1,180 @@
+"""This machine's ``Tuning``: the choices that depend on the machine, measured once and kept on disk.
+
+Some fast paths are faster on one machine and slower on another, in a way nothing the CPU says about
+itself (its flags, its vendor) tells: whether MKL's few-row float32 product uses every core, whether
+oneDNN or MKL multiplies prompts faster, whether 16-bit prompts multiply faster in float32. Each
+such choice (``CHOICES``) is timed once on the machine, the first time a model is loaded there, with
+a line on stderr saying so, and kept in a JSON file (``cache_file``) under the machine's key
+(``machine_key``: the CPU's model name, its usable cores, torch's version), so another machine, or
+this one with another torch, measures anew. A choice the CPU's capabilities decide is not timed:
+with one core there are no blocks per thread to share out; without oneDNN, MKL multiplies.
+
+Example cache file, one machine::
+
+    {"AMD EPYC 9R14 | 2 cores | torch 2.13.0+cpu":
+        {"onednn_float32": true, "upcast_bfloat16": false, "upcast_float16": true, "few_row_blocks": true}}
+
+gives ``Tuning(onednn_float32=True, upcast=(torch.float16,), few_row_blocks=True)``, the
+other fields their defaults.
+
+``MIXTRAL_INFER_MEASURE=0`` measures nothing: ``Tuning()``'s safe defaults (the tests run so).
+``MIXTRAL_INFER_TUNING_CACHE`` names the file (default ``$XDG_CACHE_HOME/mixtral_infer/tuning.json``,
+``~/.cache/...`` without it). A ``Tuning`` passed in (``load_model(..., tuning=...)``) is taken as it
+is: nothing is measured or read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mixtral_infer.fast.cpu_float32 import best_seconds, onednn_is_faster
+from mixtral_infer.fast.cpu_upcast import upcast_is_faster
+from mixtral_infer.fast.linear import few_row_blocks
+from mixtral_infer.hardware import CpuInfo, cpu_info
+from mixtral_infer.tuning import WIDE_DTYPES, Tuning
+
+MEASURE_VARIABLE = "MIXTRAL_INFER_MEASURE"  # "0": measure nothing, the safe defaults
+CACHE_VARIABLE = "MIXTRAL_INFER_TUNING_CACHE"  # the cache file, in place of the user's cache folder
+BLOCKS_MARGIN = 1.2  # the bmm blocks only when at least this much faster than F.linear
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice measured on the machine: ``measure(known)`` times it (``known``: the choices
+    measured before it), where ``capable(cpu)`` says the CPU can take it at all (False otherwise,
+    without timing anything)."""
+
+    name: str  # its key in the cache file
+    measure: Callable[[Dict[str, bool]], bool]
+    capable: Callable[[CpuInfo], bool] = lambda cpu: True
+
+
+def few_row_blocks_are_faster() -> bool:
+    """Whether one row times float32 weights too large for the cache runs at least ``BLOCKS_MARGIN``
+    times faster as one ``bmm`` block per thread (``fast.linear.few_row_blocks``) than by ``F.linear``:
+    4 weights of about 4096 x 1024 in turn, best of 3."""
+    threads = torch.get_num_threads()
+    if threads < 2:
+        return False
+    out_features = -(-4096 // threads) * threads  # rows that split into one block per thread
+    weights = [torch.ones(out_features, 1024) for _ in range(4)]
+    x = torch.ones(1, 1024)
+
+    def each(multiply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        return lambda: [multiply(x, weight) for weight in weights]
+
+    return best_seconds(each(F.linear)) >= BLOCKS_MARGIN * best_seconds(each(few_row_blocks))
+
+
+CHOICES: Sequence[Choice] = (
+    Choice("onednn_float32", lambda known: onednn_is_faster(), lambda cpu: torch.backends.mkldnn.is_available()),
+    Choice("upcast_bfloat16", lambda known: upcast_is_faster(torch.bfloat16, known.get("onednn_float32", False))),
+    Choice("upcast_float16", lambda known: upcast_is_faster(torch.float16, known.get("onednn_float32", False))),
+    Choice("few_row_blocks", lambda known: few_row_blocks_are_faster(), lambda cpu: cpu.cores >= 2),
+)
+
+
+def machine_tuning(
+    fast: Optional[bool] = None,
+    cpu: Optional[CpuInfo] = None,
+    path: Optional[Path] = None,
+    choices: Optional[Sequence[Choice]] = None,
+    announce: Optional[Callable[[str], None]] = None,
+) -> Tuning:
+    """The tuning for this machine (``cpu``, default this one's): ``Tuning.default(fast)`` with the
+    measured ``choices`` (default ``CHOICES``) kept in ``path`` (default ``cache_file()``), measuring
+    those not kept yet and saying so to ``announce`` (default stderr). The reference (``fast``
+    False) and ``MIXTRAL_INFER_MEASURE=0`` measure nothing."""
+    tuning = Tuning.default(fast)
+    if not tuning.fast or os.environ.get(MEASURE_VARIABLE, "1") == "0":
+        return tuning
+    choices = CHOICES if choices is None else choices
+    known = measured_choices(cpu or cpu_info(), path or cache_file(), choices, announce)
+    return with_choices(tuning, known)
+
+
+def with_choices(tuning: Tuning, known: Dict[str, bool]) -> Tuning:
+    """``tuning`` with the fields the measured choices ``known`` decide (the cache file's names)."""
+    upcast = tuple(dtype for dtype in WIDE_DTYPES if known.get(f"upcast_{dtype_name(dtype)}"))
+    return replace(
+        tuning,
+        few_row_blocks=known.get("few_row_blocks", tuning.few_row_blocks),
+        onednn_float32=known.get("onednn_float32", tuning.onednn_float32),
+        upcast=upcast,
+    )
+
+
+def measured_choices(
+    cpu: CpuInfo, path: Path, choices: Sequence[Choice], announce: Optional[Callable[[str], None]] = None
+) -> Dict[str, bool]:
+    """The ``choices`` for machine ``cpu``: those kept in ``path``, the others measured now (one line
+    to ``announce`` first) and kept there beside them."""
+    say = announce if announce is not None else lambda line: print(line, file=sys.stderr, flush=True)
+    key = machine_key(cpu)
+    kept = read_cache(path)
+    known = {name: value for name, value in kept.get(key, {}).items() if isinstance(value, bool)}
+    missing = [choice for choice in choices if choice.name not in known]
+    if not missing:
+        return known
+    say(f"measuring {', '.join(c.name for c in missing)} once for this machine (cached in {path})")
+    for choice in missing:
+        known[choice.name] = bool(choice.capable(cpu) and choice.measure(dict(known)))
+    kept = read_cache(path)  # another process may have kept its own since
+    kept[key] = {**kept.get(key, {}), **known}
+    try:
+        write_cache(path, kept)
+    except OSError as error:
+        say(f"could not keep the measurements in {path} ({error.strerror or error}): measuring again next time")
+    return known
+
+
+def machine_key(cpu: CpuInfo) -> str:
+    """What a measurement is kept under: the CPU's model name, its usable cores and torch's version
+    (``"AMD EPYC 9R14 | 2 cores | torch 2.13.0+cpu"``)."""
+    return f"{cpu.model or 'unknown CPU'} | {cpu.cores} cores | torch {torch.__version__}"
+
+
+def cache_file() -> Path:
+    """``$MIXTRAL_INFER_TUNING_CACHE``, else ``tuning.json`` in ``mixtral_infer`` under the user's
+    cache folder (``$XDG_CACHE_HOME``, else ``~/.cache``)."""
+    named = os.environ.get(CACHE_VARIABLE)
+    if named:
+        return Path(named)
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "mixtral_infer" / "tuning.json"
+
+
+def read_cache(path: Path) -> Dict[str, Dict[str, bool]]:
+    """The cache file's machines, or none where it is missing or unreadable (measured again)."""
+    try:
+        kept = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {key: value for key, value in kept.items() if isinstance(value, dict)} if isinstance(kept, dict) else {}
+
+
+def write_cache(path: Path, kept: Dict[str, Dict[str, bool]]) -> None:
+    """Write ``kept`` to ``path`` whole: beside it, then renamed into place (a reader finds the old
+    file or the new one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".tuning-", suffix=".json", delete=False) as file:
+        json.dump(kept, file, indent=1, sort_keys=True)
+    try:
+        os.replace(file.name, path)
+    except OSError:
+        os.unlink(file.name)
+        raise
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
