@@ -37,8 +37,9 @@ from bench_decode_modes import decode_seconds  # noqa: E402
 from bench_vs_transformers import bench_args, ours_alone, random_prompts  # noqa: E402
 
 from mixtral_infer.fast import cpu_column_blocks  # noqa: E402
-from mixtral_infer.fast.cpu_column_blocks import block_long_rows, blocked_numel, int8_blocks  # noqa: E402
-from mixtral_infer.quant.model import quantize_model  # noqa: E402
+from mixtral_infer.fast.cpu_column_blocks import int8_blocks  # noqa: E402
+from mixtral_infer.formats.packing import block_long_rows, blocked_numel
+from mixtral_infer.formats.quantizing import quantize_model  # noqa: E402
 from mixtral_infer.quant.weights import QuantizedParameter  # noqa: E402
 
 NEW_TOKENS = 128

@@ -82,11 +82,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mixtral_infer import ModelArgs, MoeArgs, Transformer, generate  # noqa: E402
 from mixtral_infer.checkpoint.hf_format import hf_to_published  # noqa: E402
 from mixtral_infer.checkpoint.loading import build_model  # noqa: E402
-from mixtral_infer.fast.formats import tuning_of, use_formats  # noqa: E402
+from mixtral_infer.formats.modules import tuning_of, use_formats  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size, prefill  # noqa: E402
 from mixtral_infer.model.moe import MoeLayer  # noqa: E402
 from mixtral_infer.quant import gemlite_cuda  # noqa: E402
-from mixtral_infer.quant.model import quantize_model  # noqa: E402
+from mixtral_infer.formats.quantizing import quantize_model  # noqa: E402
 
 SHAPES = {
     "mistral-7b": dict(

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_vs_transformers as b  # noqa: E402
 
-from mixtral_infer.fast.linear import linear  # noqa: E402
+from mixtral_infer.formats.linear import linear  # noqa: E402
 from mixtral_infer.quant import int8_activations  # noqa: E402
 from mixtral_infer.quant.kernels import prepare, reference_linear  # noqa: E402
-from mixtral_infer.quant.model import quantize_model  # noqa: E402
+from mixtral_infer.formats.quantizing import quantize_model  # noqa: E402
 from mixtral_infer.quant.weights import QuantScheme, quantize  # noqa: E402
 
 

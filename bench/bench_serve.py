@@ -437,7 +437,7 @@ def without_aot(model):
     """``model``'s tuning with the CPU decode steps compiled by torch.compile, not built by AOTInductor."""
     import dataclasses
 
-    from mixtral_infer.fast.formats import tuning_of
+    from mixtral_infer.formats.modules import tuning_of
 
     return dataclasses.replace(tuning_of(model), ahead_of_time=False)
 

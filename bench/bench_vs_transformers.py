@@ -100,8 +100,8 @@ from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_to_published
 from mixtral_infer.checkpoint.loading import build_model
 from mixtral_infer.checkpoint.params import args_to_params
-from mixtral_infer.fast.cpu_column_blocks import blocked_numel
-from mixtral_infer.fast.cpu_packed import packed_numel
+from mixtral_infer.formats.packing import blocked_numel
+from mixtral_infer.formats.packing import packed_numel
 from mixtral_infer.generation.generate import default_chunk_size
 from mixtral_infer.generation.generate import prefill as ours_prefill
 

@@ -31,7 +31,7 @@ import bench_vs_transformers as b  # noqa: E402
 import mixtral_infer.model.moe as moe_module  # noqa: E402
 import mixtral_infer.model.transformer as transformer_module  # noqa: E402
 from mixtral_infer import load_model  # noqa: E402
-from mixtral_infer.fast.linear import linear  # noqa: E402
+from mixtral_infer.formats.linear import linear  # noqa: E402
 
 CALLERS = (transformer_module, moe_module)  # the modules whose linear() calls a step makes
 

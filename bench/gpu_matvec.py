@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_gpu import cuda_graph_of  # noqa: E402
 
-from mixtral_infer.fast.linear import linear  # noqa: E402
+from mixtral_infer.formats.linear import linear  # noqa: E402
 from mixtral_infer.quant import gemlite_cuda, nf4  # noqa: E402
 from mixtral_infer.quant.kernels import _scales_and_zeros, prepare, tinygemm_bytes, with_cuda_nf4_layout  # noqa: E402
 from mixtral_infer.quant.weights import QuantScheme, quantize  # noqa: E402

@@ -30,7 +30,7 @@ from bench_decode_modes import alternating_tok_s, copies_parser, decode_seconds,
 
 from mixtral_infer import generate, load_model  # noqa: E402
 from mixtral_infer.checkpoint.loading import open_checkpoint  # noqa: E402
-from mixtral_infer.fast.formats import tuning_of  # noqa: E402
+from mixtral_infer.formats.modules import tuning_of  # noqa: E402
 from mixtral_infer.steps import decode_step  # noqa: E402
 from mixtral_infer.steps.decode_loop import step_compiler  # noqa: E402
 

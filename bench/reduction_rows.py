@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_decode_modes import alternating_tok_s  # noqa: E402
 
 import mixtral_infer.fast.cpu_reductions as cpu_reductions  # noqa: E402
-from mixtral_infer.fast.linear import linear  # noqa: E402
+from mixtral_infer.formats.linear import linear  # noqa: E402
 from mixtral_infer.quant.scheme import QuantScheme  # noqa: E402
 from mixtral_infer.quant.weights import quantize  # noqa: E402
 

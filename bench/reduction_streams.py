@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_modes import alternating_tok_s, copies_parser, decode_seconds, report_copies  # noqa: E402
 
 from mixtral_infer import load_model  # noqa: E402
-from mixtral_infer.fast.measured import machine_tuning  # noqa: E402
+from mixtral_infer.formats.measured import machine_tuning  # noqa: E402
 from mixtral_infer.hardware import cpu_info  # noqa: E402
 
 NEW_TOKENS = 128

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_modes import alternating_tok_s, decode_seconds, report_copies  # noqa: E402
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer  # noqa: E402
-from mixtral_infer.quant.model import quantize_model  # noqa: E402
+from mixtral_infer.formats.quantizing import quantize_model  # noqa: E402
 from mixtral_infer.steps.decode_loop import step_compiler  # noqa: E402
 from mixtral_infer.tuning import Tuning  # noqa: E402
 

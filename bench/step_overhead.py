@@ -43,7 +43,7 @@ from bench_decode_modes import decode_seconds  # noqa: E402
 from profile_decode import tiny_copy  # noqa: E402
 
 from mixtral_infer import load_model  # noqa: E402
-from mixtral_infer.fast.formats import tuning_of  # noqa: E402
+from mixtral_infer.formats.modules import tuning_of  # noqa: E402
 from mixtral_infer.steps.decode_loop import step_compiler  # noqa: E402
 
 NEW_TOKENS = 128

@@ -37,7 +37,7 @@ from moe_experts import NEW_TOKENS, greedy, tokens_in_common  # noqa: E402
 from vnni_matvec import build, int4_bytes, int4_start, quantized_rows  # noqa: E402
 
 from mixtral_infer import load_model  # noqa: E402
-from mixtral_infer.fast import linear  # noqa: E402
+from mixtral_infer.formats import linear  # noqa: E402
 from mixtral_infer.quant import kernels  # noqa: E402
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight  # noqa: E402
 

@@ -31,7 +31,7 @@ from test_quant_quality import HELDOUT, train_small  # noqa: E402
 from vnni_matvec import quantized_rows  # noqa: E402
 
 from mixtral_infer import load_model  # noqa: E402
-from mixtral_infer.fast import linear  # noqa: E402
+from mixtral_infer.formats import linear  # noqa: E402
 from mixtral_infer.shipped import SHIPPED_MODELS  # noqa: E402
 
 QUANTIZED_LINEAR = linear.quantized_linear

@@ -2,7 +2,7 @@
 
 Decisions that depend on it:
 
-* ``fast.measured``: which machine the choices measured there are kept for (the CPU's model
+* ``formats.measured``: which machine the choices measured there are kept for (the CPU's model
   name and usable cores, with torch's version);
 * ``checkpoint.compute_dtype``: whether a bfloat16 or float16 checkpoint computes in its own
   dtype (the CPU has native arithmetic for it) or in float32;
@@ -13,7 +13,7 @@ Linux: ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``). macOS: ``sysctl``. E
 CPU is treated as having no native 16-bit arithmetic and an unknown vendor.
 
 What a CPU is called (its vendor, its model name) decides nothing here: two CPUs of one vendor
-differ, and a choice that depends on the machine is measured on it (``fast.measured``).
+differ, and a choice that depends on the machine is measured on it (``formats.measured``).
 
 Example, an x86 ``/proc/cpuinfo`` with one processor entry, ``vendor_id : GenuineIntel``,
 ``model name : Intel(R) Xeon(R) Processor`` and ``flags : ... avx512f avx512_bf16 ...`` gives

@@ -1,6 +1,6 @@
 """What the fast paths do, as one object passed in: ``Tuning``.
 
-``load_model(..., fast=True)`` swaps fast modules in for the reference's (``fast.formats``);
+``load_model(..., fast=True)`` swaps fast modules in for the reference's (``formats.modules``);
 ``fast=False``, or ``MIXTRAL_INFER_REFERENCE=1`` in the environment, keeps the readable
 reference everywhere: plain ``F.linear``, SDPA attention, eager decoding. Quantized weights then
 run as ``dequantize`` followed by ``F.linear``.
@@ -8,9 +8,9 @@ run as ``dequantize`` followed by ``F.linear``.
 Every other field says how a fast path computes, never what: each choice gives the reference's
 numbers (to the rounding of the dtype) either way. A ``Tuning()`` holds safe defaults, the same on
 every machine. ``load_model`` gives a model the tuning of the machine it runs on
-(``fast.measured.machine_tuning``): the choices that depend on the machine measured once there and
+(``formats.measured.machine_tuning``): the choices that depend on the machine measured once there and
 kept on disk. Tests and benches pass one of their own (``load_model(..., tuning=...)``,
-``fast.formats.use_formats(model, tuning)``, ``make_decode_step(..., tuning=...)``).
+``formats.modules.use_formats(model, tuning)``, ``make_decode_step(..., tuning=...)``).
 
 The compiled steps read the fields when they are traced: a step built for one tuning keeps it.
 
@@ -39,7 +39,7 @@ class Tuning:
     fast: bool = True
 
     # Op by op, float32 products of a few rows on CPU: one ``bmm`` block of output rows per thread
-    # (``fast.linear``), for a library whose few-row product runs on one core; False: ``F.linear``.
+    # (``formats.linear``), for a library whose few-row product runs on one core; False: ``F.linear``.
     few_row_blocks: bool = False
     # Compiled few-row products on CPU read a weight's rows in up to this many places at once, one
     # reduction each (``fast.cpu_reductions.row_sums``): more reads in flight where one stream per

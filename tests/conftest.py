@@ -41,7 +41,7 @@ def tiny_args(moe: bool = True, sliding_window: int | None = WINDOW, max_batch_s
 def random_model(args: ModelArgs, seed: int = 0, fast: bool = True) -> Transformer:
     """Our model with random weights large enough that logits are far from uniform, with the fast
     modules swapped in as ``load_model`` does (``fast=False``: the reference modules)."""
-    from mixtral_infer.fast.formats import use_formats
+    from mixtral_infer.formats.modules import use_formats
     from mixtral_infer.tuning import Tuning
 
     torch.manual_seed(seed)

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixtral_infer import RotatingBufferCache, unrotate
-from mixtral_infer.fast.formats import FastAttention
+from mixtral_infer.formats.modules import FastAttention
 from mixtral_infer.model import cache as cache_module
 from mixtral_infer.model.transformer import Attention, ModelArgs
 

@@ -17,9 +17,9 @@ from mixtral_infer.steps.cpu_aot_step import (
     builds_ahead_of_time,
     inductor_configs,
 )
-from mixtral_infer.fast.cpu_packed import pack_model
+from mixtral_infer.formats.packing import pack_model
 from mixtral_infer.steps.decode_loop import step_compiler
-from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.serve.engine import CpuDecodeStep, Engine, RequestSettings, TokenEvent
 from mixtral_infer.tuning import Tuning
 

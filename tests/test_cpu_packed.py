@@ -13,21 +13,10 @@ from conftest import random_model, tiny_args
 
 from mixtral_infer import generate, load_model
 from mixtral_infer.checkpoint.loading import save_consolidated
-from mixtral_infer.fast.cpu_packed import (
-    _MATRICES,
-    PackedParameter,
-    is_packed,
-    onednn_packs,
-    pack,
-    pack_model,
-    pack_side_by_side,
-    packed_numel,
-    side_by_side,
-    side_by_side_groups,
-    unpack_model,
-)
+from mixtral_infer.fast.cpu_packed import _MATRICES, PackedParameter, onednn_packs, pack, pack_side_by_side, side_by_side, side_by_side_groups
+from mixtral_infer.formats.packing import is_packed, pack_model, packed_numel, unpack_model
 from mixtral_infer.steps.decode_step import _every_expert_one_by_one, _experts_one_by_one, decode_logits
-from mixtral_infer.fast.linear import linear, linears
+from mixtral_infer.formats.linear import linear, linears
 from mixtral_infer.serve.sizing import weight_bytes
 
 DTYPES = [torch.bfloat16, torch.float16]

@@ -35,7 +35,7 @@ from mixtral_infer.steps.decode_step import (
 from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling
-from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.tuning import Tuning
 
 LOGPROB_TOLERANCE = 1e-5

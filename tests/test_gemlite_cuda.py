@@ -17,7 +17,7 @@ from conftest import WINDOW, random_model, tiny_args
 from mixtral_infer import generate
 from mixtral_infer.steps.decode_loop import step_compiler
 from mixtral_infer.quant import gemlite_cuda, kernels
-from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 from mixtral_infer.serve.sizing import weight_bytes
 from mixtral_infer.tuning import Tuning

@@ -15,7 +15,7 @@ from mixtral_infer.hardware import CpuInfo
 from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.int8_activations import int8_activations_linear, reference_linear
 from mixtral_infer.quant.kernels import DEQUANTIZE_ROWS, quantized_linear, quantized_linears
-from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 from mixtral_infer.serve.sizing import weight_bytes
 

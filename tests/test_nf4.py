@@ -15,10 +15,10 @@ from test_model import random_prompts
 from test_quant import example_scheme
 
 from mixtral_infer import generate
-from mixtral_infer.fast.linear import linear, linears
+from mixtral_infer.formats.linear import linear, linears
 from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import joined_linear, prepare, quantized_linear
-from mixtral_infer.quant.model import install, join_side_by_side, quantize_model
+from mixtral_infer.formats.quantizing import install, join_side_by_side, quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 from mixtral_infer.serve.sizing import held_bytes, weight_bytes
 

@@ -16,10 +16,11 @@ from mixtral_infer import generate
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.cpu_reductions import REDUCTION_ROWS
 from mixtral_infer.steps.decode_step import moe_one_token
-from mixtral_infer.fast.linear import linear
+from mixtral_infer.formats.linear import linear
 from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import prepare, quantized_linear, reference_linear, uses_cpu_kernel
-from mixtral_infer.quant.model import is_quantized, is_quantized_published, quantize_model
+from mixtral_infer.quant.model import is_quantized, is_quantized_published
+from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 from mixtral_infer.tuning import Tuning
 

@@ -24,7 +24,7 @@ from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.checkpoint.safetensors_reader import read_header, read_metadata
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.model.parallel import Parallel
-from mixtral_infer.quant.model import quantize_model
+from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedWeight
 
 REPO = Path(__file__).resolve().parents[1]

@@ -58,17 +58,18 @@ from mixtral_infer.checkpoint.safetensors_reader import (
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.devices import checked_device, checked_dtype, default_device
 from mixtral_infer.errors import CheckpointError, ConfigError
-from mixtral_infer.fast.cpu_column_blocks import block_long_rows
-from mixtral_infer.fast.cpu_packed import pack_model
-from mixtral_infer.fast.formats import use_formats
-from mixtral_infer.fast.measured import machine_tuning
+from mixtral_infer.formats.packing import block_long_rows
+from mixtral_infer.formats.packing import pack_model
+from mixtral_infer.formats.modules import use_formats
+from mixtral_infer.formats.measured import machine_tuning
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.json_file import read_object
 from mixtral_infer.checkpoint.shares import Selection, select_share
 from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.transformer import ModelArgs, Transformer
 from mixtral_infer.quant import int8_activations
-from mixtral_infer.quant.model import check_quantizable, install, is_quantized_published, join_side_by_side
+from mixtral_infer.quant.model import check_quantizable, is_quantized_published
+from mixtral_infer.formats.quantizing import install, join_side_by_side
 from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme
 from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
@@ -365,7 +366,7 @@ def build_model(
     its own, so the peak is the quantized model plus one float tensor and one layer's
     quantized experts. ``stored``: the tensors are a quantized folder's (``convert --quantize``).
     ``kernel_layouts``: quantized weights in their kernels' layouts (False: the plain layout the
-    reference reads). The model's modules are the reference's (``fast.formats.use_formats`` swaps).
+    reference reads). The model's modules are the reference's (``formats.modules.use_formats`` swaps).
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -438,11 +439,11 @@ def load_model(
 ) -> Transformer:
     """Load a Mistral or Hugging Face model folder (format detected from its files).
 
-    ``fast``: swap in the fast modules and kernels (``fast.formats``); False keeps the readable
+    ``fast``: swap in the fast modules and kernels (``formats.modules``); False keeps the readable
     reference everywhere (no packed layouts, quantized weights dequantized for each product), for
     reading, debugging and as the oracle in tests. None: fast unless ``MIXTRAL_INFER_REFERENCE=1``.
     ``tuning``: what the fast paths do (``Tuning``, its ``fast`` in place of ``fast``); by default
-    this machine's, measured once and kept on disk (``fast.measured.machine_tuning``).
+    this machine's, measured once and kept on disk (``formats.measured.machine_tuning``).
 
     ``dtype``: what the model computes in; by default the checkpoint's own dtype where the
     device has native arithmetic for it, else float32 (``checkpoint.compute_dtype``).

@@ -215,8 +215,8 @@ def load(
         from mixtral_infer.memory import keep_freed_memory
 
         keep_freed_memory()  # this process's prompts reuse freed heap pages (see --help)
-    from mixtral_infer.fast.cpu_column_blocks import blocked_numel
-    from mixtral_infer.fast.cpu_packed import packed_numel
+    from mixtral_infer.formats.packing import blocked_numel
+    from mixtral_infer.formats.packing import packed_numel
     from mixtral_infer.quant.model import model_scheme, quantized_numel
 
     held_apart = quantized_numel(model) + packed_numel(model) + blocked_numel(model)  # not in model.parameters()

@@ -140,25 +140,6 @@ def blocks_rows(tensor: torch.Tensor) -> bool:
     )
 
 
-def block_long_rows(model: nn.Module) -> nn.Module:
-    """Store, in place, the long-row matrices that decoding reads (those ``quant.model`` would
-    quantize: ``w2`` at Mistral 7B's widths) in column blocks: float parameters, and int8
-    weight-only integers on CPU, which then keep the blocks as their kernel layout
-    (``packed = (blocks, scales)``, ``values`` dropped: ``integers()`` puts them back together)."""
-    from mixtral_infer.fast.formats import replace_parameter  # here: formats import this module
-    from mixtral_infer.quant.model import is_quantized
-    from mixtral_infer.quant.weights import QuantizedParameter
-    for name, param in list(model.named_parameters()):
-        if is_quantized(name) and blocks_rows(param):
-            blocks = to_blocks(param.data, block_width(param.shape[-1]))
-            replace_parameter(model, name, ColumnBlocksParameter(blocks))
-    for module in model.modules():
-        if isinstance(module, QuantizedParameter) and blocks_integers(module):
-            module.kernel_values = to_blocks(module.values, block_width(module.in_features)).blocks
-            module.kernel_scales, module.values = module.scales, None
-    return model
-
-
 def blocks_integers(weight) -> bool:
     """Whether ``block_long_rows`` blocks this quantized weight: int8 weight-only integers on CPU
     with rows longer than ``MAX_BLOCK`` (w8a8's are fbgemm's; int4's, their kernel's)."""
@@ -173,22 +154,3 @@ def int8_blocks(weight) -> Optional[torch.Tensor]:
     if weight.scheme.name != "int8" or weight.values is not None or weight.packed is None:
         return None
     return weight.packed[0]
-
-
-def unblock_long_rows(model: nn.Module) -> nn.Module:
-    """Plain ``nn.Parameter``s (and int8 integers) again, in place: for code that edits weights."""
-    from mixtral_infer.fast.formats import replace_parameter  # here: formats import this module
-    from mixtral_infer.quant.weights import QuantizedParameter
-    for name, module in list(model.named_modules()):
-        if isinstance(module, ColumnBlocksParameter):
-            replace_parameter(model, name, nn.Parameter(module.dense(), requires_grad=False))
-        elif isinstance(module, QuantizedParameter) and int8_blocks(module) is not None:
-            module.values = module.integers()
-            module.kernel_values = module.kernel_scales = None
-    return model
-
-
-def blocked_numel(model: nn.Module) -> int:
-    """How many float weights a model holds in column blocks (``model.parameters()`` counts only the
-    plain ones; quantized weights count as such, blocked or not)."""
-    return sum(module.numel() for module in model.modules() if isinstance(module, ColumnBlocksParameter))

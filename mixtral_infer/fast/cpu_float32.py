@@ -5,7 +5,7 @@
 (``torch.ops.mkldnn._linear_pointwise``, no copy kept). Which is faster depends on the CPU, so the
 choice is ``Tuning.onednn_float32``: measured once per machine (``onednn_is_faster``, a prompt-sized
 product both ways) and taken only with a clear margin (``MARGIN``), so a CPU where MKL is as fast
-keeps it (``fast.measured``). Products of fewer rows (decoding) keep ``fast.linear``'s paths, as do
+keeps it (``formats.measured``). Products of fewer rows (decoding) keep ``formats.linear``'s paths, as do
 products that record gradients (oneDNN's op has no backward).
 """
 
@@ -36,7 +36,7 @@ def best_seconds(fn: Callable[[], torch.Tensor], repeats: int = 3) -> float:
 
 def onednn_is_faster() -> bool:
     """Whether this CPU's oneDNN multiplies many float32 rows at least ``MARGIN`` times faster than
-    MKL: a ``ROWS x 1024`` by ``1024 x 2048`` product both ways, best of 3 (``fast.measured`` asks once
+    MKL: a ``ROWS x 1024`` by ``1024 x 2048`` product both ways, best of 3 (``formats.measured`` asks once
     per machine)."""
     if not torch.backends.mkldnn.is_available():
         return False

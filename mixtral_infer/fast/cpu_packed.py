@@ -18,7 +18,7 @@ packs the bfloat16 models it loads on CPU unless ``pack=False``.
 
 Weights that multiply the same input are packed side by side, as gpt-fast fuses ``wqkv``:
 ``wq wk wv`` as one matrix, ``w1 w3`` as one (per expert). Each keeps its own name and
-shape, as a block of rows (``PackedWeight.rows``), and ``fast.linear.linears`` multiplies
+shape, as a block of rows (``PackedWeight.rows``), and ``formats.linear.linears`` multiplies
 the blocks of one matrix in one call: few-row products of small matrices read them slower,
 and each call has a cost of its own.
 
@@ -252,21 +252,6 @@ def _plain_in_state_dict(module: PackedParameter, state_dict: dict, prefix: str,
     state_dict[prefix[:-1]] = module.dense()  # prefix is "layers.0.attention.wq.weight."
 
 
-def pack_model(model: nn.Module) -> nn.Module:
-    """Pack, in place, the float matrices that decoding reads (those ``quant.model`` would quantize):
-    ``wq wk wv`` side by side, as are ``w1 w3`` (``SIDE_BY_SIDE``), the others one by one."""
-    from mixtral_infer.fast.formats import replace_parameter  # here: formats import this module
-    from mixtral_infer.quant.model import is_quantized
-    params = dict(model.named_parameters())
-    packable = [name for name, param in params.items() if is_quantized(name) and can_pack(param)]
-    for group in side_by_side_groups(packable, lambda name: params[name].shape):
-        tensors = [params[n].data for n in group]
-        weights = pack_side_by_side(tensors) if len(group) > 1 else [pack(tensors[0])]
-        for n, weight in zip(group, weights):
-            replace_parameter(model, n, PackedParameter(weight))
-    return model
-
-
 def side_by_side_groups(names: Iterable[str], shape: Callable[[str], torch.Size]) -> List[List[str]]:
     """``names`` of weights to pack, in the groups to pack together: the members of a ``SIDE_BY_SIDE``
     group found among them, if their dimensions other than OUT agree (``shape(name)``), else each alone.
@@ -294,21 +279,3 @@ def _side_by_side_names(name: str) -> List[str]:
             if part in group:
                 return [".".join([*parts[:i], member, *parts[i + 1 :]]) for member in group]
     return [name]
-
-
-def unpack_model(model: nn.Module) -> nn.Module:
-    """Plain ``nn.Parameter``s again, in place: for code that edits weights or compiles the model."""
-    from mixtral_infer.fast.formats import replace_parameter  # here: formats import this module
-    for name, module in list(model.named_modules()):
-        if isinstance(module, PackedParameter):
-            replace_parameter(model, name, nn.Parameter(module.dense(), requires_grad=False))
-    return model
-
-
-def is_packed(model: nn.Module) -> bool:
-    return any(isinstance(module, PackedParameter) for module in model.modules())
-
-
-def packed_numel(model: nn.Module) -> int:
-    """How many weights a model holds packed (``model.parameters()`` counts only the plain ones)."""
-    return sum(module.shape.numel() for module in model.modules() if isinstance(module, PackedParameter))

@@ -9,7 +9,7 @@ result is rounded back to the input's dtype.
 
 Which dtypes to widen is ``Tuning.upcast``: measured once per machine and dtype
 (``upcast_is_faster``, a prompt-sized product both ways) and taken only with a clear margin
-(``MARGIN``), so a CPU where the two are close keeps its 16-bit product (``fast.measured``).
+(``MARGIN``), so a CPU where the two are close keeps its 16-bit product (``formats.measured``).
 Decoding (fewer than ``UPCAST_ROWS`` rows) is never widened: it reads the weight, and 16 bits read
 faster.
 """
@@ -37,7 +37,7 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, onednn: bool = False) -
 def upcast_is_faster(dtype: torch.dtype, onednn: bool = False) -> bool:
     """Whether this CPU multiplies many rows of ``dtype`` at least ``MARGIN`` times faster in float32
     (by oneDNN where ``onednn``): a ``UPCAST_ROWS x 1024`` by ``1024 x 2048`` product both ways, best
-    of 3 (``fast.measured`` asks once per machine)."""
+    of 3 (``formats.measured`` asks once per machine)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(UPCAST_ROWS, 1024, generator=g).to(dtype)
     weight = torch.randn(2048, 1024, generator=g).to(dtype)

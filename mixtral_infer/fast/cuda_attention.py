@@ -1,6 +1,6 @@
 """Attention on CUDA: xformers' kernels where they load, else torch's ragged flash attention
 (``fast.varlen_attention``) for the prefill biases, else SDPA (``fast.batched_attention``). ``CudaAttention`` is swapped in for the model's ``Attention`` by
-``fast.formats.use_formats``; on other devices it is the reference."""
+``formats.modules.use_formats``; on other devices it is the reference."""
 
 from __future__ import annotations
 

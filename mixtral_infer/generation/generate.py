@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.fast.formats import tuning_of
+from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
 from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs

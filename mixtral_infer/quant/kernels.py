@@ -39,7 +39,7 @@
   test the product itself.
 
 ``CUDA_INT4_DEQUANTIZE_ROWS`` and ``CUDA_NF4_KERNEL_ROWS`` follow the libraries' own dispatch.
-``quantized_linear`` and ``quantized_linears`` take the ``Tuning`` to follow (``fast.formats``'
+``quantized_linear`` and ``quantized_linears`` take the ``Tuning`` to follow (``formats.modules``'
 modules pass their own).
 """
 

@@ -43,7 +43,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.fast.formats import tuning_of
+from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.steps import decode_step as static_step
 from mixtral_infer.steps.cpu_aot_step import AotStep
 from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked

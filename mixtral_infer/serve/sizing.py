@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.fast.cpu_packed import packed_numel
+from mixtral_infer.formats.packing import packed_numel
 from mixtral_infer.generation.settings import (
     check_cache_fits,
     free_memory,

@@ -52,7 +52,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from mixtral_infer._version import __version__
-from mixtral_infer.fast.cpu_packed import is_packed
+from mixtral_infer.formats.packing import is_packed
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.quant.model import model_scheme
 

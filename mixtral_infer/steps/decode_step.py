@@ -34,7 +34,7 @@ On CUDA ``StepCompiler`` also replays it as a CUDA graph.
 
 How the step is built and which forms it takes (regions, AOTInductor on CPU, the experts' forms,
 the places reductions read in) is a ``Tuning``: passed in, by default the model's
-(``fast.formats.tuning_of``). Its fields are read when the step is traced.
+(``formats.modules.tuning_of``). Its fields are read when the step is traced.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from mixtral_infer.fast.cpu_reductions import materialized
 from mixtral_infer.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache
-from mixtral_infer.fast.formats import expert, tuning_of
+from mixtral_infer.formats.modules import expert, tuning_of
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Attention, Transformer, TransformerBlock
@@ -174,7 +174,7 @@ def chosen_up_to_field(moe: MoeLayer, tuning: Tuning) -> Optional[str]:
 
 def moe_one_token(moe: MoeLayer, x: torch.Tensor, tuning: Optional[Tuning] = None) -> torch.Tensor:
     """The mixture of experts on one token per row, x ``(B, D)``, with shapes fixed by B; as ``tuning``
-    says (None: the layer's own, ``fast.formats.tuning_of``).
+    says (None: the layer's own, ``formats.modules.tuning_of``).
 
     Decoding is bound by reading weights. With ``B * k < E`` assignments only the chosen experts
     are read (batch 1, top-2 of 8: two experts); with ``B * k >= E`` nearly every expert is needed
@@ -263,7 +263,7 @@ def _experts_one_by_one(
     moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, tuning: Optional[Tuning] = None
 ) -> torch.Tensor:
     """``_gathered_experts`` as a loop of fixed length: the B * A chosen experts, one row each, each
-    expert's 2-D weight through ``linear()`` (``fast.formats.expert``; ``e`` a 0-d tensor, read in
+    expert's 2-D weight through ``linear()`` (``formats.modules.expert``; ``e`` a 0-d tensor, read in
     place). Compiled on CPU, inductor fuses the experts' reductions into shared loops, so their
     products read in the tuning's places for the experts (``Tuning.for_experts``; ``cpu_reductions``,
     "The chosen experts")."""
@@ -320,7 +320,7 @@ def decode_logits(
 
     Compiled, every block is one region (``decode_block``): traced and compiled once, its code
     called once a layer (``in_regions``; ``tuning.regions`` False: every block written out).
-    ``tuning``: None for the model's (``fast.formats.tuning_of``).
+    ``tuning``: None for the model's (``formats.modules.tuning_of``).
     """
     tuning = tuning if tuning is not None else tuning_of(model)
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
@@ -430,7 +430,7 @@ def make_decode_step(
     model: Transformer, greedy: bool, filtered: bool, eos_id: Optional[int], tuning: Optional[Tuning] = None
 ) -> Callable[..., StepOutputs]:
     """``decode_one_token`` bound to a model, to the batch's static sampling facts and to ``tuning``
-    (None: the model's, ``fast.formats.tuning_of``), which compiled code reads when traced."""
+    (None: the model's, ``formats.modules.tuning_of``), which compiled code reads when traced."""
     tuning = tuning if tuning is not None else tuning_of(model)
 
     def decode_one_token(
@@ -471,7 +471,7 @@ class StepCompiler:
     static cache does in transformers.
 
     ``tuning``: how the steps are built (``Tuning``); None: the model's when a step is built
-    (``fast.formats.tuning_of``). A step is kept per tuning too.
+    (``formats.modules.tuning_of``). A step is kept per tuning too.
     """
 
     def __init__(

@@ -63,7 +63,7 @@ from mixtral_infer.steps.decode_step import (
     slots_and_visibility,
     write_slots,
 )
-from mixtral_infer.fast.formats import tuning_of
+from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Transformer, TransformerBlock
 from mixtral_infer.tuning import Tuning

@@ -3,7 +3,7 @@
 Decoding multiplies one row per sequence (or the few rows an expert receives) by each weight
 matrix: the time is the time to read the weights. Whether ``F.linear`` reads them from every core
 depends on the CPU's library (MKL's few-row float32 path runs on one core on some CPUs), so where
-``Tuning.few_row_blocks`` says so (measured once per machine, ``fast.measured``), float32 inputs of
+``Tuning.few_row_blocks`` says so (measured once per machine, ``formats.measured``), float32 inputs of
 at most ``MAX_ROWS`` rows are cut into one block of output rows per thread, run as one ``torch.bmm``;
 elsewhere they go to ``F.linear``.
 
@@ -32,7 +32,7 @@ prefill size is computed in float32 on CPUs that multiply float32 faster (``Tuni
 ``fast.cpu_upcast``), and a float32 product of prefill size by oneDNN where it beats MKL
 (``Tuning.onednn_float32``, ``fast.cpu_float32``).
 
-Each function takes the ``Tuning`` to follow (``fast.formats``' modules pass their own); without
+Each function takes the ``Tuning`` to follow (``formats.modules``' modules pass their own); without
 one, ``Tuning()``'s safe defaults.
 """
 

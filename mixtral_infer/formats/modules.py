@@ -7,7 +7,7 @@ module it replaces, so parameter names, ``state_dict()`` and ``model.to`` stay a
 ====================  ==================================  ======================================
 weight (``.weight``)   module                              forward
 ====================  ==================================  ======================================
-``nn.Parameter``       ``PlainLinear``                     ``fast.linear.linear``: few-row CPU
+``nn.Parameter``       ``PlainLinear``                     ``formats.linear.linear``: few-row CPU
                                                            products over every core, compiled
                                                            reductions, prompts widened
 ``PackedParameter``    ``PackedLinear``                    oneDNN's packed bfloat16 product
@@ -42,7 +42,7 @@ from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
 from mixtral_infer.fast.cpu_reductions import expert_of
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.fast.cuda_attention import cuda_attention
-from mixtral_infer.fast.linear import column_blocks_linear, linear, linears
+from mixtral_infer.formats.linear import column_blocks_linear, linear, linears
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.transformer import Attention, FeedForward
 from mixtral_infer.quant.kernels import quantized_linear, reference_linear
@@ -53,7 +53,7 @@ DEFAULT = Tuning()  # the kernels' tuning for a module ``use_formats`` has not s
 
 
 class PlainLinear(nn.Linear):
-    """A float weight ``(OUT, IN)``, through ``fast.linear.linear``."""
+    """A float weight ``(OUT, IN)``, through ``formats.linear.linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.tuning)
