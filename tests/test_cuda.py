@@ -2,7 +2,7 @@
 kernels and the serving engine, each against the readable path on the same device.
 
 Skipped without a GPU (CI has none); run on a lent H200 with ``pytest tests/test_cuda.py`` (nf4's
-tests need bitsandbytes' CUDA library there, GemLite's its package: ``bench/gpu_lease.sh`` says how to
+tests need bitsandbytes' CUDA library there, GemLite's its package: docs/testing.md says how to
 carry them). The
 CPU suite checks the same logic through each kernel's reference semantics (``test_varlen_attention``,
 ``test_quant``'s tinygemm layout); these check that the kernels themselves agree.
@@ -32,7 +32,7 @@ from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA paths: no GPU here")
 CUDA = torch.device("cuda")
-NO_GEMLITE = "GemLite does not import here: carry its package folder (bench/gpu_lease.sh)"
+NO_GEMLITE = "GemLite does not import here: install the cuda extra"
 # bfloat16 logprobs against float32's: mean |difference| 0.010-0.030 and max 0.03-0.07 measured
 # (CPU), max 0.26-0.58 (CUDA, Mixtral) where a router near tie sends a token to another expert.
 # A wrong kernel or cache slot moves the mean by whole units.

@@ -260,18 +260,18 @@ def test_quantizing_in_memory_frees_each_float_weight_as_it_goes(monkeypatch):
     copy are never both whole in memory (Mixtral 8x7B on one GPU: 93 + 47 GB)."""
     import weakref
 
-    from mixtral_infer.quant import model as quant_model
+    from mixtral_infer.formats import quantizing
 
     model = random_model(tiny_args(moe=True), seed=3)
     floats = {name: weakref.ref(param) for name, param in model.named_parameters() if is_quantized(name)}
     alive_at_each_call = []
-    quantize_tensor = quant_model.quantize_tensor
+    quantize_tensor = quantizing.quantize_tensor
 
     def counting(tensor, *args, **options):
         alive_at_each_call.append(sum(ref() is not None for ref in floats.values()))
         return quantize_tensor(tensor, *args, **options)
 
-    monkeypatch.setattr(quant_model, "quantize_tensor", counting)
+    monkeypatch.setattr(quantizing, "quantize_tensor", counting)
     quantize_model(model, "int8")
     assert alive_at_each_call == list(range(len(floats), 0, -1))  # the one being quantized and those after it
 

@@ -814,7 +814,18 @@ class CpuDecodeStep:
         return built or static_step.compiled(self.step, torch.device("cpu"))
 
 
+class BuiltSteps(dict):
+    """Built steps by their arguments' shapes; a copy of the model they are kept with starts with
+    none (they read the weights of the model they were built for)."""
+
+    def __deepcopy__(self, memo) -> "BuiltSteps":
+        return BuiltSteps()
+
+    def __reduce__(self):
+        return (BuiltSteps, ())
+
+
 def built_steps(model: Transformer) -> Dict[tuple, Callable[..., torch.Tensor]]:
     """The CPU decode steps engines on ``model`` have built (``CpuDecodeStep``), by their
     arguments' shapes: kept with the model, as ``generate`` keeps its steps (``step_compiler``)."""
-    return model.__dict__.setdefault("_engine_decode_steps", {})
+    return model.__dict__.setdefault("_engine_decode_steps", BuiltSteps())

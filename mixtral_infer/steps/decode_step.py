@@ -39,6 +39,7 @@ the places reductions read in) is a ``Tuning``: passed in, by default the model'
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
@@ -47,6 +48,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
@@ -484,6 +486,14 @@ class StepCompiler:
         self.cache: Optional[RotatingBufferCache] = None
         self.compile_seconds = 0.0  # spent building steps so far: what a tokens/s figure should leave out
 
+    def __deepcopy__(self, memo) -> "StepCompiler":
+        """A copy builds its own steps: these read the weights of the model they were built for
+        (a deep copy of a model that keeps its compiler, ``step_compiler``, gets an empty one)."""
+        return StepCompiler(copy.deepcopy(self.model, memo), self.announce, self.tuning)
+
+    def __reduce__(self):
+        return (type(None), ())  # pickled with a model (torch.save), it comes back as None: no steps
+
     def cache_for(self, batch: int, max_seqlen: int) -> RotatingBufferCache:
         """A cache of ``batch`` rows for sequences of up to ``max_seqlen`` tokens, reused when it fits.
 
@@ -509,7 +519,9 @@ class StepCompiler:
             for buffer in (*cache.layer_keys, *cache.layer_values):
                 torch._dynamo.mark_static_address(buffer)
         tuning = self.tuning if self.tuning is not None else tuning_of(self.model)
-        key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id, tuning)
+        key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id, tuning, weights_key(self.model))
+        for stale in [k for k in self.steps if k[:-1] == key[:-1] and k[-1] != key[-1]]:
+            del self.steps[stale]  # built for weights since replaced (quantized, unpacked): it would read them
         built = self.steps.get(key)
         if isinstance(built, AotStep) and not built.current():
             built = None  # a weight was replaced since it was built: it would read the old one
@@ -549,6 +561,13 @@ class StepCompiler:
             return outputs
 
         return first_call
+
+
+def weights_key(model: nn.Module) -> tuple:
+    """What a built step assumes of ``model``'s weights: the objects that hold them. Replacing a
+    weight (``quantize_model``, ``unpack_model``, a new ``nn.Parameter``) changes it; editing one in
+    place (which a step reads at once) does not."""
+    return tuple(id(module) for module in model.modules()) + tuple(id(param) for param in model.parameters())
 
 
 def compiled(step: Callable[..., StepOutputs], device: torch.device) -> Callable[..., StepOutputs]:
