@@ -39,7 +39,9 @@ def stand_ins(results: dict, asked: list):
     return [Choice(c.name, measure(c.name), c.capable) for c in measured.CHOICES]
 
 
-ALL_FASTER = {"onednn_float32": True, "upcast_bfloat16": True, "upcast_float16": False, "few_row_blocks": True}
+ALL_FASTER = {
+    "onednn_float32": True, "upcast_bfloat16": True, "upcast_float16": False, "few_row_blocks": True, "few_streams": True,
+}
 
 
 def test_the_choices_are_measured_once_then_read_from_the_cache(measuring):
@@ -48,15 +50,15 @@ def test_the_choices_are_measured_once_then_read_from_the_cache(measuring):
     asked, lines = [], []
     choices = stand_ins(ALL_FASTER, asked)
     first = machine_tuning(cpu=XEON, choices=choices, announce=lines.append)
-    assert asked == ["onednn_float32", "upcast_bfloat16", "upcast_float16", "few_row_blocks"]
+    assert asked == ["onednn_float32", "upcast_bfloat16", "upcast_float16", "few_row_blocks", "few_streams"]
     assert lines == [
-        f"measuring onednn_float32, upcast_bfloat16, upcast_float16, few_row_blocks once for this machine "
+        f"measuring onednn_float32, upcast_bfloat16, upcast_float16, few_row_blocks, few_streams once for this machine "
         f"(cached in {measuring})"
     ]
-    assert (first.onednn_float32, first.upcast, first.few_row_blocks) == (True, (torch.bfloat16,), True)
+    assert (first.onednn_float32, first.upcast, first.few_row_blocks, first.streams) == (True, (torch.bfloat16,), True, 2)
     assert json.loads(measuring.read_text()) == {machine_key(XEON): ALL_FASTER}
     again = machine_tuning(cpu=XEON, choices=choices, announce=lines.append)
-    assert again == first and len(asked) == 4 and len(lines) == 1
+    assert again == first and len(asked) == 5 and len(lines) == 1
 
 
 def test_the_vendor_decides_nothing(measuring):
@@ -66,7 +68,7 @@ def test_the_vendor_decides_nothing(measuring):
     choices = stand_ins({**ALL_FASTER, "few_row_blocks": False}, asked)
     xeon = machine_tuning(cpu=XEON, choices=choices, announce=lambda line: None)
     epyc = machine_tuning(cpu=EPYC, choices=choices, announce=pytest.fail)  # nothing measured: no line
-    assert xeon == epyc and not epyc.few_row_blocks and len(asked) == 4
+    assert xeon == epyc and not epyc.few_row_blocks and len(asked) == 5
     assert machine_key(XEON) == machine_key(EPYC) == f"Some CPU | 2 cores | torch {torch.__version__}"
 
 
@@ -77,7 +79,7 @@ def test_a_machine_of_another_model_cores_or_torch_measures_anew(measuring, monk
         machine_tuning(cpu=cpu, choices=choices, announce=lambda line: None)
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     machine_tuning(cpu=XEON, choices=choices, announce=lambda line: None)
-    assert len(asked) == 4 * 4 and len(json.loads(measuring.read_text())) == 4
+    assert len(asked) == 5 * 4 and len(json.loads(measuring.read_text())) == 4
 
 
 def test_capabilities_decide_without_measuring(measuring, monkeypatch):
@@ -96,19 +98,19 @@ def test_a_choice_added_later_is_measured_alone(measuring):
     machine_tuning(cpu=XEON, choices=choices[:2], announce=lambda line: None)
     lines = []
     machine_tuning(cpu=XEON, choices=choices, announce=lines.append)
-    assert asked == ["onednn_float32", "upcast_bfloat16", "upcast_float16", "few_row_blocks"]
-    assert lines[0].startswith("measuring upcast_float16, few_row_blocks once")
+    assert asked == ["onednn_float32", "upcast_bfloat16", "upcast_float16", "few_row_blocks", "few_streams"]
+    assert lines[0].startswith("measuring upcast_float16, few_row_blocks, few_streams once")
 
 
 def test_a_damaged_cache_is_measured_again_and_an_unwritable_one_said(measuring, tmp_path):
     asked, lines = [], []
     measuring.write_text("{not json")
     machine_tuning(cpu=XEON, choices=stand_ins(ALL_FASTER, asked), announce=lines.append)
-    assert len(asked) == 4 and machine_key(XEON) in json.loads(measuring.read_text())
+    assert len(asked) == 5 and machine_key(XEON) in json.loads(measuring.read_text())
     blocked = tmp_path / "a file" / "tuning.json"  # its folder is a file: nothing can be written there
     (tmp_path / "a file").write_text("")
     tuning = machine_tuning(cpu=XEON, path=blocked, choices=stand_ins(ALL_FASTER, asked), announce=lines.append)
-    assert tuning.onednn_float32 and len(asked) == 8
+    assert tuning.onednn_float32 and len(asked) == 10
     assert lines[-1].startswith(f"could not keep the measurements in {blocked}")
 
 
@@ -137,12 +139,12 @@ def test_load_model_takes_the_machine_s_tuning_unless_given_one(measuring, monke
     asked = []
     monkeypatch.setattr(measured, "CHOICES", stand_ins(ALL_FASTER, asked))
     first = load_model(model_folder)
-    assert tuning_of(first).onednn_float32 and tuning_of(first).few_row_blocks and len(asked) == 4
-    assert tuning_of(load_model(model_folder)) == tuning_of(first) and len(asked) == 4
+    assert tuning_of(first).onednn_float32 and tuning_of(first).few_row_blocks and len(asked) == 5
+    assert tuning_of(load_model(model_folder)) == tuning_of(first) and len(asked) == 5
     measuring.unlink()
     given = Tuning(streams=2, expert_streams=1)
     model = load_model(model_folder, tuning=given)
-    assert tuning_of(model) is given and len(asked) == 4 and not measuring.exists()
+    assert tuning_of(model) is given and len(asked) == 5 and not measuring.exists()
     assert {module.tuning for module in model.modules() if "tuning" in module.__dict__} == {given}
     with pytest.raises(ConfigError, match="disagree"):
         load_model(model_folder, fast=False, tuning=given)

@@ -2,7 +2,8 @@
 
 Some fast paths are faster on one machine and slower on another, in a way nothing the CPU says about
 itself (its flags, its vendor) tells: whether MKL's few-row float32 product uses every core, whether
-oneDNN or MKL multiplies prompts faster, whether 16-bit prompts multiply faster in float32. Each
+oneDNN or MKL multiplies prompts faster, whether 16-bit prompts multiply faster in float32, in how
+many places at once compiled code best reads a weight. Each
 such choice (``CHOICES``) is timed once on the machine, the first time a model is loaded there, with
 a line on stderr saying so, and kept in a JSON file (``cache_file``) under the machine's key
 (``machine_key``: the CPU's model name, its usable cores, torch's version), so another machine, or
@@ -75,11 +76,37 @@ def few_row_blocks_are_faster() -> bool:
     return best_seconds(each(F.linear)) >= BLOCKS_MARGIN * best_seconds(each(few_row_blocks))
 
 
+FEW_STREAMS = 2  # Tuning.streams where reading a weight in fewer places is measured faster
+STREAMS_MARGIN = 1.03  # fewer places only when at least this much faster (medians of 6 alternating rounds)
+
+
+def few_streams_are_faster() -> bool:
+    """Whether compiled few-row products read a weight faster in ``FEW_STREAMS`` places than in
+    ``Tuning().streams`` (``fast.cpu_reductions.row_sums``): one bfloat16 row times two 64 MB
+    weights in turn, each way compiled once (a few seconds), then alternated, medians of 6 rounds.
+    Some machines keep more reads in flight per core than others; nothing the CPU says tells which."""
+    from mixtral_infer.fast.cpu_reductions import rows_as_reductions
+
+    weights = [torch.ones(8192, 4096, dtype=torch.bfloat16) for _ in range(2)]  # beyond any cache, in turn
+    x = torch.ones(1, 4096, dtype=torch.bfloat16)
+    seconds = {}
+    for streams in (FEW_STREAMS, Tuning().streams):
+        product = torch.compile(lambda x, w, s=streams: rows_as_reductions(x, w, streams=s), fullgraph=True, dynamic=False)
+        product(x, weights[0])  # compiled here
+        seconds[streams] = (product, [])
+    for _ in range(6):
+        for product, times in seconds.values():
+            times.append(best_seconds(lambda: [product(x, weight) for weight in weights * 4], repeats=1))
+    few, many = (sorted(times)[len(times) // 2] for _, times in seconds.values())
+    return many >= STREAMS_MARGIN * few
+
+
 CHOICES: Sequence[Choice] = (
     Choice("onednn_float32", lambda known: onednn_is_faster(), lambda cpu: torch.backends.mkldnn.is_available()),
     Choice("upcast_bfloat16", lambda known: upcast_is_faster(torch.bfloat16, known.get("onednn_float32", False))),
     Choice("upcast_float16", lambda known: upcast_is_faster(torch.float16, known.get("onednn_float32", False))),
     Choice("few_row_blocks", lambda known: few_row_blocks_are_faster(), lambda cpu: cpu.cores >= 2),
+    Choice("few_streams", lambda known: few_streams_are_faster(), lambda cpu: cpu.cores >= 2),
 )
 
 
@@ -110,6 +137,7 @@ def with_choices(tuning: Tuning, known: Dict[str, bool]) -> Tuning:
         few_row_blocks=known.get("few_row_blocks", tuning.few_row_blocks),
         onednn_float32=known.get("onednn_float32", tuning.onednn_float32),
         upcast=upcast,
+        streams=FEW_STREAMS if known.get("few_streams") else tuning.streams,
     )
 
 
