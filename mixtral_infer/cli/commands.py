@@ -179,7 +179,7 @@ def load(
     Before any weight is read: the tokenizer must be there, and a model without a
     sliding window must have room for a cache of ``max_tokens`` new tokens. With
     ``decode="compiled"`` a bfloat16 model on CPU keeps its weights plain, which compiled
-    decoding reads faster than oneDNN's layout (``fast.cpu_reductions``: 1.25-1.3x on a 2-core AMD EPYC).
+    decoding reads faster than oneDNN's layout (``fast.cpu_reductions``; docs/performance.md).
     """
     from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_dtype, load_model, open_checkpoint
     from mixtral_infer.generation.settings import check_new_cache

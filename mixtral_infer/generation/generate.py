@@ -33,8 +33,8 @@ from mixtral_infer.model.transformer import Transformer
 
 # Prompt tokens per forward pass when no chunk_size is given, over the whole batch. Large
 # enough that each expert gets a real matrix product (top-2 of 8 experts: ~512 rows each);
-# bounded so that a prefill's activations do not grow with the prompt. Measured on
-# mixtral-bench (bench/): 255, 302, 341, 379 tok/s for chunks of 256, 512, 1024, 2048.
+# bounded so that a prefill's activations do not grow with the prompt (docs/performance.md,
+# "Prompt-sized products", has the chunk sizes measured).
 PREFILL_TOKENS = 2048
 
 

@@ -2,21 +2,12 @@
 
 PyTorch's weight-only int8 kernel (``aten._weight_int8pack_mm``) widens every weight to a
 float before it multiplies, and on CPU that arithmetic, not memory, is its limit: it reads
-9-13 GB/s of int8 weights where oneDNN reads bfloat16 ones at 20. llama.cpp's Q8_0
+int8 weights slower than oneDNN reads bfloat16 ones. llama.cpp's Q8_0
 quantizes the activations to 8 bits too and multiplies integers (VNNI dot products into
 32-bit sums). PyTorch's x86 quantized backend, fbgemm, has that product:
 ``quantized::linear_dynamic`` quantizes the activations to uint8 at run time and sums
-``uint8 x int8`` in int32. Measured with torch 2.13.0 on the 2-core Xeon (avx512_vnni),
-24 weights of 3584 x 1024 in turn (none stays in cache), bfloat16 rows, ms per product
-(medians; ``quantized_linear`` runs eagerly here, where compiled code fuses the row scaling):
-
-==========================================  =====  =====  =====  =====  =====
-rows                                         1      2      4      8      32
-==========================================  =====  =====  =====  =====  =====
-int8: ``_weight_int8pack_mm``                0.21   0.19   0.36   0.68   2.37
-w8a8: ``quantized_linear`` (this module)     0.15   0.17   0.19   0.28   0.69
-w8a8: fbgemm's product alone                 0.10   0.10   0.13   0.20   0.42
-==========================================  =====  =====  =====  =====  =====
+``uint8 x int8`` in int32, faster than the weight-only kernel at every row count
+(docs/performance.md, "w8a8: int8 activations through fbgemm").
 
 **One scale per row.** fbgemm picks one activation range (min, max) for all rows of ``x``,
 so a sequence's numbers would depend on the other sequences of its batch. This module first
@@ -142,10 +133,8 @@ def _pack_weights(weights: List[QuantizedWeight]) -> None:
 
     Several weights that multiply the same input (``wq wk wv``, ``w1 w3``) become one matrix of their
     rows stacked, each weight a block of rows, as ``fast.cpu_packed`` packs bfloat16 ones:
-    ``quant.kernels.quantized_linears`` multiplies them in one product. One row times wq wk wv w1 w3
-    of a mistral-bench layer, 16 layers in turn: 0.45 ms in five products, 0.30 ms in two (fbgemm's
-    calls cost more for small matrices); mistral-bench compiled decode 76 -> 82, 91 -> 102, 100 -> 107
-    tokens/s in three alternating pairs of runs."""
+    ``quant.kernels.quantized_linears`` multiplies them in one product: fbgemm's calls cost more
+    for small matrices than their arithmetic (docs/performance.md, "w8a8: int8 activations through fbgemm")."""
     first = weights[0]
     shape = torch.Size((*first.shape[:-2], sum(w.shape[-2] for w in weights), first.shape[-1]))
     experts = [None] if len(shape) == 2 else range(shape[0])
