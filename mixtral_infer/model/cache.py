@@ -257,12 +257,9 @@ class CacheView:
         flat_v.index_copy_(0, self.metadata.cache_positions, xv.index_select(0, rows))
 
     def interleave_kv(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values a prefill chunk attends to, before this chunk is written.
-
-        Returns ``[cache_0 | chunk_0 | cache_1 | chunk_1 | ...]`` over the sequences
-        taking part in the chunk, each cache unrotated to position order:
-        ``(sum(min(seen_b, S) + T_b), H_kv, Dh)``.
-        """
+        """Keys/values a prefill chunk attends to, before it is written: ``[cache_0 | chunk_0 | cache_1 |
+        chunk_1 | ...]`` over the sequences taking part, each cache unrotated to position order,
+        ``(sum(min(seen_b, S) + T_b), H_kv, Dh)``."""
         if self.metadata.nothing_cached:
             return xk, xv
         lengths, seen = self.metadata.chunk_lengths, self.metadata.seen_before
@@ -286,13 +283,9 @@ class CacheView:
 
 
 class RotatingBufferCache:
-    """Per-layer K and V buffers ``(max_batch_size, cache_size, n_kv_heads, head_dim)``.
-
-    ``cache_size`` is the sliding window, or, when the model has none, the longest
-    sequence the caller will run (prompt + new tokens): nothing is ever evicted then.
-    ``tokens_seen`` counts the tokens each sequence has seen so far (not clamped; empty
-    until ``start_sequences``).
-    """
+    """Per-layer K and V buffers ``(max_batch_size, cache_size, n_kv_heads, head_dim)``. ``cache_size``
+    is the sliding window, or without one the longest sequence the caller will run (nothing is ever
+    evicted then). ``tokens_seen``: the tokens each sequence has seen (empty until ``start_sequences``)."""
 
     def __init__(
         self,
@@ -317,10 +310,8 @@ class RotatingBufferCache:
         self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
         self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
         self.tokens_seen: List[int] = []
-        # A prompt chunk (more than one token of a sequence) cut short between layers leaves the early
-        # layers' slots holding its keys where, with a wrapped window, the positions before it still
-        # needed theirs: the cache refuses more tokens until its sequences start again. One decoding
-        # token cut short writes only its own position's slot, which nothing reads any more.
+        # A prompt chunk cut short between layers leaves early layers' slots overwritten that, once the
+        # window wrapped, later positions still needed: refused until the sequences start again.
         self.damaged = False
         self._views: Optional[tuple] = None  # (cache_k, cache_v, their layers' views): layer_keys
 
@@ -350,9 +341,8 @@ class RotatingBufferCache:
 
     @property
     def layer_keys(self) -> Tuple[torch.Tensor, ...]:
-        """Each layer's key buffer ``(max_batch_size, cache_size, n_kv_heads, head_dim)``: views of
-        ``cache_k``, the same objects at every call (what a compiled step takes and writes in place:
-        ``steps.decode_step.layer_buffers``)."""
+        """Each layer's key buffer ``(B_max, S, H_kv, Dh)``, views of ``cache_k``, the same objects
+        at every call: what a compiled step takes and writes in place."""
         return self._layer_views()[0]
 
     @property

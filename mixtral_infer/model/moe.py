@@ -1,13 +1,11 @@
 """Mixture-of-experts feed-forward with top-k routing (top-2 in Mixtral).
 
-Experts are stored stacked: ``w1, w3: (E, I, D)`` and ``w2: (E, D, I)``. Each token
-picks the k experts with the largest gate logits; their outputs are mixed with a
-softmax over those k logits. Tokens are grouped by expert so that each expert
-runs once, as one matmul over all of its tokens; experts nobody chose are skipped.
+Experts are stored stacked: ``w1, w3: (E, I, D)`` and ``w2: (E, D, I)``. Each token picks the k
+experts with the largest gate logits; their outputs are mixed with a softmax over those k logits.
+Tokens are grouped by expert so that each expert runs once, as one matmul over all of its tokens.
 
-With expert parallelism a rank holds only the experts ``parallel.share(E)``; the
-routing still sees all E experts, each rank adds what its own experts contribute,
-and an all-reduce sums the ranks' contributions.
+With expert parallelism a rank holds only the experts ``parallel.share(E)``; the routing still sees
+all E experts, each rank adds what its own contribute, and an all-reduce sums the ranks' parts.
 """
 
 from dataclasses import dataclass

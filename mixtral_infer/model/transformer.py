@@ -194,11 +194,8 @@ class Transformer(nn.Module):
         return next(self.parameters()).device
 
     def make_cache(self, batch_size: int, max_seqlen: Optional[int] = None) -> RotatingBufferCache:
-        """A cache for ``batch_size`` sequences.
-
-        With a sliding window W it holds ``min(W, max_seqlen)`` slots per sequence;
-        without one it holds ``max_seqlen`` (the longest prompt plus the new tokens).
-        """
+        """A cache for ``batch_size`` sequences: ``min(W, max_seqlen)`` slots each with a sliding window
+        W, else ``max_seqlen`` (the longest prompt plus the new tokens)."""
         window = self.args.sliding_window
         for name, value, least in (("batch_size", batch_size, 1), ("max_seqlen", max_seqlen, 0)):
             if value is not None and (as_int(value) is None or as_int(value) < least):  # -1: a RuntimeError of zeros()
