@@ -299,7 +299,7 @@ def test_a_step_whose_regions_fail_to_compile_has_its_blocks_written_out(monkeyp
     def failing_region(*args):
         raise RuntimeError("no regions here")
 
-    monkeypatch.setattr(decode_step, "decode_block_region", failing_region)
+    monkeypatch.setattr(decode_step, "block_region", failing_region)
     model = random_model(tiny_args(moe=False, max_batch_size=2), seed=27)
     prompts = random_prompts([5, 3], model.args.vocab_size, seed=3)
     messages = []
@@ -397,7 +397,7 @@ def test_compiled_steps_write_the_cache_in_place(step, buffers, regions):
     """Each layer's buffers are inputs of the step (``RotatingBufferCache.layer_keys``), and each
     layer's keys and values go into them by ``index_put``, which inductor does in place: the code
     copies nothing back (the mixed step: its chunk written before the decoding rows,
-    ``mixed_step.mixed_block``). Given the whole ``(L, B, S, H_kv, Dh)`` buffer, a block without
+    ``decode_step.block``). Given the whole ``(L, B, S, H_kv, Dh)`` buffer, a block without
     regions writes through a view of it, and the code copies the whole cache back (``decode_step.layer_buffers``)."""
     tuning = Tuning(regions=regions)
     model = random_model(tiny_args(moe=False, max_batch_size=4), seed=27)

@@ -6,7 +6,7 @@ from conftest import WINDOW, random_model, tiny_args
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.steps import mixed_step
+from mixtral_infer.steps import decode_step, mixed_step
 from mixtral_infer.steps.cpu_aot_step import BuildCache
 from mixtral_infer.steps.decode_loop import GUARDED_STEPS
 from mixtral_infer.sampling import Sampling, draw_uniform, sample
@@ -508,7 +508,7 @@ def test_an_engine_whose_regions_fail_to_compile_writes_blocks_out(tiny, monkeyp
     def failing_region(*args):
         raise RuntimeError("no regions here")
 
-    monkeypatch.setattr(mixed_step, "mixed_block_region", failing_region)
+    monkeypatch.setattr(decode_step, "block_region", failing_region)  # the pass the mixed step shares
     # the warm-up test's rows and chunk: its decode step's build is kept with the model (CpuDecodeStep)
     engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode="compiled", compile_prompts=True)
     settings = RequestSettings(max_tokens=6, temperature=0)

@@ -137,7 +137,7 @@ def reduces(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def reduction_rows(dtype: torch.dtype) -> int:
     """``REDUCTION_ROWS[dtype]``, read when code is traced and taken as a constant there: a guard on
     the dict's item (keyed by a dtype) is one dynamo cannot check when it reuses a compiled region
-    for every layer (``decode_step.decode_block``)."""
+    for every layer (``decode_step.block``)."""
     return REDUCTION_ROWS[dtype]
 
 

@@ -60,7 +60,7 @@ from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.formats.modules import expert, tuning_of
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
-from mixtral_infer.model.transformer import Attention, Transformer, TransformerBlock
+from mixtral_infer.model.transformer import Transformer, TransformerBlock
 from mixtral_infer.quant.weights import QuantizedWeight
 from mixtral_infer.tuning import Tuning
 
@@ -70,22 +70,6 @@ StepOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 def supports_static_decode(model: Transformer) -> bool:
     """The static step runs a whole model in one process (no tensor or pipeline parallelism)."""
     return model.parallel.world_size == 1
-
-
-def attend_one_token(
-    attention: Attention,
-    x: torch.Tensor,  # (B, D)
-    rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, 1, Dh/2)
-    layer_k: torch.Tensor,  # (B_max, S, H_kv, Dh) this layer's buffers (``layer_buffers``)
-    layer_v: torch.Tensor,  # (B_max, S, H_kv, Dh)
-    slots: torch.Tensor,  # (B,) where each row's new key goes: position % S
-    alive: torch.Tensor,  # (B,) bool: the row is decoding (a finished row writes nothing new)
-    visible: torch.Tensor,  # (B, S) bool: the slots each row's query sees
-) -> torch.Tensor:
-    batch = x.shape[0]
-    xq, xk, xv = attention.project(x, rotary)  # (B, H, Dh), (B, H_kv, Dh), (B, H_kv, Dh)
-    out = attend_in_place(xq, xk, xv, layer_k, layer_v, slots, alive, visible)  # (B, H, Dh)
-    return attention.wo(out.reshape(batch, attention.n_heads * attention.head_dim))  # (B, D)
 
 
 def layer_buffers(buffers: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -320,7 +304,7 @@ def decode_logits(
     instead of ``moe_one_token``. On CPU the latter's dense case, every expert on every row, is the
     slower op by op.
 
-    Compiled, every block is one region (``decode_block``): traced and compiled once, its code
+    Compiled, every block is one region (``block``): traced and compiled once, its code
     called once a layer (``in_regions``; ``tuning.regions`` False: every block written out).
     ``tuning``: None for the model's (``formats.modules.tuning_of``).
     """
@@ -329,28 +313,78 @@ def decode_logits(
     slots, visible = slots_and_visibility(positions, keys[0].shape[1])
     rotary = rotary_angles(positions, model.args.head_dim, model.args.rope_theta)
 
-    block = decode_block_region if in_regions(tuning.regions) else decode_block
+    run = block_region if in_regions(tuning.regions) else block
     h = model.tok_embeddings(tokens)  # (B, D)
     for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
-        h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe, tuning)  # (B, D)
+        h = run(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe, tuning)  # (B, D)
     return model.output(model.norm(h)).float()  # (B, V)
 
 
-def decode_block(
+def block(
     layer: TransformerBlock,
-    h: torch.Tensor,  # (B, D) the residual stream
-    rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (B, 1, Dh/2)
+    h: torch.Tensor,  # (R + C, D): the decoding rows' residual stream, then a prompt chunk's (C = 0: none)
+    rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (R + C, 1, Dh/2)
     layer_k: torch.Tensor,  # (B_max, S, H_kv, Dh) this layer's buffers
     layer_v: torch.Tensor,  # (B_max, S, H_kv, Dh)
-    slots: torch.Tensor,  # (B,)
-    alive: torch.Tensor,  # (B,) bool
-    visible: torch.Tensor,  # (B, S) bool
+    slots: torch.Tensor,  # (R,)
+    alive: torch.Tensor,  # (R,) bool
+    visible: torch.Tensor,  # (R, S) bool
     grouped_moe: bool,
     tuning: Tuning,
+    chunk=None,  # steps.mixed_step.PromptChunk: the prompt tokens after the rows, or None
+    chunk_visible: Optional[torch.Tensor] = None,  # (K, P, S + P) bool: mixed_step.chunk_visibility
+    writes: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,  # mixed_step.chunk_writes
 ) -> torch.Tensor:
-    """One transformer block on rows of one token each: attention in place, then the feed-forward, ``(B, D)``."""
-    h = h + attend_one_token(layer.attention, layer.attention_norm(h), rotary, layer_k, layer_v, slots, alive, visible)
+    """One transformer block, the one pass both fixed-shape steps run: each decoding row's token
+    attends in place over its row's buffer; with a ``chunk`` (the serving engine's mixed step), the
+    chunk's tokens attend first, over their rows' slots and their own prompt's tokens, and write
+    theirs. Then the feed-forward: ``(R + C, D)``.
+
+    Chunk first: the rows are apart (a row that reads a prompt sits out of decoding, writing back
+    what its slot holds), so either order gives the same values, and in this one inductor writes
+    the buffers in place (the other order had it copy each layer's buffers out and back)."""
+    n_rows = slots.shape[0]
+    attention = layer.attention
+    xq, xk, xv = attention.project(layer.attention_norm(h), rotary)  # (R + C, H, Dh), (R + C, H_kv, Dh) x2
+    if chunk is None:
+        out = attend_in_place(xq, xk, xv, layer_k, layer_v, slots, alive, visible)  # (R, H, Dh)
+    else:
+        read = attend_chunk(xq[n_rows:], xk[n_rows:], xv[n_rows:], layer_k, layer_v, chunk, chunk_visible, writes)
+        decoded = attend_in_place(xq[:n_rows], xk[:n_rows], xv[:n_rows], layer_k, layer_v, slots, alive, visible)
+        out = torch.cat([decoded, read])  # (R + C, H, Dh)
+    h = h + attention.wo(out.reshape(out.shape[0], attention.n_heads * attention.head_dim))  # (R + C, D)
     return h + feed_forward_rows(layer, h, grouped_moe, tuning)
+
+
+def attend_chunk(
+    xq: torch.Tensor,  # (C, H, Dh)
+    xk: torch.Tensor,  # (C, H_kv, Dh)
+    xv: torch.Tensor,  # (C, H_kv, Dh)
+    layer_k: torch.Tensor,  # (R, S, H_kv, Dh) the layer's buffers, read and written
+    layer_v: torch.Tensor,  # (R, S, H_kv, Dh)
+    chunk,  # steps.mixed_step.PromptChunk
+    visible: torch.Tensor,  # (K, P, S + P) bool: chunk_visibility
+    writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
+) -> torch.Tensor:
+    """Each chunk token over its row's slots and its prompt's chunk tokens; then writes the chunk: ``(C, H, Dh)``.
+
+    Each segment attends in its own line of the ``(K, P)`` layout, as a batch of K: a prompt never
+    reads another's keys, not even under a mask, so a NaN in one cannot spread to the others."""
+    layout = (chunk.rows.shape[0], chunk.line)  # (K, P)
+    where = (chunk.segment, chunk.place)
+
+    def laid_out(x: torch.Tensor) -> torch.Tensor:  # (C, H', Dh) -> (K, P, H', Dh), zeros where no token
+        return x.new_zeros(layout + x.shape[1:]).index_put(where, x)
+
+    keys = torch.cat([layer_k[chunk.rows], laid_out(xk)], dim=1)  # (K, S + P, H_kv, Dh)
+    values = torch.cat([layer_v[chunk.rows], laid_out(xv)], dim=1)
+    out = F.scaled_dot_product_attention(
+        laid_out(xq).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # (K, H, P, Dh), (K, H_kv, S + P, Dh)
+        attn_mask=visible[:, None], enable_gqa=True,  # (K, 1, P, S + P)
+    )  # (K, H, P, Dh)  # fmt: skip
+    rows, slots, source = writes
+    write_slots(layer_k, layer_v, rows, slots, xk[source], xv[source])
+    return out.transpose(1, 2)[where]  # (C, H, Dh)
 
 
 def in_regions(regions: bool = True) -> bool:
@@ -374,7 +408,7 @@ def as_region(block: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return region(block) if region is not None else block
 
 
-decode_block_region = as_region(decode_block)
+block_region = as_region(block)
 
 
 def feed_forward_rows(

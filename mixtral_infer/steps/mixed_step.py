@@ -41,9 +41,9 @@ new, and reads 2 tokens at 0, 1; one padding token::
                and itself; position 8 sees cached position 5 and chunk positions 6, 7, 8
     writes   row 1: slots 2, 3, 0 <- positions 6, 7, 8; row 0: slots 0, 1 <- positions 0, 1
 
-The decoding rows attend in place over their own buffers, as in ``decode_one_token``, after the
-chunk; a row that reads a prompt sits out of that part (``alive`` false), so it writes there only
-what its slot held.
+Each layer runs the decode step's block (``decode_step.block``, the one pass both steps share) with
+the chunk: the decoding rows attend in place over their own buffers after the chunk; a row that
+reads a prompt sits out of that part (``alive`` false), so it writes there only what its slot held.
 """
 
 from __future__ import annotations
@@ -52,20 +52,12 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
-from mixtral_infer.steps.decode_step import (
-    as_region,
-    attend_in_place,
-    feed_forward_rows,
-    in_regions,
-    layer_buffers,
-    slots_and_visibility,
-    write_slots,
-)
 from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.model.rope import rotary_angles
-from mixtral_infer.model.transformer import Transformer, TransformerBlock
+from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.steps import decode_step
+from mixtral_infer.steps.decode_step import in_regions, layer_buffers, slots_and_visibility
 from mixtral_infer.tuning import Tuning
 
 
@@ -189,37 +181,6 @@ def chunk_writes(chunk: PromptChunk, n_slots: int) -> Tuple[torch.Tensor, torch.
     return chunk.rows[chunk.segment[source]], slot[source], source
 
 
-def attend_chunk(
-    xq: torch.Tensor,  # (C, H, Dh)
-    xk: torch.Tensor,  # (C, H_kv, Dh)
-    xv: torch.Tensor,  # (C, H_kv, Dh)
-    layer_k: torch.Tensor,  # (R, S, H_kv, Dh) the layer's buffers, read and written
-    layer_v: torch.Tensor,  # (R, S, H_kv, Dh)
-    chunk: PromptChunk,
-    visible: torch.Tensor,  # (K, P, S + P) bool: chunk_visibility
-    writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
-) -> torch.Tensor:
-    """Each chunk token over its row's slots and its prompt's chunk tokens; then writes the chunk: ``(C, H, Dh)``.
-
-    Each segment attends in its own line of the ``(K, P)`` layout, as a batch of K: a prompt never
-    reads another's keys, not even under a mask, so a NaN in one cannot spread to the others."""
-    layout = (chunk.rows.shape[0], chunk.line)  # (K, P)
-    where = (chunk.segment, chunk.place)
-
-    def laid_out(x: torch.Tensor) -> torch.Tensor:  # (C, H', Dh) -> (K, P, H', Dh), zeros where no token
-        return x.new_zeros(layout + x.shape[1:]).index_put(where, x)
-
-    keys = torch.cat([layer_k[chunk.rows], laid_out(xk)], dim=1)  # (K, S + P, H_kv, Dh)
-    values = torch.cat([layer_v[chunk.rows], laid_out(xv)], dim=1)
-    out = F.scaled_dot_product_attention(
-        laid_out(xq).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),  # (K, H, P, Dh), (K, H_kv, S + P, Dh)
-        attn_mask=visible[:, None], enable_gqa=True,  # (K, 1, P, S + P)
-    )  # (K, H, P, Dh)  # fmt: skip
-    rows, slots, source = writes
-    write_slots(layer_k, layer_v, rows, slots, xk[source], xv[source])
-    return out.transpose(1, 2)[where]  # (C, H, Dh)
-
-
 def mixed_logits(
     model: Transformer,
     cache_k: torch.Tensor | Sequence[torch.Tensor],  # L x (R, S, H_kv, Dh): decode_step.layer_buffers
@@ -234,7 +195,7 @@ def mixed_logits(
     """Float logits ``(R + K, V)``: each row's next token, then each segment's after its last chunk token.
 
     Writes the alive rows' new keys and the chunk's. The cache, ``grouped_moe`` and ``tuning`` as
-    in ``decode_logits``; compiled, every block is one region too (``mixed_block``).
+    in ``decode_logits``; compiled, every block is one region too (``decode_step.block``).
     """
     tuning = tuning if tuning is not None else tuning_of(model)
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
@@ -244,49 +205,10 @@ def mixed_logits(
     writes = chunk_writes(chunk, n_slots)
     rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
 
-    block = mixed_block_region if in_regions(tuning.regions) else mixed_block
+    run = decode_step.block_region if in_regions(tuning.regions) else decode_step.block  # the decode step's pass
     h = model.tok_embeddings(torch.cat([tokens, chunk.tokens]))  # (R + C, D)
     for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
-        h = block(layer, h, rotary, layer_k, layer_v, slots, alive, visible, chunk, chunk_visible, writes, grouped_moe,
-                  tuning)  # fmt: skip
+        h = run(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe, tuning, chunk, chunk_visible, writes)
     ends = torch.cat([torch.arange(tokens.shape[0], device=h.device), tokens.shape[0] + chunk.last])  # (R + K,)
     return model.output(model.norm(h[ends])).float()  # (R + K, V)
 
-
-def mixed_block(
-    layer: TransformerBlock,
-    h: torch.Tensor,  # (R + C, D): the rows' residual stream, then the chunk's
-    rotary: Tuple[torch.Tensor, torch.Tensor],  # cos, sin: (R + C, 1, Dh/2)
-    layer_k: torch.Tensor,  # (R, S, H_kv, Dh) this layer's buffers
-    layer_v: torch.Tensor,  # (R, S, H_kv, Dh)
-    slots: torch.Tensor,  # (R,)
-    alive: torch.Tensor,  # (R,) bool
-    visible: torch.Tensor,  # (R, S) bool
-    chunk: PromptChunk,
-    chunk_visible: torch.Tensor,  # (K, P, S + P) bool
-    writes: Tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # chunk_writes
-    grouped_moe: bool,
-    tuning: Tuning,
-) -> torch.Tensor:
-    """One transformer block on the decoding rows and the chunk's tokens: ``(R + C, D)``.
-
-    The chunk attends and writes first, then the decoding rows. Their rows are apart (a row that
-    reads a prompt sits out of decoding, writing back what its slot holds), so either order gives
-    the same values; in this one inductor writes the buffers in place. Decoding rows first, the
-    chunk's write came after the rows' write and the chunk's read of the buffer, and the generated
-    code copied each layer's whole buffers out and back around it."""
-    n_rows, n_tokens = slots.shape[0], chunk.tokens.shape[0]
-    attention = layer.attention
-    xq, xk, xv = attention.project(layer.attention_norm(h), rotary)  # (R + C, H, Dh), (R + C, H_kv, Dh) x2
-    read = attend_chunk(
-        xq[n_rows:], xk[n_rows:], xv[n_rows:], layer_k, layer_v, chunk, chunk_visible, writes
-    )  # (C, H, Dh)
-    decoded = attend_in_place(
-        xq[:n_rows], xk[:n_rows], xv[:n_rows], layer_k, layer_v, slots, alive, visible
-    )  # (R, H, Dh)
-    out = torch.cat([decoded, read]).reshape(n_rows + n_tokens, attention.n_heads * attention.head_dim)
-    h = h + attention.wo(out)  # (R + C, D)
-    return h + feed_forward_rows(layer, h, grouped_moe, tuning)
-
-
-mixed_block_region = as_region(mixed_block)
