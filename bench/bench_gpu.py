@@ -43,7 +43,7 @@ Rows, each the median of 3 timed runs after a warm-up (the warm-up of ``ours fas
   bfloat16 model; else the model itself, and later schemes are skipped.
 
   ``--modes compiled`` skips ours' eager rows, bfloat16's too (and the agreement, which needs the
-  bfloat16 model's eager tokens). Targets of issue 15 on an H100/H200: Mistral-7B int8 >= 1.6x bfloat16 fast,
+  bfloat16 model's eager tokens). Targets on an H100/H200: Mistral-7B int8 >= 1.6x bfloat16 fast,
   int4 >= 2.2x; Mixtral-8x7B int8 >= 150 tok/s.
 
 ``--without-transformers`` builds ours alone from random weights, with every layer (Mixtral
@@ -396,7 +396,7 @@ def quantized_with(model: Transformer, scheme: str) -> Transformer:
         with mock.patch.object(gemlite_cuda, "library", lambda: None):
             return quantize_model(model, scheme)
     if gemlite_cuda.library() is None:
-        raise RuntimeError("GemLite does not import here: carry its package folder (bench/gpu_lease.sh)")
+        raise RuntimeError("GemLite does not import here: install it (pip install -e '.[cuda]')")
     use_formats(model, dataclasses.replace(tuning_of(model), gemlite_float32_outputs=float32))  # read by quantize_model
     return quantize_model(model, scheme[: -len(GEMLITE)])
 
@@ -571,6 +571,10 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     print(table(results))
     save()
+    if options.out is not None:
+        from plots import plot_after_run  # bench/plots.py: the plot beside the JSON
+
+        plot_after_run("gpu", options.out)
     return 0
 
 

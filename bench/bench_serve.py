@@ -54,7 +54,7 @@ in process). On a GPU::
         --out bench/results_serve_gpu_prompts_eager.json
 
 (at an expected ~150 tok/s one at a time, the sequential mode's 128 requests of 16-64 tokens take
-about 35 s a round: warm-up and 3 rounds fit the device's 10 minutes per command). On CUDA
+about 35 s a round: warm-up and 3 rounds take a few minutes). On CUDA
 ``auto`` is compiled everywhere, so ``static`` is already the like-for-like baseline; the engine
 also compiles its steps that read prompts (``Engine``'s ``compile_prompts``) and admits prompts
 at every step. The second command measures what that buys: those steps op by op, prompts
@@ -592,6 +592,9 @@ def main() -> None:
     print(f"load average before {load_before}, after {results['load_average_after']}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        from plots import plot_after_run  # bench/plots.py: the plot beside the JSON
+
+        plot_after_run("serve", args.out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Benchmark mixtral_infer against Hugging Face transformers on the same random weights (issue 4).
+"""Benchmark mixtral_infer against Hugging Face transformers on the same random weights.
 
 Run (about 15 minutes on 2 CPU cores, peak ~8 GB of RAM)::
 
@@ -771,7 +771,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-len", type=int, default=PREFILL_LEN)
     parser.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS), help="memory runs, x the window")
     parser.add_argument("--decode-steps", type=int, default=4, help="decode steps after each memory prefill")
-    parser.add_argument("--layers", type=int, default=8, help="layers (8 in the issue; fewer for smoke tests)")
+    parser.add_argument("--layers", type=int, default=8, help="layers (8 by default; fewer for smoke tests)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 layers, 1 repeat, few tokens")
     parser.add_argument("--child-memory", nargs=3, metavar=("MODEL", "IMPL", "CONTEXT"), help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
@@ -848,6 +848,9 @@ def main(argv=None) -> int:
         cli.out.parent.mkdir(parents=True, exist_ok=True)
         cli.out.write_text(json.dumps(results, indent=2) + "\n")
         log(f"wrote {cli.out}")
+        from plots import plot_after_run  # bench/plots.py: the plot beside the JSON
+
+        plot_after_run("transformers", cli.out)
     return 0
 
 

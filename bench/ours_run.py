@@ -1,7 +1,7 @@
 """One timed run of mixtral_infer on a benchmark model folder, for the llama.cpp side-by-side.
 
-The same measurement as ``/work/shared/bench-llamacpp/ours_run.py`` (which run_compare.py calls),
-on the current API and with ``--quantize int8|int4`` (llama.cpp's Q8_0 / Q4_0 peers):
+Our side of ``bench/llamacpp/run_compare.py`` (which calls it), with ``--quantize int8|int4`` for
+llama.cpp's Q8_0 / Q4_0 peers:
 
     python bench/ours_run.py HF_FOLDER --dtype bfloat16 --quantize int8
 

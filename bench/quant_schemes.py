@@ -3,8 +3,8 @@
     python bench/quant_schemes.py FOLDER [--schemes int8 int4 nf4] [--batch 1] [--rounds 5]
                                   [--out bench/results_quant_schemes.jsonl]
 
-The issue's int4 target is relative to our own int8 (4-bit decode >= 1.3x int8), and this VM's
-memory bandwidth moves by 20-25% from one run to the next: so the schemes are timed here side by
+The int4 target is relative to our own int8 (4-bit decode >= 1.3x int8), and a shared machine's
+memory bandwidth can move by 20-25% from one run to the next: so the schemes are timed here side by
 side, one copy of the model per scheme (loaded as ``main.py --decode compiled`` loads, bfloat16
 activations), each copy's compiled step built first, then 128 tokens after a 64-token prompt by
 each copy in turn, ``--rounds`` times. Prints (and appends to ``--out``) one JSON line: medians
@@ -41,6 +41,10 @@ def main(argv=None) -> int:
     runs = alternating_tok_s(models, prompts, options.rounds, NEW_TOKENS)
     report_copies(runs, options.out, folder=options.folder, dtype=options.dtype, batch=options.batch,
                   vendor=cpu_info().vendor)  # fmt: skip
+    if options.out:
+        from plots import plot_after_run  # bench/plots.py: the plot beside the JSON lines
+
+        plot_after_run("quant_schemes", options.out)
     return 0
 
 

@@ -130,8 +130,8 @@ def llama_bench(gguf_path, what, extra=()):
 
 def llama_run(gguf_path, what=("decode", "prefill")):
     """llama-bench's decode and/or prefill. Where the CPU reports AMX, llama.cpp repacks Q8_0/Q4_0 weights
-    for its AMX kernels by default; on the AMX Xeon VM its prompt kernels die at their first tile
-    instruction (SIGILL, or SIGSEGV at ``ldtilecfg``) while its decode, which does not use tiles, runs.
+    for its AMX kernels by default; on an AMX Xeon virtual machine its prompt kernels died at their first tile
+    instruction (SIGILL, or SIGSEGV at ``ldtilecfg``) while its decode, which does not use tiles, ran.
     Then decode is measured as llama.cpp runs by default and prefill again with ``--repack 0``."""
     try:
         return llama_bench(gguf_path, what)
@@ -224,6 +224,10 @@ def main():
             results[key] = entry
             a.out.write_text(json.dumps(results, indent=1) + "\n")
     print_table(results)
+    if a.out.is_file():
+        from plots import plot_after_run  # bench/plots.py: the plot beside the JSON
+
+        plot_after_run("llamacpp", a.out)
 
 
 def ours_system(mode):
