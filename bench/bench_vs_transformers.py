@@ -100,8 +100,9 @@ from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_to_published
 from mixtral_infer.checkpoint.loading import build_model
 from mixtral_infer.checkpoint.params import args_to_params
-from mixtral_infer.formats.packing import blocked_numel
-from mixtral_infer.formats.packing import packed_numel
+from mixtral_infer.formats.measured import machine_tuning
+from mixtral_infer.formats.modules import use_formats
+from mixtral_infer.formats.packing import blocked_numel, packed_numel
 from mixtral_infer.generation.generate import default_chunk_size
 from mixtral_infer.generation.generate import prefill as ours_prefill
 
@@ -191,8 +192,9 @@ def hf_model(args: ModelArgs, seed: int = 0):
 
 
 def ours_from_hf(hf, args: ModelArgs) -> Transformer:
+    """The same weights in ours, with the fast modules this machine's tuning gives, as load_model does."""
     tensors = hf_to_published(hf.state_dict().items(), args)
-    return build_model(args, tensors, "transformers", device="cpu", dtype=torch.float32)
+    return use_formats(build_model(args, tensors, "transformers", device="cpu", dtype=torch.float32), machine_tuning())
 
 
 def ours_alone(args: ModelArgs, seed: int = 0) -> Transformer:
@@ -204,7 +206,7 @@ def ours_alone(args: ModelArgs, seed: int = 0) -> Transformer:
     with torch.no_grad():
         for name, param in model.named_parameters():
             _init_(name, param)
-    return model.eval()
+    return use_formats(model, machine_tuning()).eval()
 
 
 # --------------------------------------------------------------------------- machine
