@@ -32,8 +32,7 @@ from typing import Dict, List, Optional
 
 from sentencepiece import SentencePieceProcessor
 
-from mixtral_infer.errors import CheckpointError, GenerationError
-from mixtral_infer.errors import as_int
+from mixtral_infer.errors import CheckpointError, GenerationError, as_int
 from mixtral_infer.json_file import read_object
 from mixtral_infer.shipped import resolve_model_folder
 

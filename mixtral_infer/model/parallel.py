@@ -23,7 +23,6 @@ Worked example, 4 layers, 8 query heads, 2 KV heads, 4 experts, N = 2::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
