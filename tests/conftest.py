@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import shutil
 import time
 import warnings
 
@@ -16,7 +18,7 @@ os.environ["MIXTRAL_INFER_MEASURE"] = "0"
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published
-from mixtral_infer.checkpoint.loading import build_model
+from mixtral_infer.checkpoint.loading import build_model, save_consolidated
 
 WINDOW = 8
 
@@ -151,3 +153,32 @@ def generated_loops(codes) -> list:
     ``run_and_get_code``), each as the text from its ``for(int64_t x0=`` up to the next or the kernel's end."""
     kernels = [body for code in codes for body in re.findall(r'extern "C"(.*?)\'\'\'', code, flags=re.S)]
     return [loop for body in kernels for loop in body.split("for(int64_t x0=")[1:]]
+
+
+@pytest.fixture(scope="session")
+def v3_tokenizer_path(tmp_path_factory):
+    """A v3-style tokenizer: Mistral's ids 0-2, then [INST]/[/INST] as control pieces 3-4, a user-defined
+    piece, identity normalization, byte fallback (as tokenizer.model.v3 of Mistral 7B v0.3)."""
+    import inspect
+
+    import sentencepiece as spm
+    import torch.nn.modules.module as text_source
+
+    lines = [line.strip() for line in inspect.getsource(text_source).splitlines() if line.strip()]
+    prefix = tmp_path_factory.mktemp("v3") / "tokenizer"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=420, model_type="bpe",
+        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, byte_fallback=True, minloglevel=2,
+        control_symbols=["[INST]", "[/INST]"], user_defined_symbols=["<tool>"], normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True, character_coverage=1.0,
+    )
+    return prefix.with_suffix(".model")
+
+
+@pytest.fixture(scope="session")
+def v3_folder(tmp_path_factory, v3_tokenizer_path):
+    """A Mistral folder that ships only tokenizer.model.v3, like Mistral 7B v0.3's."""
+    folder = tmp_path_factory.mktemp("v3-model") / "model"
+    save_consolidated(random_model(dataclasses.replace(tiny_args(moe=False), vocab_size=420), seed=7), folder)
+    shutil.copyfile(v3_tokenizer_path, folder / "tokenizer.model.v3")
+    return folder

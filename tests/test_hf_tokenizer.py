@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -12,12 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_model, tiny_args
 
 from mixtral_infer import CheckpointError, Tokenizer, generate, load_model
 from mixtral_infer.checkpoint.convert import convert
 from mixtral_infer.checkpoint.hf_tokenizer import bpe_merges, read_sentencepiece
-from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.generation.chat import Conversation
 from mixtral_infer.shipped import SHIPPED_MODELS
 
@@ -37,35 +34,6 @@ TEXTS = [
     "",
     " ",
 ]
-
-
-@pytest.fixture(scope="session")
-def v3_tokenizer_path(tmp_path_factory):
-    """A v3-style tokenizer: Mistral's ids 0-2, then [INST]/[/INST] as control pieces 3-4, a user-defined
-    piece, identity normalization, byte fallback (as tokenizer.model.v3 of Mistral 7B v0.3)."""
-    import inspect
-
-    import sentencepiece as spm
-    import torch.nn.modules.module as text_source
-
-    lines = [line.strip() for line in inspect.getsource(text_source).splitlines() if line.strip()]
-    prefix = tmp_path_factory.mktemp("v3") / "tokenizer"
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=420, model_type="bpe",
-        bos_id=1, eos_id=2, unk_id=0, pad_id=-1, byte_fallback=True, minloglevel=2,
-        control_symbols=["[INST]", "[/INST]"], user_defined_symbols=["<tool>"], normalization_rule_name="identity",
-        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True, character_coverage=1.0,
-    )
-    return prefix.with_suffix(".model")
-
-
-@pytest.fixture(scope="session")
-def v3_folder(tmp_path_factory, v3_tokenizer_path):
-    """A Mistral folder that ships only tokenizer.model.v3, like Mistral 7B v0.3's."""
-    folder = tmp_path_factory.mktemp("v3-model") / "model"
-    save_consolidated(random_model(dataclasses.replace(tiny_args(moe=False), vocab_size=420), seed=7), folder)
-    shutil.copyfile(v3_tokenizer_path, folder / "tokenizer.model.v3")
-    return folder
 
 
 @pytest.fixture(scope="session")

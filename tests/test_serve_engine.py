@@ -12,6 +12,7 @@ from mixtral_infer.steps.decode_loop import GUARDED_STEPS
 from mixtral_infer.sampling import Sampling, draw_uniform, sample
 from mixtral_infer.generation.settings import kv_cache_bytes
 from mixtral_infer.serve import sizing
+from mixtral_infer.serve.prefix_reuse import Placement
 from mixtral_infer.serve.engine import (
     ADMIT_EVERY_COMPILED,
     MIXED_MOE_TOKENS,
@@ -190,7 +191,10 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode, monkeypatch
         assert got == pytest.approx(logprobs, abs=1e-4)
         assert recorder.finished(i).reason == "length"
         assert recorder.text(i) == " " * tokenizer.id_to_piece(tokens[0]).startswith("\u2581") + tokenizer.decode(tokens)
-    assert engine.stats() == {"rows": 3, "rows_free": 3, "running": 0, "queued": 0, "admitted": 8, "steps": engine.steps}
+    stats = engine.stats()
+    assert {k: stats[k] for k in ("rows", "rows_free", "running", "queued", "admitted", "steps")} == {
+        "rows": 3, "rows_free": 3, "running": 0, "queued": 0, "admitted": 8, "steps": engine.steps
+    }  # fmt: skip
     if decode == "compiled":  # later steps ran with dynamo's guards skipped (decode_loop.GUARDED_STEPS)
         assert engine._step_calls["decode"] > GUARDED_STEPS
     if compile_prompts:  # the prompts were read in chunks padded to 7 tokens
@@ -487,7 +491,7 @@ def test_a_compiled_mixture_of_experts_reads_at_most_moe_tokens_a_step(tiny):
     engine = Engine(model, tokenizer, rows=4, prefill_tokens=512, decode="compiled", compile_prompts=True)
     assert engine.chunk_sizes == [16, MIXED_MOE_TOKENS] and engine.step_budget == MIXED_MOE_TOKENS
     engine.submit(list(range(1, 150)), RequestSettings(max_tokens=1), Recorder().sink(0))
-    engine._admit(engine.queue.popleft(), 0)
+    engine._admit(engine.queue.popleft(), Placement(0, 0))
     seqlens, _, sampled = engine._plan()  # the first step's plan: 64 of the prompt's 149 tokens
     assert seqlens == [MIXED_MOE_TOKENS, 0, 0, 0] and not sampled
 

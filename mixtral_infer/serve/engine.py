@@ -53,6 +53,7 @@ from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling, sample
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.serve.prefix_reuse import MIN_COPIED_TOKENS, Placement, RowState, common_prefix, copied_slots, place
 from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.tokenizer import Tokenizer
 from mixtral_infer.tuning import Tuning
@@ -154,6 +155,8 @@ class Request:
     done: bool = False
     detokenizer: Optional[TextStream] = None
     stops: Optional[StopStrings] = None
+    follows: Optional["Request"] = None  # another choice of the same prompt: its row is copied after the prompt
+    reused: int = 0  # prompt tokens this request did not read (already in its row)
 
 
 class Engine:
@@ -198,6 +201,7 @@ class Engine:
         metrics=None,
         after_step: Optional[Callable[[], None]] = None,
         tuning: Optional[Tuning] = None,
+        prefix_reuse: bool = True,
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
             raise GenerationError(f"rows={rows} and prefill_tokens={prefill_tokens} must be >= 1, max_queue={max_queue} >= 0")
@@ -223,6 +227,11 @@ class Engine:
         self.cache = model.make_cache(rows, max_seqlen=window if window is not None else max_model_len)
         self.cache.start_sequences(rows)
         self.slots: List[Optional[Request]] = [None] * rows
+        self.prefix_reuse = prefix_reuse
+        self.row_states = [RowState() for _ in range(rows)]  # the ids each row holds (prefix_reuse)
+        self.uses = itertools.count(1)  # RowState.last_used
+        self.prefix_hits = 0  # requests that started after tokens already in a row
+        self.reused_tokens = 0  # prompt tokens not read again
         self.running: List[Request] = []  # in the order they took their rows (prefill order)
         self.queue: Deque[Request] = collections.deque()
         self.lock = threading.Condition()
@@ -268,10 +277,16 @@ class Engine:
 
     # ---- called from any thread ----------------------------------------------------------
 
-    def submit(self, prompt: List[int], settings: RequestSettings, sink: Callable[[Event], None]) -> Request:
-        """Queue a request; ``QueueFull`` when the queue is full, ``GenerationError`` when it can never run."""
+    def submit(
+        self, prompt: List[int], settings: RequestSettings, sink: Callable[[Event], None], follows: Optional[Request] = None
+    ) -> Request:
+        """Queue a request; ``QueueFull`` when the queue is full, ``GenerationError`` when it can never run.
+        ``follows``: an earlier request with the same prompt (another choice of it, as OpenAI's ``n``):
+        this one takes a copy of its row once it has read the prompt."""
         check_request(prompt, settings, self._vocab, self.max_model_len)
-        request = Request(next(self.ids), list(prompt), settings, sink, time.perf_counter())
+        if follows is not None and follows.prompt != list(prompt):
+            raise GenerationError("a request follows another only with the same prompt")
+        request = Request(next(self.ids), list(prompt), settings, sink, time.perf_counter(), follows=follows)
         if settings.temperature > 0:
             seed = settings.seed if settings.seed is not None else random.randrange(2**63)
             request.generator = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -303,6 +318,8 @@ class Engine:
                 "queued": len(self.queue),
                 "admitted": self.admitted,
                 "steps": self.steps,
+                "prefix_hits": self.prefix_hits,
+                "reused_tokens": self.reused_tokens,
             }
 
     def start(self) -> None:
@@ -354,14 +371,18 @@ class Engine:
             self.queue.clear()
         for request in failed:
             self._finish(request, "error", error=message)
-        self._clear_rows(slice(None))  # a step that broke off may have left anything in the cache
+        self._clear_rows(range(self.rows))  # a step that broke off may have left anything in the cache
         self.cache.damaged = False  # every sequence it held has ended: the next ones start from their first token
 
-    def _clear_rows(self, rows) -> None:
-        """Zero these rows of the cache. A row's next request never sees slots it has not written, but
-        the static decode step reads them under a mask, and a NaN there would still spoil its sums."""
-        self.cache.cache_k[:, rows] = 0
-        self.cache.cache_v[:, rows] = 0
+    def _clear_rows(self, rows: Sequence[int]) -> None:
+        """Zero these rows of the cache; they hold nothing to reuse. A row's next request never sees slots
+        it has not written, but the static decode step reads them under a mask, and a NaN there would
+        still spoil its sums."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.cache.device)
+        self.cache.cache_k[:, index] = 0
+        self.cache.cache_v[:, index] = 0
+        for row in rows:
+            self.row_states[row].ids = []
 
     @torch.inference_mode()
     def step(self) -> bool:
@@ -377,8 +398,7 @@ class Engine:
                     built.check_weights = True
         with self.lock:
             if self._admit_now():
-                while self.queue and None in self.slots:
-                    self._admit(self.queue.popleft(), self.slots.index(None))
+                self._admit_waiting()
         if not self.running:
             self._gauges()
             return False
@@ -428,15 +448,96 @@ class Engine:
         free = self.slots.count(None)
         return self.steps - self.last_admission >= self.admit_every or free > len(self.running)
 
-    def _admit(self, request: Request, row: int) -> None:
+    def _admit_waiting(self) -> None:
+        """Give free rows to waiting requests, first come first served, but for those that wait for a
+        prompt another row is reading (``_waits_for_prefix``). Called under the lock."""
+        waiting = []
+        while self.queue and None in self.slots:
+            request = self.queue.popleft()
+            if self._waits_for_prefix(request):
+                waiting.append(request)
+            else:
+                self._admit(request)
+        self.queue.extendleft(reversed(waiting))
+
+    def _waits_for_prefix(self, request: Request) -> bool:
+        """Whether ``request`` had better wait a step or more for a row that is reading its prompt's
+        beginning now: the choice it follows (its row is copied once its prompt is read), or, with
+        ``prefix_reuse``, a running prompt that shares at least ``MIN_COPIED_TOKENS`` tokens with it
+        and has not read them yet (a shared system prompt arriving with many users at once)."""
+        leader = request.follows
+        if leader is not None and not leader.done and not leader.cancelled and leader.first_token_at is None:
+            return True
+        if not self.prefix_reuse:
+            return False
+        for running in self.running:
+            if running.next_token is None:  # still reading its prompt
+                share = min(common_prefix(running.prompt, request.prompt), len(request.prompt) - 1)
+                if MIN_COPIED_TOKENS <= share <= self.cache.cache_size and running.fed < share:
+                    return True
+        return False
+
+    def _admit(self, request: Request, placement: Optional[Placement] = None) -> None:
+        """Give ``request`` a row: where ``prefix_reuse.place`` says (or ``placement``), after the tokens
+        of its prompt the row already holds or gets copied."""
+        if placement is None:
+            if self.prefix_reuse:
+                for row, state in enumerate(self.row_states):
+                    state.busy = self.slots[row] is not None
+                placement = place(request.prompt, self.row_states, self.cache.cache_size, self.model.args.sliding_window)
+            else:
+                placement = Placement(self.slots.index(None), 0)
+        row, reused = placement.row, placement.reused
+        state = self.row_states[row]
+        if placement.source is not None:
+            self._copy_row(placement.source, row, reused)
+            state.ids = self.row_states[placement.source].ids[:reused]
+        else:
+            del state.ids[reused:]  # the row's slots past `reused` count as empty: nothing in them is visible
+        state.last_used = next(self.uses)
+        self.cache.tokens_seen[row] = reused
+        request.fed = request.reused = reused
         self.last_admission = self.steps
         request.row = row
         self.slots[row] = request
         self.running.append(request)
-        self.cache.tokens_seen[row] = 0  # the row's slots count as empty: nothing in them is visible
         self.admitted += 1
+        if reused:
+            self.prefix_hits += 1
+            self.reused_tokens += reused
         if self.metrics is not None:
             self.metrics.queue_waited(time.perf_counter() - request.arrival)
+            self.metrics.prompt_read(reused, len(request.prompt) - reused)
+
+    def _copy_row(self, source: int, row: int, length: int) -> None:
+        """Put into ``row`` the state of ``source``'s first ``length`` tokens (``prefix_reuse.copied_slots``)."""
+        slots = copied_slots(length, self.cache.cache_size)
+        part = slice(None) if slots is None else slice(slots.start, slots.stop)
+        self.cache.cache_k[:, row, part] = self.cache.cache_k[:, source, part]
+        self.cache.cache_v[:, row, part] = self.cache.cache_v[:, source, part]
+
+    def _take_followers(self, sampled: List[Request], logits: torch.Tensor) -> Tuple[List[Request], torch.Tensor]:
+        """The waiting choices that follow a request which has just read its prompt, each given a free
+        row holding a copy of the leader's (all of its prompt), added to ``sampled`` with the leader's
+        logits: they sample their first token from them with their own generators."""
+        leaders = {id(r): index for index, r in enumerate(sampled) if r.first_token_at is None}
+        if not leaders or not self.queue:
+            return sampled, logits
+        picked: List[int] = []
+        with self.lock:
+            for request in [r for r in self.queue if r.follows is not None and id(r.follows) in leaders]:
+                if request.cancelled or None not in self.slots:
+                    continue
+                self.queue.remove(request)
+                leader = request.follows
+                free = [r for r in range(self.rows) if self.slots[r] is None]
+                row = min(free, key=lambda r: (len(self.row_states[r].ids) > 0, self.row_states[r].last_used))
+                self._admit(request, Placement(row, len(leader.prompt), leader.row))
+                sampled.append(request)
+                picked.append(leaders[id(leader)])
+        if not picked:
+            return sampled, logits
+        return sampled, torch.cat([logits, logits[torch.tensor(picked, device=logits.device)]])
 
     def _plan(self) -> Tuple[List[int], List[List[int]], List[Request]]:
         """This step's tokens per row, the tokens themselves (row order), and the requests that
@@ -452,6 +553,7 @@ class Engine:
                 budget -= len(chunks[request.row])
                 segments -= 1
             seqlens[request.row] = len(chunks[request.row])
+            self.row_states[request.row].ids.extend(chunks[request.row])  # fed now: the row will hold them
         sampled = []
         for row, request in enumerate(self.slots):
             if request is None or not seqlens[row]:
@@ -657,12 +759,13 @@ class Engine:
         if not finite.all():
             finite = finite.tolist()
             for request in [r for r, ok in zip(sampled, finite) if not ok]:
-                self._clear_rows(request.row)
+                self._clear_rows([request.row])
                 self._finish(request, "error", error=NOT_FINITE)
             keep = [i for i, ok in enumerate(finite) if ok]
             sampled, logits = [sampled[i] for i in keep], logits[torch.tensor(keep, device=logits.device)]
             if not sampled:
                 return
+        sampled, logits = self._take_followers(sampled, logits)
         tokens = sample_rows(logits, [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
         chosen, top = None, None
         if any(r.settings.logprobs is not None for r in sampled):  # else skip a softmax over (N, V)
@@ -709,6 +812,7 @@ class Engine:
             if request.row is not None and self.slots[request.row] is request:
                 self.slots[request.row] = None
                 self.running.remove(request)
+                self.row_states[request.row].last_used = next(self.uses)
         text = "" if reason in ("cancelled", "error") else request.stops.push(request.detokenizer.finish()) + request.stops.flush()
         if self.metrics is not None:
             self.metrics.finished(reason, time.perf_counter() - request.arrival, len(request.prompt), len(request.generated))

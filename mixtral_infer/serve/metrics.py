@@ -32,6 +32,14 @@ class ServeMetrics:
         )
         self.generated = Counter(prefix + "generation_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter(prefix + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prefix_hits = Counter(
+            prefix + "prefix_cache_hits", "Requests that started after prompt tokens already in a cache row", registry=r
+        )
+        self.prompt_reused = Counter(
+            prefix + "prompt_tokens_reused", "Prompt tokens found in a cache row (a kept or copied prefix), not read again",
+            registry=r,
+        )
+        self.prompt_prefilled = Counter(prefix + "prompt_tokens_prefilled", "Prompt tokens read by the model", registry=r)
         self.requests = Counter(prefix + "requests", "Finished requests by reason", ["finish_reason"], registry=r)
         self.rejected = Counter(prefix + "requests_rejected", "Requests refused (queue full or shutting down)", registry=r)
         self.time_to_first_token = Histogram(
@@ -53,6 +61,12 @@ class ServeMetrics:
 
     def queue_waited(self, seconds: float) -> None:
         self.queue_wait.observe(seconds)
+
+    def prompt_read(self, reused: int, prefilled: int) -> None:
+        if reused:
+            self.prefix_hits.inc()
+            self.prompt_reused.inc(reused)
+        self.prompt_prefilled.inc(prefilled)
 
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
