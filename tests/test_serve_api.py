@@ -161,6 +161,58 @@ def test_chat_through_the_openai_client_equals_the_conversation(server, referenc
     assert again.choices[0].message.content == conversation.reply("And who shall stand?").text
 
 
+def test_n_choices_of_a_list_of_prompts_as_openai_and_vllm_index_them(server, reference):
+    """Two prompts, n=2, sampled with a seed: choice i of prompt p has index 2p + i and is the answer of
+    that prompt alone with seed + i; the usage counts each prompt once and every answer; streamed,
+    each index's text is its whole answer's."""
+    model, tokenizer = reference
+    client = server.client()
+    prompts = ["In the beginning", "And the earth was without form"]
+    whole = client.completions.create(model="tiny-mixtral", prompt=prompts, n=2, max_tokens=6, temperature=0.9, seed=3)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    for choice in whole.choices:
+        ids = tokenizer.encode(prompts[choice.index // 2])
+        generated, _ = generate([ids], model, max_tokens=6, temperature=0.9, seed=3 + choice.index % 2, eos_id=tokenizer.eos_id)
+        space = " " if generated[0] and tokenizer.id_to_piece(generated[0][0]).startswith("\u2581") else ""
+        assert choice.text == space + tokenizer.decode(generated[0])
+    assert whole.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert whole.usage.completion_tokens == 4 * 6
+    chunks = list(client.completions.create(model="tiny-mixtral", prompt=prompts, n=2, max_tokens=6, temperature=0.9, seed=3,
+                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    texts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    chat = client.chat.completions.create(model="tiny-mixtral", messages=[{"role": "user", "content": "Who?"}], n=3,
+                                          max_tokens=5, temperature=0)  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 1
+
+
+def prefix_counters(server) -> dict:
+    metrics = server.request("GET", "/metrics")[2]
+    names = ("prefix_cache_hits", "prompt_tokens_reused", "prompt_tokens_prefilled")
+    return {name: float(re.search(rf"mixtral_infer_{name}_total ([\d.e+]+)", metrics).group(1)) for name in names}
+
+
+def test_a_chat_s_next_turn_reads_only_its_new_tokens(server):
+    """The second turn continues the row the first left (the prompt and the answer, which the template
+    encodes back to the same ids here): /metrics counts the reused and the prefilled prompt tokens."""
+    client = server.client()
+    messages = [{"role": "user", "content": "Who shall dwell in thy holy hill?"}]
+    first = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=8, temperature=0)
+    before = prefix_counters(server)
+    history = messages + [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    second = client.chat.completions.create(model="tiny-mixtral", messages=history, max_tokens=4, temperature=0)
+    after = prefix_counters(server)
+    assert after["prefix_cache_hits"] == before["prefix_cache_hits"] + 1
+    reused = after["prompt_tokens_reused"] - before["prompt_tokens_reused"]
+    prefilled = after["prompt_tokens_prefilled"] - before["prompt_tokens_prefilled"]
+    assert reused + prefilled == second.usage.prompt_tokens
+    assert reused >= first.usage.prompt_tokens  # at least the first prompt; the answer too where it re-encodes alike
+
+
 def test_32_concurrent_streams_each_get_their_solo_tokens(server, reference):
     """Ragged prompts (2..47 tokens, some past the window), staggered arrivals, 4 rows."""
     client = server.client()
@@ -235,7 +287,11 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(server):
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature=-1 must be a number in [0, 2]"),
         ({"prompt": "x", "top_p": 0}, "top_p", "top_p=0 must be a number in (0, 1]"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be an integer >= 1"),
-        ({"prompt": "x", "n": 2}, "n", "one choice per request"),
+        ({"prompt": "x", "n": 0}, "n", "n=0 must be an integer in [1, 128]"),
+        # bounded by default: 32768 tokens a request for a windowed model whose folder declares no length
+        ({"prompt": "x", "max_tokens": 10**9}, "prompt", "max_tokens=1000000000 exceeds this model's limit of 32768 tokens"),
+        ({"prompt": ["x", "y"], "n": 65}, "prompt", "2 prompts times n=65 asks for more than 128 answers"),
+        ({"prompt": ["x", [1, 99999]]}, "prompt", "prompt[1] holds token ids outside the vocabulary"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
         ({"prompt": [1, 99999]}, "prompt", "outside the vocabulary"),
         ({"prompt": "x", "seed": -3}, "seed", "seed=-3 must be an integer in [0, 2**63)"),
@@ -243,7 +299,7 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(server):
         ({"prompt": "x", "suffix": "end"}, "suffix", "suffix='end': text after the completion (fill in the middle)"),
         ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options", "must be true or"),
         # true == 1 and false == 0 in Python: these passed as "n=1" and "no bias"
-        ({"prompt": "x", "n": True}, "n", "n=True: this server returns one choice"),
+        ({"prompt": "x", "n": True}, "n", "n=True must be an integer in [1, 128]"),
         ({"prompt": "x", "best_of": 1.0}, "best_of", "best_of=1.0 is not supported"),
         ({"prompt": "x", "logit_bias": False}, "logit_bias", "logit_bias is not supported"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
@@ -305,8 +361,9 @@ def test_bad_requests_through_the_openai_client(server):
 
 
 def test_full_queue_is_a_429_with_retry_after():
-    server = Server("--max-rows", "1", "--max-queue", "1", "--decode", "static", model="tiny-mistral")  # not compiled: quicker
+    server = Server("--max-rows", "1", "--max-queue", "1", "--decode", "static", "--no-prefix-reuse", model="tiny-mistral")  # not compiled: quicker
     try:
+        assert "prefix reuse: off (--no-prefix-reuse), every prompt is read whole\n" in server.lines
         long = {"prompt": "In the beginning", "max_tokens": 5000, "ignore_eos": True}
         first, first_response = server.open_stream("/v1/completions", long)
         next(sse_events(first_response))
@@ -330,7 +387,7 @@ def test_sigterm_finishes_running_requests_then_cancels_at_the_timeout():
     server = Server("--max-rows", "2", "--shutdown-timeout", "5", "--decode", "static", model="tiny-mistral")
     try:
         short, short_response = server.open_stream("/v1/completions", {"prompt": "In the beginning", "max_tokens": 8, "ignore_eos": True})
-        endless, endless_response = server.open_stream("/v1/completions", {"prompt": "Blessed are", "max_tokens": 10**6, "ignore_eos": True})
+        endless, endless_response = server.open_stream("/v1/completions", {"prompt": "Blessed are", "max_tokens": 30000, "ignore_eos": True})
         short_events, endless_events = sse_events(short_response), sse_events(endless_response)
         next(short_events), next(endless_events)
         server.process.send_signal(signal.SIGTERM)
@@ -439,6 +496,8 @@ def test_the_server_says_how_it_pinned_its_processes_and_compiled_its_decode_ste
     assert "compiling the decode step for 4 rows (once, before serving)...\n" in said
     assert re.search(r"\ncompiled in \d+\.\ds\n", said)
     assert re.search(r"\nserving tiny-mixtral on http://127\.0\.0\.1:\d+ \(decode compiled or eager, per step, 4 rows", said)
+    assert "at most 32768 tokens a request)" in said
+    assert re.search(r"\nprefix reuse: on, all 4 rows keep what they hold until a request needs the row \([\d.]+ MiB a row", said)
     if len(cpus) >= 2:
         rest = ",".join(map(str, cpus[1:]))
         assert f"pinned: the server on CPU {cpus[0]}, the engine on CPU{'s' * (len(cpus) > 2)} {rest}\n" in said

@@ -57,7 +57,7 @@ from mixtral_infer.checkpoint.safetensors_reader import (
 )
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.devices import checked_device, checked_dtype, default_device
-from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.errors import CheckpointError, ConfigError, as_int
 from mixtral_infer.formats.packing import block_long_rows
 from mixtral_infer.formats.packing import pack_model
 from mixtral_infer.formats.modules import use_formats
@@ -264,6 +264,21 @@ def _shard_path(folder: Path, index: Path, tensor: str, name: object) -> Path:
     if os.path.isabs(normal) or normal == ".." or normal.startswith(".." + os.sep) or "\0" in name:
         raise CheckpointError(f"{index}: weight_map[{tensor!r}]={name!r} points outside the model folder")
     return folder / normal
+
+
+MAX_LENGTH_KEYS = ("max_seq_len", "max_position_embeddings")  # a params.json's or config.json's longest sequence
+
+
+def declared_max_len(checkpoint: Checkpoint) -> Optional[int]:
+    """The longest sequence the folder's configuration declares (params.json's ``max_seq_len`` or
+    ``max_position_embeddings``, config.json's ``max_position_embeddings``), None where it declares none."""
+    path = checkpoint.folder / (PARAMS_FILE if checkpoint.format == "mistral" else HF_CONFIG_FILE)
+    config = _read_json(path)
+    for key in MAX_LENGTH_KEYS:
+        value = as_int(config.get(key))
+        if value is not None and value >= 1:
+            return value
+    return None
 
 
 def open_checkpoint(folder: str | Path) -> Checkpoint:

@@ -16,7 +16,8 @@ from mixtral_infer.model.moe import MoeArgs
 from mixtral_infer.model.transformer import ModelArgs
 
 MAX_LAYERS = 4096  # the largest published decoders have ~130 layers
-MAX_SIZE = 2**31 - 1  # every width, head and vocabulary count (torch sizes past 2**63 are a traceback)
+MAX_SIZE = 2**31 - 1
+NOT_THE_SHAPE = frozenset({"max_seq_len", "max_position_embeddings"})  # read by the server (loading.declared_max_len)  # every width, head and vocabulary count (torch sizes past 2**63 are a traceback)
 
 
 def check_args(args: ModelArgs, source: str = "ModelArgs") -> ModelArgs:
@@ -58,7 +59,7 @@ def check_args(args: ModelArgs, source: str = "ModelArgs") -> ModelArgs:
 def args_from_params(params: dict, source: str = "params.json") -> ModelArgs:
     """Build from a params.json dict; unknown keys are ignored with a warning."""
     known = {f.name for f in dataclasses.fields(ModelArgs)}
-    unknown = sorted(set(params) - known)
+    unknown = sorted(set(params) - known - NOT_THE_SHAPE)
     if unknown:
         warnings.warn(f"{source}: ignoring unknown keys {unknown}", stacklevel=2)
     missing = [f.name for f in dataclasses.fields(ModelArgs) if f.default is dataclasses.MISSING and f.name not in params]

@@ -593,6 +593,7 @@ def serve(
     shutdown_timeout: float = 30.0,
     admit_every: int = None,
     pin_cpus: bool = False,
+    no_prefix_reuse: bool = False,
 ) -> None:
     """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
 
@@ -608,7 +609,7 @@ def serve(
         memory_fraction: share of the device's memory (RAM on cpu) for weights, one prefill step and the cache rows; default 0.9.
         max_queue: requests that may wait for a row; one more gets 429 with Retry-After.
         prefill_tokens: prompt tokens read per engine step, shared by the waiting prompts.
-        max_model_len: tokens per sequence (prompt + answer): required for a model without a sliding window (its rows hold that many); with a window, an optional bound on each request (without it, a request runs to its max_tokens, EOS or the client leaving).
+        max_model_len: tokens per sequence (prompt + answer); a request asking for more gets a 400. Required for a model without a sliding window (its rows hold that many); with a window, default the longest sequence the model's params.json or config.json declares, else 32768.
         device: cpu, cuda, cuda:N or mps; default cuda when available, else cpu.
         dtype: float32, bfloat16 or float16; default the checkpoint's own (float32 on a CPU without native arithmetic in it).
         decode: how steps where every row decodes run, alike in result (in 16-bit dtypes compiled code rounds otherwise, so texts may part after some tokens): auto (the default: the static step compiled before serving, and on cpu chosen per step against the eager pass; uncompiled if compiling fails), eager, static or compiled.
@@ -617,6 +618,7 @@ def serve(
         shutdown_timeout: seconds running requests may take to finish after SIGTERM before they are cancelled.
         admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token); default 1, or 6 where decode steps run compiled and the steps that read prompts do not (auto and compiled on cpu).
         pin_cpus: run the engine's process on all but one of the CPUs this server may use, and the server's own process (HTTP, JSON) on that one, so that neither interrupts the other.
+        no_prefix_reuse: read every prompt whole; by default a request that continues what a cache row holds (a chat's next turn, a shared system prompt) starts after it.
     """
     check_decode(decode)
     check_quantize(quantize)
@@ -624,19 +626,23 @@ def serve(
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every)
     check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
-    from mixtral_infer.checkpoint.loading import open_checkpoint
-    from mixtral_infer.serve.server import run_server
+    from mixtral_infer.checkpoint.loading import declared_max_len, open_checkpoint
+    from mixtral_infer.serve.server import DEFAULT_MAX_MODEL_LEN, run_server
     from mixtral_infer.tokenizer import Tokenizer
 
     folder = model_folder(model_path)
-    open_checkpoint(folder)  # the configuration and file headers: a bad folder is said before the engine starts
+    checkpoint = open_checkpoint(folder)  # the configuration and file headers: a bad folder is said before the engine starts
+    if max_model_len is None and checkpoint.args.sliding_window is None:
+        raise GenerationError("this model has no sliding window: give --max-model-len (tokens per sequence) to size its rows")
+    if max_model_len is None:  # a bound on each request (a row holds the window, whatever the length)
+        max_model_len = declared_max_len(checkpoint) or DEFAULT_MAX_MODEL_LEN
     tokenizer = Tokenizer.from_folder(folder)  # this process turns requests into tokens; the engine's loads the model
     name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
     run_server(
         functools.partial(load, model_path, 1, device, dtype, quantize=quantize), tokenizer, model_name=str(name), host=str(host),
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
         prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=None if admit_every is None else int(admit_every),
-        shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus),
+        shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus), prefix_reuse=not no_prefix_reuse,
     )  # fmt: skip
 
 

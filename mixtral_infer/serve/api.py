@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.serve.engine import Engine, Event, Finished, QueueFull, ShuttingDown, TokenEvent
+from mixtral_infer.generation.settings import SEED_LIMIT
+from mixtral_infer.serve.engine import Engine, Event, Finished, QueueFull, RequestSettings, ShuttingDown, TokenEvent
 from mixtral_infer.serve.metrics import ServeMetrics
 from mixtral_infer.serve.protocol import BadRequest, ParsedRequest, error_body, parse_chat, parse_completion, read_body
 from mixtral_infer.tokenizer import Tokenizer
@@ -78,12 +81,27 @@ def make_app(
 
     pumps: Dict[int, EventPump] = {}
 
+    def submit_all(parsed: ParsedRequest, sink_of: Callable[[int], Callable[[Event], None]]) -> List[Any]:
+        """Every answer of the request to the engine (``choices``), each prompt's later choices
+        following its first (they copy its row once it has read the prompt); all or none: the ones
+        submitted are cancelled when a later one is refused."""
+        handles: List[Any] = []
+        try:
+            for index, (prompt, settings) in enumerate(choices(parsed)):
+                follows = handles[index - index % parsed.n] if index % parsed.n else None
+                handles.append(engine.submit(prompt, settings, sink_of(index), follows=follows))
+        except BaseException:
+            for handle in handles:
+                engine.cancel(handle)
+            raise
+        return handles
+
     async def respond(request: Request, parsed: ParsedRequest, fmt: "CompletionFormat"):
         loop = asyncio.get_running_loop()
         pump = pumps.setdefault(id(loop), EventPump(loop))
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[Tuple[int, Event]] = asyncio.Queue()
         try:
-            handle = engine.submit(parsed.prompt, parsed.settings, pump.sink(events))
+            handles = submit_all(parsed, lambda index: pump.sink(events, index))
         except (QueueFull, ShuttingDown) as error:
             metrics.rejected.inc()
             status, kind = (429, "rate_limit_error") if isinstance(error, QueueFull) else (503, "service_unavailable")
@@ -93,39 +111,45 @@ def make_app(
         except GenerationError as error:  # the prompt: a chat's comes from its messages
             param = "messages" if isinstance(fmt, ChatFormat) else "prompt"
             return JSONResponse(error_body(str(error), param=param), status_code=400)
+        answers = len(handles)
+        formats = [fmt.for_choice(index) for index in range(answers)]
+
+        def cancel_all() -> None:
+            for handle in handles:
+                engine.cancel(handle)  # a no-op for those that have finished
 
         if parsed.stream:
 
             async def stream() -> AsyncIterator[str]:
+                finished: Dict[int, Finished] = {}
                 try:
-                    yield sse(fmt.first_chunk())
+                    yield "".join(sse(f.first_chunk()) for f in formats)
                     while True:
                         batch = [await events.get()]  # what has arrived since the last write, in one write
                         while not events.empty():
                             batch.append(events.get_nowait())
                         out = []
-                        for event in batch:
+                        for index, event in batch:
+                            f = formats[index]
                             if isinstance(event, Finished):
-                                out.append(final_chunks(event))
-                                break
-                            if event.logprob is not None:
-                                out.append(sse(fmt.chunk(event.text, fmt.logprobs([event]), None)))
+                                if event.reason == "error":
+                                    out.append(sse(error_body(event.error or "generation failed", "server_error")))
+                                    yield "".join(out) + "data: [DONE]\n\n"
+                                    return
+                                finished[index] = event
+                                out.append(sse(f.chunk(event.text, None, FINISH_REASONS[event.reason])))
+                            elif event.logprob is not None:
+                                out.append(sse(f.chunk(event.text, f.logprobs([event]), None)))
                             elif event.text:
-                                out.append(fmt.text_sse(event.text))
-                        yield "".join(out)
-                        if isinstance(batch[-1], Finished):
+                                out.append(f.text_sse(event.text))
+                        if len(finished) == answers:
+                            if parsed.include_usage:
+                                out.append(sse(fmt.usage_chunk(usage(parsed, finished))))
+                            yield "".join(out) + "data: [DONE]\n\n"
                             return
+                        yield "".join(out)
                 finally:
-                    engine.cancel(handle)  # a no-op when it has finished
-
-            def final_chunks(event: Finished) -> str:
-                if event.reason == "error":
-                    last = sse(error_body(event.error or "generation failed", "server_error"))
-                else:
-                    last = sse(fmt.chunk(event.text, None, FINISH_REASONS[event.reason]))
-                    if parsed.include_usage:
-                        last += sse(fmt.usage_chunk(event))
-                return last + "data: [DONE]\n\n"
+                    cancel_all()
 
             return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -133,21 +157,32 @@ def make_app(
             # Polled on a clock of its own: a request that keeps producing tokens must notice too.
             while not await request.is_disconnected():
                 await asyncio.sleep(DISCONNECT_POLL_SECONDS)
-            engine.cancel(handle)
+            cancel_all()
 
-        received: List[TokenEvent] = []
+        received: List[List[TokenEvent]] = [[] for _ in range(answers)]
+        ends: Dict[int, Finished] = {}
         watcher = asyncio.create_task(cancel_when_disconnected())
         try:
-            while not isinstance(event := await events.get(), Finished):
-                received.append(event)
+            while len(ends) < answers:
+                index, event = await events.get()
+                if isinstance(event, Finished):
+                    ends[index] = event
+                    if event.reason == "error":
+                        break
+                else:
+                    received[index].append(event)
         finally:
             watcher.cancel()
-            engine.cancel(handle)
+            cancel_all()
         if watcher.done() and not watcher.cancelled():  # the client left: nobody reads an answer
             return Response(status_code=499)
-        if event.reason == "error":
-            return JSONResponse(error_body(event.error or "generation failed", "server_error"), status_code=500)
-        return JSONResponse(fmt.whole(received, event, parsed.settings.logprobs is not None))
+        failed = next((e for e in ends.values() if e.reason == "error"), None)
+        if failed is not None:
+            return JSONResponse(error_body(failed.error or "generation failed", "server_error"), status_code=500)
+        body = fmt.envelope([formats[i].whole_choice(received[i], ends[i], parsed.settings.logprobs is not None) for i in range(answers)])
+        if isinstance(fmt, ChatFormat):
+            body["object"] = "chat.completion"
+        return JSONResponse({**body, "usage": fmt.usage(usage(parsed, ends))})
 
     @app.get("/v1/models")
     async def models():
@@ -167,6 +202,26 @@ def make_app(
     return app
 
 
+def choices(parsed: ParsedRequest) -> List[Tuple[List[int], RequestSettings]]:
+    """Each answer's prompt and settings, in index order (prompt ``p``'s choice ``i`` is ``p * n + i``).
+    With a seed, choice ``i`` samples with ``seed + i``, so that the choices differ and each is the
+    answer a request with that seed alone gets."""
+    out = []
+    for prompt in parsed.prompts:
+        for i in range(parsed.n):
+            seed = parsed.settings.seed
+            settings = parsed.settings if i == 0 or seed is None else replace(parsed.settings, seed=(seed + i) % SEED_LIMIT)
+            out.append((prompt, settings))
+    return out
+
+
+def usage(parsed: ParsedRequest, finished: Dict[int, Finished]) -> Dict[str, int]:
+    """Each prompt's tokens once, and every answer's tokens."""
+    prompt_tokens = sum(len(p) for p in parsed.prompts)
+    completion_tokens = sum(f.completion_tokens for f in finished.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
 class EventPump:
     """Hands the engine's events to the event loop in batches.
 
@@ -180,10 +235,12 @@ class EventPump:
         self.lock = threading.Lock()
         self.scheduled = False
 
-    def sink(self, queue: "asyncio.Queue[Event]"):
+    def sink(self, queue: "asyncio.Queue[Tuple[int, Event]]", index: int = 0):
+        """A sink for the engine that puts ``(index, event)`` on ``queue`` in the event loop."""
+
         def put(event: Event) -> None:  # called in the engine's thread
             with self.lock:
-                self.pending.append((queue, event))
+                self.pending.append((queue, (index, event)))
                 if self.scheduled:
                     return
                 self.scheduled = True
@@ -215,8 +272,15 @@ class CompletionFormat:
         self.model_name, self.tokenizer = model_name, tokenizer
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.index = 0  # the choice this object writes (for_choice)
         self._text_template: Optional[List[str]] = None
         self._offset = 0  # characters of the completion's text before the next token's logprobs entry
+
+    def for_choice(self, index: int) -> "CompletionFormat":
+        """The bodies of choice ``index`` of the same response (same id and time, a text offset of its own)."""
+        other = copy.copy(self)
+        other.index, other._text_template, other._offset = index, None, 0
+        return other
 
     def text_sse(self, text: str) -> str:
         """``sse(self.chunk(text, None, None))``, the event of a streamed token's text, from a
@@ -240,14 +304,13 @@ class CompletionFormat:
         return self.chunk("", None, None)
 
     def chunk(self, text: str, logprobs: Optional[Dict[str, Any]], finish_reason: Optional[str]) -> Dict[str, Any]:
-        return self.envelope([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
+        return self.envelope([{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
 
-    def usage(self, finished: Finished) -> Dict[str, int]:
-        total = finished.prompt_tokens + finished.completion_tokens
-        return {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens, "total_tokens": total}
+    def usage(self, usage: Dict[str, int]) -> Dict[str, int]:
+        return usage
 
-    def usage_chunk(self, finished: Finished) -> Dict[str, Any]:
-        return {**self.envelope([]), "usage": self.usage(finished)}
+    def usage_chunk(self, usage: Dict[str, int]) -> Dict[str, Any]:
+        return {**self.envelope([]), "usage": usage}
 
     def logprobs(self, events: List[TokenEvent]) -> Dict[str, Any]:
         """OpenAI's legacy logprobs of these tokens, the next of the response's (a stream's one at a
@@ -264,13 +327,13 @@ class CompletionFormat:
             "text_offset": offsets,
         }
 
-    def whole(self, events: List[TokenEvent], finished: Finished, with_logprobs: bool) -> Dict[str, Any]:
+    def whole_choice(self, events: List[TokenEvent], finished: Finished, with_logprobs: bool) -> Dict[str, Any]:
+        """One choice of a response that is not streamed."""
         text = "".join(e.text for e in events) + finished.text
-        choice = {
-            "index": 0, "text": text, "logprobs": self.logprobs(events) if with_logprobs else None,
+        return {
+            "index": self.index, "text": text, "logprobs": self.logprobs(events) if with_logprobs else None,
             "finish_reason": FINISH_REASONS[finished.reason],
         }  # fmt: skip
-        return {**self.envelope([choice]), "usage": self.usage(finished)}
 
 
 class ChatFormat(CompletionFormat):
@@ -283,11 +346,11 @@ class ChatFormat(CompletionFormat):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def first_chunk(self) -> Dict[str, Any]:
-        return self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        return self.envelope([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
 
     def chunk(self, text: str, logprobs: Optional[Dict[str, Any]], finish_reason: Optional[str]) -> Dict[str, Any]:
         delta = {"content": text} if text or finish_reason is None else {}
-        return self.envelope([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        return self.envelope([{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     def logprobs(self, events: List[TokenEvent]) -> Dict[str, Any]:
         def entry(token: int, logprob: float) -> Dict[str, Any]:
@@ -296,10 +359,9 @@ class ChatFormat(CompletionFormat):
 
         return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or []]} for e in events]}
 
-    def whole(self, events: List[TokenEvent], finished: Finished, with_logprobs: bool) -> Dict[str, Any]:
+    def whole_choice(self, events: List[TokenEvent], finished: Finished, with_logprobs: bool) -> Dict[str, Any]:
         text = "".join(e.text for e in events) + finished.text
-        choice = {
-            "index": 0, "message": {"role": "assistant", "content": text},
+        return {
+            "index": self.index, "message": {"role": "assistant", "content": text},
             "logprobs": self.logprobs(events) if with_logprobs else None, "finish_reason": FINISH_REASONS[finished.reason],
         }  # fmt: skip
-        return {**self.envelope([choice], "chat.completion"), "usage": self.usage(finished)}

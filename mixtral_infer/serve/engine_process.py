@@ -9,7 +9,7 @@ apart from its API server for the same reason.
 ::
 
     server process (HTTP, JSON, SSE)                     engine process (the model)
-    EngineProcess.submit -- ("submit", id, prompt, settings) --> Engine.submit
+    EngineProcess.submit -- ("submit", id, prompt, settings, follows) --> Engine.submit
     EngineProcess.cancel -- ("cancel", id) ---------------------> Engine.cancel
     reader thread <---- ("step", events, metric calls, stats) -- after every engine step
 
@@ -94,6 +94,7 @@ class EngineProcess:
         self.max_model_len: Optional[int] = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
         self.plan: str = info["plan"]
+        self.row_bytes: int = info["row_bytes"]
         self._stats: Dict[str, int] = info["stats"]
         self.max_queue = max_queue
         self.metrics = ServeMetrics(self.rows)
@@ -110,8 +111,11 @@ class EngineProcess:
         self.reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self.reader.start()
 
-    def submit(self, prompt: List[int], settings: RequestSettings, sink: Callable[[Event], None]) -> int:
-        """Send a request to the engine; its handle is an id. Raises as ``Engine.submit`` does."""
+    def submit(
+        self, prompt: List[int], settings: RequestSettings, sink: Callable[[Event], None], follows: Optional[int] = None
+    ) -> int:
+        """Send a request to the engine; its handle is an id. Raises as ``Engine.submit`` does;
+        ``follows``: the handle of an earlier request with the same prompt (``Engine.submit``)."""
         check_request(prompt, settings, self.vocab_size, self.max_model_len)
         with self.lock:
             if self.draining:
@@ -121,7 +125,7 @@ class EngineProcess:
             request_id = next(self.ids)
             self.sinks[request_id] = (sink, len(prompt))
             try:
-                self.conn.send(("submit", request_id, list(prompt), settings))
+                self.conn.send(("submit", request_id, list(prompt), settings, follows))
             except OSError:
                 del self.sinks[request_id]
                 raise ShuttingDown("the engine process has stopped") from None
@@ -317,7 +321,7 @@ def run_engine(
     outbox.engine = engine
     info = {
         "rows": rows.rows, "mode": engine.describe_decode(), "max_model_len": engine.max_model_len,
-        "vocab_size": model.args.vocab_size, "plan": rows.describe(), "stats": engine.stats(),
+        "vocab_size": model.args.vocab_size, "plan": rows.describe(), "stats": engine.stats(), "row_bytes": rows.row_bytes,
     }  # fmt: skip
     outbox.send(("ready", info))
     engine.start()
@@ -329,9 +333,9 @@ def run_engine(
             message = ("shutdown", True)
         kind = message[0]
         if kind == "submit":
-            _, request_id, prompt, settings = message
+            _, request_id, prompt, settings, follows = message
             try:
-                request = engine.submit(prompt, settings, outbox.sink(request_id, requests))
+                request = engine.submit(prompt, settings, outbox.sink(request_id, requests), follows=requests.get(follows))
             except GenerationError as error:  # checked by the server first; kept for safety
                 outbox.put(request_id, Finished("error", "", len(prompt), 0, error=str(error)))
                 outbox.flush()

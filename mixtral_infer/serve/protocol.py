@@ -3,9 +3,13 @@
 Every check raises ``BadRequest`` naming the field (``param``) and what is expected, which
 the server sends as a 400 with OpenAI's error body. Fields of OpenAI's API that change
 nothing here are accepted (``user``, penalties of 0); those this server cannot honour
-(``n`` > 1, ``echo``, non-zero penalties, ``best_of``, ``suffix``, tools, a response format other
-than text: ``CANNOT_HONOUR``) are refused, not ignored.
+(``echo``, non-zero penalties, ``best_of`` other than ``n``, ``suffix``, tools, a response format
+other than text: ``CANNOT_HONOUR``) are refused, not ignored.
 Extensions, as vLLM has them: ``top_k`` and ``ignore_eos``.
+
+Several answers: ``n`` choices of each prompt, and for ``/v1/completions`` a list of prompts
+(strings or lists of token ids). Choice ``i`` of prompt ``p`` has index ``p * n + i``, as in OpenAI
+and vLLM; the usage counts each prompt's tokens once and every choice's tokens.
 
 Chat messages become the model's instruct format (``Tokenizer.encode_instruct``)::
 
@@ -31,6 +35,7 @@ MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # completions: logprobs in [0, 5]
 MAX_CHAT_TOP_LOGPROBS = 20  # chat: top_logprobs in [0, 20]
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
+MAX_CHOICES = 128  # n, and prompts times n: the answers of one request
 
 # Fields that would change the answer in ways this server cannot: (name, values that ask for
 # nothing, what the field asks for). Fields that change nothing here (user, store, metadata,
@@ -60,10 +65,16 @@ def error_body(message: str, kind: str = "invalid_request_error", param: Optiona
 
 @dataclass
 class ParsedRequest:
-    prompt: List[int]
+    prompts: List[List[int]]
     settings: RequestSettings
     stream: bool
     include_usage: bool
+    n: int = 1  # choices of each prompt
+
+    @property
+    def prompt(self) -> List[int]:
+        """The first prompt (a chat has one)."""
+        return self.prompts[0]
 
 
 def read_body(raw: bytes) -> Dict[str, Any]:
@@ -100,10 +111,11 @@ def _check_model(body: Dict[str, Any], served: str) -> None:
 def _check_unsupported(body: Dict[str, Any]) -> None:
     """What asks for something this server does not do is refused; what asks for nothing passes. By
     type too: ``true`` equals 1 in Python, and ``n: true`` or ``logit_bias: false`` is no request."""
-    if not _is_int(_get(body, "n", 1)) or _get(body, "n", 1) != 1:
-        raise BadRequest(f"n={body['n']!r}: this server returns one choice per request (n=1)", "n")
-    if not _is_int(_get(body, "best_of", 1)) or _get(body, "best_of", 1) != 1:
-        raise BadRequest(f"best_of={body['best_of']!r} is not supported (use 1)", "best_of")
+    n = _get(body, "n", 1)
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n={n!r} must be an integer in [1, {MAX_CHOICES}]", "n")
+    if not _is_int(_get(body, "best_of", n)) or _get(body, "best_of", n) != n:
+        raise BadRequest(f"best_of={body['best_of']!r} is not supported (leave it out, or give n's value)", "best_of")
     if _get(body, "echo", False) is not False:
         raise BadRequest("echo is not supported", "echo")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -166,27 +178,34 @@ def _stream_options(body: Dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def _prompt_ids(prompt: Any, tokenizer: Tokenizer, where: str) -> List[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, bos=True)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if not all(0 <= t < tokenizer.n_words for t in prompt):
+            raise BadRequest(f"{where} holds token ids outside the vocabulary [0, {tokenizer.n_words})", "prompt")
+        return list(prompt)
+    raise BadRequest(f"{where} must be a string or a non-empty list of token ids", "prompt")
+
+
 def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) -> ParsedRequest:
-    """``/v1/completions``: the prompt is a string, or token ids, or a list holding one of them."""
+    """``/v1/completions``: the prompt is a string or token ids, or a list of them (one answer each)."""
     _check_model(body, served)
     _check_unsupported(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, bos=True)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = list(prompt)
-        if not all(0 <= t < tokenizer.n_words for t in ids):
-            raise BadRequest(f"prompt holds token ids outside the vocabulary [0, {tokenizer.n_words})", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = [_prompt_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
-        raise BadRequest("prompt must be a string or a non-empty list of token ids (one prompt per request)", "prompt")
+        prompts = [_prompt_ids(prompt, tokenizer, "prompt")]
+    n = _get(body, "n", 1)
+    if len(prompts) * n > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts times n={n} asks for more than {MAX_CHOICES} answers", "prompt")
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
         raise BadRequest(f"logprobs={logprobs!r} must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
     max_tokens = _get(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
     stream, include_usage = _stream_options(body)
-    return ParsedRequest(ids, _settings(body, max_tokens, logprobs, leading_space=True), stream, include_usage)
+    return ParsedRequest(prompts, _settings(body, max_tokens, logprobs, leading_space=True), stream, include_usage, n)
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: Any) -> List[int]:
@@ -263,4 +282,4 @@ def parse_chat(
     settings = _settings(body, max_tokens, top if logprobs else None, leading_space=False)
     if max_tokens is None:
         settings.max_tokens = max(1, default_max_tokens(len(ids)))
-    return ParsedRequest(ids, settings, stream, include_usage)
+    return ParsedRequest([ids], settings, stream, include_usage, _get(body, "n", 1))

@@ -27,6 +27,9 @@ except ImportError as error:  # pragma: no cover - the serve extra is part of th
     raise MixtralInferError(f"serve needs the serve extra ({error.name} is missing): pip install -e '.[serve]'") from None
 
 from mixtral_infer.serve.engine_process import EngineProcess, Load, split_cpus
+from mixtral_infer.serve.sizing import size
+
+DEFAULT_MAX_MODEL_LEN = 32768  # serve's bound on a request of a windowed model whose folder declares none
 
 
 class _Server(uvicorn.Server):
@@ -68,6 +71,7 @@ def run_server(
     admit_every: Optional[int] = None,
     shutdown_timeout: float = 30.0,
     pin_cpus: bool = False,
+    prefix_reuse: bool = True,
     log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
 ) -> None:
     """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on.
@@ -88,7 +92,10 @@ def run_server(
     engine = EngineProcess(
         load,
         plan=dict(prefill_tokens=prefill_tokens, max_rows=max_rows, memory_fraction=memory_fraction, max_model_len=max_model_len),
-        engine=dict(prefill_tokens=prefill_tokens, max_model_len=max_model_len, decode=decode, admit_every=admit_every),
+        engine=dict(
+            prefill_tokens=prefill_tokens, max_model_len=max_model_len, decode=decode, admit_every=admit_every,
+            prefix_reuse=prefix_reuse,
+        ),
         max_queue=max_queue, engine_cpus=cpus[1] if cpus is not None else None,
     )
     if cpus is not None:
@@ -96,13 +103,20 @@ def run_server(
         log(f"pinned: the server on CPU {cpus[0][0]}, the engine on CPU{'s' * (len(cpus[1]) > 1)} {','.join(map(str, cpus[1]))}")
     try:
         log(f"sizing: {engine.plan}")
+        if prefix_reuse:
+            log(
+                f"prefix reuse: on, all {engine.rows} rows keep what they hold until a request needs the row "
+                f"({size(engine.row_bytes)} a row, already counted in the rows: nothing more); --no-prefix-reuse turns it off"
+            )
+        else:
+            log("prefix reuse: off (--no-prefix-reuse), every prompt is read whole")
         sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
         address = f"http://{host}:{sock.getsockname()[1]}"
 
         def ready() -> None:
             log(
                 f"serving {model_name} on {address} (decode {engine.mode}, {engine.rows} rows, queue {max_queue}, "
-                f"{prefill_tokens} prefill tokens per step)"
+                f"{prefill_tokens} prefill tokens per step, at most {engine.max_model_len} tokens a request)"
             )
 
         app = make_app(engine, tokenizer, model_name, engine.metrics, on_ready=ready)
