@@ -287,3 +287,45 @@ def test_an_answer_sent_back_as_text_lines_up_with_the_ids_the_row_holds(version
         held = prompt + generated  # the row: prompt and answer, all fed (the EOS sampled last was not)
         assert follow_up[: len(held)] == held and follow_up[len(held)] == tokenizer.eos_id
         assert reusable_length(held, follow_up, slots=8, window=8) == len(held)  # even wrapped: at its end
+
+
+# ---- the Python API: a batch that begins alike reads its beginning once ----------------------
+
+
+def test_shared_prefix_length_docstring_example():
+    from mixtral_infer.generation.shared_prefix import shared_prefix_length
+
+    assert shared_prefix_length([[1] * 20 + [4], [1] * 20 + [9, 9]]) == 20
+    assert shared_prefix_length([[1] * 20 + [4]]) == 0  # one prompt
+    assert shared_prefix_length([[1] * 10 + [4], [1] * 10 + [5]]) == 0  # fewer than 16 in common
+    assert shared_prefix_length([[1] * 20, [1] * 30]) == 19  # each keeps one token of its own
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_batch_that_begins_alike_reads_the_beginning_once_and_generates_as_each_alone(tiny, decode, monkeypatch):
+    """Three prompts sharing 40 tokens (past the window of 32): the shared part is read once (counted
+    through the forward passes), and tokens and logprobs (prompt ones included) equal each prompt alone."""
+    from mixtral_infer import generate
+    from mixtral_infer.generation import generate as generate_module
+
+    model, _ = tiny
+    batch = load_model("tiny-mixtral", max_batch_size=3, dtype=torch.float32, device="cpu")
+    rng = random.Random(4)
+    shared = [1] + [rng.randrange(3, 2000) for _ in range(39)]
+    prompts = [shared + [rng.randrange(3, 2000) for _ in range(n)] for n in (1, 3, 6)]
+    read = []
+    counting = generate_module.forward
+
+    def counted(model, input_ids, *args, **kwargs):
+        read.append(len(input_ids))
+        return counting(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "forward", counted)
+    monkeypatch.setattr("mixtral_infer.generation.shared_prefix.forward", counted)
+    together, together_lp = generate(prompts, batch, max_tokens=5, decode=decode)
+    assert read[:2] == [40, 1 + 3 + 6]  # the shared part, then the own tokens (decode steps come after)
+    for i, prompt in enumerate(prompts):
+        alone, alone_lp = generate([prompt], model, max_tokens=5, decode=decode)
+        assert together[i] == alone[0]
+        assert together_lp[i] == pytest.approx(alone_lp[0], abs=1e-5)
+        assert len(together_lp[i]) == len(prompt) - 1 + len(alone[0])

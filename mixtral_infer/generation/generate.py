@@ -17,6 +17,7 @@ from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
 from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs
+from mixtral_infer.generation.shared_prefix import read_shared_prefix, shared_prefix_length
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
     as_int,
@@ -217,6 +218,9 @@ def generate(
     ``default_chunk_size(B)``, 2048 tokens shared by the B prompts. Any size gives the
     same results; it trades the activations' memory for speed.
 
+    Prompts that begin alike (16 tokens or more, common to all) read that beginning once
+    (``generation.shared_prefix``); the results are those of reading each prompt whole.
+
     ``cache``: continue sequences already in this cache (a conversation); the
     prompts are then appended to what it holds. Left None, a fresh cache is made.
     The cache holds what was fed: the prompt and every generated token but the last,
@@ -245,6 +249,7 @@ def generate(
     longest = max(len(p) for p in encoded_prompts)
     if cache is not None and cache.tokens_seen and len(cache.tokens_seen) != batch:
         raise GenerationError(f"the cache holds {len(cache.tokens_seen)} sequences but {batch} prompts were given")
+    fresh = cache is None or not any(cache.tokens_seen)  # no sequence read yet: a shared beginning is read once
     if cache is None:
         check_new_cache(model.args, batch, longest + max_tokens, max_tokens, model.dtype, model.device, model.parallel)
         if mode == "compiled":
@@ -262,10 +267,19 @@ def generate(
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     sampling = Sampling.uniform_settings(batch, model.args.vocab_size, temperature, top_p, top_k, model.device)
 
-    if prompt_logprobs:
-        logits, logprobs = prefill_with_logprobs(model, cache, encoded_prompts, chunk_size)  # (B, V)
+    shared = shared_prefix_length(encoded_prompts) if fresh else 0
+    if shared:  # read once into row 0, copied into the others (generation.shared_prefix)
+        after_shared, shared_logprobs = read_shared_prefix(model, cache, encoded_prompts[0][:shared], chunk_size, prompt_logprobs)
+        own = [p[shared:] for p in encoded_prompts]
     else:
-        logits, logprobs = prefill(model, cache, encoded_prompts, chunk_size), [[] for _ in encoded_prompts]
+        own = encoded_prompts
+    if prompt_logprobs:
+        logits, logprobs = prefill_with_logprobs(model, cache, own, chunk_size)  # (B, V)
+        if shared:
+            first = torch.log_softmax(after_shared.float(), dim=-1)[[p[0] for p in own]].tolist()  # (B,)
+            logprobs = [shared_logprobs + [first[i]] + logprobs[i] for i in range(batch)]
+    else:
+        logits, logprobs = prefill(model, cache, own, chunk_size), [[] for _ in encoded_prompts]
     generated: List[List[int]] = [[] for _ in range(batch)]
     if max_tokens == 0:
         return generated, logprobs
