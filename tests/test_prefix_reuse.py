@@ -203,12 +203,14 @@ def test_a_kept_row_is_never_used_for_ids_that_differ(tiny):
         assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-5)
 
 
-def test_a_shared_system_prompt_is_read_once_for_users_arriving_together(tiny):
-    """Four users with one 20-token system prompt arrive at once: the first reads it, the others wait
-    for it and copy it into their rows; their answers equal those without reuse."""
+@pytest.mark.parametrize("length", [20, 40])
+def test_a_shared_system_prompt_is_read_once_for_users_arriving_together(tiny, length):
+    """Four users with one system prompt (within the window of 32, and past it) arrive at once: the
+    first reads it, pausing at its end, the others wait for it and copy it into their rows; their
+    answers equal those without reuse."""
     model, tokenizer = tiny
     rng = random.Random(1)
-    system = [1] + [rng.randrange(3, 2000) for _ in range(19)]
+    system = [1] + [rng.randrange(3, 2000) for _ in range(length - 1)]
     prompts = [system + [rng.randrange(3, 2000) for _ in range(5)] for _ in range(4)]
     answers, read = {}, {}
     for reuse in (True, False):
@@ -220,7 +222,7 @@ def test_a_shared_system_prompt_is_read_once_for_users_arriving_together(tiny):
             pass
         answers[reuse] = [[(e.token, e.logprob) for e in ev if isinstance(e, TokenEvent)] for ev in events]
         read[reuse] = sum(len(p) for p in prompts) - engine.reused_tokens
-    assert read[False] == 4 * 25 and read[True] == 25 + 3 * 5
+    assert read[False] == 4 * (length + 5) and read[True] == length + 4 * 5
     for a, b in zip(answers[True], answers[False]):
         assert [t for t, _ in a] == [t for t, _ in b]
         assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-5)

@@ -157,6 +157,7 @@ class Request:
     stops: Optional[StopStrings] = None
     follows: Optional["Request"] = None  # another choice of the same prompt: its row is copied after the prompt
     reused: int = 0  # prompt tokens this request did not read (already in its row)
+    pause_at: Optional[int] = None  # a prompt length where a waiting request copies this row (_waits_for_prefix)
 
 
 class Engine:
@@ -464,7 +465,9 @@ class Engine:
         """Whether ``request`` had better wait a step or more for a row that is reading its prompt's
         beginning now: the choice it follows (its row is copied once its prompt is read), or, with
         ``prefix_reuse``, a running prompt that shares at least ``MIN_COPIED_TOKENS`` tokens with it
-        and has not read them yet (a shared system prompt arriving with many users at once)."""
+        and has not read them yet (a shared system prompt arriving with many users at once). That
+        prompt's reading then pauses at the shared length (``pause_at``), so that the row holds
+        exactly the shared tokens for a step, and a copy of it is exact however long they are."""
         leader = request.follows
         if leader is not None and not leader.done and not leader.cancelled and leader.first_token_at is None:
             return True
@@ -473,7 +476,9 @@ class Engine:
         for running in self.running:
             if running.next_token is None:  # still reading its prompt
                 share = min(common_prefix(running.prompt, request.prompt), len(request.prompt) - 1)
-                if MIN_COPIED_TOKENS <= share <= self.cache.cache_size and running.fed < share:
+                if share >= MIN_COPIED_TOKENS and running.fed < share:
+                    pause = running.pause_at
+                    running.pause_at = share if pause is None or pause <= running.fed else min(pause, share)
                     return True
         return False
 
@@ -549,7 +554,10 @@ class Engine:
             if request.next_token is not None:
                 chunks[request.row] = [request.next_token]
             elif budget > 0 and segments > 0:
-                chunks[request.row] = request.prompt[request.fed : request.fed + budget]
+                end = request.fed + budget
+                if request.pause_at is not None and request.pause_at > request.fed:  # a waiting request copies it there
+                    end = min(end, request.pause_at)
+                chunks[request.row] = request.prompt[request.fed : end]
                 budget -= len(chunks[request.row])
                 segments -= 1
             seqlens[request.row] = len(chunks[request.row])

@@ -33,12 +33,13 @@ holds the prompt and every answer token but the last sampled one (sampled, never
 of a chat sends the prompt, the whole answer and the next message, so it continues the row at its
 exact end, and the answer's last token is the first one fed.
 
-Placement (``place``): the row with the longest reusable prefix wins (ties: the most recently
-used). A free row is taken as it is, no copy, when the request continues it at its end, or when no
+Placement (``place``): the row with the longest reusable prefix wins (ties: a free row, then the
+most recently used). A free row is taken as it is, no copy, when the request continues it at its end, or when no
 other free row is left; otherwise the prefix is copied into a free row (only the slots it needs), so
 the source keeps its own sequence for its own next turn: this is how a shared system prompt serves
-many users. A row that is still running can be a source too. Among free rows, one that holds
-nothing goes first, then the least recently used.
+many users. A row that is still running can be a source too (the engine pauses a prompt being read
+at the length a waiting request shares with it, so the copy is taken at the row's end, exact even
+past the window). Among free rows, one that holds nothing goes first, then the least recently used.
 """
 
 from __future__ import annotations
@@ -117,11 +118,12 @@ def place(prompt: Sequence[int], rows: Sequence[RowState], slots: int, window: O
     free = [r for r, state in enumerate(rows) if not state.busy]
     if not free:
         return None
-    best, source = 0, None
+    best, source, best_key = 0, None, None
     for r, state in enumerate(rows):
         n = reusable_length(state.ids, prompt, slots, window)
-        if n > best or (n == best and n > 0 and source is not None and state.last_used > rows[source].last_used):
-            best, source = n, r
+        key = (n, not state.busy, state.last_used)  # the longest; then a free row (no copy); then the most recent
+        if n > 0 and (best_key is None or key > best_key):
+            best, source, best_key = n, r, key
     # free rows, the ones worth least first: empty, then least recently used
     spare = sorted(free, key=lambda r: (len(rows[r].ids) > 0, rows[r].last_used))
     if source is None:
