@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_serve import FoldedTokenizer  # noqa: E402
 from bench_vs_transformers import bench_args, machine_info, ours_alone  # noqa: E402
 
 from mixtral_infer import Tokenizer, load_model  # noqa: E402
@@ -44,10 +45,11 @@ from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent  # no
 
 
 def model_named(name: str):
-    tokenizer = Tokenizer.from_folder("tiny-mixtral")
+    """The shipped model, or a bench shape with random weights (tiny-mixtral's tokenizer, ids beyond it
+    folded in for detokenization, as in bench_serve.py)."""
     if name == "tiny-mixtral":
-        return load_model(name, dtype=torch.float32, device="cpu"), tokenizer
-    return ours_alone(bench_args(name)), tokenizer
+        return load_model(name, dtype=torch.float32, device="cpu"), Tokenizer.from_folder(name)
+    return ours_alone(bench_args(name)), FoldedTokenizer.from_folder("tiny-mixtral")
 
 
 def ids(rng: random.Random, n: int, vocab: int) -> List[int]:

@@ -252,6 +252,20 @@ class Tokenizer:
             text = " " + text
         return text
 
+    def is_control(self, token_id: int) -> bool:
+        """Whether the id is a control piece (BOS, EOS, ``[INST]``, unknown) or a special added
+        token: no text encodes to it, and decoding leaves it out."""
+        token = self.added.get(token_id)
+        if token is not None:
+            return token.special
+        return bool(self._model.IsControl(token_id) or self._model.IsUnknown(token_id))
+
+    def byte_value(self, token_id: int) -> Optional[int]:
+        """The byte a byte-fallback piece (``<0x0A>``) stands for, else None."""
+        if token_id in self.added or not self._model.IsByte(token_id):
+            return None
+        return int(self._model.id_to_piece(token_id)[3:5], 16)
+
     def id_to_piece(self, token_id: int) -> str:
         token = self.added.get(token_id)
         if token is not None:

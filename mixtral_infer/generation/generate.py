@@ -8,7 +8,7 @@ Each sequence then decodes until its own EOS; the loop ends when all have.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -31,6 +31,9 @@ from mixtral_infer.generation.settings import (
 )
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.structured.grammar import Constraint, check_constraint
+from mixtral_infer.structured.rows import Shaping
+from mixtral_infer.tokenizer import Tokenizer
 
 # Prompt tokens per forward pass when no chunk_size is given, over the whole batch. Large
 # enough that each expert gets a real matrix product (top-2 of 8 experts: ~512 rows each);
@@ -205,6 +208,17 @@ def generate(
     on_token: Optional[TokenCallback] = None,
     prompt_logprobs: bool = True,
     decode: str = "auto",
+    stop: Sequence[str] = (),
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: Optional[Dict[int, float]] = None,
+    min_tokens: int = 0,
+    json_schema: Optional[Union[dict, str]] = None,
+    regex: Optional[str] = None,
+    choices: Optional[Sequence[str]] = None,
+    grammar: Optional[str] = None,
+    tokenizer: Optional[Tokenizer] = None,
 ) -> Tuple[List[List[int]], List[List[float]]]:
     """Continue each prompt by up to ``max_tokens`` tokens.
 
@@ -228,6 +242,15 @@ def generate(
     with ``generated[i][-1]`` (as ``generation.chat.Conversation`` does).
     ``on_token(i, token)`` is called as each token of prompt i is chosen (streaming).
 
+    What the answers must be, and how tokens are chosen (as the server takes them; each needs
+    ``tokenizer`` where it is about text): ``json_schema`` (a dict or its JSON text), ``regex``,
+    ``choices`` (a list of strings) or ``grammar`` (Lark): the text of every answer follows it
+    (``structured.grammar``, llguidance), and a row ends when it is complete. ``stop``: strings
+    that end a row once its text holds one (its tokens up to the one that completed it are
+    returned). ``presence_penalty``, ``frequency_penalty`` (OpenAI's), ``repetition_penalty``
+    (transformers'), ``logit_bias`` (token id to a number added to its logit), ``min_tokens``
+    (EOS held back until then): ``structured.logits``. Logprobs stay the model's.
+
     ``decode``: how the tokens after the prompt are produced, all with the same results:
     ``eager`` runs ``Transformer.forward`` per step (the readable reference); ``static``
     runs the fixed-shape step of ``mixtral_infer.steps.decode_step`` op by op; ``compiled``
@@ -244,6 +267,10 @@ def generate(
     eos_id = None if eos_id is None else int(eos_id)
     max_tokens, temperature = int(max_tokens), effective_temperature(temperature)
     top_k, chunk_size, seed = (None if v is None else int(v) for v in (top_k, chunk_size, seed))
+    grammar_text = check_shaping(
+        model, tokenizer, max_tokens, stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens,
+        json_schema, regex, choices, grammar,
+    )
     mode = decode_mode(decode, model)
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
@@ -283,11 +310,19 @@ def generate(
     generated: List[List[int]] = [[] for _ in range(batch)]
     if max_tokens == 0:
         return generated, logprobs
-    settings = DecodeSettings(sampling, generator, eos_id, max_tokens, on_token)
+    shaping = None
+    if grammar_text or stop or presence_penalty or frequency_penalty or repetition_penalty != 1 or logit_bias or min_tokens:
+        shaping = Shaping(
+            encoded_prompts, model.args.vocab_size, model.device, eos_id, grammar=grammar_text, tokenizer=tokenizer,
+            presence=presence_penalty, frequency=frequency_penalty, repetition=repetition_penalty, bias=logit_bias,
+            min_tokens=min_tokens, stop=stop,
+        )  # fmt: skip
+    settings = DecodeSettings(sampling, generator, eos_id, max_tokens, on_token, shaping)
     if mode == "eager":
         decode_eager(model, cache, logits, settings, generated, logprobs)
     else:
-        step = step_compiler(model).step(cache, batch, sampling, eos_id) if mode == "compiled" else None
+        shaped = shaping is not None
+        step = step_compiler(model).step(cache, batch, sampling, eos_id, shaped) if mode == "compiled" else None
         decode_static(model, cache, logits, settings, generated, logprobs, step)
     return generated, logprobs
 
@@ -306,13 +341,18 @@ def decode_eager(
     for step in range(settings.max_tokens):
         # One uniform per sequence at every step, finished ones included, as the static loop draws.
         uniform = draw_uniform(batch, settings.sampling, settings.generator, model.device)
+        shaping = settings.shaping
+        chosen_from = logits if shaping is None else shaping.shape(logits, active)  # (B_active, V)
         if uniform is None:  # greedy: no per-row settings to pick
-            tokens = sample(logits, settings.sampling, None)  # (B_active,)
+            tokens = sample(chosen_from, settings.sampling, None)  # (B_active,)
         else:
             rows = torch.tensor(active, device=model.device)
-            tokens = sample(logits, settings.sampling.rows(rows), uniform[rows])  # (B_active,)
+            tokens = sample(chosen_from, settings.sampling.rows(rows), uniform[rows])  # (B_active,)
         token_logprob = token_logprobs(logits, tokens)
         still_active = []
+        emitting = [(i, t) for i, t in zip(active, tokens.tolist()) if settings.eos_id is None or t != settings.eos_id]
+        if shaping is not None and emitting:
+            shaping.advance(*zip(*emitting))
         for i, token, logprob in zip(active, tokens.tolist(), token_logprob.tolist()):
             if settings.eos_id is not None and token == settings.eos_id:
                 continue
@@ -320,6 +360,8 @@ def decode_eager(
             logprobs[i].append(logprob)
             if settings.on_token is not None:
                 settings.on_token(i, token)
+            if shaping is not None and shaping.record(i, token):
+                continue  # its grammar is complete, or its text holds a stop string
             still_active.append(i)
         if not still_active or step == settings.max_tokens - 1:
             break
@@ -330,6 +372,47 @@ def decode_eager(
         input_ids = torch.tensor([generated[i][-1] for i in active], dtype=torch.long, device=model.device)
         logits = model(input_ids, seqlens, cache)  # (B_active, V)
         _check_finite(logits, f"at generation step {step + 1}")
+
+
+def check_shaping(
+    model: Transformer,
+    tokenizer: Optional[Tokenizer],
+    max_tokens: int,
+    stop: Sequence[str],
+    presence_penalty: float,
+    frequency_penalty: float,
+    repetition_penalty: float,
+    logit_bias: Optional[Dict[int, float]],
+    min_tokens: int,
+    json_schema: Optional[Union[dict, str]],
+    regex: Optional[str],
+    choices: Optional[Sequence[str]],
+    grammar: Optional[str],
+) -> Optional[str]:
+    """``generate``'s structured-output and penalty settings checked before any work: a
+    ``GenerationError`` of one line naming the setting; the compiled grammar, if one was asked for."""
+    given = {name: value for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices),
+                                             ("grammar", grammar)) if value is not None}  # fmt: skip
+    if len(given) > 1:
+        raise GenerationError(f"give one of {', '.join(given)}: each says what the answers must be")
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise GenerationError(f"stop={stop!r} must be a list of non-empty strings")
+    if (given or stop) and tokenizer is None:
+        raise GenerationError(f"{next(iter(given), 'stop')} is about text: pass tokenizer= as well")
+    for name, value, low, high in (("presence_penalty", presence_penalty, -2, 2), ("frequency_penalty", frequency_penalty, -2, 2),
+                                   ("repetition_penalty", repetition_penalty, 1e-6, 10)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise GenerationError(f"{name}={value!r} must be a number in [{low:g}, {high:g}]")
+    if as_int(min_tokens) is None or not 0 <= as_int(min_tokens) <= max_tokens:
+        raise GenerationError(f"min_tokens={min_tokens!r} must be an integer in [0, max_tokens={max_tokens}]")
+    for token, bias in (logit_bias or {}).items():
+        if as_int(token) is None or not 0 <= as_int(token) < model.args.vocab_size or isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise GenerationError(f"logit_bias {{{token!r}: {bias!r}}}: keys must be token ids in [0, {model.args.vocab_size}), values numbers")
+    if not given:
+        return None
+    (name, value), = given.items()
+    kind = {"json_schema": "json_schema", "regex": "regex", "choices": "choice", "grammar": "lark"}[name]
+    return check_constraint(Constraint(kind, value), tokenizer)
 
 
 def shared_seed(seed: Optional[int]) -> Optional[int]:

@@ -55,6 +55,8 @@ from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.serve.prefix_reuse import MIN_COPIED_TOKENS, Placement, RowState, common_prefix, copied_slots, place
 from mixtral_infer.serve.text import StopStrings
+from mixtral_infer.structured.grammar import Constraint, RowGrammar, check_constraint, fill_bitmask
+from mixtral_infer.structured.logits import RowPenalties, apply_bitmask, apply_penalties, dense_penalties
 from mixtral_infer.tokenizer import Tokenizer
 from mixtral_infer.tuning import Tuning
 
@@ -96,6 +98,12 @@ class RequestSettings:
     logprobs: Optional[int] = None  # None: none; n: the chosen token's and the n most likely
     ignore_eos: bool = False  # True: EOS is a token like any other (for benchmarks)
     leading_space: bool = True  # a completion's text keeps the space before its first word
+    constraint: Optional[Constraint] = None  # what the text must be (structured.grammar)
+    presence_penalty: float = 0.0  # structured.logits: OpenAI's, over the generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # transformers', over the prompt's and the generated tokens
+    logit_bias: Optional[Dict[int, float]] = None  # added to these tokens' logits
+    min_tokens: int = 0  # EOS is held back until this many tokens are generated
 
 
 @dataclass
@@ -158,6 +166,8 @@ class Request:
     follows: Optional["Request"] = None  # another choice of the same prompt: its row is copied after the prompt
     reused: int = 0  # prompt tokens this request did not read (already in its row)
     pause_at: Optional[int] = None  # a prompt length where a waiting request copies this row (_waits_for_prefix)
+    grammar: Optional[RowGrammar] = None  # settings.constraint, following the generated tokens
+    penalties: Optional[RowPenalties] = None  # the settings' penalties and bias, and what they count
 
 
 class Engine:
@@ -293,6 +303,11 @@ class Engine:
             request.generator = torch.Generator(device=self.model.device).manual_seed(seed)
         request.detokenizer = TextStream(self.tokenizer, settings.leading_space)
         request.stops = StopStrings(settings.stop)
+        if settings.constraint is not None:
+            request.grammar = RowGrammar(check_constraint(settings.constraint, self.tokenizer), self.tokenizer)
+        request.penalties = RowPenalties.of(
+            settings.presence_penalty, settings.frequency_penalty, settings.repetition_penalty, settings.logit_bias, prompt
+        )
         with self.lock:
             if self.draining:
                 raise ShuttingDown("the server is shutting down")
@@ -774,7 +789,7 @@ class Engine:
             if not sampled:
                 return
         sampled, logits = self._take_followers(sampled, logits)
-        tokens = sample_rows(logits, [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
+        tokens = sample_rows(self._shaped(sampled, logits), [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
         chosen, top = None, None
         if any(r.settings.logprobs is not None for r in sampled):  # else skip a softmax over (N, V)
             log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
@@ -793,6 +808,10 @@ class Engine:
             if token == self.tokenizer.eos_id and not request.settings.ignore_eos:
                 self._finish(request, "stop")
                 continue
+            if request.grammar is not None:
+                request.grammar.accept(token)
+            if request.penalties is not None:
+                request.penalties.add(token)
             request.generated.append(token)
             text = request.stops.push(request.detokenizer.push(token))
             event = TokenEvent(token, text)
@@ -802,7 +821,7 @@ class Engine:
                 event.top_logprobs = list(zip(top_ids[index][:n], top_values[index][:n])) if n else []
             request.sink(event)
             generated += 1
-            if request.stops.stopped:
+            if request.stops.stopped or (request.grammar is not None and request.grammar.done):
                 self._finish(request, "stop")
             elif len(request.generated) == request.settings.max_tokens:
                 self._finish(request, "length")
@@ -810,6 +829,26 @@ class Engine:
                 request.next_token = token
         if self.metrics is not None:
             self.metrics.generated_tokens(generated)
+
+    def _shaped(self, sampled: List[Request], logits: torch.Tensor) -> torch.Tensor:
+        """The logits the rows sample from: each row's grammar mask, penalties and bias applied, EOS
+        held back below ``min_tokens`` (``structured``); ``logits`` itself when no row asks for any.
+        Logprobs are reported from the model's own logits."""
+        grammars = [r.grammar for r in sampled]
+        penalised = [i for i, r in enumerate(sampled) if r.penalties is not None]
+        early = [i for i, r in enumerate(sampled) if len(r.generated) < r.settings.min_tokens and not r.settings.ignore_eos]
+        if not penalised and not early and all(g is None for g in grammars):
+            return logits
+        logits = logits.float()  # a copy: the model's logits stay for the logprobs
+        if penalised:
+            rows = torch.tensor(penalised, device=logits.device)
+            dense = dense_penalties([sampled[i].penalties for i in penalised], logits.shape[-1], logits.device)
+            logits[rows] = apply_penalties(logits[rows], *dense)
+        if early:
+            logits[torch.tensor(early, device=logits.device), self.tokenizer.eos_id] = float("-inf")
+        if any(g is not None for g in grammars):  # last: a token the grammar forbids stays forbidden
+            logits = apply_bitmask(logits, fill_bitmask(grammars, self.tokenizer.n_words))
+        return logits
 
     def _finish(self, request: Request, reason: str, error: Optional[str] = None) -> None:
         """Free the request's row and send its last event."""

@@ -3,9 +3,13 @@
 Every check raises ``BadRequest`` naming the field (``param``) and what is expected, which
 the server sends as a 400 with OpenAI's error body. Fields of OpenAI's API that change
 nothing here are accepted (``user``, penalties of 0); those this server cannot honour
-(``echo``, non-zero penalties, ``best_of`` other than ``n``, ``suffix``, tools, a response format
-other than text: ``CANNOT_HONOUR``) are refused, not ignored.
-Extensions, as vLLM has them: ``top_k`` and ``ignore_eos``.
+(``echo``, ``best_of`` other than ``n``, ``suffix``, tools: ``CANNOT_HONOUR``) are refused, not
+ignored. Extensions, as vLLM has them: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
+``min_tokens``, and ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+
+Structured output: ``response_format`` (``json_object``; ``json_schema`` with its ``schema``, always
+enforced, ``strict`` or not) or one ``guided_*`` field becomes a ``Constraint``, compiled here so
+that a schema or expression that cannot be is a 400 naming the field.
 
 Several answers: ``n`` choices of each prompt, and for ``/v1/completions`` a list of prompts
 (strings or lists of token ids). Choice ``i`` of prompt ``p`` has index ``p * n + i``, as in OpenAI
@@ -27,8 +31,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
+from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.settings import SEED_LIMIT, effective_temperature
 from mixtral_infer.serve.engine import RequestSettings
+from mixtral_infer.structured.grammar import Constraint, check_constraint
 from mixtral_infer.tokenizer import Tokenizer, chatml
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -46,10 +52,12 @@ CANNOT_HONOUR = (
     ("functions", (None, []), "function calling"),
     ("tool_choice", (None, "none"), "tool calling"),
     ("function_call", (None, "none"), "function calling"),
-    ("response_format", (None, {"type": "text"}), "a structured output format"),
     ("modalities", (None, ["text"]), "output other than text"),
     ("audio", (None,), "audio output"),
 )
+GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "lark"))
+MAX_PENALTY = 2.0  # presence and frequency penalties in [-2, 2], as OpenAI
+MAX_BIAS = 100.0  # logit_bias values in [-100, 100], as OpenAI
 
 
 class BadRequest(ValueError):
@@ -118,11 +126,6 @@ def _check_unsupported(body: Dict[str, Any]) -> None:
         raise BadRequest(f"best_of={body['best_of']!r} is not supported (leave it out, or give n's value)", "best_of")
     if _get(body, "echo", False) is not False:
         raise BadRequest("echo is not supported", "echo")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not _is_number(_get(body, name, 0)) or _get(body, name, 0) != 0:
-            raise BadRequest(f"{name}={body[name]!r} is not supported (use 0)", name)
-    if _get(body, "logit_bias", {}) != {}:
-        raise BadRequest("logit_bias is not supported", "logit_bias")
     for name, means_nothing, what in CANNOT_HONOUR:
         if body.get(name) not in means_nothing:
             raise BadRequest(f"{name}={body[name]!r}: {what} is not supported by this server", name)
@@ -150,6 +153,18 @@ def _settings(body: Dict[str, Any], max_tokens: Optional[int], logprobs: Optiona
     ignore_eos = _get(body, "ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"ignore_eos={ignore_eos!r} must be true or false", "ignore_eos")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _get(body, name, 0.0)
+        if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise BadRequest(f"{name}={value!r} must be a number in [-2, 2]", name)
+        penalties[name] = float(value)
+    repetition = _get(body, "repetition_penalty", 1.0)
+    if not _is_number(repetition) or not 0 < repetition <= 10:
+        raise BadRequest(f"repetition_penalty={repetition!r} must be a number in (0, 10] (1: none)", "repetition_penalty")
+    min_tokens = _get(body, "min_tokens", 0)
+    if not _is_int(min_tokens) or min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+        raise BadRequest(f"min_tokens={min_tokens!r} must be an integer in [0, max_tokens]", "min_tokens")
     return RequestSettings(
         max_tokens=max_tokens or 0,
         temperature=effective_temperature(float(temperature)),
@@ -160,7 +175,60 @@ def _settings(body: Dict[str, Any], max_tokens: Optional[int], logprobs: Optiona
         logprobs=logprobs,
         ignore_eos=ignore_eos,
         leading_space=leading_space,
+        repetition_penalty=float(repetition),
+        min_tokens=min_tokens,
+        **penalties,
     )
+
+
+def _logit_bias(body: Dict[str, Any], vocab: int) -> Optional[Dict[int, float]]:
+    """OpenAI's ``logit_bias``: token ids (as strings) to a bias in [-100, 100]."""
+    bias = _get(body, "logit_bias", {})
+    if not isinstance(bias, dict):
+        raise BadRequest("logit_bias must be an object of token ids to numbers", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab:
+            raise BadRequest(f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias")
+        if not _is_number(value) or not -MAX_BIAS <= value <= MAX_BIAS:
+            raise BadRequest(f"logit_bias[{key!r}]={value!r} must be a number in [-100, 100]", "logit_bias")
+        out[token] = float(value)
+    return out or None
+
+
+def _constraint(body: Dict[str, Any], tokenizer: Tokenizer) -> Optional[Constraint]:
+    """What the answer's text must be: OpenAI's ``response_format`` (``json_object``, ``json_schema``)
+    or one of vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (Lark);
+    compiled here, so that one that cannot be is a 400 before any row is taken."""
+    given = []
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        if not isinstance(response_format, dict):
+            raise BadRequest("response_format must be an object with a type", "response_format")
+        kind = response_format.get("type")
+        if kind == "json_object":
+            given.append(("response_format", Constraint("json_object")))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise BadRequest("response_format.json_schema must be an object with a schema object", "response_format")
+            given.append(("response_format", Constraint("json_schema", spec["schema"])))
+        elif kind != "text":
+            raise BadRequest(f"response_format.type={kind!r} must be text, json_object or json_schema", "response_format")
+    for field, kind in GUIDED:
+        if body.get(field) is not None:
+            given.append((field, Constraint(kind, body[field])))
+    if len(given) > 1:
+        raise BadRequest(f"give one of {', '.join(name for name, _ in given)}: each sets what the answer must be", given[1][0])
+    if not given:
+        return None
+    field, constraint = given[0]
+    try:
+        check_constraint(constraint, tokenizer)
+    except GenerationError as error:
+        raise BadRequest(f"{field}: {error}", field) from None
+    return constraint
 
 
 def _stream_options(body: Dict[str, Any]) -> tuple[bool, bool]:
@@ -205,7 +273,9 @@ def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) ->
         raise BadRequest(f"logprobs={logprobs!r} must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
     max_tokens = _get(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
     stream, include_usage = _stream_options(body)
-    return ParsedRequest(prompts, _settings(body, max_tokens, logprobs, leading_space=True), stream, include_usage, n)
+    settings = _settings(body, max_tokens, logprobs, leading_space=True)
+    settings.constraint, settings.logit_bias = _constraint(body, tokenizer), _logit_bias(body, tokenizer.n_words)
+    return ParsedRequest(prompts, settings, stream, include_usage, n)
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: Any) -> List[int]:
@@ -280,6 +350,7 @@ def parse_chat(
     max_tokens = _chat_max_tokens(body)
     stream, include_usage = _stream_options(body)
     settings = _settings(body, max_tokens, top if logprobs else None, leading_space=False)
+    settings.constraint, settings.logit_bias = _constraint(body, tokenizer), _logit_bias(body, tokenizer.n_words)
     if max_tokens is None:
         settings.max_tokens = max(1, default_max_tokens(len(ids)))
     return ParsedRequest([ids], settings, stream, include_usage, _get(body, "n", 1))

@@ -28,7 +28,8 @@ from mixtral_infer.steps.decode_step import (
     emitted_tokens,
     make_decode_step,
 )
-from mixtral_infer.sampling import Sampling, draw_uniform
+from mixtral_infer.sampling import Sampling, draw_uniform, token_logprobs
+from mixtral_infer.structured.rows import Shaping
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.tuning import Tuning
@@ -56,6 +57,7 @@ class DecodeSettings:
     eos_id: Optional[int]
     max_tokens: int
     on_token: Optional[TokenCallback]
+    shaping: Optional[Shaping] = None  # the rows' logits changes (grammar, penalties, stop strings)
 
 
 def step_compiler(model: Transformer) -> StepCompiler:
@@ -108,7 +110,10 @@ def decode_static(
     tuning: Optional[Tuning] = None,
 ) -> None:
     """Decode with the fixed-shape step: ``step`` (a compiled ``decode_one_token``), or, when
-    None, the same step run op by op, as ``tuning`` says (None: the model's)."""
+    None, the same step run op by op, as ``tuning`` says (None: the model's). With
+    ``settings.shaping``, ``decode_shaped`` (``step`` then the shaped step)."""
+    if settings.shaping is not None:
+        return decode_shaped(model, cache, logits, settings, generated, logprobs, step, tuning)
     batch, device = len(generated), model.device
     sampling = settings.sampling
     compiled = step is not None
@@ -149,6 +154,64 @@ def decode_static(
         cache.tokens_seen = counted.tolist()
         raise
     cache.tokens_seen = positions.tolist()
+
+
+def decode_shaped(
+    model: Transformer,
+    cache: RotatingBufferCache,
+    logits: torch.Tensor,  # (B, V) after each prompt's last token
+    settings: DecodeSettings,
+    generated: List[List[int]],
+    logprobs: List[List[float]],
+    step: Optional[Callable[..., tuple]] = None,
+    tuning: Optional[Tuning] = None,
+) -> None:
+    """``decode_static`` for rows whose logits change before sampling (``settings.shaping``): the step
+    made with ``shaped=True`` takes the changes as fixed-shape tensors, so it stays static and
+    compiled. The host reads each step's tokens before it launches the next: a grammar's next mask
+    and a stop string depend on them. The first token, from the prompt's logits, is shaped on the
+    host as the eager loop shapes it."""
+    batch, device = len(generated), model.device
+    sampling, shaping = settings.sampling, settings.shaping
+    compiled = step is not None
+    if step is None:
+        step = make_decode_step(model, sampling.greedy, sampling.filtered, settings.eos_id, tuning, shaped=True)
+    positions = torch.tensor(cache.tokens_seen, dtype=torch.long, device=device)  # (B,)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    uniform = draw_uniform(batch, sampling, settings.generator, device)
+    tokens, _, next_alive = choose_tokens(shaping.shape(logits, range(batch)), alive, sampling, uniform, settings.eos_id)
+    emitted = emitted_tokens(logits, alive, tokens, next_alive)
+    shaping.advance([i for i, ok in enumerate(next_alive.tolist()) if ok], [t for t, ok in zip(tokens.tolist(), next_alive.tolist()) if ok])
+    alive = _record_shaped((emitted.tolist(), token_logprobs(logits, tokens).tolist()), 0, settings, generated, logprobs, next_alive)
+    try:
+        for index in range(1, settings.max_tokens):
+            if not alive.any():
+                break
+            if compiled and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            uniform = draw_uniform(batch, sampling, settings.generator, device)
+            with guards_checked(not compiled or index <= GUARDED_STEPS):
+                outputs = step(
+                    cache.layer_keys, cache.layer_values, tokens, positions, alive, uniform,
+                    sampling.temperature, sampling.top_p, sampling.top_k, *shaping.tensors(),
+                )  # fmt: skip
+            tokens, token_logprob, positions, next_alive, emitted, counts, seen, min_left = (t.clone() for t in outputs)
+            shaping.update(counts, seen, min_left)
+            alive = _record_shaped((emitted.tolist(), token_logprob.tolist()), index, settings, generated, logprobs, next_alive)
+    finally:
+        cache.tokens_seen = positions.tolist()
+
+
+def _record_shaped(step_result, step: int, settings: DecodeSettings, generated, logprobs, alive: torch.Tensor) -> torch.Tensor:
+    """``_record``, then each row that emitted a token moves its shaping on; ``alive`` without the rows
+    that end there (a complete grammar, a stop string)."""
+    before = [len(g) for g in generated]
+    _record(step_result, step, settings, generated, logprobs)
+    ended = [i for i, g in enumerate(generated) if len(g) > before[i] and settings.shaping.record(i, g[-1])]
+    if ended:
+        alive = alive.clone()
+        alive[torch.tensor(ended, device=alive.device)] = False
+    return alive
 
 
 def guards_checked(checked: bool):

@@ -55,6 +55,7 @@ from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.fast.cpu_reductions import materialized
 from mixtral_infer.sampling import Sampling, sample, token_logprobs
+from mixtral_infer.structured.rows import shaped_logits
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.formats.modules import expert, tuning_of
@@ -463,10 +464,16 @@ def emitted_tokens(
 
 
 def make_decode_step(
-    model: Transformer, greedy: bool, filtered: bool, eos_id: Optional[int], tuning: Optional[Tuning] = None
+    model: Transformer, greedy: bool, filtered: bool, eos_id: Optional[int], tuning: Optional[Tuning] = None,
+    shaped: bool = False,
 ) -> Callable[..., StepOutputs]:
     """``decode_one_token`` bound to a model, to the batch's static sampling facts and to ``tuning``
-    (None: the model's, ``formats.modules.tuning_of``), which compiled code reads when traced."""
+    (None: the model's, ``formats.modules.tuning_of``), which compiled code reads when traced.
+
+    ``shaped``: the step also takes the rows' logits changes (``structured.rows.Shaping.tensors``:
+    a grammar's bitmask, penalties, bias, tokens left before EOS may come), fixed-shape tensors,
+    applies them before sampling (``shaped_logits``; logprobs stay the model's) and returns the
+    counts, seen tokens and tokens left after it as three more outputs."""
     tuning = tuning if tuning is not None else tuning_of(model)
 
     def decode_one_token(
@@ -479,14 +486,27 @@ def make_decode_step(
         temperature: torch.Tensor,  # (B,)
         top_p: torch.Tensor,  # (B,)
         top_k: torch.Tensor,  # (B,)
+        *shaping: torch.Tensor,  # shaped: bits (B, W), counts (B, V), seen (B, V), presence, frequency, repetition (B,), bias (B, V), min_left (B,)
     ) -> StepOutputs:
         """Feed each alive row's token, choose its next one. Returns
-        ``(tokens, logprobs, positions, alive, emitted)`` (see ``emitted_tokens``)."""
+        ``(tokens, logprobs, positions, alive, emitted)`` (see ``emitted_tokens``), and when shaped
+        the updated ``(counts, seen, min_left)``."""
         logits = decode_logits(model, cache_k, cache_v, tokens, positions, alive, tuning=tuning)
         sampling = Sampling(temperature, top_p, top_k, greedy, filtered)
-        next_tokens, logprobs, next_alive = choose_tokens(logits, alive, sampling, uniform, eos_id)
+        if not shaped:
+            next_tokens, logprobs, next_alive = choose_tokens(logits, alive, sampling, uniform, eos_id)
+            emitted = emitted_tokens(logits, alive, next_tokens, next_alive)
+            return next_tokens, logprobs, positions + alive.long(), next_alive, emitted
+        bits, counts, seen, presence, frequency, repetition, bias, min_left = shaping
+        chosen_from = shaped_logits(logits, eos_id, bits, counts, seen, presence, frequency, repetition, bias, min_left)
+        next_tokens, _, next_alive = choose_tokens(chosen_from, alive, sampling, uniform, eos_id)
+        logprobs = token_logprobs(logits, next_tokens)  # (B,) under the model
         emitted = emitted_tokens(logits, alive, next_tokens, next_alive)
-        return next_tokens, logprobs, positions + alive.long(), next_alive, emitted
+        counted = (alive & next_alive).float()[:, None]  # (B, 1): a generated token, not EOS
+        counts = counts.scatter_add(1, next_tokens[:, None], counted)
+        repeats = (repetition != 1)[:, None] & (counted > 0)
+        seen = seen.scatter(1, next_tokens[:, None], seen.gather(1, next_tokens[:, None]) | repeats)
+        return next_tokens, logprobs, positions + alive.long(), next_alive, emitted, counts, seen, min_left - alive.long()
 
     return decode_one_token
 
@@ -545,15 +565,16 @@ class StepCompiler:
         cache.start_sequences(batch)
         return cache
 
-    def step(self, cache: RotatingBufferCache, batch: int, sampling: Sampling, eos_id: Optional[int]):
-        """The compiled ``decode_one_token`` for this shape (compiled on its first call)."""
+    def step(self, cache: RotatingBufferCache, batch: int, sampling: Sampling, eos_id: Optional[int], shaped: bool = False):
+        """The compiled ``decode_one_token`` for this shape (compiled on its first call); ``shaped``:
+        the step that takes the rows' logits changes (``make_decode_step``)."""
         if cache.cache_k.is_cuda:
             # The graph writes the cache in place at the addresses it was captured with (a cache
             # at other addresses is captured anew, not compiled anew).
             for buffer in (*cache.layer_keys, *cache.layer_values):
                 torch._dynamo.mark_static_address(buffer)
         tuning = self.tuning if self.tuning is not None else tuning_of(self.model)
-        key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id, tuning, weights_key(self.model))
+        key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id, shaped, tuning, weights_key(self.model))
         for stale in [k for k in self.steps if k[:-1] == key[:-1] and k[-1] != key[-1]]:
             del self.steps[stale]  # built for weights since replaced (quantized, unpacked): it would read them
         built = self.steps.get(key)
@@ -569,7 +590,7 @@ class StepCompiler:
                 return self.steps[key](*args)
             self.announce(f"compiling the decode step for batch {batch}, {cache.cache_size} cache slots (once per shape)...")
             start = time.perf_counter()
-            step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, tuning)
+            step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, tuning, shaped)
             on_cpu = cache.cache_k.device.type == "cpu"
             built = built_ahead_of_time(self.model, step, args, self.announce, tuning) if on_cpu else None
             if built is None:
@@ -585,7 +606,7 @@ class StepCompiler:
                     # written out.
                     self.announce(regions_failed(reason))
                     written_out = replace(tuning, regions=False)
-                    step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, written_out)
+                    step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, written_out, shaped)
                     built = self.steps[key] = compiled(step, cache.cache_k.device)
                     outputs = built(*args)
             seconds = time.perf_counter() - start
