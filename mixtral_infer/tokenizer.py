@@ -111,7 +111,7 @@ class Tokenizer:
         except (OSError, RuntimeError) as error:
             raise CheckpointError(f"{path}: not a sentencepiece model ({error})") from None
         self.path = path
-        self._instruct_ids = self._control_ids(BEGIN_INST, END_INST)
+        self._instruct_ids = self.control_ids(BEGIN_INST, END_INST)
         self._pieces = self._model.vocab_size()
         self.added = {token.id: token for token in read_added_tokens(path.parent, self._pieces)}
         by_content = {token.content: token.id for token in self.added.values()}
@@ -153,7 +153,8 @@ class Tokenizer:
             raise CheckpointError(f"{Path(folder) / TOKENIZER_FILES[0]}: file not found (nor {', '.join(TOKENIZER_FILES[1:])})")
         return cls(path)
 
-    def _control_ids(self, *pieces: str) -> Optional[List[int]]:
+    def control_ids(self, *pieces: str) -> Optional[List[int]]:
+        """The ids of these control pieces (``[INST]``, ``[TOOL_CALLS]``), or None unless each is one."""
         ids = [self._model.piece_to_id(piece) for piece in pieces]
         if all(self._model.id_to_piece(i) == piece and self._model.IsControl(i) for i, piece in zip(ids, pieces)):
             return ids

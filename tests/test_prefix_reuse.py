@@ -12,7 +12,7 @@ from mixtral_infer import Tokenizer, load_model
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.serve.engine import Engine, Finished, RequestSettings, TokenEvent
 from mixtral_infer.serve.prefix_reuse import (
-    MIN_COPIED_TOKENS,
+    MIN_REUSED_TOKENS,
     Placement,
     RowState,
     can_cut_back,
@@ -86,10 +86,10 @@ def test_place_copies_a_shared_prefix_and_keeps_its_source():
 
 
 def test_place_reads_short_prefixes_again_and_copies_from_running_rows():
-    short = list(range(1, MIN_COPIED_TOKENS))  # one token less than is worth a copy
+    short = list(range(1, MIN_REUSED_TOKENS))  # one token less than is worth a copy
     states = rows(short + [7], [], busy=(0,))
     assert place(short + [8, 9], states, 64, None) == Placement(1, 0)
-    longer = list(range(1, MIN_COPIED_TOKENS + 2))
+    longer = list(range(1, MIN_REUSED_TOKENS + 2))
     states = rows(longer + [7], [], busy=(0,))
     assert place(longer + [8], states, 64, None) == Placement(1, len(longer), 0)
     assert place(longer + [8], rows(longer, busy=(0,)), 64, None) is None  # nothing free
@@ -97,9 +97,10 @@ def test_place_reads_short_prefixes_again_and_copies_from_running_rows():
 
 def test_place_cuts_a_lone_free_row_back_in_place():
     """When the matching row is the only free one, it is cut back where it stands (no copy)."""
-    kept = list(range(1, 11))
-    assert place(kept[:6] + [99], rows(kept), 64, None) == Placement(0, 6)
-    assert place(kept[:6] + [99], rows(kept + list(range(11, 70))), 64, 64) == Placement(0, 0)  # wrapped
+    kept = list(range(1, 41))
+    assert place(kept[:20] + [99], rows(kept), 64, None) == Placement(0, 20)
+    assert place(kept[:20] + [99], rows(kept + list(range(41, 70))), 64, 64) == Placement(0, 0)  # wrapped
+    assert place(kept[:10] + [99], rows(kept), 64, None) == Placement(0, 0)  # too short to be worth it
 
 
 # ---- the engine ----------------------------------------------------------------------------

@@ -190,6 +190,64 @@ def test_n_choices_of_a_list_of_prompts_as_openai_and_vllm_index_them(server, re
     assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 1
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "count": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "kind": {"enum": ["a", "b"]}},  # fmt: skip
+    "required": ["name", "count", "kind"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_through_the_openai_client(server):
+    """The shipped model knows no JSON: a json_schema response format still returns text that parses
+    and validates, whole and streamed; guided_choice answers one of the choices."""
+    import jsonschema
+
+    client = server.client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "Name a thing."}]
+    for seed in range(3):
+        whole = client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=200, temperature=1,
+                                               seed=seed, response_format=response_format)  # fmt: skip
+        assert whole.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(whole.choices[0].message.content), SCHEMA)
+        chunks = list(client.chat.completions.create(model="tiny-mixtral", messages=messages, max_tokens=200, temperature=1,
+                                                     seed=seed, response_format=response_format, stream=True))  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    choice = client.completions.create(model="tiny-mixtral", prompt="Yes or no?", max_tokens=10, temperature=1,
+                                       extra_body={"guided_choice": ["yes", "no"]})  # fmt: skip
+    assert choice.choices[0].text in ("yes", "no")
+
+
+def test_tool_calls_through_the_openai_client(server):
+    """tool_choice required: the answer is a call whose arguments validate (the text format of the
+    shipped v1 tokenizer), whole and streamed as OpenAI's tool_calls deltas; its result goes back in
+    the history as a tool message."""
+    import jsonschema
+
+    client = server.client()
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+                  "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": parameters}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    kwargs = dict(model="tiny-mixtral", messages=messages, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=60, temperature=1, seed=2)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and len(call.id) == 9
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [(0, "get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    history = messages + [whole.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "20 degrees"}]  # fmt: skip
+    answer = client.chat.completions.create(model="tiny-mixtral", messages=history, tools=tools, max_tokens=5, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
 def prefix_counters(server) -> dict:
     metrics = server.request("GET", "/metrics")[2]
     names = ("prefix_cache_hits", "prompt_tokens_reused", "prompt_tokens_prefilled")
@@ -301,7 +359,12 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(server):
         # true == 1 and false == 0 in Python: these passed as "n=1" and "no bias"
         ({"prompt": "x", "n": True}, "n", "n=True must be an integer in [1, 128]"),
         ({"prompt": "x", "best_of": 1.0}, "best_of", "best_of=1.0 is not supported"),
-        ({"prompt": "x", "logit_bias": False}, "logit_bias", "logit_bias is not supported"),
+        ({"prompt": "x", "logit_bias": False}, "logit_bias", "logit_bias must be an object of token ids to numbers"),
+        ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", "'99999' is not a token id in [0, 2000)"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "presence_penalty=3 must be a number in [-2, 2]"),
+        ({"prompt": "x", "guided_regex": "[a-"}, "guided_regex", "guided_regex: the regex cannot be compiled"),
+        ({"prompt": "x", "guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "give one of guided_json, guided_regex"),
+        ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format", "must be an object with a schema"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ],
 )
@@ -315,13 +378,8 @@ def test_bad_completion_requests_are_400s(server, body, param, message):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"modalities": ["text", "audio"]}, "modalities"),
-        # an assistant turn's tool calls were dropped: the model answered another conversation
-        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": [{"id": "1"}]},
-                       {"role": "user", "content": "z"}]}, "messages"),  # fmt: skip
     ],
 )
 def test_chat_fields_the_server_cannot_honour_are_refused_not_ignored(server, extra, param):

@@ -30,6 +30,7 @@ from mixtral_infer.generation.settings import SEED_LIMIT
 from mixtral_infer.serve.engine import Engine, Event, Finished, QueueFull, RequestSettings, ShuttingDown, TokenEvent
 from mixtral_infer.serve.metrics import ServeMetrics
 from mixtral_infer.serve.protocol import BadRequest, ParsedRequest, error_body, parse_chat, parse_completion, read_body
+from mixtral_infer.serve.tools import TOOL_CALLS, has_tool_pieces, parse_calls
 from mixtral_infer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -113,6 +114,9 @@ def make_app(
             return JSONResponse(error_body(str(error), param=param), status_code=400)
         answers = len(handles)
         formats = [fmt.for_choice(index) for index in range(answers)]
+        if parsed.tools is not None:  # each choice's text is held while it may be a list of calls
+            for f in formats:
+                f.calls = CallStream(tokenizer)
 
         def cancel_all() -> None:
             for handle in handles:
@@ -137,7 +141,11 @@ def make_app(
                                     yield "".join(out) + "data: [DONE]\n\n"
                                     return
                                 finished[index] = event
-                                out.append(sse(f.chunk(event.text, None, FINISH_REASONS[event.reason])))
+                                out.extend(sse(c) for c in f.final_chunks(event))
+                            elif f.calls is not None:
+                                text = f.calls.push(event)
+                                if text:
+                                    out.append(f.text_sse(text))
                             elif event.logprob is not None:
                                 out.append(sse(f.chunk(event.text, f.logprobs([event]), None)))
                             elif event.text:
@@ -273,6 +281,7 @@ class CompletionFormat:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.index = 0  # the choice this object writes (for_choice)
+        self.calls: Optional[CallStream] = None  # a chat with tools: the text held while it may be calls
         self._text_template: Optional[List[str]] = None
         self._offset = 0  # characters of the completion's text before the next token's logprobs entry
 
@@ -309,6 +318,10 @@ class CompletionFormat:
     def usage(self, usage: Dict[str, int]) -> Dict[str, int]:
         return usage
 
+    def final_chunks(self, finished: Finished) -> List[Dict[str, Any]]:
+        """A streamed choice's last chunks: its held text and its finish reason."""
+        return [self.chunk(finished.text, None, FINISH_REASONS[finished.reason])]
+
     def usage_chunk(self, usage: Dict[str, int]) -> Dict[str, Any]:
         return {**self.envelope([]), "usage": usage}
 
@@ -336,6 +349,43 @@ class CompletionFormat:
         }  # fmt: skip
 
 
+class CallStream:
+    """A streamed chat choice with tools: its text is held while it may be a list of calls (the
+    first token is ``[TOOL_CALLS]`` for a tokenizer with Mistral's tool pieces; else the text begins
+    as ``[TOOL_CALLS]`` does), and sent as it comes once it cannot be."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.pieces = has_tool_pieces(tokenizer)
+        self.tokens: List[int] = []
+        self.text = ""
+        self.deciding, self.calling = True, False
+
+    def push(self, event: TokenEvent) -> str:
+        """The text to send now for this token ("" while held)."""
+        self.tokens.append(event.token)
+        self.text += event.text
+        if not self.deciding:
+            return "" if self.calling else event.text
+        if self.pieces:
+            self.calling = self.tokens[0] == self.tokenizer.control_ids(TOOL_CALLS)[0]
+            self.deciding = False
+        else:
+            start = self.text.lstrip()
+            if TOOL_CALLS.startswith(start):
+                return ""  # still a prefix of [TOOL_CALLS]: held
+            self.calling, self.deciding = start.startswith(TOOL_CALLS), False
+        return "" if self.calling else self.text
+
+    def finish(self, finished: Finished) -> Tuple[Optional[List[Dict[str, Any]]], str]:
+        """``(calls, None)`` when the answer is a list of calls, else ``(None, the text still to send)``."""
+        text = self.text + finished.text
+        calls = parse_calls(self.tokens, text, self.tokenizer) if (self.calling or self.deciding) else None
+        if calls is not None:
+            return calls, ""
+        return None, (text if (self.calling or self.deciding) else finished.text)
+
+
 class ChatFormat(CompletionFormat):
     """Response bodies of ``/v1/chat/completions``."""
 
@@ -359,8 +409,28 @@ class ChatFormat(CompletionFormat):
 
         return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or []]} for e in events]}
 
+    def final_chunks(self, finished: Finished) -> List[Dict[str, Any]]:
+        """A streamed choice's last chunks; with tools, either its calls (OpenAI's ``tool_calls`` deltas,
+        each call whole) or the text held while it might have been one."""
+        if self.calls is None:
+            return super().final_chunks(finished)
+        calls, held = self.calls.finish(finished)
+        if calls is None:
+            return [self.chunk(held, None, FINISH_REASONS[finished.reason])]
+        deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+        return [
+            self.envelope([{"index": self.index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}]),
+            self.envelope([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}]),
+        ]
+
     def whole_choice(self, events: List[TokenEvent], finished: Finished, with_logprobs: bool) -> Dict[str, Any]:
         text = "".join(e.text for e in events) + finished.text
+        calls = parse_calls([e.token for e in events], text, self.tokenizer) if self.calls is not None else None
+        if calls is not None:
+            return {
+                "index": self.index, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                "logprobs": self.logprobs(events) if with_logprobs else None, "finish_reason": "tool_calls",
+            }  # fmt: skip
         return {
             "index": self.index, "message": {"role": "assistant", "content": text},
             "logprobs": self.logprobs(events) if with_logprobs else None, "finish_reason": FINISH_REASONS[finished.reason],

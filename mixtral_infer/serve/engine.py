@@ -53,7 +53,7 @@ from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling, sample
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.transformer import Transformer
-from mixtral_infer.serve.prefix_reuse import MIN_COPIED_TOKENS, Placement, RowState, common_prefix, copied_slots, place
+from mixtral_infer.serve.prefix_reuse import MIN_REUSED_TOKENS, Placement, RowState, common_prefix, copied_slots, place
 from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.structured.grammar import Constraint, RowGrammar, check_constraint, fill_bitmask
 from mixtral_infer.structured.logits import RowPenalties, apply_bitmask, apply_penalties, dense_penalties
@@ -479,7 +479,7 @@ class Engine:
     def _waits_for_prefix(self, request: Request) -> bool:
         """Whether ``request`` had better wait a step or more for a row that is reading its prompt's
         beginning now: the choice it follows (its row is copied once its prompt is read), or, with
-        ``prefix_reuse``, a running prompt that shares at least ``MIN_COPIED_TOKENS`` tokens with it
+        ``prefix_reuse``, a running prompt that shares at least ``MIN_REUSED_TOKENS`` tokens with it
         and has not read them yet (a shared system prompt arriving with many users at once). That
         prompt's reading then pauses at the shared length (``pause_at``), so that the row holds
         exactly the shared tokens for a step, and a copy of it is exact however long they are."""
@@ -491,7 +491,7 @@ class Engine:
         for running in self.running:
             if running.next_token is None:  # still reading its prompt
                 share = min(common_prefix(running.prompt, request.prompt), len(request.prompt) - 1)
-                if share >= MIN_COPIED_TOKENS and running.fed < share:
+                if share >= MIN_REUSED_TOKENS and running.fed < share:
                     pause = running.pause_at
                     running.pause_at = share if pause is None or pause <= running.fed else min(pause, share)
                     return True

@@ -40,6 +40,7 @@ the source keeps its own sequence for its own next turn: this is how a shared sy
 many users. A row that is still running can be a source too (the engine pauses a prompt being read
 at the length a waiting request shares with it, so the copy is taken at the row's end, exact even
 past the window). Among free rows, one that holds nothing goes first, then the least recently used.
+A match shorter than ``MIN_REUSED_TOKENS`` is read again.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-MIN_COPIED_TOKENS = 16  # a shorter prefix is prefilled again: a copy of a few slots saves less than it costs
+# A shorter prefix is read again: reading a few tokens costs little, and a prompt read after
+# tokens already in its row takes the attention path over the cache, slower for a fresh prompt.
+MIN_REUSED_TOKENS = 16
 
 
 @dataclass
@@ -126,15 +129,11 @@ def place(prompt: Sequence[int], rows: Sequence[RowState], slots: int, window: O
             best, source, best_key = n, r, key
     # free rows, the ones worth least first: empty, then least recently used
     spare = sorted(free, key=lambda r: (len(rows[r].ids) > 0, rows[r].last_used))
-    if source is None:
+    if source is None or best < MIN_REUSED_TOKENS:
         return Placement(spare[0], 0)
-    source_free = not rows[source].busy
-    at_end = best == len(rows[source].ids)
     others = [r for r in spare if r != source]
-    if source_free and (at_end or not others):
+    if not rows[source].busy and (best == len(rows[source].ids) or not others):
         return Placement(source, best)  # continued where it is, nothing copied
-    if best < MIN_COPIED_TOKENS:
-        return Placement(others[0] if others else spare[0], 0)
     return Placement(others[0], best, source)
 
 

@@ -15,10 +15,12 @@ Several answers: ``n`` choices of each prompt, and for ``/v1/completions`` a lis
 (strings or lists of token ids). Choice ``i`` of prompt ``p`` has index ``p * n + i``, as in OpenAI
 and vLLM; the usage counts each prompt's tokens once and every choice's tokens.
 
-Chat messages become the model's instruct format (``Tokenizer.encode_instruct``)::
+Chat messages become the model's instruct format (``Tokenizer.encode_instruct``), as
+mistral-common renders them (tested)::
 
     [system, user u1, assistant a1, user u2]
-    -> <s> [INST] system\\n\\nu1 [/INST] a1 </s> [INST] u2 [/INST]
+    v1 -> <s> [INST] system\\n\\nu1 [/INST] a1 </s> [INST] u2 [/INST]
+    v3 -> <s> [INST] u1 [/INST] a1 </s> [INST] system\\n\\nu2 [/INST]
 
 and for a ChatML fine-tune's tokenizer (``Tokenizer.chat_format``), ChatML's text encoded whole::
 
@@ -34,7 +36,17 @@ from typing import Any, Callable, Dict, List, Optional
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.settings import SEED_LIMIT, effective_temperature
 from mixtral_infer.serve.engine import RequestSettings
-from mixtral_infer.structured.grammar import Constraint, check_constraint
+from mixtral_infer.serve.tools import (
+    ToolError,
+    call_grammar,
+    calls_text,
+    check_tools,
+    has_tool_pieces,
+    render_with_mistral_common,
+    result_text,
+    tools_text,
+)
+from mixtral_infer.structured.grammar import Constraint, check_constraint, one_line
 from mixtral_infer.tokenizer import Tokenizer, chatml
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -48,10 +60,8 @@ MAX_CHOICES = 128  # n, and prompts times n: the answers of one request
 # parallel_tool_calls, ...) are accepted.
 CANNOT_HONOUR = (
     ("suffix", (None, ""), "text after the completion (fill in the middle)"),
-    ("tools", (None, []), "tool calling"),
-    ("functions", (None, []), "function calling"),
-    ("tool_choice", (None, "none"), "tool calling"),
-    ("function_call", (None, "none"), "function calling"),
+    ("functions", (None, []), "function calling (the deprecated form: give tools)"),
+    ("function_call", (None, "none"), "function calling (the deprecated form: give tool_choice)"),
     ("modalities", (None, ["text"]), "output other than text"),
     ("audio", (None,), "audio output"),
 )
@@ -78,6 +88,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     n: int = 1  # choices of each prompt
+    tools: Optional[List[Dict[str, Any]]] = None  # a chat's functions the model may call (serve.tools)
 
     @property
     def prompt(self) -> List[int]:
@@ -260,6 +271,9 @@ def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) ->
     """``/v1/completions``: the prompt is a string or token ids, or a list of them (one answer each)."""
     _check_model(body, served)
     _check_unsupported(body)
+    for name in ("tools", "tool_choice"):
+        if body.get(name) not in (None, [], "none"):
+            raise BadRequest(f"{name}: tool calling is for /v1/chat/completions", name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         prompts = [_prompt_ids(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
@@ -278,17 +292,40 @@ def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) ->
     return ParsedRequest(prompts, settings, stream, include_usage, n)
 
 
-def chat_prompt(tokenizer: Tokenizer, messages: Any) -> List[int]:
-    """Token ids of a conversation in the instruct format (see the module docstring)."""
+def chat_prompt(tokenizer: Tokenizer, messages: Any, tools: Optional[List[Dict[str, Any]]] = None) -> List[int]:
+    """Token ids of a conversation in the instruct format (see the module docstring). ``tools``: the
+    functions shown to the model (``serve.tools``); a conversation with tools, tool calls or tool
+    results is rendered by mistral-common for a tokenizer with Mistral's tool pieces, else in the
+    text format."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    uses_tools = tools is not None or any(
+        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls") not in (None, [])) for m in messages
+    )
+    if uses_tools and has_tool_pieces(tokenizer):
+        try:
+            return render_with_mistral_common(tokenizer, messages, tools)
+        except Exception as error:  # mistral-common's validation: the conversation as it cannot render it
+            raise BadRequest(f"messages: {one_line(str(error))}", "messages") from None
     turns = []
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
-            raise BadRequest(f"messages[{index}] must be an object with role system, user or assistant", "messages")
-        if message.get("tool_calls") not in (None, []):  # dropped, the model would answer another conversation
-            raise BadRequest(f"messages[{index}].tool_calls: a tool call is not supported by this server", "messages")
-        turns.append((message["role"], _content(message.get("content"), index)))
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{index}] must be an object with role system, user, assistant or tool", "messages")
+        role = message["role"]
+        try:
+            if role == "tool":  # the text format: results are the user's next turn
+                text = result_text(_content(message.get("content"), index), message.get("tool_call_id"))
+                if turns and turns[-1][0] == "user" and turns[-1][1].startswith("[TOOL_RESULTS]"):
+                    turns[-1] = ("user", turns[-1][1] + "\n" + text)
+                    continue
+                role = "user"
+            elif role == "assistant" and message.get("tool_calls") not in (None, []):
+                text = calls_text(message["tool_calls"])
+            else:
+                text = _content(message.get("content"), index)
+        except ToolError as error:
+            raise BadRequest(f"messages[{index}]: {error}", "messages") from None
+        turns.append((role, text))
     system = [text for role, text in turns if role == "system"]
     if any(role == "system" for role, _ in turns[len(system) :]):
         raise BadRequest("system messages must come first", "messages")
@@ -296,12 +333,16 @@ def chat_prompt(tokenizer: Tokenizer, messages: Any) -> List[int]:
     roles = [role for role, _ in turns]
     if roles[::2] != ["user"] * len(roles[::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]) or roles[-1:] != ["user"]:
         raise BadRequest("after any system messages, messages must alternate user, assistant, ... and end with user", "messages")
+    if tools is not None:  # the text format: the tool list before the last user turn
+        turns[-1] = ("user", tools_text(tools) + "\n\n" + turns[-1][1])
     if tokenizer.chat_format == "chatml":  # the template's text, encoded whole (as transformers encodes it)
         return [tokenizer.bos_id] + tokenizer.encode(chatml([("system", text) for text in system] + turns), bos=False)
     ids = [tokenizer.bos_id]
+    # The system prompt joins the first user turn (v1), or the last one (v3), as mistral-common renders them.
+    with_system = 0 if tokenizer.version == "v1" else len(turns) - 1
     for index, (role, text) in enumerate(turns):
         if role == "user":
-            if index == 0 and system:
+            if index == with_system and system:
                 text = "\n\n".join(system + [text])
             ids += tokenizer.encode_instruct(text)
         else:
@@ -338,7 +379,15 @@ def parse_chat(
     ``default_max_tokens(prompt length)`` tokens."""
     _check_model(body, served)
     _check_unsupported(body)
-    ids = chat_prompt(tokenizer, body.get("messages"))
+    tools, choice = None, "none"
+    if body.get("tools") not in (None, []):
+        try:
+            tools, choice = check_tools(body["tools"], body.get("tool_choice"))
+        except ToolError as error:
+            raise BadRequest(str(error), "tools" if "tool_choice" not in str(error) else "tool_choice") from None
+    elif body.get("tool_choice") not in (None, "none"):
+        raise BadRequest(f"tool_choice={body['tool_choice']!r} needs tools", "tool_choice")
+    ids = chat_prompt(tokenizer, body.get("messages"), tools if choice != "none" else None)
     logprobs = _get(body, "logprobs", False)
     if not isinstance(logprobs, bool):
         raise BadRequest(f"logprobs={logprobs!r} must be true or false", "logprobs")
@@ -351,6 +400,16 @@ def parse_chat(
     stream, include_usage = _stream_options(body)
     settings = _settings(body, max_tokens, top if logprobs else None, leading_space=False)
     settings.constraint, settings.logit_bias = _constraint(body, tokenizer), _logit_bias(body, tokenizer.n_words)
+    parallel = _get(body, "parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise BadRequest(f"parallel_tool_calls={parallel!r} must be true or false", "parallel_tool_calls")
+    calls = call_grammar(tokenizer, tools, choice, parallel) if tools is not None else None
+    if calls is not None:
+        if settings.constraint is not None:
+            raise BadRequest(f"tool_choice={choice!r} sets what the answer must be: leave out response_format", "tool_choice")
+        settings.constraint = calls
     if max_tokens is None:
         settings.max_tokens = max(1, default_max_tokens(len(ids)))
-    return ParsedRequest([ids], settings, stream, include_usage, _get(body, "n", 1))
+    parsed = ParsedRequest([ids], settings, stream, include_usage, _get(body, "n", 1))
+    parsed.tools = tools if choice != "none" else None
+    return parsed

@@ -1,0 +1,187 @@
+"""Tool calling as Mistral's instruct models do it.
+
+**v3 tokenizers** (Mistral 7B v0.3: ``[AVAILABLE_TOOLS]``, ``[TOOL_CALLS]``, ``[TOOL_RESULTS]`` and
+their closing pieces are control pieces): a conversation with tools is rendered by mistral-common,
+the library Mistral maintains (``MistralTokenizer.encode_chat_completion``), from the same
+tokenizer file. The model calls tools by writing ``[TOOL_CALLS]`` and then a JSON list::
+
+    [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]</s>
+
+**Other tokenizers** (v1, ChatML) have no such pieces; the same layout is written as text (the
+documented text format): the tool list as ``[AVAILABLE_TOOLS] [...] [/AVAILABLE_TOOLS]`` before the
+last user turn, a call as the text ``[TOOL_CALLS] [...]``, a result as
+``[TOOL_RESULTS] {"content": ..., "call_id": ...} [/TOOL_RESULTS]`` in the user turn that follows.
+
+``tool_choice``: ``none`` (no tools shown), ``auto`` (the model may call; its answer is read as
+calls when it starts with ``[TOOL_CALLS]``), ``required`` or a named function: enforced by a grammar
+(``call_grammar``), so that even a model that knows no tools returns a call whose arguments
+validate against the function's JSON schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from mixtral_infer.structured.grammar import Constraint
+from mixtral_infer.tokenizer import Tokenizer
+
+TOOL_PIECES = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+TOOL_CALLS = "[TOOL_CALLS]"
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+CALL_ID_CHARS = string.ascii_letters + string.digits
+
+
+class ToolError(ValueError):
+    """A tool list, tool choice or tool message that cannot be used: the message says what to fix."""
+
+
+def has_tool_pieces(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer has Mistral's tool control pieces (a v3 tokenizer's)."""
+    return tokenizer.version == "v3" and tokenizer.control_ids(*TOOL_PIECES) is not None
+
+
+def check_tools(tools: Any, tool_choice: Any) -> Tuple[List[Dict[str, Any]], Any]:
+    """OpenAI's ``tools`` and ``tool_choice``, checked: the function dicts, and ``"none"``, ``"auto"``,
+    ``"required"`` or the chosen function's name. ``ToolError`` names what is wrong."""
+    if not isinstance(tools, list) or not tools:
+        raise ToolError("tools must be a non-empty list of {type: function, function: {name, parameters}}")
+    functions = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        if not isinstance(function, dict):
+            raise ToolError(f"tools[{index}] must be {{type: function, function: {{name, parameters}}}}")
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ToolError(f"tools[{index}].function.name={name!r} must be 1-64 letters, digits, _ or -")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ToolError(f"tools[{index}].function.parameters must be a JSON schema object")
+        functions.append({"name": name, "description": function.get("description", ""), "parameters": parameters})
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise ToolError("tools: each function needs a name of its own")
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, dict):
+        chosen = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if chosen not in names:
+            raise ToolError(f"tool_choice names {chosen!r}, which is not among the tools {names}")
+        choice = chosen
+    elif choice not in ("none", "auto", "required"):
+        raise ToolError(f"tool_choice={choice!r} must be none, auto, required or {{type: function, function: {{name}}}}")
+    return functions, choice
+
+
+def call_grammar(tokenizer: Tokenizer, functions: List[Dict[str, Any]], choice: str, parallel: bool = True) -> Optional[Constraint]:
+    """The grammar of an answer that is calls of the functions (``required``) or of the named one;
+    None for ``auto`` and ``none``. Each call is a JSON object whose ``name`` is a function's and
+    whose ``arguments`` validate against that function's parameters; one call only unless
+    ``parallel`` (OpenAI's ``parallel_tool_calls``)."""
+    if choice in ("auto", "none"):
+        return None
+    chosen = functions if choice == "required" else [f for f in functions if f["name"] == choice]
+    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                         "required": ["name", "arguments"], "additionalProperties": False} for f in chosen],
+              "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+    if has_tool_pieces(tokenizer):
+        (token,) = tokenizer.control_ids(TOOL_CALLS)
+        start = f'<[{token}]> " ["'
+    else:
+        start = f'"{TOOL_CALLS} ["'
+    more = ' ("," " " call)*' if parallel else ""
+    lark = f'start: {start} call{more} "]"\ncall: %json {json.dumps(schema)}\n'
+    return Constraint("lark", lark)
+
+
+def parse_calls(tokens: List[int], text: str, tokenizer: Tokenizer) -> Optional[List[Dict[str, Any]]]:
+    """The calls an answer makes (OpenAI's ``tool_calls``, with fresh ids), or None when it is not a
+    list of calls after ``[TOOL_CALLS]``."""
+    if has_tool_pieces(tokenizer):
+        (token,) = tokenizer.control_ids(TOOL_CALLS)
+        if not tokens or tokens[0] != token:
+            return None
+        body = text
+    else:
+        if not text.lstrip().startswith(TOOL_CALLS):
+            return None
+        body = text.lstrip()[len(TOOL_CALLS) :]
+    try:
+        calls = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        return None
+    return [
+        {"id": call_id(), "type": "function",
+         "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
+        for c in calls
+    ]  # fmt: skip
+
+
+def call_id() -> str:
+    """A call's id: 9 letters and digits, as Mistral's models write them."""
+    return "".join(secrets.choice(CALL_ID_CHARS) for _ in range(9))
+
+
+# ---- rendering a conversation ------------------------------------------------------------------
+
+
+_MISTRAL_TOKENIZERS: Dict[str, Any] = {}
+
+
+def mistral_common_tokenizer(tokenizer: Tokenizer):
+    """mistral-common's ``MistralTokenizer`` over the same sentencepiece file (made once). The library
+    tells versions apart by the file's name, so a v3 file named otherwise is linked as ``.v3``."""
+    path = str(tokenizer.path)
+    made = _MISTRAL_TOKENIZERS.get(path)
+    if made is None:
+        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+        source = Path(path)
+        if not source.name.endswith(".v3"):
+            linked = Path(tempfile.mkdtemp(prefix="mixtral_infer_tokenizer_")) / "tokenizer.model.v3"
+            linked.symlink_to(source.resolve())
+            source = linked
+        made = _MISTRAL_TOKENIZERS[path] = MistralTokenizer.from_file(str(source))
+    return made
+
+
+def render_with_mistral_common(tokenizer: Tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]]) -> List[int]:
+    """Token ids of an OpenAI conversation (with tool calls and results) as mistral-common renders it."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+    openai_tools = None if tools is None else [{"type": "function", "function": f} for f in tools]
+    request = ChatCompletionRequest.from_openai(messages, tools=openai_tools)
+    return list(mistral_common_tokenizer(tokenizer).encode_chat_completion(request).tokens)
+
+
+def tools_text(functions: List[Dict[str, Any]]) -> str:
+    """The text format's tool list (module docstring)."""
+    listed = [{"type": "function", "function": f} for f in functions]
+    return f"[AVAILABLE_TOOLS] {json.dumps(listed, ensure_ascii=False)} [/AVAILABLE_TOOLS]"
+
+
+def calls_text(tool_calls: List[Dict[str, Any]]) -> str:
+    """An assistant's calls in the text format: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}]``."""
+    calls = []
+    for call in tool_calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise ToolError(f"a tool call's arguments must be JSON text, got {arguments!r:.60}") from None
+        calls.append({"name": function.get("name"), "arguments": arguments, "id": call.get("id")})
+    return f"{TOOL_CALLS} {json.dumps(calls, ensure_ascii=False)}"
+
+
+def result_text(content: str, call: Optional[str]) -> str:
+    """A tool's result in the text format."""
+    return f'[TOOL_RESULTS] {json.dumps({"content": content, "call_id": call}, ensure_ascii=False)} [/TOOL_RESULTS]'
