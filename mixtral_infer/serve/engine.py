@@ -777,7 +777,9 @@ class Engine:
         """Sample every row's next token, then hand each to its request.
 
         A request whose logits hold NaN or inf ends with an error, and its row of the cache is
-        cleared; the other rows go on (their logits do not depend on it)."""
+        cleared; the other rows go on (their logits do not depend on it). The grammar masks are
+        computed first, on the host, while a CUDA device still runs the step."""
+        masks = {id(r): fill_bitmask([r.grammar], self.tokenizer.n_words)[0] for r in sampled if r.grammar is not None}
         finite = finite_rows(logits)  # (N,)
         if not finite.all():
             finite = finite.tolist()
@@ -789,7 +791,7 @@ class Engine:
             if not sampled:
                 return
         sampled, logits = self._take_followers(sampled, logits)
-        tokens = sample_rows(self._shaped(sampled, logits), [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
+        tokens = sample_rows(self._shaped(sampled, logits, masks), [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
         chosen, top = None, None
         if any(r.settings.logprobs is not None for r in sampled):  # else skip a softmax over (N, V)
             log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
@@ -830,10 +832,11 @@ class Engine:
         if self.metrics is not None:
             self.metrics.generated_tokens(generated)
 
-    def _shaped(self, sampled: List[Request], logits: torch.Tensor) -> torch.Tensor:
-        """The logits the rows sample from: each row's grammar mask, penalties and bias applied, EOS
-        held back below ``min_tokens`` (``structured``); ``logits`` itself when no row asks for any.
-        Logprobs are reported from the model's own logits."""
+    def _shaped(self, sampled: List[Request], logits: torch.Tensor, masks: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """The logits the rows sample from: each row's grammar mask (``masks``, by request, computed
+        for those without), penalties and bias applied, EOS held back below ``min_tokens``
+        (``structured``); ``logits`` itself when no row asks for any. Logprobs are reported from
+        the model's own logits."""
         grammars = [r.grammar for r in sampled]
         penalised = [i for i, r in enumerate(sampled) if r.penalties is not None]
         early = [i for i, r in enumerate(sampled) if len(r.generated) < r.settings.min_tokens and not r.settings.ignore_eos]
@@ -847,7 +850,11 @@ class Engine:
         if early:
             logits[torch.tensor(early, device=logits.device), self.tokenizer.eos_id] = float("-inf")
         if any(g is not None for g in grammars):  # last: a token the grammar forbids stays forbidden
-            logits = apply_bitmask(logits, fill_bitmask(grammars, self.tokenizer.n_words))
+            bits = fill_bitmask([None] * len(sampled), self.tokenizer.n_words)  # (N, W) all allowed
+            for i, r in enumerate(sampled):
+                if r.grammar is not None:
+                    bits[i] = masks[id(r)] if id(r) in masks else fill_bitmask([r.grammar], self.tokenizer.n_words)[0]
+            logits = apply_bitmask(logits, bits)
         return logits
 
     def _finish(self, request: Request, reason: str, error: Optional[str] = None) -> None:
