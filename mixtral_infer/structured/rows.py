@@ -55,6 +55,8 @@ class Shaping:
         if bias:
             self.bias[:, list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
         self.min_left = torch.full((batch,), int(min_tokens), dtype=torch.long, device=device)  # (B,)
+        self.penalised = bool(presence or frequency or repetition != 1 or bias)
+        self.holds_eos = min_tokens > 0 and eos_id is not None
 
     @property
     def needs_host(self) -> bool:
@@ -77,10 +79,19 @@ class Shaping:
         self.counts, self.seen, self.min_left = counts, seen, min_left
 
     def shape(self, logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-        """The eager loop's ``logits`` ``(N, V)`` of these ``rows``, changed as the step does."""
-        index = torch.tensor(list(rows), device=self.device)
-        bits, counts, seen, presence, frequency, repetition, bias, min_left = (t[index] for t in self.tensors())
-        return shaped_logits(logits, self.eos_id, bits, counts, seen, presence, frequency, repetition, bias, min_left)
+        """The eager loop's ``logits`` ``(N, V)`` of these ``rows``, changed as the step does (the parts
+        no row asks for are left out: the step computes them, at no cost once compiled)."""
+        rows = list(rows)
+        index = torch.tensor(rows, device=self.device)
+        if self.penalised:
+            logits = apply_penalties(logits, self.counts[index], self.seen[index], self.presence[index],
+                                     self.frequency[index], self.repetition[index], self.bias[index])  # fmt: skip
+        if self.holds_eos:
+            logits = logits.clone()
+            logits[torch.nonzero(self.min_left[index] > 0)[:, 0], self.eos_id] = float("-inf")  # rows still short
+        if any(self.grammars[r] is not None for r in rows):
+            logits = apply_bitmask(logits, fill_bitmask([self.grammars[r] for r in rows], self.tokenizer.n_words).to(self.device))
+        return logits
 
     def advance(self, rows: Sequence[int], tokens: Sequence[int]) -> None:
         """The eager loop's counts after these rows sampled these tokens (the step does it itself)."""
