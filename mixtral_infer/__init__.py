@@ -14,6 +14,12 @@ from mixtral_infer._version import __version__
 from mixtral_infer.errors import CheckpointError, ConfigError, GenerationError, MixtralInferError
 
 _LAZY = {  # name -> the module that defines it
+    "LLM": "mixtral_infer.llm",
+    "SamplingParams": "mixtral_infer.llm",
+    "Completion": "mixtral_infer.llm",
+    "Conversation": "mixtral_infer.generation.chat",
+    "perplexity": "mixtral_infer.generation.perplexity",
+    "save_model": "mixtral_infer.checkpoint.loading",
     "load_model": "mixtral_infer.checkpoint.loading",
     "generate": "mixtral_infer.generation.generate",
     "forward": "mixtral_infer.generation.settings",
@@ -31,7 +37,10 @@ _LAZY = {  # name -> the module that defines it
 }
 
 if TYPE_CHECKING:  # what type checkers and editors see
-    from mixtral_infer.checkpoint.loading import load_model
+    from mixtral_infer.checkpoint.loading import load_model, save_model
+    from mixtral_infer.generation.chat import Conversation
+    from mixtral_infer.generation.perplexity import perplexity
+    from mixtral_infer.llm import LLM, Completion, SamplingParams
     from mixtral_infer.generation.generate import generate
     from mixtral_infer.generation.settings import forward
     from mixtral_infer.model.cache import (

@@ -548,6 +548,20 @@ def internal_to_published(state: Dict[str, torch.Tensor], args: ModelArgs) -> Na
             yield name, tensor
 
 
+def save_model(model: Transformer, folder: str | Path, tokenizer=None) -> None:
+    """Write ``model`` as a Mistral folder that ``load_model`` (and ``convert --to hf``) reads:
+    params.json and consolidated.safetensors, and the tokenizer's file when ``tokenizer`` is given.
+
+    >>> save_model(model, "my-model", tokenizer)                        # doctest: +SKIP
+    >>> load_model("my-model")                                          # doctest: +SKIP
+    """
+    import shutil
+
+    save_consolidated(model, folder)
+    if tokenizer is not None:
+        shutil.copy(tokenizer.path, Path(folder) / Path(tokenizer.path).name)
+
+
 def save_consolidated(model: Transformer, folder: str | Path) -> None:
     """Write params.json and consolidated.safetensors with the published names, of a float model (a
     quantized one is written by ``convert --quantize`` from its float original)."""

@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from mixtral_infer.devices import DTYPE_NAMES
 from mixtral_infer.errors import GenerationError, MixtralInferError
+from mixtral_infer.hub import is_hub_name
 from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, is_shipped, resolve_model_folder, shipped_models
 
 DEFAULT_MODEL = SHIPPED_MODELS / DEFAULT_MODEL_NAME
@@ -637,7 +638,8 @@ def serve(
     if max_model_len is None:  # a bound on each request (a row holds the window, whatever the length)
         max_model_len = declared_max_len(checkpoint) or DEFAULT_MAX_MODEL_LEN
     tokenizer = Tokenizer.from_folder(folder)  # this process turns requests into tokens; the engine's loads the model
-    name = served_model_name or (resolve_model_folder(str(model_path)).name if model_path is not None else DEFAULT_MODEL_NAME)
+    given = str(model_path) if model_path is not None else DEFAULT_MODEL_NAME
+    name = served_model_name or (given if is_hub_name(given) and not Path(given).exists() else resolve_model_folder(given).name)
     run_server(
         functools.partial(load, model_path, 1, device, dtype, quantize=quantize), tokenizer, model_name=str(name), host=str(host),
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),

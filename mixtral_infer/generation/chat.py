@@ -53,6 +53,16 @@ class Reply:
 
 
 class Conversation:
+    """A conversation with a model: each ``reply(text)`` streams an answer and keeps the context in
+    the cache, so the next turn reads only its new tokens (module docstring).
+
+    >>> chat = Conversation(model, tokenizer, instruct=True, max_tokens=12, temperature=0)  # doctest: +SKIP
+    >>> chat.reply("Who made the heaven and the earth?").text                             # doctest: +SKIP
+
+    ``instruct``: wrap each turn in the model's instruct format (else each reply continues the text).
+    ``emit`` (of ``reply``): called with each piece of text as it comes.
+    """
+
     def __init__(
         self,
         model: Transformer,

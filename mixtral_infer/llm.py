@@ -1,0 +1,205 @@
+"""The high-level Python API, in the shape vLLM users know: text in, text out, any batch size.
+
+>>> from mixtral_infer import LLM, SamplingParams                      # doctest: +SKIP
+>>> llm = LLM("tiny-mixtral")                                           # doctest: +SKIP
+>>> [out] = llm.generate(["And God said"], SamplingParams(max_tokens=8, temperature=0))  # doctest: +SKIP
+>>> out.text, out.finish_reason                                         # doctest: +SKIP
+(' unto him, Thou art my son,', 'length')
+
+``LLM`` loads a model (a shipped name, a folder, or a Hugging Face hub name already in the local
+cache) and its tokenizer. ``generate`` takes strings (or token-id lists) and a ``SamplingParams``
+(or its fields as keyword arguments) and returns one ``Completion`` per prompt: ``.text``,
+``.token_ids``, ``.logprobs`` (of each generated token), ``.finish_reason`` (``"stop"``: EOS, a stop
+string or a complete structured answer; ``"length"``: ``max_tokens``). ``chat`` takes a conversation
+of ``{"role", "content"}`` dicts (or a list of conversations) in the model's instruct format.
+``score`` gives a text's log-likelihood per token.
+
+Batches of any size: prompts are run in batches as large as half the free memory holds for
+their caches (at most ``max_batch``, 64 by default); no batch size is declared at load time. The layer below, for research scripts: ``load_model``, ``generate``, ``forward``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from mixtral_infer.checkpoint.loading import load_model
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.generation.generate import generate
+from mixtral_infer.generation.settings import free_memory, kv_cache_bytes
+from mixtral_infer.serve.protocol import BadRequest, chat_prompt
+from mixtral_infer.tokenizer import Tokenizer
+
+MAX_BATCH = 64  # prompts run together at most: beyond, a prefill's activations grow for little gain
+CACHE_SHARE = 0.5  # of the free memory, for one batch's cache
+
+
+@dataclass
+class SamplingParams:
+    """How to choose tokens, as vLLM's ``SamplingParams`` (its defaults: temperature 1, 16 tokens)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[Dict[int, float]] = None
+    min_tokens: int = 0
+    json_schema: Optional[Union[dict, str]] = None  # what the text must be (one of these four)
+    regex: Optional[str] = None
+    choices: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None  # Lark
+
+
+@dataclass
+class Completion:
+    """One prompt's answer."""
+
+    prompt: Union[str, List[int], List[Dict[str, Any]]]
+    text: str
+    token_ids: List[int]
+    logprobs: List[float]  # of each generated token
+    finish_reason: str  # "stop" or "length"
+    prompt_token_ids: List[int] = field(default_factory=list)
+
+
+@dataclass
+class TextScore:
+    """A text's log-likelihood: each token's log-probability after the first (BOS)."""
+
+    token_ids: List[int]
+    token_logprobs: List[float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.token_logprobs)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-self.total / max(len(self.token_logprobs), 1))
+
+
+class LLM:
+    """A model and its tokenizer, for text in and text out (module docstring).
+
+    ``model``: a shipped model's name (``tiny-mixtral``), a Mistral or Hugging Face folder, or a hub
+    name (``mistralai/Mistral-7B-v0.1``) already in the Hugging Face cache. ``device``, ``dtype``,
+    ``quantize``: as ``load_model``. ``max_batch``: prompts run together at most.
+    """
+
+    def __init__(
+        self, model: str = "tiny-mixtral", *, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+        quantize: Optional[str] = None, max_batch: int = MAX_BATCH,
+    ):  # fmt: skip
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise GenerationError(f"max_batch={max_batch!r} must be an integer >= 1")
+        self.model = load_model(model, max_batch_size=max_batch, device=device, dtype=dtype, quantize=quantize)
+        self.tokenizer = Tokenizer.from_folder(model)
+        self.max_batch = max_batch
+
+    def generate(
+        self, prompts: Union[str, Sequence[Union[str, Sequence[int]]]], sampling_params: Optional[SamplingParams] = None,
+        **kwargs: Any,
+    ) -> List[Completion]:  # fmt: skip
+        """One ``Completion`` per prompt (a string, or token ids; a single string is a list of one).
+        Settings: ``sampling_params``, or its fields as keyword arguments (which override it)."""
+        params = _params(sampling_params, kwargs)
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise GenerationError("prompts must be a string or a non-empty list of strings (or of token-id lists)")
+        ids = [self.tokenizer.encode(p, bos=True) if isinstance(p, str) else list(p) for p in prompts]
+        results = self._run(ids, params)
+        return [
+            Completion(p, self._text(tokens, params, continuation=True), tokens, logprobs, reason, prompt_ids)
+            for p, prompt_ids, (tokens, logprobs, reason) in zip(prompts, ids, results)
+        ]  # fmt: skip
+
+    def chat(
+        self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]], sampling_params: Optional[SamplingParams] = None,
+        **kwargs: Any,
+    ) -> Union[Completion, List[Completion]]:  # fmt: skip
+        """The assistant's answer to a conversation of ``{"role", "content"}`` dicts (system, then user
+        and assistant turns alternating, ending with user), or a list of answers for a list of them."""
+        params = _params(sampling_params, kwargs)
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        try:
+            ids = [chat_prompt(self.tokenizer, conversation) for conversation in conversations]
+        except BadRequest as error:
+            raise GenerationError(error.message) from None
+        results = self._run(ids, params)
+        out = [
+            Completion(c, self._text(tokens, params, continuation=False), tokens, logprobs, reason, prompt_ids)
+            for c, prompt_ids, (tokens, logprobs, reason) in zip(conversations, ids, results)
+        ]  # fmt: skip
+        return out[0] if single else out
+
+    def score(self, text: Union[str, Sequence[int]]) -> TextScore:
+        """The log-probability of each token of ``text`` after the first (read in chunks, past the
+        window too): ``.total``, ``.perplexity``."""
+        ids = self.tokenizer.encode(text, bos=True) if isinstance(text, str) else list(text)
+        if len(ids) < 2:
+            raise GenerationError("score needs a text of at least one token after BOS")
+        _, logprobs = generate([ids], self.model, max_tokens=0)
+        return TextScore(ids, logprobs[0])
+
+    # ---- below ------------------------------------------------------------------------------
+
+    def _run(self, ids: List[List[int]], params: SamplingParams):
+        """``(tokens, logprobs, finish_reason)`` per prompt, in batches that fit."""
+        longest = max(len(p) for p in ids) + params.max_tokens
+        batch = self._batch_size(len(ids), longest)
+        eos = None if params.ignore_eos else self.tokenizer.eos_id
+        extra = {name: getattr(params, name) for name in ("stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                                          "logit_bias", "min_tokens", "json_schema", "regex", "choices", "grammar")}  # fmt: skip
+        needs_tokenizer = params.stop or any(extra[k] is not None for k in ("json_schema", "regex", "choices", "grammar"))
+        results = []
+        for start in range(0, len(ids), batch):
+            part = ids[start : start + batch]
+            generated, logprobs = generate(
+                part, self.model, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k, seed=params.seed, eos_id=eos, prompt_logprobs=False,
+                tokenizer=self.tokenizer if needs_tokenizer else None, **extra,
+            )  # fmt: skip
+            for tokens, lps in zip(generated, logprobs):
+                text = self.tokenizer.decode(tokens)
+                stopped = len(tokens) < params.max_tokens or any(s in text for s in params.stop)
+                results.append((tokens, lps, "stop" if stopped else "length"))
+        return results
+
+    def _text(self, tokens: List[int], params: SamplingParams, continuation: bool) -> str:
+        """The answer's text: a completion keeps the space before its first word, a chat answer does not;
+        cut before a stop string."""
+        text = self.tokenizer.decode_continuation(tokens) if continuation else self.tokenizer.decode(tokens)
+        cuts = [text.index(s) for s in params.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def _batch_size(self, prompts: int, tokens: int) -> int:
+        """Prompts per batch: all of them, at most ``max_batch``, halved until a batch's cache fits in
+        ``CACHE_SHARE`` of the free memory."""
+        model = self.model
+        batch = min(prompts, self.max_batch)
+        free = free_memory(model.device)
+        while batch > 1 and free is not None and kv_cache_bytes(model.args, batch, tokens, model.dtype, model.parallel) > CACHE_SHARE * free:
+            batch //= 2
+        return batch
+
+
+def _params(params: Optional[SamplingParams], overrides: Dict[str, Any]) -> SamplingParams:
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise GenerationError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    known = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise GenerationError(f"unknown sampling setting(s) {unknown}: SamplingParams has {sorted(known)}")
+    return replace(params, **overrides)
