@@ -37,6 +37,32 @@ def test_sharded_hf_folder_saved_by_transformers_loads_and_matches(tmp_path, moe
     assert max_difference(ours, hf) <= TOLERANCE
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
+def test_a_folder_with_tied_word_embeddings_loads_as_transformers_reads_it(tmp_path, moe):
+    """tie_word_embeddings: true and no lm_head.weight (transformers saves none): the output matrix is
+    the embedding matrix, and the logits are transformers'."""
+    import transformers
+
+    from conftest import hf_config
+
+    config, model_class = hf_config(tiny_args(moe=moe))
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    hf = model_class(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as stored:
+        assert "lm_head.weight" not in stored.keys()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(tmp_path, device="cpu", dtype=torch.float32)
+    assert torch.equal(ours.output.weight, ours.tok_embeddings.weight)
+    assert max_difference(ours, hf) <= TOLERANCE
+
+
 def test_hf_folder_with_per_expert_layout_of_transformers_4(tmp_path):
     """The layout published on the hub: block_sparse_moe.experts.{j}.w1/w2/w3."""
     import transformers

@@ -116,7 +116,6 @@ def test_a_symlinked_shard_inside_the_folder_is_followed(hf_folder, tmp_path):
         (dict(rope_scaling={"type": "linear", "factor": 4.0}), ConfigError, "RoPE scaling rope_type='linear' is not computed"),
         (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), ConfigError, "rope_type='yarn' is not computed here"),
         (dict(hidden_act="gelu"), ConfigError, "hidden_act='gelu': only silu"),
-        (dict(tie_word_embeddings=True), ConfigError, "tie_word_embeddings=true: an output matrix tied"),
     ],
 )
 def test_wrong_types_in_config_json_name_the_field(hf_folder, changes, error, message):

@@ -103,7 +103,8 @@ ACTIVATIONS = ("silu", "swish")  # transformers' names of the SwiGLU's activatio
 def check_computed_alike(config: dict, rope: dict, source: str) -> None:
     """ConfigError for what config.json may ask that this model does not compute, which it would
     otherwise ignore and give other logits than transformers': a RoPE scaling (linear, yarn, dynamic,
-    llama3...), an activation other than SiLU, an output matrix tied to the embeddings."""
+    llama3...), an activation other than SiLU. (An output matrix tied to the embeddings,
+    ``tie_word_embeddings``, is read: ``Checkpoint.tied_output``.)"""
     scaling = config.get("rope_scaling")
     kinds = [rope.get("rope_type", "default")]
     if scaling is not None:
@@ -114,9 +115,6 @@ def check_computed_alike(config: dict, rope: dict, source: str) -> None:
     act = config.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise ConfigError(f"{source}: hidden_act={act!r}: only silu (SwiGLU) is computed here")
-    if config.get("tie_word_embeddings") is True:
-        raise ConfigError(f"{source}: tie_word_embeddings=true: an output matrix tied to the embeddings is not read "
-                          "here (Mistral and Mixtral keep lm_head.weight of their own)")  # fmt: skip
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -176,6 +176,7 @@ class Checkpoint:
     weight_files: List[Path]
     quantization: Optional[QuantScheme] = None  # how the stored weights are quantized (convert --quantize)
     bitsandbytes: Optional[QuantScheme] = None  # nf4: a Hugging Face folder of bitsandbytes' 4-bit weights (bnb_4bit)
+    tied_output: bool = False  # config.json's tie_word_embeddings: without lm_head.weight, the output is the embeddings
 
     def stored_dtype(self) -> Optional[torch.dtype]:
         """The floating dtype holding most of the weights, from the file headers (nothing is read)."""
@@ -199,8 +200,14 @@ class Checkpoint:
         raw = self._raw_tensors(progress, _hf_file_select(select))
         if self.bitsandbytes is not None:  # each weight's packed codes and quant state as one nf4 weight
             raw = bnb_4bit.gathered(raw, str(self.folder))
+        embeddings, has_output = None, False
         for name, tensor in raw:
+            if self.tied_output and name == "model.embed_tokens.weight":
+                embeddings = tensor
+            has_output = has_output or name == "lm_head.weight"
             yield from _selected(hf_to_published([(name, tensor)], self.args), select)
+        if self.tied_output and not has_output and embeddings is not None:  # as transformers ties them
+            yield from _selected(hf_to_published([("lm_head.weight", embeddings.clone())], self.args), select)
 
     def _raw_tensors(self, progress: Optional[Progress], select: Optional[Selector]) -> NamedTensors:
         """Every file's tensors under the file's own names, each shape checked before a file is read."""
@@ -312,7 +319,8 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
             raise CheckpointError(f"{config_path}: architectures={architectures}, expected one of {list(HF_ARCHITECTURES)}")
         args = args_from_hf_config(config, str(config_path))
         bitsandbytes = bnb_4bit.scheme_from_config(config, str(config_path))
-        return Checkpoint(folder, "hf", args, _hf_weight_files(folder), bitsandbytes=bitsandbytes)
+        tied = config.get("tie_word_embeddings") is True
+        return Checkpoint(folder, "hf", args, _hf_weight_files(folder), bitsandbytes=bitsandbytes, tied_output=tied)
     raise CheckpointError(f"{folder}: neither {PARAMS_FILE} (Mistral format) nor {HF_CONFIG_FILE} (Hugging Face format) found")
 
 

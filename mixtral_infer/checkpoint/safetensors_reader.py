@@ -1,4 +1,4 @@
-"""Reading a .safetensors file through the ``safetensors`` library, after checking its header here.
+"""Reading a .safetensors file: its header parsed and checked once, here, then each tensor read.
 
 A header is hostile input. ``read_header`` parses and checks all of it first, cheaply
 (the JSON is at most ``MAX_HEADER_BYTES``; Mixtral 8x7B's are about 100 KB): every entry,
@@ -7,11 +7,11 @@ the file and the tensor, before the library opens it and before any tensor memor
 allocated. The library's own messages (``invalid shape, data type, or offset for
 tensor``) name neither.
 
-Then ``safetensors.safe_open`` memory-maps the file, and each tensor, or the rows or
-columns of it a rank keeps (``get_slice``), is copied out of the map into memory of its
-own: the model does not depend on the file once loaded, and a rank's share touches
-only its pages. The file is opened once per tensor, so those pages are unmapped right
-after the copy (``_read`` says why).
+Then each tensor, or the rows of it a rank keeps, is read from its byte range straight into
+memory of its own (one file handle, no memory map): the model does not depend on the file
+once loaded, a rank's share touches only its bytes, and the header is parsed once however
+many tensors the file holds (the ``safetensors`` library parsed it again each time it opened
+the file, and a 90 MB header, within the format's limit, took minutes).
 
 The layout: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -29,7 +30,6 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.checkpoint.shares import Selection
@@ -188,22 +188,32 @@ def read_metadata(path: str | Path) -> Dict[str, str]:
 def read_header_and_metadata(path: str | Path) -> Tuple[List[TensorEntry], Dict[str, str]]:
     path = Path(path)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated (no safetensors header)")
-            (header_size,) = struct.unpack("<Q", prefix)
-            if header_size > min(MAX_HEADER_BYTES, size - 8):
-                raise CheckpointError(f"{path}: not a safetensors file, or truncated (header of {header_size} bytes)")
-            raw = handle.read(header_size)
+            return _parsed(path, _raw_header(handle, path))
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read ({error.strerror})") from None
+
+
+def _raw_header(handle, path: Path) -> Tuple[bytes, int]:
+    """The header's JSON bytes, and the file's size."""
+    size = os.fstat(handle.fileno()).st_size
+    handle.seek(0)
+    prefix = handle.read(8)
+    if len(prefix) < 8:
+        raise CheckpointError(f"{path}: truncated (no safetensors header)")
+    (header_size,) = struct.unpack("<Q", prefix)
+    if header_size > min(MAX_HEADER_BYTES, size - 8):
+        raise CheckpointError(f"{path}: not a safetensors file, or truncated (header of {header_size} bytes)")
+    return handle.read(header_size), size
+
+
+def _parsed(path: Path, raw_and_size: Tuple[bytes, int]) -> Tuple[List[TensorEntry], Dict[str, str]]:
+    raw, size = raw_and_size
     try:
-        entries, metadata = parse_header_and_metadata(raw, size - 8 - header_size)
+        entries, metadata = parse_header_and_metadata(raw, size - 8 - len(raw))
     except CheckpointError as error:
         raise CheckpointError(f"{path}: {error}") from None
-    data_start = 8 + header_size
+    data_start = 8 + len(raw)
     return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.begin, data_start + e.end) for e in entries], metadata
 
 
@@ -234,38 +244,57 @@ def iter_tensors(
     read. Each tensor is copied out of the file's memory map into memory of its own.
     """
     path = Path(path)
-    entries = sorted(read_header(path), key=lambda e: e.begin)
-    if check is not None:
-        for entry in entries:
-            check(entry.name, entry.shape)
-    for entry in entries:
-        selection = select(entry.name) if select is not None else Selection()
-        if selection is not None:
-            yield entry.name, _read(path, entry, selection)
-
-
-def _read(path: Path, entry: TensorEntry, selection: Selection) -> torch.Tensor:
-    """The selected part of one tensor, copied out of the file's memory map.
-
-    The file is opened for this one tensor, so closing it unmaps the pages the copy
-    touched. With one handle for the whole file, every page read stays mapped, and
-    resident, until the end: the file-backed peak is then the whole checkpoint rather than
-    its largest tensor. Opening the file again for each tensor costs little beside reading it
-    (docs/performance.md, "Loading: memory and time").
-    """
     try:
-        with safe_open(path, framework="pt") as handle:
-            part = handle.get_slice(entry.name)
-            if tuple(part.get_shape()) != entry.shape:  # the file was replaced after its header was checked
-                raise CheckpointError(f"{path}: tensor {entry.name} changed while loading (now {tuple(part.get_shape())})")
-            if not entry.shape or (selection.rows is None and selection.columns is None):
-                view = handle.get_tensor(entry.name)
-            else:
-                rows = selection.rows if selection.rows is not None else slice(None)
-                view = part[(rows,) if selection.columns is None else (rows, selection.columns)]
-            return view.clone(memory_format=torch.contiguous_format)  # (rows, columns) of the file's tensor
-    except (SafetensorError, OSError) as error:  # the file changed since its header was checked
-        raise CheckpointError(f"{path}: cannot read ({_first_line(error)})") from None
+        with open(path, "rb", buffering=0) as handle:  # unbuffered: a header read again is read from the file
+            raw = _raw_header(handle, path)
+            entries = sorted(_parsed(path, raw)[0], key=lambda e: e.begin)
+            if check is not None:
+                for entry in entries:
+                    check(entry.name, entry.shape)
+                _check_unchanged(handle, path, raw, entries)
+            for entry in entries:
+                selection = select(entry.name) if select is not None else Selection()
+                if selection is not None:
+                    yield entry.name, _read(handle, path, entry, selection)
+    except OSError as error:  # the file changed or went since its header was checked
+        raise CheckpointError(f"{path}: cannot read ({error.strerror or _first_line(error)})") from None
+
+
+def _check_unchanged(handle, path: Path, raw: Tuple[bytes, int], entries: List[TensorEntry]) -> None:
+    """The file was rewritten while its shapes were checked: say which tensor changed (its header is
+    read again; the bytes the check approved would not be the ones read)."""
+    again = _raw_header(handle, path)
+    if again == raw:
+        return
+    now = {e.name: e.shape for e in _parsed(path, again)[0]}
+    changed = next((e for e in entries if now.get(e.name) != e.shape), None)
+    if changed is None:
+        raise CheckpointError(f"{path}: the file changed while loading")
+    raise CheckpointError(f"{path}: tensor {changed.name} changed while loading (now {now.get(changed.name)})")
+
+
+def _read(handle, path: Path, entry: TensorEntry, selection: Selection) -> torch.Tensor:
+    """The selected part of one tensor, read from its byte range: its rows as one range, then its
+    columns sliced (``Selection``)."""
+    shape, begin = entry.shape, entry.begin
+    if selection.rows is not None and shape:
+        start, stop, step = selection.rows.indices(shape[0])
+        if step != 1:  # pragma: no cover - shares are contiguous row ranges
+            raise CheckpointError(f"{path}: tensor {entry.name}: a share must be a contiguous range of rows")
+        row_bytes = math.prod(shape[1:]) * entry.dtype.itemsize
+        begin, shape = begin + start * row_bytes, (max(stop - start, 0), *shape[1:])
+    tensor = torch.empty(shape, dtype=entry.dtype)
+    data = tensor.reshape(-1).view(torch.uint8)  # (bytes,) the tensor's own memory
+    view, done = memoryview(data.numpy()), 0
+    handle.seek(begin)
+    while done < len(view):  # one read returns at most ~2 GiB
+        got = handle.readinto(view[done:])
+        if not got:  # the file was cut after its header was checked
+            raise CheckpointError(f"{path}: tensor {entry.name} ends past the end of the file (it changed while loading)")
+        done += got
+    if selection.columns is not None:
+        tensor = tensor[:, selection.columns].clone()  # (rows, columns) of the file's tensor
+    return tensor
 
 
 def _first_line(error: BaseException) -> str:
