@@ -387,3 +387,34 @@ def test_decode_compiled_loads_bfloat16_weights_plain_long_rows_in_blocks(decode
     model, _ = commands.load(None, 1, "cpu", "bfloat16", max_tokens=8, decode=decode)
     assert is_packed(model) == (decode != "compiled")
     assert (packing.blocked_numel(model) > 0) == (decode == "compiled")
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.3, 0.8, 1.5, 3.0])
+def test_ctrl_c_at_any_moment_of_start_up_prints_no_traceback(delay):
+    """SIGINT while Python starts, while torch is imported, while the model loads, while it generates:
+    a blank line and exit 130 (or the interpreter's own end before it runs any code), never a traceback."""
+    process = subprocess.Popen([sys.executable, "main.py", "demo", "tiny-mixtral", "--max-tokens", "2000"], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    assert process.returncode in (130, -signal.SIGINT), (process.returncode, stderr)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["dmeo"], "error: unknown command 'dmeo': did you mean demo? (commands: demo, interactive,"),
+        (["demo", "tiny-mixtrl"], "error: tiny-mixtrl: model folder not found: did you mean tiny-mixtral?"),
+        (["demo", "In the beginning"], 'model folder not found (to give a prompt, write --prompt "In the beginning")'),
+    ],
+)
+def test_mistakes_get_a_did_you_mean_before_anything_loads(args, message):
+    result = subprocess.run([sys.executable, "main.py", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_h_is_help_everywhere_and_host_has_no_short_form():
+    result = subprocess.run([sys.executable, "main.py", "serve", "-h", "0.0.0.0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--host=HOST" in result.stdout and "-h, --host" not in result.stdout

@@ -161,7 +161,22 @@ def is_main_process() -> bool:
 
 
 def model_folder(model_path: Optional[str]) -> Path:
-    return resolve_model_folder(str(model_path)) if model_path is not None else DEFAULT_MODEL
+    """The folder of MODEL_PATH; a missing one is said at once, with the names it may have meant
+    (shipped models, folders beside it) and, for text with spaces, that a prompt is given with --prompt."""
+    if model_path is None:
+        return DEFAULT_MODEL
+    folder = resolve_model_folder(str(model_path))
+    if not folder.exists():
+        name = str(model_path)
+        near = Path(name).parent if Path(name).parent.is_dir() else Path(".")
+        candidates = list(shipped_models()) + [str(near / p.name) if str(near) != "." else p.name
+                                               for p in near.iterdir() if p.is_dir()]  # fmt: skip
+        close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+        hint = f": did you mean {close[0]}?" if close else ""
+        if " " in name.strip():
+            hint += f" (to give a prompt, write --prompt {json.dumps(name)})"
+        raise MixtralInferError(f"{name}: model folder not found{hint}")
+    return folder
 
 
 def load(
@@ -678,12 +693,13 @@ mixtral-infer --version prints the version.
 
 
 def command_help(command: str) -> str:
-    """fire's help text of one command (fire itself prints it on stderr, so ``| less`` would show nothing)."""
+    """fire's help text of one command (fire itself prints it on stderr, so ``| less`` would show nothing),
+    without the ``-h`` fire lists for an option that starts with h (``-h, --host``): ``-h`` is help everywhere."""
     from fire import helptext, trace
 
     command_trace = trace.FireTrace(COMMANDS, name="mixtral-infer")
     command_trace.AddAccessedProperty(COMMANDS[command], command, [command], None, None)
-    return helptext.HelpText(COMMANDS[command], command_trace)
+    return re.sub(r"(?m)^(\s*)-h, (--\w)", r"\1\2", helptext.HelpText(COMMANDS[command], command_trace))
 
 
 def gather_prompts(argv: List[str]) -> List[str]:
@@ -773,9 +789,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[0] in COMMANDS and any(arg in ("-h", "--help") for arg in argv[1:]):
         print(command_help(argv[0]))
         return 0
-    import fire
-
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(f"error: unknown command {argv[0]!r}: {hint}(commands: {', '.join(COMMANDS)}; --help says more)", file=sys.stderr)
+        return 2
     try:
+        import fire
+
         argv = gather_prompts(argv)
         check_arguments(argv)
         fire.Fire(COMMANDS, command=argv, name="mixtral-infer")
@@ -789,12 +810,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit fails no more
         return 141
     finally:
-        if "torch.distributed" in sys.modules:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
+        close_process_group()
     return 0
+
+
+def close_process_group() -> None:
+    """End a torch.distributed process group the command joined. Nothing is imported here: after a
+    Ctrl-C during ``import torch`` the module is half made, and importing it again would fail."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except (AttributeError, ImportError, RuntimeError):  # a half-imported module: no group was joined
+        pass
 
 
 if __name__ == "__main__":
