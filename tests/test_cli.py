@@ -295,7 +295,7 @@ def test_help_documents_every_option_with_its_default_and_choices():
             if parameter.default is inspect.Parameter.empty:  # SRC, DST: listed as positional arguments
                 block = re.split(r"\n {0,4}(?=\S)", text.split(f"\n    {name.upper()}\n", 1)[1])[0]
             else:
-                block = text.split(f"--{name}=", 1)[1].split("\n    -", 1)[0]  # this option's lines
+                block = text.split(f"--{name.replace('_', '-')}=", 1)[1].split("\n    -", 1)[0]  # this option's lines
                 assert f"Default: {parameter.default!r}" in block, block
             description = block.strip().splitlines()[-1].strip()
             assert not description.startswith(("Type:", "Default:")) and len(description) > 20, block

@@ -38,7 +38,7 @@ def assert_one_line_error(result, message):
         (["demo", "--max_token", "5"], "demo: unknown option --max_token; did you mean --max_tokens? options: --model_path"),
         (["interactive", "--instrct"], "interactive: unknown option --instrct; did you mean --instruct?"),
         (["demo", "--top_p", "1.5"], "top_p=1.5 must be in (0, 1]"),
-        (["demo", "--max_tokens", "abc"], "max_tokens='abc' must be an integer >= 0"),
+        (["demo", "--max_tokens", "abc"], "--max-tokens 'abc' must be an integer >= 0"),
         (["demo", "--seed", "abc"], "seed='abc' must be an integer in [0, 2**63)"),
         (["demo", "--seed", str(2**64 + 1)], f"seed={2**64 + 1} must be an integer in [0, 2**63)"),
         (["demo", "--device", "meta"], "--device meta: a model runs on cpu, cuda or mps, not meta"),
@@ -54,7 +54,7 @@ def assert_one_line_error(result, message):
         (["perplexity", "tiny-mistral"], "--text FILE is required: the file whose perplexity to measure"),
         (["perplexity", "tiny-mistral", "--text", "no-such.txt"], "--text no-such.txt: cannot read it (No such file"),
         (["perplexity", "--text", "README.md", "--context", "1"], "--context=1 must be an integer >= 2"),
-        (["perplexity", "--text", "README.md", "--quantize", "int3"], "quantize='int3': expected one of"),
+        (["perplexity", "--text", "README.md", "--quantize", "int3"], "--quantize 'int3': expected one of"),
     ],
 )
 def test_bad_options_are_refused_before_loading(args, message):
@@ -131,7 +131,7 @@ def test_max_tokens_too_large_for_a_model_without_a_window_is_refused_before_loa
     error, peak = result.stderr.strip().splitlines()
     # 2 x 2 layers x 3 prompts x (10**12 + 1) slots x 2 KV heads x 16 x 4 bytes
     assert error.startswith(
-        "error: max_tokens=1000000000000: the KV cache for 3 sequence(s) of up to 1000000000001 tokens "
+        "error: --max-tokens 1000000000000: the KV cache for 3 sequence(s) of up to 1000000000001 tokens "
         "(no sliding window) needs 1536000.0 GB, more than the "
     ), error
     assert int(peak.split()[1]) < 1000  # MB, the interpreter and torch included: nothing of the cache was allocated

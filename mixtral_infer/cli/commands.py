@@ -19,6 +19,7 @@ its quoted text.
 
 import difflib
 import functools
+import importlib
 import inspect
 import json
 import os
@@ -57,9 +58,21 @@ def parse_dtype(name: Optional[str]):
 
 
 def check_quantize(quantize: Optional[str]) -> None:
+    """``--quantize``'s value, said in the command line's spelling when it is wrong."""
     from mixtral_infer.quant.scheme import QuantScheme
 
-    QuantScheme.parse(quantize)
+    try:
+        QuantScheme.parse(quantize)
+    except MixtralInferError as error:
+        raise type(error)(cli_spelling(str(error))) from None
+
+
+def cli_spelling(message: str) -> str:
+    """A library message in the command line's spelling: ``quantize='int3'`` as ``--quantize 'int3'``,
+    ``quantize=`` as ``--quantize``, ``max_model_len`` as ``--max-model-len``."""
+    message = re.sub(r"\b(quantize|max_tokens|max_model_len|dtype|device|decode)=('[^']*'|\S+)",
+                     lambda m: f"--{m[1].replace('_', '-')} {m[2]}", message)  # fmt: skip
+    return re.sub(r"\b(quantize|max_model_len)=(?=\s|$|\))", lambda m: f"--{m[1].replace('_', '-')}", message)
 
 
 def check_decode(decode: str) -> None:
@@ -699,7 +712,9 @@ def command_help(command: str) -> str:
 
     command_trace = trace.FireTrace(COMMANDS, name="mixtral-infer")
     command_trace.AddAccessedProperty(COMMANDS[command], command, [command], None, None)
-    return re.sub(r"(?m)^(\s*)-h, (--\w)", r"\1\2", helptext.HelpText(COMMANDS[command], command_trace))
+    text = re.sub(r"(?m)^(\s*)-h, (--\w)", r"\1\2", helptext.HelpText(COMMANDS[command], command_trace))
+    # options as the errors and the README write them, --max-model-len (fire takes both spellings)
+    return re.sub(r"--(\w+)=", lambda m: f"--{m[1].replace('_', '-')}=", text)
 
 
 def gather_prompts(argv: List[str]) -> List[str]:
@@ -797,11 +812,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         import fire
 
+        if argv[0] != "models":
+            import_torch_deferring_ctrl_c()
         argv = gather_prompts(argv)
         check_arguments(argv)
         fire.Fire(COMMANDS, command=argv, name="mixtral-infer")
     except MixtralInferError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {cli_spelling(str(error))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -812,6 +829,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         close_process_group()
     return 0
+
+
+def import_torch_deferring_ctrl_c() -> None:
+    """``import torch`` with Ctrl-C held until it is done, then acted on (``KeyboardInterrupt``).
+
+    A KeyboardInterrupt raised inside the Python callbacks torch's C++ runs while it imports ends
+    the process with ``terminate called after throwing ... pybind11::error_already_set``; and a
+    half-imported torch cannot be imported again. Importing takes seconds, so Ctrl-C waits that long."""
+    import signal
+
+    if "torch" in sys.modules or threading_is_not_main():
+        return
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    try:
+        importlib.import_module("torch")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def threading_is_not_main() -> bool:
+    import threading
+
+    return threading.current_thread() is not threading.main_thread()
 
 
 def close_process_group() -> None:
