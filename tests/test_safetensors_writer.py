@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import weakref
 
 import pytest
@@ -205,3 +206,19 @@ def test_command_line_refuses_a_bad_shard_size_before_writing(tmp_path, model_fo
     assert not (tmp_path / "hf").exists()
     assert main(["convert", str(model_folder), str(tmp_path / "hf"), "--to", "hf", "--max_shard_size", "100KB"]) == 0
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 3
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_shards_are_written_with_the_permissions_of_the_other_files(tmp_path, umask):
+    """safetensors' writer makes its files 0600; a converted folder's shards follow the umask as
+    config.json does, so other users of a shared machine can read the weights where the umask allows."""
+    model = random_model(tiny_args(moe=False), seed=3)
+    save_consolidated(model, tmp_path / "mistral")
+    previous = os.umask(umask)
+    try:
+        convert(tmp_path / "mistral", tmp_path / "hf", to="hf", max_shard_size="40KB")
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert len([n for n in modes if n.endswith(".safetensors")]) > 1
+    assert set(modes.values()) == {0o666 & ~umask}, modes

@@ -135,6 +135,13 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$"
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it, then setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def parse_size(size: int | str) -> int:
     """Bytes in ``size``: an int, or a string as transformers' ``max_shard_size`` takes it.
 
@@ -191,6 +198,7 @@ def write_hf_shards(
 
     def write(shard: Dict[str, torch.Tensor], number: int) -> None:
         save_file(shard, str(partial), metadata=metadata)
+        os.chmod(partial, 0o666 & ~current_umask())  # the library writes 0600: readable as the folder's other files
         os.replace(partial, folder / names[number - 1])
         written.append(folder / names[number - 1])
 
