@@ -9,7 +9,7 @@ from conftest import random_model, tiny_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixtral_infer import Tokenizer, generate
+from mixtral_infer import GenerationError, Tokenizer, generate
 from mixtral_infer.generation.chat import Conversation, Reply
 from mixtral_infer.generation.text_stream import TextStream
 
@@ -172,3 +172,19 @@ def test_a_reply_leaves_the_time_its_step_took_to_compile_out_of_its_rate():
     compiled = Reply("x", tokens=12, seconds=40.5, first_token_seconds=40.3, hit_max_tokens=False, compile_seconds=40.2)
     expected = "12 tokens, 40.0 tokens/s, first token after 40.30 s (40.2 s compiling the decode step, once)"
     assert compiled.stats() == expected
+
+
+def test_a_system_prompt_comes_before_the_first_turn_as_the_server_renders_it():
+    import torch
+
+    from mixtral_infer import Conversation, Tokenizer, load_model
+    from mixtral_infer.serve.protocol import chat_prompt
+
+    model = load_model("tiny-mixtral", dtype=torch.float32, device="cpu")
+    tokenizer = Tokenizer.from_folder("tiny-mixtral")
+    chat = Conversation(model, tokenizer, instruct=True, system="Answer briefly.", max_tokens=4, temperature=0)
+    chat.reply("Who made the earth?")
+    expected = chat_prompt(tokenizer, [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Who made the earth?"}])
+    assert chat.history[: len(expected)] == expected
+    with pytest.raises(GenerationError, match="needs instruct=True"):
+        Conversation(model, tokenizer, system="x")

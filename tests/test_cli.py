@@ -93,7 +93,7 @@ def test_interactive_piped_gives_the_answers_on_stdout_and_a_stats_line_each_on_
     stats = [line for line in result.stderr.splitlines() if "tokens/s" in line]
     assert len(stats) == 2
     for line in stats:
-        assert re.fullmatch(rf"\[{n_tokens} tokens, [\d.]+ tokens/s, first token after [\d.]+ s; cut at --max_tokens 6\]", line), line
+        assert re.fullmatch(rf"\[{n_tokens} tokens, [\d.]+ tokens/s, first token after [\d.]+ s; cut at --max-tokens 6\]", line), line
 
 
 def test_an_answer_that_ends_at_eos_has_no_max_tokens_mark(monkeypatch, capsys, tokenizer_path):
@@ -120,7 +120,7 @@ def test_an_answer_that_ends_at_eos_has_no_max_tokens_mark(monkeypatch, capsys, 
     stats = [line for line in capsys.readouterr().err.splitlines() if "tokens/s" in line]
     assert len(stats) == 3
     assert all(line.startswith(f"[{stop} tokens, ") and line.endswith(" s]") for line in stats[:2])
-    assert stats[2].startswith("[8 tokens, ") and stats[2].endswith("; cut at --max_tokens 8]")
+    assert stats[2].startswith("[8 tokens, ") and stats[2].endswith("; cut at --max-tokens 8]")
 
 
 class Terminal:
@@ -177,7 +177,7 @@ def test_interactive_on_a_terminal_prompts_edits_recalls_history_and_explains_ct
     assert "type a prompt" in terminal.read_until("> ")
     terminal.type("In the begXX\x7f\x7finning\r")  # two backspaces: line editing
     first = terminal.read_until("> ")
-    assert expected in first and "cut at --max_tokens 6" in first
+    assert expected in first and "cut at --max-tokens 6" in first
     terminal.type("\x1b[A\r")  # up arrow: the last line again, from readline's history
     again = terminal.read_until("> ")
     assert "In the beginning" in again and expected in again
@@ -303,8 +303,8 @@ def test_help_documents_every_option_with_its_default_and_choices():
     decode = demo_help.split("--decode=", 1)[1]
     assert all(mode in decode for mode in DECODE_MODES)
     assert all(name in demo_help.split("--dtype=", 1)[1] for name in ("float32", "bfloat16", "float16"))
-    assert "shipped model's name" in demo_help.split("--model_path=", 1)[1]
-    assert "not" in run("interactive", "--help").stdout.split("--instruct", 1)[1].split("--max_tokens")[0]
+    assert "shipped model's name" in demo_help.split("--model-path=", 1)[1]
+    assert "not" in run("interactive", "--help").stdout.split("--instruct", 1)[1].split("--max-tokens")[0]
 
 
 @pytest.mark.parametrize("option", ["--tensor_parallel", "--num_pipeline_ranks"])

@@ -361,6 +361,7 @@ def interactive(
     num_pipeline_ranks: int = 1,
     decode: str = "auto",
     quantize: str = None,
+    system: str = None,
 ) -> None:
     """A prompt loop that streams each answer.
 
@@ -373,6 +374,7 @@ def interactive(
     Args:
         model_path: MODEL_PATH, also given as the first argument: {MODEL_PATH}.
         instruct: wrap each turn in [INST] ... [/INST] and keep the conversation (later turns see earlier ones). For instruction-tuned models; the shipped ones are not.
+        system: a system prompt for the conversation (implies --instruct), put before the first turn.
         max_tokens: new tokens per answer at most.
         temperature: sampling temperature; 0 is greedy.
         top_p: sample from the smallest set of tokens whose probability reaches top_p, in (0, 1].
@@ -390,6 +392,10 @@ def interactive(
     check_quantize(quantize)
     if not isinstance(instruct, bool):
         raise GenerationError(f"--instruct takes no value (got {instruct!r}): write --instruct or --noinstruct")
+    if system is not None:
+        if not isinstance(system, str) or not system.strip():
+            raise GenerationError(f"--system {system!r}: give the system prompt's text")
+        instruct = True
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
     terminal = sys.stdin.isatty()
     if instruct and is_shipped(model_folder(model_path)):
@@ -415,6 +421,7 @@ def interactive(
         chunk_size=chunk_size,
         seed=seed,
         decode=decode,
+        system=system,
     )
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # undecodable bytes become U+FFFD, not a crash
@@ -441,7 +448,7 @@ def interactive(
         emit = (lambda piece: print(piece, end="", flush=True)) if main_process else (lambda piece: None)
         try:
             reply = conversation.reply(line, emit=emit)
-            status = f"[{reply.stats()}" + (f"; cut at --max_tokens {max_tokens}]" if reply.hit_max_tokens else "]")
+            status = f"[{reply.stats()}" + (f"; cut at --max-tokens {max_tokens}]" if reply.hit_max_tokens else "]")
         except KeyboardInterrupt:
             status = "[stopped by Ctrl-C]"
         if main_process:

@@ -60,6 +60,8 @@ class Conversation:
     >>> chat.reply("Who made the heaven and the earth?").text                             # doctest: +SKIP
 
     ``instruct``: wrap each turn in the model's instruct format (else each reply continues the text).
+    ``system``: a system prompt, put before the first user turn (as v1 models and mistral-common's v1
+    rendering place it: the conversation is kept in the cache, so it stays where the first turn put it).
     ``emit`` (of ``reply``): called with each piece of text as it comes.
     """
 
@@ -76,8 +78,12 @@ class Conversation:
         chunk_size: Optional[int] = None,
         seed: Optional[int] = None,
         decode: str = "auto",
+        system: Optional[str] = None,
     ):
         check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)  # not at the first reply
+        if system is not None and (not isinstance(system, str) or not instruct):
+            raise GenerationError("system= is a text, and needs instruct=True (a system prompt is part of the instruct format)")
+        self.system = system
         decode_mode(decode, model)
         self.model, self.tokenizer, self.instruct = model, tokenizer, instruct
         self.settings = dict(
@@ -102,6 +108,8 @@ class Conversation:
     def _turn_tokens(self, text: str) -> List[int]:
         if not self.instruct:
             return self.tokenizer.encode(text, bos=True)
+        if not self.history and self.system:  # the first turn: the system prompt before it (chat_prompt's v1 rule)
+            text = f"{self.system}\n\n{text}"
         tokens = self.tokenizer.encode_instruct(text, follows_answer=bool(self.history))
         return ([self.tokenizer.bos_id] if not self.history else []) + tokens
 
