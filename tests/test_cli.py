@@ -418,3 +418,28 @@ def test_mistakes_get_a_did_you_mean_before_anything_loads(args, message):
 def test_h_is_help_everywhere_and_host_has_no_short_form():
     result = subprocess.run([sys.executable, "main.py", "serve", "-h", "0.0.0.0"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--host=HOST" in result.stdout and "-h, --host" not in result.stdout
+
+
+def test_demo_reads_prompts_from_a_file_or_stdin_and_prints_json(tmp_path):
+    """--prompt-file (one prompt a line, - for stdin) after any --prompt; --json: one object a completion."""
+    import json
+
+    (tmp_path / "prompts.txt").write_text("In the beginning\n\nBlessed are\n")
+    args = ["demo", "--max-tokens", "5", "--temperature", "0", "--dtype", "float32", "--json"]
+    from_file = subprocess.run([sys.executable, "main.py", *args, "--prompt", "And God said", "--prompt-file", str(tmp_path / "prompts.txt")],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    records = [json.loads(line) for line in from_file.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["And God said", "In the beginning", "Blessed are"]
+    model = load_model("tiny-mixtral", dtype=torch.float32, device="cpu")
+    tokenizer = Tokenizer.from_folder("tiny-mixtral")
+    for record in records:
+        tokens = generate([tokenizer.encode(record["prompt"])], model, max_tokens=5, eos_id=tokenizer.eos_id)[0][0]
+        assert record["text"] == tokenizer.decode_continuation(tokens) and record["tokens"] == len(tokens)
+        assert record["finish_reason"] == ("length" if len(tokens) == 5 else "stop") and record["seconds"] > 0
+    piped = subprocess.run([sys.executable, "main.py", *args, "--prompt-file", "-"], input="In the beginning\n", cwd=REPO,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert [json.loads(line) for line in piped.stdout.splitlines()] == [{**records[1], "seconds": json.loads(piped.stdout)["seconds"],
+                                                                          "tokens_per_second": json.loads(piped.stdout)["tokens_per_second"]}]  # fmt: skip
+    missing = subprocess.run([sys.executable, "main.py", "demo", "--prompt-file", str(tmp_path / "nope.txt")], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 1 and "--prompt-file" in missing.stderr and "cannot read it" in missing.stderr

@@ -22,6 +22,7 @@ import functools
 import importlib
 import inspect
 import json
+import json as json_module  # demo's --json parameter hides the name json there
 import os
 import re
 import sys
@@ -261,14 +262,26 @@ def load(
     return model, tokenizer
 
 
-def prompt_list(prompt: object) -> List[str]:
-    """The prompts ``--prompt`` gave (``main`` hands them over as one list), else the built-in ones."""
+def prompt_list(prompt: object, prompt_file: object = None) -> List[str]:
+    """The prompts ``--prompt`` gave (``main`` hands them over as one list), then those of
+    ``--prompt-file`` (one a line, empty lines skipped; ``-`` reads stdin), else the built-in ones."""
+    from_file: List[str] = []
+    if prompt_file is not None:
+        if not isinstance(prompt_file, str) or not prompt_file:
+            raise GenerationError(f"--prompt-file {prompt_file!r}: give a file's path, or - for standard input")
+        try:
+            text = sys.stdin.read() if prompt_file == "-" else Path(prompt_file).read_text(encoding="utf-8", errors="replace")
+        except OSError as error:
+            raise GenerationError(f"--prompt-file {prompt_file}: cannot read it ({error.strerror})") from None
+        from_file = [line for line in text.splitlines() if line.strip()]
+        if not from_file:
+            raise GenerationError(f"--prompt-file {prompt_file}: holds no prompt (one per line)")
     if prompt is None or (isinstance(prompt, (list, tuple)) and not prompt):
-        return list(DEMO_PROMPTS)
+        return from_file or list(DEMO_PROMPTS)
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
         raise GenerationError(f"--prompt {prompt!r}: give the text of a prompt, e.g. --prompt 'In the beginning'")
-    return list(prompts)
+    return list(prompts) + from_file
 
 
 def demo(
@@ -286,6 +299,8 @@ def demo(
     num_pipeline_ranks: int = 1,
     decode: str = "auto",
     quantize: str = None,
+    prompt_file: str = None,
+    json: bool = False,
 ) -> None:
     """Complete prompts in one batch and print each with its continuation.
 
@@ -307,11 +322,15 @@ def demo(
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, alike in result (in 16-bit dtypes compiled code rounds otherwise, so texts may part after some tokens): auto (compiled on cuda, eager elsewhere), eager (one forward per step, the reference), static (the fixed-shape step), compiled (that step compiled: by torch.compile, as a CUDA graph on cuda, by AOTInductor on cpu; on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
         quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
+        prompt_file: read prompts from this file, one a line (after any --prompt); - reads standard input.
+        json: print one JSON object a line per completion (prompt, text, tokens, finish_reason, seconds, tokens_per_second) instead of the text.
     """
     check_decode(decode)
     check_quantize(quantize)
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
-    prompts = prompt_list(prompt)
+    if not isinstance(json, bool):
+        raise GenerationError(f"--json takes no value (got {json!r})")
+    prompts = prompt_list(prompt, prompt_file)
     from mixtral_infer.steps.decode_loop import compile_seconds
     from mixtral_infer.generation.generate import generate
 
@@ -338,6 +357,12 @@ def demo(
     if not is_main_process():
         return
     for text, tokens in zip(prompts, generated):
+        if json:  # the parameter: the module is json_module here
+            reason = "length" if len(tokens) == max_tokens else "stop"
+            record = {"prompt": text, "text": tokenizer.decode_continuation(tokens), "tokens": len(tokens), "finish_reason": reason,
+                      "seconds": round(elapsed, 4), "tokens_per_second": round(sum(map(len, generated)) / max(elapsed, 1e-9), 2)}  # fmt: skip
+            print(json_module.dumps(record, ensure_ascii=False))
+            continue
         print(f"{text}{tokenizer.decode_continuation(tokens)}")
         print("-" * 40)
     n_tokens = sum(len(t) for t in generated)
@@ -742,11 +767,14 @@ def gather_prompts(argv: List[str]) -> List[str]:
             continue
         if arg.startswith("--prompt="):
             prompts.append(arg.split("=", 1)[1])
+        elif arg in ("--prompt-file", "--prompt_file") and index + 1 < end:  # fire would read "-" (stdin) as a flag
+            kept.append(f"--prompt_file={json.dumps(argv[index + 1])}")
+            index += 1
         else:
             kept.append(arg)
         index += 1
     if not prompts:
-        return argv
+        return [argv[0], *kept, *argv[end:]]
     return [argv[0], *kept, f"--prompt={json.dumps(prompts)}", *argv[end:]]
 
 
