@@ -443,3 +443,13 @@ def test_demo_reads_prompts_from_a_file_or_stdin_and_prints_json(tmp_path):
     missing = subprocess.run([sys.executable, "main.py", "demo", "--prompt-file", str(tmp_path / "nope.txt")], cwd=REPO,
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     assert missing.returncode == 1 and "--prompt-file" in missing.stderr and "cannot read it" in missing.stderr
+
+
+def test_convert_shows_a_progress_bar_on_a_terminal(tmp_path, monkeypatch, capsys):
+    """tiny-mixtral has 59 tensors: on a terminal, convert draws the bar loading draws."""
+    from mixtral_infer.cli import commands
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    commands.convert("tiny-mixtral", str(tmp_path / "hf"), to="hf")
+    err = capsys.readouterr().err
+    assert "\rconverting [" in err and re.search(r"converting \[#{30}\] (\d+)/\1\n", err), err[-300:]

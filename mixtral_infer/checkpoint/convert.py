@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published, published_to_hf
 from mixtral_infer.checkpoint.hf_tokenizer import write_hf_tokenizer
 from mixtral_infer.checkpoint.loading import (
+    Progress,
     HF_CONFIG_FILE,
     PARAMS_FILE,
     SAFETENSORS_FILE,
@@ -59,6 +60,7 @@ def convert(
     dtype: Optional[torch.dtype] = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     notify: Callable[[str], None] = lambda message: None,
+    progress: Optional[Progress] = None,
     quantize: Optional[str] = None,
 ) -> Path:
     """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one).
@@ -66,6 +68,7 @@ def convert(
     ``dst`` must not exist: a conversion never overwrites. The files are written into
     ``.DST.partial-PID`` beside it and renamed to ``dst`` once complete. A partial
     folder of a conversion that was killed is removed, and ``notify`` says so.
+    ``progress(done, total)`` is called as each tensor is read (the command line's bar).
 
     ``max_shard_size`` (bytes, or "5GB", "500MB"): the largest Hugging Face shard.
     ``quantize`` ("int8", "w8a8", "int4", "int4-128", "nf4"): write a quantized Mistral folder (integers
@@ -100,7 +103,7 @@ def convert(
     except OSError as error:
         raise CheckpointError(f"{dst.parent}: cannot write here ({error.strerror})") from None
     try:
-        tensors = finite(checkpoint.published_tensors(), dtype, str(checkpoint.folder))
+        tensors = finite(checkpoint.published_tensors(progress), dtype, str(checkpoint.folder))
         params = args_to_params(checkpoint.args)
         plan = planned_tensors(checkpoint, target, dtype)
         if scheme is not None:

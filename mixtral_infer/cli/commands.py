@@ -543,7 +543,7 @@ def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_siz
     start = time.perf_counter()
     written = convert_folder(
         str(src), str(dst), to=to, dtype=torch_dtype, max_shard_size=str(max_shard_size),
-        notify=lambda message: print(message, file=sys.stderr), quantize=quantize,
+        notify=lambda message: print(message, file=sys.stderr), quantize=quantize, progress=ProgressBar("converting"),
     )
     print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
 
