@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -561,3 +562,46 @@ def test_the_server_says_how_it_pinned_its_processes_and_compiled_its_decode_ste
         assert f"pinned: the server on CPU {cpus[0]}, the engine on CPU{'s' * (len(cpus) > 2)} {rest}\n" in said
     else:
         assert "--pin-cpus: this process may use one CPU only" in said
+
+
+def chromium_path():
+    """Debian's chromium, driven by Playwright (no browser download): .ci/run installs both."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return None
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="no chromium and Playwright here (.ci/run installs Debian's chromium)")
+def test_the_chat_page_streams_answers_keeps_the_conversation_and_shows_tokens_per_second(server):
+    """GET / in a real headless browser: two turns typed into the page get the answers the API gives
+    for the same conversation (greedy), and the page says each answer's tokens/s."""
+    from playwright.sync_api import sync_playwright
+
+    client = server.client()
+    turns = ["Who shall dwell in thy holy hill?", "And who shall stand?"]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('model').textContent === 'tiny-mixtral'")
+            page.fill("#temperature", "0")
+            page.fill("#max_tokens", "8")
+            history = []
+            for number, text in enumerate(turns, start=1):
+                page.fill("#input", text)
+                page.click("#send")
+                page.wait_for_function(f"document.querySelectorAll('.assistant').length === {number} && "
+                                       "document.getElementById('stats').textContent.includes('tokens/s')")  # fmt: skip
+                history.append({"role": "user", "content": text})
+                expected = client.chat.completions.create(model="tiny-mixtral", messages=history, max_tokens=8, temperature=0)
+                answer = page.locator(".assistant").nth(number - 1).text_content()
+                assert answer == expected.choices[0].message.content
+                history.append({"role": "assistant", "content": answer})
+                stats = page.text_content("#stats")
+                assert re.match(rf"{expected.usage.completion_tokens} tokens, [\d.]+ tokens/s, first token after [\d.]+ s", stats), stats
+            assert page.locator(".message").count() == 4
+        finally:
+            browser.close()

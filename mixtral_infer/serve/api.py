@@ -6,7 +6,8 @@ queue is a 429 (``Retry-After``) and a refused prompt a 400. The engine's thread
 request's events to the event loop (``EventPump``: one wake-up per batch of events); a
 streamed response writes the events that have arrived since its last write in one chunk. When the
 client goes away (a stream stops being read; a request for a whole answer polls for it), the request is
-cancelled: the engine frees its row at the start of its next step.
+cancelled: the engine frees its row at the start of its next step. ``GET /`` is a chat page over
+``/v1/chat/completions`` (``chat_page.html``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import threading
 import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mixtral_infer.errors import GenerationError
@@ -36,6 +38,7 @@ from mixtral_infer.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from mixtral_infer.serve.engine_process import EngineProcess
 
+CHAT_PAGE = Path(__file__).with_name("chat_page.html")
 RETRY_AFTER_SECONDS = 1
 DEFAULT_CHAT_TOKENS = 512  # an answer's length when a chat request gives no max_tokens (and a window allows it)
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
@@ -191,6 +194,11 @@ def make_app(
         if isinstance(fmt, ChatFormat):
             body["object"] = "chat.completion"
         return JSONResponse({**body, "usage": fmt.usage(usage(parsed, ends))})
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        """A chat page over this server's own /v1/chat/completions (serve/chat_page.html)."""
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/v1/models")
     async def models():
