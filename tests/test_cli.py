@@ -40,7 +40,7 @@ def test_shipped_models_are_complete():
 
 @pytest.mark.parametrize("settings", [[], ["--temperature", "0"]], ids=["sampled", "greedy"])
 def test_demo_prints_each_prompt_with_its_completion(settings):
-    result = run("demo", "--max_tokens", "40", *settings)
+    result = run("demo", "--max-tokens", "40", *settings)
     assert result.returncode == 0, result.stderr
     model = load_model(DEFAULT_MODEL, max_batch_size=3, device="cpu")
     tokenizer = Tokenizer(DEFAULT_MODEL / "tokenizer.model")
@@ -58,7 +58,7 @@ def test_demo_prints_each_prompt_with_its_completion(settings):
 
 
 def test_interactive_streams_two_instruct_turns_then_ends_at_end_of_input():
-    result = run("interactive", "--instruct", "--max_tokens", "12", "--temperature", "0", stdin="Who art thou?\nSay more.\n")
+    result = run("interactive", "--instruct", "--max-tokens", "12", "--temperature", "0", stdin="Who art thou?\nSay more.\n")
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     answers = result.stdout.splitlines()  # piped: no prompt characters, one answer per line
@@ -70,7 +70,7 @@ def test_interactive_reset_and_quit():
     """Lines of a Windows file (CRLF) are their text (the \\r was read as part of the prompt), and
     a command may follow spaces."""
     stdin = "In the beginning\r\n/reset\r\n  /quit\nnever read\n"
-    result = run("interactive", "--max_tokens", "5", "--temperature", "0", stdin=stdin)
+    result = run("interactive", "--max-tokens", "5", "--temperature", "0", stdin=stdin)
     assert result.returncode == 0, result.stderr
     assert "(new conversation)" in result.stderr
     assert "> " not in result.stdout
@@ -87,7 +87,7 @@ def greedy_continuation(prompt: str, max_tokens: int) -> tuple[str, int]:
 
 def test_interactive_piped_gives_the_answers_on_stdout_and_a_stats_line_each_on_stderr():
     expected, n_tokens = greedy_continuation("In the beginning", 6)
-    result = run("interactive", "--max_tokens", "6", "--temperature", "0", stdin="In the beginning\nIn the beginning\n")
+    result = run("interactive", "--max-tokens", "6", "--temperature", "0", stdin="In the beginning\nIn the beginning\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{expected}\n{expected}\n"
     stats = [line for line in result.stderr.splitlines() if "tokens/s" in line]
@@ -173,7 +173,7 @@ class Terminal:
 @pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 def test_interactive_on_a_terminal_prompts_edits_recalls_history_and_explains_ctrl_c():
     expected, _ = greedy_continuation("In the beginning", 6)
-    terminal = Terminal("interactive", "--max_tokens", "6", "--temperature", "0")
+    terminal = Terminal("interactive", "--max-tokens", "6", "--temperature", "0")
     assert "type a prompt" in terminal.read_until("> ")
     terminal.type("In the begXX\x7f\x7finning\r")  # two backspaces: line editing
     first = terminal.read_until("> ")
@@ -189,7 +189,7 @@ def test_interactive_on_a_terminal_prompts_edits_recalls_history_and_explains_ct
 
 @pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 def test_ctrl_c_twice_at_the_prompt_leaves():
-    terminal = Terminal("interactive", "--max_tokens", "4")
+    terminal = Terminal("interactive", "--max-tokens", "4")
     terminal.read_until("> ")
     terminal.ctrl_c()
     terminal.read_until("press it again")
@@ -232,14 +232,14 @@ def test_only_rank_0_says_an_answer_was_stopped(monkeypatch, capsys, tokenizer_p
 def test_demo_completes_each_prompt_given_in_order():
     prompts = ["Blessed are", "3", "你好 world"]  # "3" stays text; 你 and 好 have no pieces (bytes)
     args = [item for prompt in prompts for item in ("--prompt", prompt)]
-    result = run("demo", *args, "--max_tokens", "10", "--temperature", "0")
+    result = run("demo", *args, "--max-tokens", "10", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     model = load_model(DEFAULT_MODEL, max_batch_size=3, device="cpu")
     tokenizer = Tokenizer(DEFAULT_MODEL / "tokenizer.model")
     generated, _ = generate([tokenizer.encode(p) for p in prompts], model, max_tokens=10, eos_id=tokenizer.eos_id)
     blocks = [f"{p}{tokenizer.decode_continuation(g)}\n{'-' * 40}\n" for p, g in zip(prompts, generated)]
     assert result.stdout == "".join(blocks)
-    one = run("demo", "-p", "Blessed are", "--max_tokens", "10", "--temperature", "0")
+    one = run("demo", "-p", "Blessed are", "--max-tokens", "10", "--temperature", "0")
     assert one.stdout == blocks[0]
 
 
@@ -307,7 +307,7 @@ def test_help_documents_every_option_with_its_default_and_choices():
     assert "not" in run("interactive", "--help").stdout.split("--instruct", 1)[1].split("--max-tokens")[0]
 
 
-@pytest.mark.parametrize("option", ["--tensor_parallel", "--num_pipeline_ranks"])
+@pytest.mark.parametrize("option", ["--tensor-parallel", "--num-pipeline-ranks"])
 def test_torchrun_with_two_processes_prints_the_same_completions(option):
     import socket
 
@@ -315,10 +315,10 @@ def test_torchrun_with_two_processes_prints_the_same_completions(option):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # float32: bfloat16 (the shipped models' own dtype) rounds differently once the matmuls are cut
-    single = run("demo", "--max_tokens", "30", "--dtype", "float32")
+    single = run("demo", "--max-tokens", "30", "--dtype", "float32")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(port), str(REPO / "main.py"), "demo", "--max_tokens", "30", option, "2", "--dtype", "float32",
+        "--master-port", str(port), str(REPO / "main.py"), "demo", "--max-tokens", "30", option, "2", "--dtype", "float32",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
@@ -337,7 +337,7 @@ def test_perplexity_of_a_pipe_under_torchrun_is_one_process_s():
     single = run("perplexity", "--text", "/dev/stdin", "--dtype", "float32", stdin=text)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(port), str(REPO / "main.py"), "perplexity", "--text", "/dev/stdin", "--tensor_parallel", "2",
+        "--master-port", str(port), str(REPO / "main.py"), "perplexity", "--text", "/dev/stdin", "--tensor-parallel", "2",
         "--dtype", "float32",
     ]  # fmt: skip
     result = subprocess.run(command, input=text, capture_output=True, text=True, timeout=300,
@@ -347,7 +347,7 @@ def test_perplexity_of_a_pipe_under_torchrun_is_one_process_s():
 
 
 def test_parallel_options_without_torchrun_are_a_clear_error():
-    result = run("demo", "--tensor_parallel", "2")
+    result = run("demo", "--tensor-parallel", "2")
     assert result.returncode == 1
     assert "launch with torchrun --nproc-per-node 2" in result.stderr
     assert "Traceback" not in result.stderr
@@ -356,12 +356,12 @@ def test_parallel_options_without_torchrun_are_a_clear_error():
 def test_decode_static_prints_what_decode_eager_prints():
     """The fast decode step behind the command line: the same sampled text, demo and a conversation
     (in float32: in the shipped models' bfloat16 the two paths round differently)."""
-    eager = run("demo", "--max_tokens", "40", "--decode", "eager", "--dtype", "float32")
-    static = run("demo", "--max_tokens", "40", "--decode", "static", "--dtype", "float32")
+    eager = run("demo", "--max-tokens", "40", "--decode", "eager", "--dtype", "float32")
+    static = run("demo", "--max-tokens", "40", "--decode", "static", "--dtype", "float32")
     assert eager.returncode == 0 and static.returncode == 0, static.stderr
     assert static.stdout == eager.stdout
     turns = "Who art thou?\nSay more.\n"
-    chat = [run("interactive", "--instruct", "--max_tokens", "40", "--seed", "1", "--decode", mode, "--dtype", "float32", stdin=turns)
+    chat = [run("interactive", "--instruct", "--max-tokens", "40", "--seed", "1", "--decode", mode, "--dtype", "float32", stdin=turns)
             for mode in ("eager", "static")]
     assert chat[1].returncode == 0, chat[1].stderr
     assert chat[1].stdout == chat[0].stdout

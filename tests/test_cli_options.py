@@ -35,22 +35,22 @@ def assert_one_line_error(result, message):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["demo", "--max_token", "5"], "demo: unknown option --max_token; did you mean --max_tokens? options: --model_path"),
+        (["demo", "--max-token", "5"], "demo: unknown option --max-token; did you mean --max-tokens? options: --model-path"),
         (["interactive", "--instrct"], "interactive: unknown option --instrct; did you mean --instruct?"),
-        (["demo", "--top_p", "1.5"], "top_p=1.5 must be in (0, 1]"),
-        (["demo", "--max_tokens", "abc"], "--max-tokens 'abc' must be an integer >= 0"),
-        (["demo", "--seed", "abc"], "seed='abc' must be an integer in [0, 2**63)"),
-        (["demo", "--seed", str(2**64 + 1)], f"seed={2**64 + 1} must be an integer in [0, 2**63)"),
+        (["demo", "--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
+        (["demo", "--max-tokens", "abc"], "--max-tokens 'abc' must be an integer >= 0"),
+        (["demo", "--seed", "abc"], "--seed 'abc' must be an integer in [0, 2**63)"),
+        (["demo", "--seed", str(2**64 + 1)], f"--seed {2**64 + 1} must be an integer in [0, 2**63)"),
         (["demo", "--device", "meta"], "--device meta: a model runs on cpu, cuda or mps, not meta"),
         (["demo", "--device", "cpu:1"], "--device cpu:1: the CPU is one device, cpu"),  # the index was ignored
         # said before "launch with torchrun", which led to these errors only after the weights loaded
-        (["demo", "--tensor_parallel", "2", "--num_pipeline_ranks", "2"], "use either --tensor_parallel or --num_pipeline_ranks, not both"),
-        (["demo", "--tensor_parallel", "2", "--decode", "static"], "--decode static needs the whole model in one process"),
+        (["demo", "--tensor-parallel", "2", "--num-pipeline-ranks", "2"], "use either --tensor-parallel or --num-pipeline-ranks, not both"),
+        (["demo", "--tensor-parallel", "2", "--decode", "static"], "--decode static needs the whole model in one process"),
         (["demo", "--device", "mps"], "--device mps: MPS is not available on this machine" if not torch.backends.mps.is_available() else None),
-        (["demo", "--tensor_parallel", "abc"], "--tensor_parallel 'abc' must be an integer >= 1"),
+        (["demo", "--tensor-parallel", "abc"], "--tensor-parallel 'abc' must be an integer >= 1"),
         (["convert", "a", "b", "c", "d", "e", "f", "g"], "convert: unexpected argument 'g'"),
         (["interactive", "tiny-mistral", "hello"], "interactive: unexpected argument 'hello' (a switch such as"),
-        (["demo", "--max_tokens", "3", "--max-tokens=4"], "demo: --max_tokens is given twice; give it once"),  # fire took 4
+        (["demo", "--max-tokens", "3", "--max-tokens=4"], "demo: --max-tokens is given twice; give it once"),  # fire took 4
         (["perplexity", "tiny-mistral"], "--text FILE is required: the file whose perplexity to measure"),
         (["perplexity", "tiny-mistral", "--text", "no-such.txt"], "--text no-such.txt: cannot read it (No such file"),
         (["perplexity", "--text", "README.md", "--context", "1"], "--context=1 must be an integer >= 2"),
@@ -75,11 +75,11 @@ print("torch imported" if "torch" in sys.modules else "torch not imported")
 def test_option_errors_answer_before_torch_is_imported():
     """Checking an option costs no import of torch (1.5-3.5 s on 2 cores), only of the checks."""
     cases = [
-        ["demo", "--max_tokens", "-3"],
+        ["demo", "--max-tokens", "-3"],
         ["demo", "--quantize", "int3"],
         ["demo", "--decode", "fast"],
         ["demo", "--dtype", "float64"],
-        ["demo", "--top_k", "0"],
+        ["demo", "--top-k", "0"],
         ["interactive", "--seed", "abc"],
         ["serve", "--port", "abc"],
         ["serve", "--max-rows", "0"],
@@ -97,20 +97,20 @@ def test_option_errors_answer_before_torch_is_imported():
     assert len(errors) == len(cases) and all(line.startswith("error: ") for line in errors), result.stderr
     assert "int4 group_size=48" in errors[-1]
     assert errors[-3:-1] == ["error: no tokens to score: /dev/null is empty",
-                             "error: temperature='inf' must be a number >= 0 (0 means greedy)"]  # fmt: skip
+                             "error: --temperature 'inf' must be a number >= 0 (0 means greedy)"]  # fmt: skip
 
 
 def test_a_stray_world_size_is_one_line():
     """WORLD_SIZE left in the environment without torchrun's other variables: torch's rendezvous
     error was a traceback."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, str(REPO / "main.py"), "demo", "--tensor_parallel", "2"], capture_output=True,
+    result = subprocess.run([sys.executable, str(REPO / "main.py"), "demo", "--tensor-parallel", "2"], capture_output=True,
                             text=True, timeout=300, env={**env, "WORLD_SIZE": "2"})  # fmt: skip
     assert_one_line_error(result, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not: launch with torchrun")
 
 
 def test_interactive_with_a_bad_setting_and_empty_input_fails():
-    assert_one_line_error(run_cli("interactive", "--temperature", "-1", stdin=""), "temperature=-1 must be >= 0")
+    assert_one_line_error(run_cli("interactive", "--temperature", "-1", stdin=""), "--temperature -1 must be >= 0")
 
 
 PEAK = (
@@ -124,7 +124,7 @@ def test_max_tokens_too_large_for_a_model_without_a_window_is_refused_before_loa
     del params["sliding_window"]
     (model_folder / "params.json").write_text(json.dumps(params))
     result = subprocess.run(
-        [sys.executable, "-c", PEAK, "demo", str(model_folder), "--max_tokens", str(10**12)],
+        [sys.executable, "-c", PEAK, "demo", str(model_folder), "--max-tokens", str(10**12)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr

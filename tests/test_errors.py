@@ -438,8 +438,8 @@ def run_cli(*args, stdin=""):
         (["demo", "/no/such/folder"], "error: /no/such/folder: model folder not found"),
         (["demo", "{folder}", "--dtype", "float64"], "error: --dtype 'float64' is not one of float32, bfloat16, float16"),
         (["demo", "{folder}", "--device", "cuda:0"], "CUDA is not available" if not torch.cuda.is_available() else None),
-        (["demo", "{folder}", "--temperature", "-1"], "error: temperature=-1 must be >= 0"),
-        (["demo", "{folder}", "--max_tokens", "-3"], "error: max_tokens=-3 must be an integer >= 0"),
+        (["demo", "{folder}", "--temperature", "-1"], "error: --temperature -1 must be >= 0"),
+        (["demo", "{folder}", "--max-tokens", "-3"], "error: --max-tokens -3 must be an integer >= 0"),
     ],
 )
 def test_command_line_errors_are_one_line_without_traceback(model_folder, args, message):
@@ -462,7 +462,7 @@ def test_command_line_names_a_missing_tokenizer(model_folder):
 
 
 def test_interactive_unknown_command_and_end_of_input(model_folder):
-    result = run_cli("interactive", str(model_folder), "--max_tokens", "3", stdin="/frobnicate\n")
+    result = run_cli("interactive", str(model_folder), "--max-tokens", "3", stdin="/frobnicate\n")
     assert result.returncode == 0
     assert "unknown command /frobnicate: use /reset or /quit" in result.stderr
     assert "Traceback" not in result.stderr
@@ -470,7 +470,7 @@ def test_interactive_unknown_command_and_end_of_input(model_folder):
 
 def test_interactive_survives_undecodable_input_bytes(model_folder):
     result = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), "interactive", str(model_folder), "--max_tokens", "3"],
+        [sys.executable, str(REPO / "main.py"), "interactive", str(model_folder), "--max-tokens", "3"],
         input=b"caf\xe9 \xff\xfe\n", capture_output=True, timeout=300,
     )
     assert result.returncode == 0

@@ -20,12 +20,16 @@ its quoted text.
 import difflib
 import functools
 import importlib
+import importlib.abc
+import importlib.util
 import inspect
 import json
 import json as json_module  # demo's --json parameter hides the name json there
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -71,9 +75,10 @@ def check_quantize(quantize: Optional[str]) -> None:
 def cli_spelling(message: str) -> str:
     """A library message in the command line's spelling: ``quantize='int3'`` as ``--quantize 'int3'``,
     ``quantize=`` as ``--quantize``, ``max_model_len`` as ``--max-model-len``."""
-    message = re.sub(r"\b(quantize|max_tokens|max_model_len|dtype|device|decode)=('[^']*'|\S+)",
+    message = re.sub(r"\b(quantize|max_tokens|max_model_len|dtype|device|decode|temperature|top_p|top_k|seed|chunk_size)=('[^']*'|\S+)",
                      lambda m: f"--{m[1].replace('_', '-')} {m[2]}", message)  # fmt: skip
-    return re.sub(r"\b(quantize|max_model_len)=(?=\s|$|\))", lambda m: f"--{m[1].replace('_', '-')}", message)
+    message = re.sub(r"\b(quantize|max_model_len)=(?=\s|$|\))", lambda m: f"--{m[1].replace('_', '-')}", message)
+    return re.sub(r"(?<![\w-])--([a-z]+(?:_[a-z]+)+)", lambda m: "--" + m[1].replace("_", "-"), message)  # --max_tokens
 
 
 def check_decode(decode: str) -> None:
@@ -844,11 +849,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         hint = f"did you mean {close[0]}? " if close else ""
         print(f"error: unknown command {argv[0]!r}: {hint}(commands: {', '.join(COMMANDS)}; --help says more)", file=sys.stderr)
         return 2
+    if "torch" not in sys.modules and not any(isinstance(f, DeferCtrlCWhileTorchImports) for f in sys.meta_path):
+        sys.meta_path.insert(0, DeferCtrlCWhileTorchImports())
     try:
         import fire
 
-        if argv[0] != "models":
-            import_torch_deferring_ctrl_c()
         argv = gather_prompts(argv)
         check_arguments(argv)
         fire.Fire(COMMANDS, command=argv, name="mixtral-infer")
@@ -866,30 +871,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def import_torch_deferring_ctrl_c() -> None:
-    """``import torch`` with Ctrl-C held until it is done, then acted on (``KeyboardInterrupt``).
+class DeferCtrlCWhileTorchImports(importlib.abc.MetaPathFinder):
+    """Holds Ctrl-C while ``torch`` is first imported, wherever that happens, then acts on it.
 
-    A KeyboardInterrupt raised inside the Python callbacks torch's C++ runs while it imports ends
-    the process with ``terminate called after throwing ... pybind11::error_already_set``; and a
-    half-imported torch cannot be imported again. Importing takes seconds, so Ctrl-C waits that long."""
-    import signal
+    A KeyboardInterrupt raised inside the Python callbacks torch's C++ runs while it imports ends the
+    process with ``terminate called after throwing ... pybind11::error_already_set``, and a
+    half-imported torch cannot be imported again. So the import's own code runs with SIGINT
+    recorded, not raised (importing takes seconds: Ctrl-C waits that long), and a recorded one is
+    raised as the import returns. Options are still checked before torch is imported."""
 
-    if "torch" in sys.modules or threading_is_not_main():
-        return
-    interrupted = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
-    try:
-        importlib.import_module("torch")
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if interrupted:
-        raise KeyboardInterrupt
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)  # once: the real finders find torch
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or threading.current_thread() is not threading.main_thread():
+            return spec
+        run = spec.loader.exec_module
 
+        def exec_module(module):
+            interrupted = []
+            previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+            try:
+                run(module)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            if interrupted:
+                raise KeyboardInterrupt
 
-def threading_is_not_main() -> bool:
-    import threading
-
-    return threading.current_thread() is not threading.main_thread()
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def close_process_group() -> None:
