@@ -11,7 +11,10 @@
 
 import sys
 
-from mixtral_infer.cli.commands import main
+try:
+    from mixtral_infer.cli import main
+except KeyboardInterrupt:  # Ctrl-C before the command line has even been imported
+    sys.exit(130)
 
 if __name__ == "__main__":
     sys.exit(main())

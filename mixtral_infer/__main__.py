@@ -2,6 +2,6 @@
 
 import sys
 
-from mixtral_infer.cli.commands import main
+from mixtral_infer.cli import main
 
 sys.exit(main())

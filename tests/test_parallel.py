@@ -104,7 +104,7 @@ def test_a_rank_reads_only_its_share_from_either_format(saved_model, tmp_path, m
     convert(folder, tmp_path / "hf", to="hf")
     read = []
     real_read = safetensors_reader._read
-    monkeypatch.setattr(safetensors_reader, "_read", lambda path, entry, selection: read.append(entry.name) or real_read(path, entry, selection))
+    monkeypatch.setattr(safetensors_reader, "_read", lambda handle, path, entry, selection: read.append(entry.name) or real_read(handle, path, entry, selection))
     ours = load_model(folder, device="cpu", dtype=torch.float32, parallel=parallel).state_dict()
     hf = load_model(tmp_path / "hf", device="cpu", dtype=torch.float32, parallel=parallel).state_dict()
     assert list(ours) == list(hf) and all(torch.equal(ours[name], hf[name]) for name in ours)

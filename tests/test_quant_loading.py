@@ -235,7 +235,7 @@ def test_demo_quantize_on_the_command_line():
     assert result.returncode == 0, result.stderr
     assert "weights int4 (groups of 32)" in result.stderr and "And the LORD spake unto Moses" in result.stdout
     refused = run("demo", "--quantize", "int3")
-    assert refused.returncode == 1 and refused.stderr.strip() == "error: quantize='int3': expected one of int8, w8a8, int4, int4-<group size>, nf4 or nf4-<group size>"
+    assert refused.returncode == 1 and refused.stderr.strip() == "error: --quantize 'int3': expected one of int8, w8a8, int4, int4-<group size>, nf4 or nf4-<group size>"
 
 
 PEAK_SCRIPT = textwrap.dedent(

@@ -104,8 +104,11 @@ def test_demo_by_name_from_another_directory(tmp_path):
 
 def test_readme_python_snippet_runs_from_another_directory(tmp_path):
     readme = (REPO / "README.md").read_text()
-    snippet = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    assert "load_model(folder" in snippet
+    blocks = [b.split("```", 1)[0] for b in readme.split("## Python API", 1)[1].split("```python\n")[1:]]
+    assert "LLM(" in blocks[0]  # the high-level API first
+    high = subprocess.run([sys.executable, "-c", blocks[0]], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert high.returncode == 0 and high.stdout.splitlines()[0].startswith("And God said"), high.stderr
+    snippet = next(b for b in blocks if "load_model(folder" in b)
     snippet += "\nprint(repr(tokenizer.decode(generated[0])))\nprint(float(scores.sum()))\n"
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
