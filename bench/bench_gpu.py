@@ -53,6 +53,13 @@ full-size quantized rows, as measured on the H200 (``bench/results_gpu_h200_*``)
     python bench/bench_gpu.py --models mixtral-8x7b --without-transformers --batches --prefill \
         --quantize int8 --modes compiled --repeats 2 --out bench/results_gpu_h200_mixtral_int8.json
 
+``--grouped-experts`` runs Mixtral's decode steps at ``B * k >= E`` (batch 8 and 32) with the experts as
+one grouped GEMM per projection (``Tuning.grouped_experts``, off by default until measured): run it
+beside a run without to decide the default::
+
+    python bench/bench_gpu.py --models mixtral-8x7b --without-transformers --batches 1 8 32 --prefill \
+        --quantize --modes compiled --repeats 2 --grouped-experts --out bench/results_gpu_grouped.json
+
 The JSON is rewritten after every row, so a run cut short keeps its rows.
 
 Greedy tokens of ours and transformers are compared (first difference reported; random
@@ -524,6 +531,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
                         help="decode modes of ours (without eager: no eager rows, no token agreement)")  # fmt: skip
     parser.add_argument("--without-transformers", action="store_true", help="ours alone, every layer, random weights")
+    parser.add_argument("--grouped-experts", action="store_true",
+                        help="Tuning.grouped_experts: where B * k >= E, the experts as one grouped GEMM per projection "
+                             "(torch._grouped_mm) instead of every expert on every row")  # fmt: skip
     options = parser.parse_args(argv)
     device = torch.device(options.device)
     dtype = torch.bfloat16
@@ -541,6 +551,8 @@ def main(argv=None) -> int:
         log(f"{name}: {args.n_layers} layers, {parameter_bytes(args) / 1e9:.1f} GB of weights")
         hf = None if alone else hf_model(args, device, dtype)
         ours = ours_random(args, device, dtype) if alone else ours_from_hf(hf, args, device, dtype)
+        if options.grouped_experts:
+            use_formats(ours, dataclasses.replace(tuning_of(ours), grouped_experts=True))
         entry: Dict = {"layers": args.n_layers, "weights_gb": parameter_bytes(args) / 1e9, "decode": [], "prefill": []}
         if alone:
             entry["transformers"] = False

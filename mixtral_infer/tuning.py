@@ -67,6 +67,12 @@ class Tuning:
     chosen_up_to_quantized: int = 2
     chosen_up_to_plain: int = 2
     chosen_up_to_bfloat16: int = 1
+    # Where every expert would run on every row (``B * k >= E``), plain bfloat16 experts run as one grouped
+    # product per projection instead (``decode_step._grouped_experts``, ``torch._grouped_mm``): each
+    # expert's weights read once and only its rows computed. Off until measured on a GPU
+    # (``bench/bench_gpu.py --grouped-experts``). On CPU with ``ahead_of_time``, torch 2.13's
+    # AOTInductor cannot call the grouped product: set ``ahead_of_time=False`` with it there.
+    grouped_experts: bool = False
 
     # GemLite (CUDA) asked for float32 outputs, converted by the compiled step where they are read
     # (``quant.gemlite_cuda``, "Outputs"); read when weights are packed for it.
