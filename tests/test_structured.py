@@ -329,3 +329,21 @@ def test_generate_s_bad_settings_are_one_line_before_any_work(tokenizer, kwargs,
     with pytest.raises(GenerationError) as error:
         generate_ours([[1, 5]], model, max_tokens=5, **kwargs)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_generate_takes_a_penalty_per_prompt(tokenizer, decode):
+    """presence, frequency and repetition penalties as lists, one per prompt: each row as if alone."""
+    from mixtral_infer import load_model
+
+    model = load_model("tiny-mixtral", max_batch_size=2, dtype=torch.float32, device="cpu")
+    prompts = [tokenizer.encode("In the beginning"), tokenizer.encode("And the LORD said")]
+    settings = [dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0),
+                dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.4)]  # fmt: skip
+    together, _ = generate_ours(prompts, model, max_tokens=16, decode=decode, eos_id=None,
+                                **{k: [s[k] for s in settings] for k in settings[0]})  # fmt: skip
+    for prompt, setting, tokens in zip(prompts, settings, together):
+        alone, _ = generate_ours([prompt], model, max_tokens=16, decode=decode, eos_id=None, **setting)
+        assert tokens == alone[0]
+    with pytest.raises(GenerationError, match=r"a list of one per prompt \(2\)"):
+        generate_ours(prompts, model, max_tokens=4, presence_penalty=[0.5])

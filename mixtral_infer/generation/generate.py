@@ -209,9 +209,9 @@ def generate(
     prompt_logprobs: bool = True,
     decode: str = "auto",
     stop: Sequence[str] = (),
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float = 1.0,
+    presence_penalty: float | Sequence[float] = 0.0,
+    frequency_penalty: float | Sequence[float] = 0.0,
+    repetition_penalty: float | Sequence[float] = 1.0,
     logit_bias: Optional[Dict[int, float]] = None,
     min_tokens: int = 0,
     json_schema: Optional[Union[dict, str]] = None,
@@ -248,7 +248,7 @@ def generate(
     (``structured.grammar``, llguidance), and a row ends when it is complete. ``stop``: strings
     that end a row once its text holds one (its tokens up to the one that completed it are
     returned). ``presence_penalty``, ``frequency_penalty`` (OpenAI's), ``repetition_penalty``
-    (transformers'), ``logit_bias`` (token id to a number added to its logit), ``min_tokens``
+    (transformers'): one number for every prompt, or a list of one per prompt; ``logit_bias`` (token id to a number added to its logit), ``min_tokens``
     (EOS held back until then): ``structured.logits``. Logprobs stay the model's.
 
     ``decode``: how the tokens after the prompt are produced, all with the same results:
@@ -268,7 +268,7 @@ def generate(
     max_tokens, temperature = int(max_tokens), effective_temperature(temperature)
     top_k, chunk_size, seed = (None if v is None else int(v) for v in (top_k, chunk_size, seed))
     grammar_text = check_shaping(
-        model, tokenizer, max_tokens, stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens,
+        model, tokenizer, max_tokens, len(encoded_prompts), stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens,
         json_schema, regex, choices, grammar,
     )
     mode = decode_mode(decode, model)
@@ -311,7 +311,9 @@ def generate(
     if max_tokens == 0:
         return generated, logprobs
     shaping = None
-    if grammar_text or stop or presence_penalty or frequency_penalty or repetition_penalty != 1 or logit_bias or min_tokens:
+    penalised = any(v != neutral for value, neutral in ((presence_penalty, 0), (frequency_penalty, 0), (repetition_penalty, 1))
+                    for v in ([value] if isinstance(value, (int, float)) else value))  # fmt: skip
+    if grammar_text or stop or penalised or logit_bias or min_tokens:
         shaping = Shaping(
             encoded_prompts, model.args.vocab_size, model.device, eos_id, grammar=grammar_text, tokenizer=tokenizer,
             presence=presence_penalty, frequency=frequency_penalty, repetition=repetition_penalty, bias=logit_bias,
@@ -378,10 +380,11 @@ def check_shaping(
     model: Transformer,
     tokenizer: Optional[Tokenizer],
     max_tokens: int,
+    batch: int,
     stop: Sequence[str],
-    presence_penalty: float,
-    frequency_penalty: float,
-    repetition_penalty: float,
+    presence_penalty: float | Sequence[float],
+    frequency_penalty: float | Sequence[float],
+    repetition_penalty: float | Sequence[float],
     logit_bias: Optional[Dict[int, float]],
     min_tokens: int,
     json_schema: Optional[Union[dict, str]],
@@ -401,8 +404,11 @@ def check_shaping(
         raise GenerationError(f"{next(iter(given), 'stop')} is about text: pass tokenizer= as well")
     for name, value, low, high in (("presence_penalty", presence_penalty, -2, 2), ("frequency_penalty", frequency_penalty, -2, 2),
                                    ("repetition_penalty", repetition_penalty, 1e-6, 10)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise GenerationError(f"{name}={value!r} must be a number in [{low:g}, {high:g}]")
+        values = [value] if isinstance(value, (int, float)) else list(value) if isinstance(value, (list, tuple)) else None
+        if values is None or (len(values) != 1 and len(values) != batch) or (not isinstance(value, (int, float)) and len(values) != batch):
+            raise GenerationError(f"{name}={value!r} must be a number, or a list of one per prompt ({batch})")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high for v in values):
+            raise GenerationError(f"{name}={value!r} must be a number in [{low:g}, {high:g}] (or a list of them)")
     if as_int(min_tokens) is None or not 0 <= as_int(min_tokens) <= max_tokens:
         raise GenerationError(f"min_tokens={min_tokens!r} must be an integer in [0, max_tokens={max_tokens}]")
     for token, bias in (logit_bias or {}).items():

@@ -30,9 +30,9 @@ class Shaping:
         *,
         grammar: Optional[str] = None,
         tokenizer: Optional[Tokenizer] = None,
-        presence: float = 0.0,
-        frequency: float = 0.0,
-        repetition: float = 1.0,
+        presence: float | Sequence[float] = 0.0,
+        frequency: float | Sequence[float] = 0.0,
+        repetition: float | Sequence[float] = 1.0,
         bias: Optional[Dict[int, float]] = None,
         min_tokens: int = 0,
         stop: Sequence[str] = (),
@@ -45,17 +45,17 @@ class Shaping:
         self.generated: List[List[int]] = [[] for _ in prompts]
         self.counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device)  # (B, V)
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # (B, V)
-        if repetition != 1:
-            for row, prompt in enumerate(prompts):
+        self.presence, self.frequency, self.repetition = (
+            per_row(value, batch, device) for value in (presence, frequency, repetition)
+        )  # (B,) each
+        for row, prompt in enumerate(prompts):
+            if self.repetition[row] != 1:
                 self.seen[row, torch.tensor(list(prompt), device=device)] = True
-        self.presence = torch.full((batch,), float(presence), device=device)
-        self.frequency = torch.full((batch,), float(frequency), device=device)
-        self.repetition = torch.full((batch,), float(repetition), device=device)
         self.bias = torch.zeros(batch, vocab, dtype=torch.float32, device=device)  # (B, V)
         if bias:
             self.bias[:, list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
         self.min_left = torch.full((batch,), int(min_tokens), dtype=torch.long, device=device)  # (B,)
-        self.penalised = bool(presence or frequency or repetition != 1 or bias)
+        self.penalised = bool(self.presence.any() or self.frequency.any() or (self.repetition != 1).any() or bias)
         self.holds_eos = min_tokens > 0 and eos_id is not None
 
     @property
@@ -112,6 +112,13 @@ class Shaping:
             if any(s in text for s in self.stop):
                 return True
         return grammar is not None and grammar.done
+
+
+def per_row(value: float | Sequence[float], batch: int, device: torch.device) -> torch.Tensor:
+    """A setting for every row ``(B,)``: one number for all, or one per row."""
+    if isinstance(value, (int, float)):
+        return torch.full((batch,), float(value), device=device)
+    return torch.tensor([float(v) for v in value], device=device)
 
 
 def shaped_logits(
