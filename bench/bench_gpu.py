@@ -92,6 +92,7 @@ from mixtral_infer.checkpoint.loading import build_model  # noqa: E402
 from mixtral_infer.formats.modules import tuning_of, use_formats  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size, prefill  # noqa: E402
 from mixtral_infer.model.moe import MoeLayer  # noqa: E402
+from mixtral_infer.steps.decode_step import plain_int8  # noqa: E402
 from mixtral_infer.quant import gemlite_cuda  # noqa: E402
 from mixtral_infer.formats.quantizing import quantize_model  # noqa: E402
 
@@ -409,13 +410,19 @@ def quantized_with(model: Transformer, scheme: str) -> Transformer:
 
 
 def bench_quantized_decode(
-    model: Transformer, scheme: str, repeats: int, float_tokens: list, in_place: bool, modes, log
+    model: Transformer, scheme: str, repeats: int, float_tokens: list, in_place: bool, modes, log,
+    gathered_int8: bool = False,
 ) -> Dict:
     """Batch-1 decode of ``model`` quantized to ``scheme``: a copy (the float model stays), or
-    with ``in_place`` the model itself."""
+    with ``in_place`` the model itself. ``gathered_int8``: ``Tuning.gathered_int8_experts`` on (the
+    row says whether the experts kept the plain int8 values that path reads)."""
     quantized = quantized_with(model if in_place else copy.deepcopy(model), scheme)
     prompts = random_prompts(1, PROMPT, model.args.vocab_size, seed=1)
     row: Dict = {"scheme": scheme, "batch": 1}
+    if gathered_int8:
+        use_formats(quantized, dataclasses.replace(tuning_of(quantized), gathered_int8_experts=True))
+        moes = [m for m in quantized.modules() if isinstance(m, MoeLayer)]
+        row["gathered_int8_experts"] = bool(moes) and all(plain_int8(m) for m in moes)
     tokens: list = []
     for mode, label in (("eager", "ours_eager"), ("compiled", "ours_fast")):
         if mode not in modes:
@@ -531,6 +538,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
                         help="decode modes of ours (without eager: no eager rows, no token agreement)")  # fmt: skip
     parser.add_argument("--without-transformers", action="store_true", help="ours alone, every layer, random weights")
+    parser.add_argument("--gathered-int8-experts", action="store_true",
+                        help="Tuning.gathered_int8_experts: the chosen int8 experts as one gathered, dequantize-where-read "
+                             "product per projection (needs --quantize int8, PyTorch's kernels: the plain int8 values)")
     parser.add_argument("--grouped-experts", action="store_true",
                         help="Tuning.grouped_experts: where B * k >= E, the experts as one grouped GEMM per projection "
                              "(torch._grouped_mm) instead of every expert on every row")  # fmt: skip
@@ -538,7 +548,7 @@ def main(argv=None) -> int:
     device = torch.device(options.device)
     dtype = torch.bfloat16
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    results: Dict = {"machine": machine(device), "dtype": str(dtype), "models": {}}
+    results: Dict = {"machine": machine(device), "dtype": str(dtype), "models": {}, "grouped_experts": options.grouped_experts}
 
     def save() -> None:
         if options.out is not None:
@@ -573,7 +583,8 @@ def main(argv=None) -> int:
             entry["quantized"] = []
             for scheme in options.quantize:
                 in_place = device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 1.2 * parameter_bytes(args)
-                row = bench_quantized_decode(ours, scheme, options.repeats, float_tokens, in_place, options.modes, log)
+                row = bench_quantized_decode(ours, scheme, options.repeats, float_tokens, in_place, options.modes, log,
+                                             options.gathered_int8_experts)  # fmt: skip
                 entry["quantized"].append(row)
                 save()
                 if in_place:

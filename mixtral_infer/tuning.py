@@ -73,6 +73,12 @@ class Tuning:
     # (``bench/bench_gpu.py --grouped-experts``). On CPU with ``ahead_of_time``, torch 2.13's
     # AOTInductor cannot call the grouped product: set ``ahead_of_time=False`` with it there.
     grouped_experts: bool = False
+    # The chosen int8 experts of a decode step (``B * k < E``) read as one gathered product per
+    # projection, dequantized where they are read (``decode_step._gathered_int8_experts``: compiled,
+    # the gather, the scales and the product are one reduction over the int8 rows), instead of one
+    # quantized kernel per chosen expert on a gathered copy of its weights. Off until measured on a
+    # GPU (``bench/bench_gpu.py --gathered-int8-experts``); needs the experts' plain int8 values.
+    gathered_int8_experts: bool = False
 
     # GemLite (CUDA) asked for float32 outputs, converted by the compiled step where they are read
     # (``quant.gemlite_cuda``, "Outputs"); read when weights are packed for it.

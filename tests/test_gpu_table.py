@@ -35,3 +35,15 @@ def test_batches_of_8_and_more_are_held_to_80_percent_of_their_floor(tmp_path):
 
 def test_the_lease_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(REPO / "bench/gpu_lease.sh")]).returncode == 0
+
+
+def test_variants_are_named_and_held_to_their_scheme_s_target(tmp_path):
+    results = {"grouped_experts": True, "models": {"mixtral-8x7b": {
+        "decode": [{"batch": 8, "ours_fast": 900.0, "floor": 1000.0}],
+        "quantized": [{"scheme": "int8", "batch": 1, "ours_fast": 240.0, "gathered_int8_experts": True}],
+    }}}  # fmt: skip
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    lines = table([path]).splitlines()
+    assert lines[2] == "| mixtral-8x7b | bfloat16 grouped | 8 | 900.0 | 1000.0 | 90% | 800 80% of the floor | yes | - |"
+    assert lines[3] == "| mixtral-8x7b | int8 gathered | 1 | 240.0 | - | - | 230 tok/s | yes | - |"

@@ -81,3 +81,45 @@ def test_the_static_step_with_grouped_experts_gives_the_eager_tokens(decode):
     eager, _ = generate(prompts, model, max_tokens=10, decode="eager", prompt_logprobs=False)
     grouped, _ = generate(prompts, model, max_tokens=10, decode=decode, prompt_logprobs=False)
     assert grouped == eager
+
+
+def int8_moe_model(batch: int = 1):
+    from mixtral_infer.formats.quantizing import quantize_model
+
+    model = random_model(dataclasses.replace(tiny_args(moe=True), max_batch_size=batch), seed=7)
+    quantize_model(model, "int8")
+    return model
+
+
+def test_gathered_int8_experts_equal_each_chosen_expert_dequantized():
+    """Batch 1, top-2 of 4 (B * k < E): the chosen experts' int8 rows, scaled where they are read, give
+    what each expert's dequantized weight gives; moe_one_token takes this path with the tuning's flag."""
+    from mixtral_infer.steps.decode_step import _gathered_int8_experts, plain_int8
+
+    moe = int8_moe_model().layers["0"].feed_forward
+    assert plain_int8(moe)
+    x = torch.randn(1, moe.w1.shape[-1], generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        experts, weights = moe.route(x)
+        expected = sum(
+            float(w) * torch.nn.functional.linear(
+                torch.nn.functional.silu(x @ moe.w1[int(e)].dequantize().T) * (x @ moe.w3[int(e)].dequantize().T),
+                moe.w2[int(e)].dequantize())
+            for e, w in zip(experts[0], weights[0])
+        )  # fmt: skip
+        got = _gathered_int8_experts(moe, x, experts, weights)
+        assert torch.allclose(got, expected, atol=1e-5)
+        assert torch.allclose(moe_one_token(moe, x, Tuning(gathered_int8_experts=True)), expected, atol=1e-5)
+        step = torch.compile(lambda x: _gathered_int8_experts(moe, x, *moe.route(x)), fullgraph=True, dynamic=False)
+        assert torch.allclose(step(x), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode", ["static", "compiled"])
+def test_the_static_step_with_gathered_int8_experts_gives_the_eager_tokens(decode):
+    model = int8_moe_model()
+    use_formats(model, Tuning(gathered_int8_experts=True))
+    prompt = [[1, 5, 9, 13, 2, 40]]
+    eager, eager_lp = generate(prompt, model, max_tokens=10, decode="eager", prompt_logprobs=False)
+    gathered, gathered_lp = generate(prompt, model, max_tokens=10, decode=decode, prompt_logprobs=False)
+    assert gathered == eager
+    assert gathered_lp[0] == pytest.approx(eager_lp[0], abs=1e-4)

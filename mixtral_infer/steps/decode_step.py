@@ -202,6 +202,8 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor, tuning: Optional[Tuning] = Non
     field = chosen_up_to_field(moe, tuning) if on_cpu else None
     up_to = getattr(tuning, field) if field is not None else 0
     if batch * k < n_experts or batch * k <= up_to * n_experts:
+        if tuning.gathered_int8_experts and plain_int8(moe):
+            return _gathered_int8_experts(moe, x, experts, weights)
         if one_by_one:
             return _experts_one_by_one(moe, x, experts, weights, tuning)
         return _gathered_experts(moe, x, experts, weights)
@@ -232,6 +234,32 @@ def _every_expert_batched(
     hidden = F.silu(_expert_products(x[None], moe.w1)) * _expert_products(x[None], moe.w3)  # (E, B, I)
     out = _expert_products(hidden, moe.w2)  # (E, B, D)
     return torch.einsum("ebd,be->bd", out, mix)
+
+
+def plain_int8(moe: MoeLayer) -> bool:
+    """Whether the experts are int8 weights (weight-only) with their plain values at hand."""
+    return all(
+        isinstance(w, QuantizedWeight) and w.scheme.name == "int8" and w.scheme.activations is None
+        and w.values is not None and w.expert is None
+        for w in (moe.w1, moe.w2, moe.w3)
+    )  # fmt: skip
+
+
+def _gathered_int8_experts(
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``_gathered_experts`` for int8 experts: each row's chosen experts' int8 rows gathered, scaled by
+    their rows' scales and multiplied, ``(B, D)``. Compiled, the gather, the conversion, the scales
+    and the product fuse into one reduction that reads each chosen expert's int8 bytes once (the
+    index read on the device); uncompiled it makes the dequantized copies, correct but slow."""
+
+    def dequantized(w: QuantizedWeight) -> torch.Tensor:  # (B, A, OUT, IN) in x's dtype
+        return w.values[experts].to(x.dtype) * w.scales[experts][..., None].to(x.dtype)
+
+    rows = x[:, None, None, :]  # (B, 1, 1, D)
+    hidden = F.silu(_expert_products(rows, dequantized(moe.w1))) * _expert_products(rows, dequantized(moe.w3))  # (B, A, 1, I)
+    out = _expert_products(hidden, dequantized(moe.w2))[:, :, 0]  # (B, A, D)
+    return torch.einsum("bkd,bk->bd", out, weights)
 
 
 def _grouped_experts(
