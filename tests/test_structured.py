@@ -347,3 +347,21 @@ def test_generate_takes_a_penalty_per_prompt(tokenizer, decode):
         assert tokens == alone[0]
     with pytest.raises(GenerationError, match=r"a list of one per prompt \(2\)"):
         generate_ours(prompts, model, max_tokens=4, presence_penalty=[0.5])
+
+
+def test_penalised_rows_report_the_model_s_logprobs(tiny_engine_model, tokenizer):
+    """float32 logits: the penalties change a copy; each token's logprob is the model's (as without them)."""
+    from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
+
+    prompt = tokenizer.encode("And God said, Let there be light")
+    engine = Engine(tiny_engine_model, tokenizer, rows=1, decode="eager")
+    events = []
+    engine.submit(prompt, RequestSettings(max_tokens=6, logprobs=0, repetition_penalty=1.5, ignore_eos=True), events.append)
+    while engine.step():
+        pass
+    tokens = [e.token for e in events if isinstance(e, TokenEvent)]
+    got = [e.logprob for e in events if isinstance(e, TokenEvent)]
+    with torch.inference_mode():
+        logits = tiny_engine_model(torch.tensor(prompt + tokens), [len(prompt) + len(tokens)])  # (T, V)
+    scores = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert got == pytest.approx(scores.tolist(), abs=1e-4)

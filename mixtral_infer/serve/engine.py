@@ -842,7 +842,7 @@ class Engine:
         early = [i for i, r in enumerate(sampled) if len(r.generated) < r.settings.min_tokens and not r.settings.ignore_eos]
         if not penalised and not early and all(g is None for g in grammars):
             return logits
-        logits = logits.float()  # a copy: the model's logits stay for the logprobs
+        logits = logits.to(torch.float32, copy=True)  # the model's logits stay, for the logprobs
         if penalised:
             rows = torch.tensor(penalised, device=logits.device)
             dense = dense_penalties([sampled[i].penalties for i in penalised], logits.shape[-1], logits.device)
