@@ -134,19 +134,8 @@ def decode_static(
             # next, whose on_token may raise, is not counted, as in the eager loop).
             counted = positions
             if index < settings.max_tokens:  # launch step `index` before reading step `index - 1`
-                if compiled and device.type == "cuda":
-                    torch.compiler.cudagraph_mark_step_begin()
-                uniform = draw_uniform(batch, sampling, settings.generator, device)
-                with guards_checked(not compiled or index <= GUARDED_STEPS):
-                    outputs = step(
-                        cache.layer_keys, cache.layer_values, tokens, positions, alive, uniform,
-                        sampling.temperature, sampling.top_p, sampling.top_k,
-                    )  # fmt: skip
+                outputs = _launch(step, compiled, index, cache, settings, tokens, positions, alive)
                 tokens, token_logprob, positions, alive, emitted = outputs
-                if compiled and device.type == "cuda":
-                    # A CUDA graph's outputs are overwritten by its next replay: keep copies of the state
-                    # fed back in (what the host reads is copied out before that replay, in stream order).
-                    tokens, positions, alive = tokens.clone(), positions.clone(), alive.clone()
                 reader.push(emitted, token_logprob)
             if not _record(reader.pop(), index - 1, settings, generated, logprobs):
                 break  # every row had finished; the step launched after it wrote nothing
@@ -181,25 +170,41 @@ def decode_shaped(
     uniform = draw_uniform(batch, sampling, settings.generator, device)
     tokens, _, next_alive = choose_tokens(shaping.shape(logits, range(batch)), alive, sampling, uniform, settings.eos_id)
     emitted = emitted_tokens(logits, alive, tokens, next_alive)
-    shaping.advance([i for i, ok in enumerate(next_alive.tolist()) if ok], [t for t, ok in zip(tokens.tolist(), next_alive.tolist()) if ok])
+    chose = [(i, t) for i, (t, ok) in enumerate(zip(tokens.tolist(), next_alive.tolist())) if ok]  # not EOS
+    if chose:
+        shaping.advance(*zip(*chose))
     alive = _record_shaped((emitted.tolist(), token_logprobs(logits, tokens).tolist()), 0, settings, generated, logprobs, next_alive)
     try:
         for index in range(1, settings.max_tokens):
             if not alive.any():
                 break
-            if compiled and device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
-            uniform = draw_uniform(batch, sampling, settings.generator, device)
-            with guards_checked(not compiled or index <= GUARDED_STEPS):
-                outputs = step(
-                    cache.layer_keys, cache.layer_values, tokens, positions, alive, uniform,
-                    sampling.temperature, sampling.top_p, sampling.top_k, *shaping.tensors(),
-                )  # fmt: skip
-            tokens, token_logprob, positions, next_alive, emitted, counts, seen, min_left = (t.clone() for t in outputs)
+            outputs = _launch(step, compiled, index, cache, settings, tokens, positions, alive, *shaping.tensors())
+            tokens, token_logprob, positions, next_alive, emitted, counts, seen, min_left = outputs
             shaping.update(counts, seen, min_left)
             alive = _record_shaped((emitted.tolist(), token_logprob.tolist()), index, settings, generated, logprobs, next_alive)
     finally:
         cache.tokens_seen = positions.tolist()
+
+
+def _launch(step: Callable[..., tuple], compiled: bool, index: int, cache: RotatingBufferCache, settings: DecodeSettings,
+            tokens: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor, *shaping: torch.Tensor) -> tuple:  # fmt: skip
+    """Run step ``index`` of a decode loop on the rows' last ``tokens``, with a fresh uniform per row
+    (and the shaping tensors of ``decode_shaped``): the step's outputs."""
+    sampling, device = settings.sampling, cache.cache_k.device
+    cuda_graph = compiled and device.type == "cuda"
+    if cuda_graph:
+        torch.compiler.cudagraph_mark_step_begin()
+    uniform = draw_uniform(len(positions), sampling, settings.generator, device)
+    with guards_checked(not compiled or index <= GUARDED_STEPS):
+        outputs = step(
+            cache.layer_keys, cache.layer_values, tokens, positions, alive, uniform,
+            sampling.temperature, sampling.top_p, sampling.top_k, *shaping,
+        )  # fmt: skip
+    if cuda_graph:
+        # A CUDA graph's outputs are overwritten by its next replay: keep copies of what is fed back in
+        # (what the host reads is copied out before that replay, in stream order).
+        outputs = tuple(t.clone() for t in outputs)
+    return outputs
 
 
 def _record_shaped(step_result, step: int, settings: DecodeSettings, generated, logprobs, alive: torch.Tensor) -> torch.Tensor:
