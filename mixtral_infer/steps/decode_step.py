@@ -219,7 +219,17 @@ def _gathered_experts(
 ) -> torch.Tensor:
     """Each row ``x (B, D)`` through its chosen ``experts (B, A)``, gathered into one batched product,
     mixed by ``weights (B, A)``: ``(B, D)``."""
-    w1, w3, w2 = moe.w1[experts], moe.w3[experts], moe.w2[experts]  # (B, A, I, D), (B, A, I, D), (B, A, D, I)
+    return _mixed_gathered(x, moe.w1[experts], moe.w3[experts], moe.w2[experts], weights)
+
+
+def _mixed_gathered(
+    x: torch.Tensor,  # (B, D)
+    w1: torch.Tensor,  # (B, A, I, D) each row's chosen experts
+    w3: torch.Tensor,  # (B, A, I, D)
+    w2: torch.Tensor,  # (B, A, D, I)
+    weights: torch.Tensor,  # (B, A)
+) -> torch.Tensor:
+    """The SwiGLU of each row through its own gathered experts, mixed by ``weights``: ``(B, D)``."""
     rows = x[:, None, None, :]  # (B, 1, 1, D): each row against its own A experts
     hidden = F.silu(_expert_products(rows, w1)) * _expert_products(rows, w3)  # (B, A, 1, I)
     out = _expert_products(hidden, w2)[:, :, 0]  # (B, A, D)
@@ -256,10 +266,7 @@ def _gathered_int8_experts(
     def dequantized(w: QuantizedWeight) -> torch.Tensor:  # (B, A, OUT, IN) in x's dtype
         return w.values[experts].to(x.dtype) * w.scales[experts][..., None].to(x.dtype)
 
-    rows = x[:, None, None, :]  # (B, 1, 1, D)
-    hidden = F.silu(_expert_products(rows, dequantized(moe.w1))) * _expert_products(rows, dequantized(moe.w3))  # (B, A, 1, I)
-    out = _expert_products(hidden, dequantized(moe.w2))[:, :, 0]  # (B, A, D)
-    return torch.einsum("bkd,bk->bd", out, weights)
+    return _mixed_gathered(x, dequantized(moe.w1), dequantized(moe.w3), dequantized(moe.w2), weights)
 
 
 def _grouped_experts(
