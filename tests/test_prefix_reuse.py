@@ -11,13 +11,13 @@ import torch
 from mixtral_infer import Tokenizer, load_model
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.serve.engine import Engine, Finished, RequestSettings, TokenEvent
+from mixtral_infer.serve import prefix_reuse
 from mixtral_infer.serve.prefix_reuse import (
     MIN_REUSED_TOKENS,
     Placement,
     RowState,
     can_cut_back,
     copied_slots,
-    place,
     reusable_length,
 )
 from mixtral_infer.serve.protocol import chat_prompt
@@ -65,8 +65,20 @@ def test_copied_slots():
     assert copied_slots(W + 1, W) is None  # wrapped: the whole row
 
 
+class Rows(list):
+    """RowStates, with the rows running requests hold (``busy``)."""
+
+    busy: frozenset = frozenset()
+
+
 def rows(*ids, busy=(), used=None):
-    return [RowState(list(i), r in busy, (used or {}).get(r, r)) for r, i in enumerate(ids)]
+    states = Rows(RowState(list(i), (used or {}).get(r, r)) for r, i in enumerate(ids))
+    states.busy = frozenset(busy)
+    return states
+
+
+def place(prompt, states, slots, window):
+    return prefix_reuse.place(prompt, states, states.busy, slots, window)
 
 
 def test_place_continues_a_kept_row_in_place_and_prefers_the_longest():

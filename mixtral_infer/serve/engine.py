@@ -53,7 +53,15 @@ from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling, sample
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.transformer import Transformer
-from mixtral_infer.serve.prefix_reuse import MIN_REUSED_TOKENS, Placement, RowState, common_prefix, copied_slots, place
+from mixtral_infer.serve.prefix_reuse import (
+    MIN_REUSED_TOKENS,
+    Placement,
+    RowState,
+    common_prefix,
+    copied_slots,
+    place,
+    spare_rows,
+)
 from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.structured.grammar import Constraint, RowGrammar, check_constraint, fill_bitmask
 from mixtral_infer.structured.logits import RowPenalties, apply_bitmask, apply_penalties, dense_penalties
@@ -502,9 +510,8 @@ class Engine:
         of its prompt the row already holds or gets copied."""
         if placement is None:
             if self.prefix_reuse:
-                for row, state in enumerate(self.row_states):
-                    state.busy = self.slots[row] is not None
-                placement = place(request.prompt, self.row_states, self.cache.cache_size, self.model.args.sliding_window)
+                busy = {row for row, holder in enumerate(self.slots) if holder is not None}
+                placement = place(request.prompt, self.row_states, busy, self.cache.cache_size, self.model.args.sliding_window)
             else:
                 placement = Placement(self.slots.index(None), 0)
         row, reused = placement.row, placement.reused
@@ -550,8 +557,7 @@ class Engine:
                     continue
                 self.queue.remove(request)
                 leader = request.follows
-                free = [r for r in range(self.rows) if self.slots[r] is None]
-                row = min(free, key=lambda r: (len(self.row_states[r].ids) > 0, self.row_states[r].last_used))
+                row = spare_rows(self.row_states, [r for r in range(self.rows) if self.slots[r] is None])[0]
                 self._admit(request, Placement(row, len(leader.prompt), leader.row))
                 sampled.append(request)
                 picked.append(leaders[id(leader)])

@@ -46,7 +46,7 @@ A match shorter than ``MIN_REUSED_TOKENS`` is read again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Collection, List, Optional, Sequence
 
 # A shorter prefix is read again: reading a few tokens costs little, and a prompt read after
 # tokens already in its row takes the attention path over the cache, slower for a fresh prompt.
@@ -59,7 +59,6 @@ class RowState:
     values are in the row) and when it was last used (a counter: larger is more recent)."""
 
     ids: List[int] = field(default_factory=list)
-    busy: bool = False  # a running request owns the row
     last_used: int = 0
 
 
@@ -116,25 +115,32 @@ def reusable_length(held: Sequence[int], prompt: Sequence[int], slots: int, wind
     return longest if longest >= shortest else 0
 
 
-def place(prompt: Sequence[int], rows: Sequence[RowState], slots: int, window: Optional[int]) -> Optional[Placement]:
-    """Where ``prompt`` goes among ``rows`` (module docstring, "Placement"); None when no row is free."""
-    free = [r for r, state in enumerate(rows) if not state.busy]
+def place(
+    prompt: Sequence[int], rows: Sequence[RowState], busy: Collection[int], slots: int, window: Optional[int]
+) -> Optional[Placement]:
+    """Where ``prompt`` goes among ``rows``, those in ``busy`` held by running requests (module
+    docstring, "Placement"); None when no row is free."""
+    free = [r for r in range(len(rows)) if r not in busy]
     if not free:
         return None
     best, source, best_key = 0, None, None
     for r, state in enumerate(rows):
         n = reusable_length(state.ids, prompt, slots, window)
-        key = (n, not state.busy, state.last_used)  # the longest; then a free row (no copy); then the most recent
+        key = (n, r not in busy, state.last_used)  # the longest; then a free row (no copy); then the most recent
         if n > 0 and (best_key is None or key > best_key):
             best, source, best_key = n, r, key
-    # free rows, the ones worth least first: empty, then least recently used
-    spare = sorted(free, key=lambda r: (len(rows[r].ids) > 0, rows[r].last_used))
+    spare = spare_rows(rows, free)
     if source is None or best < MIN_REUSED_TOKENS:
         return Placement(spare[0], 0)
     others = [r for r in spare if r != source]
-    if not rows[source].busy and (best == len(rows[source].ids) or not others):
+    if source not in busy and (best == len(rows[source].ids) or not others):
         return Placement(source, best)  # continued where it is, nothing copied
     return Placement(others[0], best, source)
+
+
+def spare_rows(rows: Sequence[RowState], free: Sequence[int]) -> List[int]:
+    """The ``free`` rows, the ones worth least first: those holding nothing, then the least recently used."""
+    return sorted(free, key=lambda r: (len(rows[r].ids) > 0, rows[r].last_used))
 
 
 def copied_slots(length: int, slots: int) -> Optional[range]:
