@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional
-
 from mixtral_infer.errors import CheckpointError
 
 HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -31,7 +29,7 @@ def is_hub_name(name: str) -> bool:
     return bool(HUB_NAME.match(name))
 
 
-def hub_folder(name: str) -> Optional[Path]:
+def hub_folder(name: str) -> Path:
     """The cached snapshot folder of hub model ``name``; ``CheckpointError`` saying where it looked and
     how to download it when it is not there."""
     cache = hub_cache()

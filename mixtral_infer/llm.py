@@ -171,7 +171,7 @@ class LLM:
                 tokenizer=self.tokenizer if needs_tokenizer else None, **extra,
             )  # fmt: skip
             for tokens, lps in zip(generated, logprobs):
-                text = self.tokenizer.decode(tokens)
+                text = self.tokenizer.decode(tokens) if params.stop else ""  # decoded only for stop strings
                 stopped = len(tokens) < params.max_tokens or any(s in text for s in params.stop)
                 results.append((tokens, lps, "stop" if stopped else "length"))
         return results

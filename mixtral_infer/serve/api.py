@@ -193,7 +193,7 @@ def make_app(
         body = fmt.envelope([formats[i].whole_choice(received[i], ends[i], parsed.settings.logprobs is not None) for i in range(answers)])
         if isinstance(fmt, ChatFormat):
             body["object"] = "chat.completion"
-        return JSONResponse({**body, "usage": fmt.usage(usage(parsed, ends))})
+        return JSONResponse({**body, "usage": usage(parsed, ends)})
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page():
@@ -322,9 +322,6 @@ class CompletionFormat:
 
     def chunk(self, text: str, logprobs: Optional[Dict[str, Any]], finish_reason: Optional[str]) -> Dict[str, Any]:
         return self.envelope([{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
-
-    def usage(self, usage: Dict[str, int]) -> Dict[str, int]:
-        return usage
 
     def final_chunks(self, finished: Finished) -> List[Dict[str, Any]]:
         """A streamed choice's last chunks: its held text and its finish reason."""

@@ -63,7 +63,7 @@ from mixtral_infer.serve.prefix_reuse import (
     spare_rows,
 )
 from mixtral_infer.serve.text import StopStrings
-from mixtral_infer.structured.grammar import Constraint, RowGrammar, check_constraint, fill_bitmask
+from mixtral_infer.structured.grammar import Constraint, RowGrammar, fill_bitmask, grammar_of
 from mixtral_infer.structured.logits import RowPenalties, apply_bitmask, apply_penalties, dense_penalties
 from mixtral_infer.tokenizer import Tokenizer
 from mixtral_infer.tuning import Tuning
@@ -312,7 +312,7 @@ class Engine:
         request.detokenizer = TextStream(self.tokenizer, settings.leading_space)
         request.stops = StopStrings(settings.stop)
         if settings.constraint is not None:
-            request.grammar = RowGrammar(check_constraint(settings.constraint, self.tokenizer), self.tokenizer)
+            request.grammar = RowGrammar(grammar_of(settings.constraint), self.tokenizer)  # compiled once; its errors raised here
         request.penalties = RowPenalties.of(
             settings.presence_penalty, settings.frequency_penalty, settings.repetition_penalty, settings.logit_bias, prompt
         )
