@@ -10,8 +10,8 @@ tensor``) name neither.
 Then each tensor, or the rows of it a rank keeps, is read from its byte range straight into
 memory of its own (one file handle, no memory map): the model does not depend on the file
 once loaded, a rank's share touches only its bytes, and the header is parsed once however
-many tensors the file holds (the ``safetensors`` library parsed it again each time it opened
-the file, and a 90 MB header, within the format's limit, took minutes).
+many tensors the file holds (the ``safetensors`` library parses it again each time it opens the
+file, which for a large header, up to the format's 100 MB, multiplies with the tensor count).
 
 The layout: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,

@@ -2,8 +2,8 @@
 list of choices or a Lark grammar, computed by llguidance.
 
 llguidance was chosen over xgrammar for its dependencies: none (a Rust library with a Python
-binding), where xgrammar requires transformers, Triton and apache-tvm-ffi; both compute a mask in
-tens of microseconds on our vocabularies (docs/performance.md, "Structured output").
+binding), where xgrammar requires transformers, Triton and apache-tvm-ffi; both were measured on our
+vocabularies (docs/performance.md, "Structured output").
 
 How it works, for one row: a ``Constraint`` (what the client asked) is compiled once into a
 grammar (``grammar_of``; a constraint llguidance cannot compile is a ``GenerationError`` of one
