@@ -53,6 +53,14 @@ full-size quantized rows, as measured on the H200 (``bench/results_gpu_h200_*``)
     python bench/bench_gpu.py --models mixtral-8x7b --without-transformers --batches --prefill \
         --quantize int8 --modes compiled --repeats 2 --out bench/results_gpu_h200_mixtral_int8.json
 
+``--triton-experts`` runs Mixtral's decode steps with the experts through the two Triton kernels of
+``fast/triton_experts.py`` (``Tuning.triton_experts``: each chosen expert read once, dequantized where it
+is read; a matrix-vector product per assignment at batch 1 to 3, a grouped product beyond), for
+bfloat16 and PyTorch's int8 and int4 layouts (the experts' plain values)::
+
+    python bench/bench_gpu.py --models mixtral-8x7b --without-transformers --batches 1 8 32 \
+        --quantize int8 int4 --modes compiled --repeats 2 --triton-experts --out bench/results_gpu_triton.json
+
 ``--grouped-experts`` runs Mixtral's decode steps at ``B * k >= E`` (batch 8 and 32) with the experts as
 one grouped GEMM per projection (``Tuning.grouped_experts``, off by default until measured): run it
 beside a run without to decide the default::
@@ -541,6 +549,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gathered-int8-experts", action="store_true",
                         help="Tuning.gathered_int8_experts: the chosen int8 experts as one gathered, dequantize-where-read "
                              "product per projection (needs --quantize int8, PyTorch's kernels: the plain int8 values)")
+    parser.add_argument("--triton-experts", action="store_true",
+                        help="Tuning.triton_experts: Mixtral's chosen experts (bfloat16, int8, int4) through the two Triton "
+                             "kernels of fast/triton_experts.py at every batch (needs PyTorch's kernels for the "
+                             "experts: --quantize int8 int4, not -gemlite)")  # fmt: skip
     parser.add_argument("--grouped-experts", action="store_true",
                         help="Tuning.grouped_experts: where B * k >= E, the experts as one grouped GEMM per projection "
                              "(torch._grouped_mm) instead of every expert on every row")  # fmt: skip
@@ -548,7 +560,8 @@ def main(argv=None) -> int:
     device = torch.device(options.device)
     dtype = torch.bfloat16
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    results: Dict = {"machine": machine(device), "dtype": str(dtype), "models": {}, "grouped_experts": options.grouped_experts}
+    results: Dict = {"machine": machine(device), "dtype": str(dtype), "models": {}, "grouped_experts": options.grouped_experts,
+                     "triton_experts": options.triton_experts}
 
     def save() -> None:
         if options.out is not None:
@@ -561,8 +574,9 @@ def main(argv=None) -> int:
         log(f"{name}: {args.n_layers} layers, {parameter_bytes(args) / 1e9:.1f} GB of weights")
         hf = None if alone else hf_model(args, device, dtype)
         ours = ours_random(args, device, dtype) if alone else ours_from_hf(hf, args, device, dtype)
-        if options.grouped_experts:
-            use_formats(ours, dataclasses.replace(tuning_of(ours), grouped_experts=True))
+        if options.grouped_experts or options.triton_experts:
+            use_formats(ours, dataclasses.replace(tuning_of(ours), grouped_experts=options.grouped_experts,
+                                                  triton_experts=options.triton_experts))  # fmt: skip
         entry: Dict = {"layers": args.n_layers, "weights_gb": parameter_bytes(args) / 1e9, "decode": [], "prefill": []}
         if alone:
             entry["transformers"] = False

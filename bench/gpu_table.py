@@ -30,13 +30,14 @@ COMPILE_SECONDS = 60
 def rows(results: dict) -> Iterator[Tuple[str, str, int, float, Optional[float], Optional[float]]]:
     """``(model, scheme, batch, tok/s, floor, compile seconds)`` of the compiled step's rows."""
     grouped = " grouped" if results.get("grouped_experts") else ""  # bench_gpu.py --grouped-experts
+    triton = " triton" if results.get("triton_experts") else ""  # bench_gpu.py --triton-experts
     for model, entry in results["models"].items():
         for row in entry.get("decode", []):
             if "ours_fast" in row:
-                yield model, "bfloat16" + grouped, row["batch"], row["ours_fast"], row.get("floor"), row.get("ours_fast_compile_s")
+                yield model, "bfloat16" + grouped + triton, row["batch"], row["ours_fast"], row.get("floor"), row.get("ours_fast_compile_s")
         for row in entry.get("quantized", []):
             if "ours_fast" in row:
-                scheme = row["scheme"].replace("-gemlite", "") + (" gathered" if row.get("gathered_int8_experts") else "")
+                scheme = row["scheme"].replace("-gemlite", "") + (" gathered" if row.get("gathered_int8_experts") else "") + triton
                 yield model, scheme, row.get("batch", 1), row["ours_fast"], row.get("floor"), row.get("ours_fast_compile_s")
 
 

@@ -15,6 +15,15 @@ import torch
 # Nothing measures the machine in the tests (fast.measured): load_model gives Tuning()'s defaults,
 # in this process and the ones it starts. Tests that want other choices pass a Tuning.
 os.environ["MIXTRAL_INFER_MEASURE"] = "0"
+# Without a GPU, Triton's kernels (fast.triton_experts) run under its interpreter, on CPU tensors:
+# set before Triton is first imported, which reads it when a kernel is defined.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
 
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published

@@ -47,3 +47,15 @@ def test_variants_are_named_and_held_to_their_scheme_s_target(tmp_path):
     lines = table([path]).splitlines()
     assert lines[2] == "| mixtral-8x7b | bfloat16 grouped | 8 | 900.0 | 1000.0 | 90% | 800 80% of the floor | yes | - |"
     assert lines[3] == "| mixtral-8x7b | int8 gathered | 1 | 240.0 | - | - | 230 tok/s | yes | - |"
+
+
+def test_rows_of_the_triton_experts_are_named_so(tmp_path):
+    results = {"triton_experts": True, "models": {"mixtral-8x7b": {
+        "decode": [{"batch": 1, "ours_fast": 150.0, "floor": 160.0}],
+        "quantized": [{"scheme": "int4", "batch": 1, "ours_fast": 310.0}],
+    }}}  # fmt: skip
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    lines = table([path]).splitlines()
+    assert lines[2] == "| mixtral-8x7b | bfloat16 triton | 1 | 150.0 | 160.0 | 94% | 140 tok/s | yes | - |"
+    assert lines[3] == "| mixtral-8x7b | int4 triton | 1 | 310.0 | - | - | 300 tok/s | yes | - |"

@@ -38,6 +38,10 @@
   exist only there: the CPU tests check the layout handed to them (``tinygemm_layout``), a CUDA
   test the product itself.
 
+* **CUDA int8 and int4 with ``Tuning.triton_dense``**: our Triton kernels (``fast.triton_experts``,
+  the weight read as one expert, dequantized where it is read) for up to ``TRITON_DENSE_ROWS`` rows,
+  ahead of GemLite and the paths above; off until measured on a GPU.
+
 ``CUDA_INT4_DEQUANTIZE_ROWS`` and ``CUDA_NF4_KERNEL_ROWS`` follow the libraries' own dispatch.
 ``quantized_linear`` and ``quantized_linears`` take the ``Tuning`` to follow (``formats.modules``'
 modules pass their own).
@@ -50,6 +54,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast import triton_experts
 from mixtral_infer.fast.cpu_column_blocks import int8_blocks
 from mixtral_infer.fast.cpu_packed import side_by_side
 from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
@@ -215,6 +220,8 @@ def joined_linear(x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> Option
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
     """``x (M, IN) @ weight.T`` -> ``(M, OUT)`` through the device's kernel (module docstring), as
     ``tuning`` says (reductions' places, widening prompts to float32)."""
+    if tuning.triton_dense and (kind := triton_dense_kind(x, weight)) is not None:
+        return triton_experts.dense_rows(x, weight.values, weight.scales, kind)
     if gemlite_cuda.usable(x, weight):
         return weight.gemlite(x)
     if uses_int8_activations(x, weight):
@@ -263,6 +270,22 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = 
         packed, scales_and_zeros = weight.packed
         return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, weight.scheme.group_size, scales_and_zeros)
     return reference_linear(x, weight)
+
+
+TRITON_DENSE_ROWS = 64  # ``Tuning.triton_dense``: products of more rows (prompts) take the paths above
+
+
+def triton_dense_kind(x: torch.Tensor, weight: QuantizedWeight) -> Optional[int]:
+    """The kind ``fast.triton_experts.dense_rows`` reads ``weight`` as, or None where it does not take
+    it: not int8 or int4 weight-only, without its plain values, one expert of stacked weights, more
+    than ``TRITON_DENSE_ROWS`` rows, other activations than the scales' dtype, no kernels here."""
+    if weight.scheme.activations is not None or weight.values is None or weight.expert is not None:
+        return None
+    if x.dim() != 2 or x.shape[0] > TRITON_DENSE_ROWS or x.dtype != weight.dtype or weight.values.dim() != 2:
+        return None
+    if not triton_experts.runs_kernels(x.device):
+        return None
+    return {"int8": triton_experts.INT8, "int4": triton_experts.INT4}.get(weight.scheme.name)
 
 
 ROWS_PER_CONVERSION = 256  # a multiple of the kernel's 64-row blocks; bounds the int32 working copy

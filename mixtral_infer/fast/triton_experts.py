@@ -1,0 +1,405 @@
+"""The experts a Mixtral decode step chose, in Triton: each chosen expert's weights read once, in
+place, dequantized where they are read, with the expert indices read on the device.
+
+A layer's experts are two launches, whatever the batch (and ``dense_rows`` reads one quantized weight
+the same way, as one expert):
+
+* ``chosen_swiglu``: ``silu(x w1ᵀ) * (x w3ᵀ)`` for every assignment (a token and one of its k chosen
+  experts): ``w1`` and ``w3`` read in one pass, ``(A, I)``.
+* ``chosen_down``: the hidden rows times ``w2``, each assignment's row multiplied by its routing
+  weight, in float32 ``(A, D)``; summing a token's k rows gives the layer's output.
+
+Each picks one of two kernels by the shape of the work:
+
+* ``_expert_rows`` (fewer assignments than experts: batch 1 to 3 of top-2 of 8): a matrix-vector
+  product per assignment. One program per assignment and block of ``BLOCK_N`` outputs loads its
+  expert's index, then that expert's rows of the weight, block of ``BLOCK_K`` inputs by block.
+  ``w2``'s inputs are long (``I``) and its outputs few (``D``): there the inputs are split too
+  (split-K), each part added to the float32 output atomically, so that enough programs read at once.
+* ``_expert_blocks`` (as many assignments as experts or more): a grouped matrix product, as vLLM's
+  fused MoE. The assignments are sorted by expert into blocks of ``BLOCK_M`` that each hold one
+  expert's (``blocks_by_expert``), and one program per block and block of outputs multiplies the
+  block's rows by its expert's weight with ``tl.dot``: each expert's weights are read once per
+  block of its rows, and an expert no row chose is not read.
+
+Activations in bfloat16, float16 or float32 (multiplied as float32). Weights, as ``quant.weights``
+stores them (``kind``): ``PLAIN`` ``(E, N, K)`` in the activations' dtype; ``INT8`` ``(E, N, K)`` int8 with scales ``(E, N)``, ``w = q * scale``; ``INT4`` ``(E, N, K/2)``
+bytes, input 2j in the low nibble of byte j and 2j + 1 in the high one, ``w = (n - 8) * scale`` with
+scales ``(E, N, K/G)``, one per group of G inputs.
+
+Everything has fixed shapes and no host sync (the sort and the blocks are computed on the device,
+the grids follow the shapes only), so a step that calls them can be captured in a CUDA graph. The
+two ops are ``torch.library`` ops (``mixtral_infer::chosen_swiglu``, ``mixtral_infer::chosen_down``):
+``torch.compile`` traces them whole. On CPU the kernels run under Triton's interpreter
+(``TRITON_INTERPRET=1``, set before Triton is imported): that is how the tests check them against
+the readable path, ``reference_swiglu`` and ``reference_down``, which the ops compute instead where
+Triton is not installed, or on CPU without the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the ops then compute the readable way
+    triton = None
+
+PLAIN, INT8, INT4 = 0, 1, 2  # the kinds of weight (module docstring)
+KINDS = {"plain": PLAIN, "int8": INT8, "int4": INT4}
+
+
+def interpreting() -> bool:
+    """Whether Triton's kernels run under its interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def runs_kernels(device: torch.device) -> bool:
+    """Whether the ops run the Triton kernels on ``device`` (else they compute the readable way)."""
+    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
+
+
+# ---------------------------------------------------------------------------------------------
+# The readable path: each assignment's expert dequantized and multiplied.
+
+
+def dequantized(weight: torch.Tensor, scales: Optional[torch.Tensor], kind: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``(..., N, K)`` that ``weight`` and ``scales`` of this ``kind`` stand for, in ``dtype``."""
+    if kind == PLAIN:
+        return weight.to(dtype)
+    if kind == INT8:
+        return (weight.float() * scales.float()[..., None]).to(dtype)
+    nibbles = torch.stack([weight & 15, weight >> 4], dim=-1).flatten(-2)  # (..., N, K): input 2j, 2j+1
+    group = nibbles.shape[-1] // scales.shape[-1]
+    return ((nibbles.float() - 8) * scales.float().repeat_interleave(group, dim=-1)).to(dtype)
+
+
+def reference_swiglu(x, experts, w1, s1, w3, s3, kind: int) -> torch.Tensor:
+    """``chosen_swiglu`` the readable way: assignment a is row ``a // k`` of x ``(T, K)`` through expert
+    ``experts[a]`` (``experts (T*k,)``): ``(T*k, I)`` in x's dtype."""
+    rows = x.repeat_interleave(experts.numel() // x.shape[0], dim=0)  # (A, K)
+    gate = torch.einsum("ak,ank->an", rows.float(), dequantized(w1[experts], _pick(s1, experts), kind, x.dtype).float())
+    up = torch.einsum("ak,ank->an", rows.float(), dequantized(w3[experts], _pick(s3, experts), kind, x.dtype).float())
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def reference_down(h, experts, w2, s2, mix, kind: int) -> torch.Tensor:
+    """``chosen_down`` the readable way: row a of h ``(A, I)`` through expert ``experts[a]``, times
+    ``mix[a]``: ``(A, D)`` in float32."""
+    out = torch.einsum("ai,adi->ad", h.float(), dequantized(w2[experts], _pick(s2, experts), kind, h.dtype).float())
+    return out * mix.float()[:, None]
+
+
+def _pick(scales: Optional[torch.Tensor], experts: torch.Tensor) -> Optional[torch.Tensor]:
+    return None if scales is None else scales[experts]
+
+
+# ---------------------------------------------------------------------------------------------
+# The assignments sorted by expert, in blocks of one expert each.
+
+
+def padded_length(assignments: int, n_experts: int, block_m: int) -> int:
+    """The places ``blocks_by_expert`` lays ``assignments`` out in: each expert's run rounded up to a
+    whole block wastes at most ``block_m - 1`` places, and at most ``min(E, A)`` experts have a run."""
+    places = assignments + min(n_experts, assignments) * (block_m - 1)
+    return -(-places // block_m) * block_m
+
+
+def blocks_by_expert(experts: torch.Tensor, n_experts: int, block_m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The assignments ``experts (A,)`` sorted by expert, each expert's run padded to whole blocks of
+    ``block_m``: ``sorted_ids (P,)`` (the assignment in each place, ``A`` where a place is empty) and
+    ``block_experts (P / block_m,)`` (each block's expert, -1 for the blocks past the last run). Fixed
+    shapes (``padded_length``), computed on the device.
+
+    Example: batch 2, top-2 of 4, ``experts = [2, 0, 2, 3]``, ``block_m = 2``: counts ``[1, 0, 2, 1]``,
+    runs padded to ``[2, 0, 2, 2]``, ending at ``[2, 2, 4, 6]``; P = 4 + 4 * 1 = 8 places:
+    ``sorted_ids = [1, 4, 0, 2, 3, 4, 4, 4]``, ``block_experts = [0, 2, 3, -1]``.
+    """
+    total = experts.numel()
+    places = padded_length(total, n_experts, block_m)
+    experts = experts.reshape(-1).long()
+    counts = torch.zeros(n_experts, dtype=torch.long, device=experts.device).scatter_add_(0, experts, torch.ones_like(experts))
+    padded = (counts + block_m - 1) // block_m * block_m  # (E,)
+    ends = torch.cumsum(padded, 0)  # (E,) where each expert's blocks end
+    order = torch.argsort(experts, stable=True)  # (A,) assignments grouped by expert
+    grouped = experts[order]
+    rank = torch.arange(total, device=experts.device) - (torch.cumsum(counts, 0) - counts)[grouped]  # place in its run
+    sorted_ids = torch.full((places,), total, dtype=torch.int32, device=experts.device)
+    sorted_ids = sorted_ids.scatter(0, (ends - padded)[grouped] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, places, block_m, device=experts.device)
+    block_experts = torch.searchsorted(ends, block_starts, right=True)  # the first expert whose blocks end later
+    block_experts = torch.where(block_experts < n_experts, block_experts, -1).to(torch.int32)
+    return sorted_ids, block_experts
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels.
+
+if triton is not None:
+
+    @triton.jit
+    def _row_block_product(x_ptr, row, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, G,
+                           KIND: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        """One block of outputs of one row times one expert's block of inputs ``[k0, k0 + BLOCK_K)``:
+        ``(BLOCK_N,)`` float32 (int8's row scales applied by the caller, after the sum)."""
+        if KIND == 2:  # INT4: bytes j hold inputs 2j (low nibble) and 2j + 1 (high)
+            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            j_ok = j < K // 2
+            ok = n_ok[:, None] & j_ok[None, :]
+            bytes_ = tl.load(w_ptr + e * N * (K // 2) + offs_n[:, None] * (K // 2) + j[None, :], mask=ok, other=8)
+            low = (bytes_ & 15).to(tl.float32) - 8.0
+            high = (bytes_ >> 4).to(tl.float32) - 8.0
+            scales = tl.load(s_ptr + e * N * (K // G) + offs_n[:, None] * (K // G) + (2 * j // G)[None, :], mask=ok, other=0.0)
+            x_even = tl.load(x_ptr + row * K + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + row * K + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+            return tl.sum((low * x_even[None, :] + high * x_odd[None, :]) * scales.to(tl.float32), axis=1)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            w = tl.load(w_ptr + e * N * K + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            x = tl.load(x_ptr + row * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+
+    @triton.jit
+    def _expert_rows(x_ptr, experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr, N, K, G, PER_ROW,
+                     KIND: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        """Program (a, n, s): outputs ``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of assignment a, over the s-th
+        of SPLIT_K parts of the inputs. Row ``a // PER_ROW`` of x times expert ``experts[a]`` of w (and
+        of v, w3, with SWIGLU: ``silu(x wᵀ) * (x vᵀ)``); without SWIGLU times ``mix[a]``, in float32."""
+        a = tl.program_id(0)
+        e = tl.load(experts_ptr + a).to(tl.int64)
+        row = (a // PER_ROW).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # each part a whole number of blocks
+        k_start = tl.program_id(2) * span
+        k_stop = tl.minimum(k_start + span, K)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_v = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            acc += _row_block_product(x_ptr, row, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, G, KIND, BLOCK_K)
+            if SWIGLU:
+                acc_v += _row_block_product(x_ptr, row, v_ptr, t_ptr, e, offs_n, n_ok, k0, N, K, G, KIND, BLOCK_K)
+        if KIND == 1:  # INT8: one scale per output row
+            acc *= tl.load(s_ptr + e * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            if SWIGLU:
+                acc_v *= tl.load(t_ptr + e * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if SWIGLU:
+            out = acc / (1.0 + tl.exp(-acc)) * acc_v
+            tl.store(out_ptr + a * N + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            out = acc * tl.load(mix_ptr + a).to(tl.float32)
+            if SPLIT_K == 1:
+                tl.store(out_ptr + a * N + offs_n, out, mask=n_ok)
+            else:
+                tl.atomic_add(out_ptr + a * N + offs_n, out, mask=n_ok)
+
+    @triton.jit
+    def _block_product(acc, x_ptr, rows, row_ok, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, G,
+                       KIND: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
+        """``acc (BLOCK_M, BLOCK_N)`` plus the block's rows times one expert's block of inputs
+        ``[k0, k0 + BLOCK_K)``, the weight dequantized to x's dtype where it is read. ``WIDEN``: the
+        tiles go to ``tl.dot`` in float32, multiplied as float32 (not TF32): for float32 activations,
+        and under Triton's interpreter, whose ``dot`` multiplies 16-bit floats' bits as integers
+        (and whose conversion to bfloat16 truncates: int4's dequantized tiles then stay float32, the
+        readable path's numbers to bfloat16's rounding)."""
+        if KIND == 2:  # INT4
+            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            j_ok = j < K // 2
+            ok = n_ok[:, None] & j_ok[None, :]
+            bytes_ = tl.load(w_ptr + e * N * (K // 2) + offs_n[:, None] * (K // 2) + j[None, :], mask=ok, other=8)
+            scales = tl.load(s_ptr + e * N * (K // G) + offs_n[:, None] * (K // G) + (2 * j // G)[None, :], mask=ok, other=0.0).to(tl.float32)
+            x_ok = row_ok[:, None] & j_ok[None, :]
+            x_even = tl.load(x_ptr + rows[:, None] * K + 2 * j[None, :], mask=x_ok, other=0.0)
+            x_odd = tl.load(x_ptr + rows[:, None] * K + 2 * j[None, :] + 1, mask=x_ok, other=0.0)
+            low = ((bytes_ & 15).to(tl.float32) - 8.0) * scales
+            high = ((bytes_ >> 4).to(tl.float32) - 8.0) * scales
+            if WIDEN:
+                acc = tl.dot(x_even.to(tl.float32), tl.trans(low), acc, input_precision="ieee")
+                return tl.dot(x_odd.to(tl.float32), tl.trans(high), acc, input_precision="ieee")
+            acc = tl.dot(x_even, tl.trans(low.to(x_even.dtype)), acc)
+            return tl.dot(x_odd, tl.trans(high.to(x_even.dtype)), acc)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + e * N * K + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            if WIDEN:
+                return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            return tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 values are exact in 16 bits
+
+    @triton.jit
+    def _expert_blocks(x_ptr, sorted_ids_ptr, block_experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr,
+                       N, K, G, PER_ROW, ASSIGNMENTS,
+                       KIND: tl.constexpr, SWIGLU: tl.constexpr, WIDEN: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        """Program (m, n): the assignments of block m (``sorted_ids[m * BLOCK_M :]``, one expert's) times
+        outputs ``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of that expert's weight; as ``_expert_rows``."""
+        m = tl.program_id(0)
+        e = tl.load(block_experts_ptr + m).to(tl.int64)
+        if e < 0:  # a block past the last expert's run
+            return
+        ids = tl.load(sorted_ids_ptr + m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = ids < ASSIGNMENTS
+        rows = (ids // PER_ROW).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_v = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = _block_product(acc, x_ptr, rows, row_ok, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, G, KIND, BLOCK_K, WIDEN)
+            if SWIGLU:
+                acc_v = _block_product(acc_v, x_ptr, rows, row_ok, v_ptr, t_ptr, e, offs_n, n_ok, k0, N, K, G, KIND, BLOCK_K, WIDEN)
+        if KIND == 1:  # INT8
+            acc *= tl.load(s_ptr + e * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:
+                acc_v *= tl.load(t_ptr + e * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        ok = row_ok[:, None] & n_ok[None, :]
+        places = ids.to(tl.int64)[:, None] * N + offs_n[None, :]
+        if SWIGLU:
+            out = acc / (1.0 + tl.exp(-acc)) * acc_v
+            tl.store(out_ptr + places, out.to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            mix = tl.load(mix_ptr + ids, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + places, acc * mix[:, None], mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching them.
+
+FEW_ROWS = 4  # a dense weight (one "expert") is read by a matrix-vector product per row below this many rows
+ROWS_BLOCK_N, ROWS_BLOCK_K = 32, 128  # a matrix-vector program: 32 outputs, 128 inputs a step
+BLOCKS_BLOCK_N, BLOCKS_BLOCK_K = 64, 64  # a grouped-product program: 64 outputs, 64 inputs a step
+
+
+def block_m(assignments: int, n_experts: int) -> int:
+    """Rows a block of the grouped product holds: the rows an expert gets on average, at least 16
+    (``tl.dot``'s smallest) and at most 64."""
+    return min(64, max(16, triton.next_power_of_2(-(-assignments // n_experts))))
+
+
+def split_k(assignments: int, n: int, k: int, device: torch.device) -> int:
+    """Parts a matrix-vector product's inputs are split in: enough programs to give each of the
+    device's multiprocessors four, and no part shorter than 8 blocks of inputs."""
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    programs = assignments * -(-n // ROWS_BLOCK_N)
+    wanted = -(-4 * processors // programs)
+    return int(max(1, min(wanted, k // (8 * ROWS_BLOCK_K), 16)))
+
+
+def _group(k: int, scales: Optional[torch.Tensor], kind: int) -> int:
+    return k // scales.shape[-1] if kind == INT4 else 1
+
+
+def _in_features(weight: torch.Tensor, kind: int) -> int:
+    return weight.shape[-1] * (2 if kind == INT4 else 1)
+
+
+def _launch(x, experts, w, s, v, t, mix, out, kind: int, swiglu: bool, per_row: int, parts: Optional[int] = None) -> None:
+    """Both kernels' launch: ``_expert_rows`` for fewer assignments than experts, or than ``FEW_ROWS``
+    (its inputs split in ``parts``, None: ``split_k``'s), else ``_expert_blocks``."""
+    assignments, n_experts, n = experts.numel(), w.shape[0], w.shape[1]
+    k = _in_features(w, kind)
+    group = _group(k, s, kind)
+    s = w if s is None else s  # plain weights: the pointers are never read
+    v, t = (w, s) if v is None else (v, s if t is None else t)
+    mix = out if mix is None else mix
+    if assignments < max(n_experts, FEW_ROWS):
+        parts = 1 if swiglu else parts or split_k(assignments, n, k, x.device)
+        grid = (assignments, triton.cdiv(n, ROWS_BLOCK_N), parts)
+        _expert_rows[grid](x, experts, w, s, v, t, mix, out, n, k, group, per_row,
+                           KIND=kind, SWIGLU=swiglu, SPLIT_K=parts, BLOCK_N=ROWS_BLOCK_N, BLOCK_K=ROWS_BLOCK_K)  # fmt: skip
+        return
+    rows_a_block = block_m(assignments, n_experts)
+    sorted_ids, block_experts = blocks_by_expert(experts, n_experts, rows_a_block)
+    grid = (block_experts.numel(), triton.cdiv(n, BLOCKS_BLOCK_N))
+    _expert_blocks[grid](x, sorted_ids, block_experts, w, s, v, t, mix, out, n, k, group, per_row, assignments,
+                         KIND=kind, SWIGLU=swiglu, WIDEN=interpreting() or x.dtype == torch.float32, BLOCK_M=rows_a_block, BLOCK_N=BLOCKS_BLOCK_N, BLOCK_K=BLOCKS_BLOCK_K)  # fmt: skip
+
+
+def _chosen_swiglu(x, experts, w1, s1, w3, s3, kind: int) -> torch.Tensor:
+    if not runs_kernels(x.device):
+        return reference_swiglu(x, experts, w1, s1, w3, s3, kind)
+    out = torch.empty(experts.numel(), w1.shape[1], dtype=x.dtype, device=x.device)
+    _launch(x.contiguous(), experts.contiguous(), w1, s1, w3, s3, None, out, kind, True, experts.numel() // x.shape[0])
+    return out
+
+
+def _chosen_down(h, experts, w2, s2, mix, kind: int) -> torch.Tensor:
+    if not runs_kernels(h.device):
+        return reference_down(h, experts, w2, s2, mix, kind)
+    out = torch.zeros(experts.numel(), w2.shape[1], dtype=torch.float32, device=h.device)
+    _launch(h.contiguous(), experts.contiguous(), w2, s2, None, None, mix.contiguous(), out, kind, False, 1)
+    return out
+
+
+def _dense_rows(x, w, s, kind: int) -> torch.Tensor:
+    if not runs_kernels(x.device):
+        return F.linear(x, dequantized(w, s, kind, x.dtype))
+    rows = x.shape[0]
+    out = torch.zeros(rows, w.shape[0], dtype=torch.float32, device=x.device)
+    one = torch.zeros(rows, dtype=torch.int32, device=x.device)  # every row's "expert": the only one
+    mix = torch.ones(rows, dtype=x.dtype, device=x.device)
+    _launch(x.contiguous(), one, w[None], None if s is None else s[None], None, None, mix, out, kind, False, 1)
+    return out.to(x.dtype)
+
+
+_LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
+_LIBRARY.define("dense_rows(Tensor x, Tensor w, Tensor? s, int kind) -> Tensor")
+_LIBRARY.define("chosen_swiglu(Tensor x, Tensor experts, Tensor w1, Tensor? s1, Tensor w3, Tensor? s3, int kind) -> Tensor")
+_LIBRARY.define("chosen_down(Tensor h, Tensor experts, Tensor w2, Tensor? s2, Tensor mix, int kind) -> Tensor")
+for _device in ("CPU", "CUDA"):
+    _LIBRARY.impl("chosen_swiglu", _chosen_swiglu, _device)
+    _LIBRARY.impl("chosen_down", _chosen_down, _device)
+    _LIBRARY.impl("dense_rows", _dense_rows, _device)
+
+
+@torch.library.register_fake("mixtral_infer::dense_rows")
+def _(x, w, s, kind):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.register_fake("mixtral_infer::chosen_swiglu")
+def _(x, experts, w1, s1, w3, s3, kind):
+    return x.new_empty(experts.numel(), w1.shape[1])
+
+
+@torch.library.register_fake("mixtral_infer::chosen_down")
+def _(h, experts, w2, s2, mix, kind):
+    return h.new_empty(experts.numel(), w2.shape[1], dtype=torch.float32)
+
+
+def chosen_swiglu(x: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, s1: Optional[torch.Tensor],
+                  w3: torch.Tensor, s3: Optional[torch.Tensor], kind: int) -> torch.Tensor:  # fmt: skip
+    """``silu(x w1ᵀ) * (x w3ᵀ)`` for each assignment: row ``a // k`` of x ``(T, K)`` through expert
+    ``experts[a]`` of ``experts (T*k,)``; weights and scales of ``kind`` (module docstring): ``(T*k, I)``
+    in x's dtype."""
+    return torch.ops.mixtral_infer.chosen_swiglu(x, experts, w1, s1, w3, s3, kind)
+
+
+def chosen_down(h: torch.Tensor, experts: torch.Tensor, w2: torch.Tensor, s2: Optional[torch.Tensor],
+                mix: torch.Tensor, kind: int) -> torch.Tensor:  # fmt: skip
+    """Row a of h ``(A, I)`` through expert ``experts[a]`` of w2, times ``mix[a]``: ``(A, D)`` in float32."""
+    return torch.ops.mixtral_infer.chosen_down(h, experts, w2, s2, mix, kind)
+
+
+def mixture(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1, s1, w3, s3, w2, s2, kind: int) -> torch.Tensor:
+    """The mixture of experts on x ``(T, D)`` given each token's chosen ``experts (T, k)`` and their
+    mixing ``weights (T, k)``: two launches, ``(T, D)`` in x's dtype."""
+    flat = experts.reshape(-1)  # (T*k,) token t's assignments are t*k .. t*k + k - 1
+    hidden = chosen_swiglu(x, flat, w1, s1, w3, s3, kind)  # (T*k, I)
+    out = chosen_down(hidden, flat, w2, s2, weights.reshape(-1), kind)  # (T*k, D) float32, mixed
+    return out.view(*experts.shape, -1).sum(1).to(x.dtype)  # (T, D)
+
+
+def dense_rows(x: torch.Tensor, w: torch.Tensor, s: Optional[torch.Tensor], kind: int) -> torch.Tensor:
+    """``x (M, K)`` times one weight ``w (N, K)`` of ``kind`` with its scales ``s``, read where it lies as
+    the experts are (a matrix-vector product per row below ``FEW_ROWS`` rows, the grouped product's
+    blocks beyond): ``(M, N)`` in x's dtype."""
+    return torch.ops.mixtral_infer.dense_rows(x, w, s, kind)
