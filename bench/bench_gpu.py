@@ -61,6 +61,9 @@ bfloat16 and PyTorch's int8 and int4 layouts (the experts' plain values)::
     python bench/bench_gpu.py --models mixtral-8x7b --without-transformers --batches 1 8 32 \
         --quantize int8 int4 --modes compiled --repeats 2 --triton-experts --out bench/results_gpu_triton.json
 
+``--triton-dense`` sends the quantized products of a few rows (int8, int4) through the same kernels,
+each weight read as one expert (``Tuning.triton_dense``): Mistral-7B's batch-1 rows against GemLite's.
+
 ``--grouped-experts`` runs Mixtral's decode steps at ``B * k >= E`` (batch 8 and 32) with the experts as
 one grouped GEMM per projection (``Tuning.grouped_experts``, off by default until measured): run it
 beside a run without to decide the default::
@@ -553,6 +556,9 @@ def main(argv=None) -> int:
                         help="Tuning.triton_experts: Mixtral's chosen experts (bfloat16, int8, int4) through the two Triton "
                              "kernels of fast/triton_experts.py at every batch (needs PyTorch's kernels for the "
                              "experts: --quantize int8 int4, not -gemlite)")  # fmt: skip
+    parser.add_argument("--triton-dense", action="store_true",
+                        help="Tuning.triton_dense: quantized products of a few rows (int8, int4: PyTorch's layouts, not "
+                             "-gemlite) through the same kernels, each weight read as one expert")  # fmt: skip
     parser.add_argument("--grouped-experts", action="store_true",
                         help="Tuning.grouped_experts: where B * k >= E, the experts as one grouped GEMM per projection "
                              "(torch._grouped_mm) instead of every expert on every row")  # fmt: skip
@@ -561,7 +567,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     results: Dict = {"machine": machine(device), "dtype": str(dtype), "models": {}, "grouped_experts": options.grouped_experts,
-                     "triton_experts": options.triton_experts}
+                     "triton_experts": options.triton_experts, "triton_dense": options.triton_dense}
 
     def save() -> None:
         if options.out is not None:
@@ -574,9 +580,9 @@ def main(argv=None) -> int:
         log(f"{name}: {args.n_layers} layers, {parameter_bytes(args) / 1e9:.1f} GB of weights")
         hf = None if alone else hf_model(args, device, dtype)
         ours = ours_random(args, device, dtype) if alone else ours_from_hf(hf, args, device, dtype)
-        if options.grouped_experts or options.triton_experts:
+        if options.grouped_experts or options.triton_experts or options.triton_dense:
             use_formats(ours, dataclasses.replace(tuning_of(ours), grouped_experts=options.grouped_experts,
-                                                  triton_experts=options.triton_experts))  # fmt: skip
+                                                  triton_experts=options.triton_experts, triton_dense=options.triton_dense))  # fmt: skip
         entry: Dict = {"layers": args.n_layers, "weights_gb": parameter_bytes(args) / 1e9, "decode": [], "prefill": []}
         if alone:
             entry["transformers"] = False

@@ -30,7 +30,7 @@ COMPILE_SECONDS = 60
 def rows(results: dict) -> Iterator[Tuple[str, str, int, float, Optional[float], Optional[float]]]:
     """``(model, scheme, batch, tok/s, floor, compile seconds)`` of the compiled step's rows."""
     grouped = " grouped" if results.get("grouped_experts") else ""  # bench_gpu.py --grouped-experts
-    triton = " triton" if results.get("triton_experts") else ""  # bench_gpu.py --triton-experts
+    triton = " triton" if results.get("triton_experts") or results.get("triton_dense") else ""  # --triton-experts, --triton-dense
     for model, entry in results["models"].items():
         for row in entry.get("decode", []):
             if "ours_fast" in row:
