@@ -125,10 +125,30 @@ def test_split_inputs_add_up_to_the_whole_product(kind):
         assert (out - expected).abs().max() <= 5e-3 * expected.abs().max(), parts
 
 
+@pytest.mark.parametrize("kind", [te.PLAIN, te.INT8, te.INT4])
+@pytest.mark.parametrize("batch", [1, 9])  # the matrix-vector kernel, the blocks
+def test_every_configuration_a_gpu_may_choose_gives_the_same_products(kind, batch):
+    """On a GPU ``triton.autotune`` keeps the fastest of each kernel's configurations per shape: each
+    one, run here with its block sizes, gives the readable path's products."""
+    (w1, s1), (w3, s3), (w2, s2) = weights_of(kind, seed=5)
+    x, experts, mix = routed(batch, seed=5)
+    flat = experts.reshape(-1)
+    expected_hidden = te.reference_swiglu(x, flat, w1, s1, w3, s3, kind).float()
+    configs = te.ROWS_CONFIGS if batch == 1 else te.BLOCKS_CONFIGS
+    for config in configs:
+        hidden = torch.empty(flat.numel(), I, dtype=x.dtype, device=DEVICE)
+        te._launch(x, flat, w1, s1, w3, s3, None, hidden, kind, True, 2, config=config)
+        assert torch.allclose(hidden.float(), expected_hidden, atol=2e-2, rtol=1e-2), config
+        down = torch.zeros(flat.numel(), D, device=DEVICE)
+        te._launch(hidden, flat, w2, s2, None, None, mix.reshape(-1), down, kind, False, 1, parts=2, config=config)
+        readable = te.reference_down(hidden, flat, w2, s2, mix.reshape(-1), kind)
+        assert (down - readable).abs().max() <= 5e-3 * readable.abs().max(), config
+
+
 def bfloat16_moe(scheme=None, seed: int = 4) -> MoeLayer:
     from mixtral_infer.formats.quantizing import quantize_model
 
-    model = random_model(tiny_args(moe=True), seed=seed).to(torch.bfloat16)
+    model = random_model(tiny_args(moe=True), seed=seed).to(torch.bfloat16).to(DEVICE)
     if scheme is not None:
         quantize_model(model, scheme)
     return model.layers["0"].feed_forward
@@ -141,7 +161,7 @@ def test_moe_one_token_takes_the_kernels_and_equals_the_reference_layer(scheme, 
     layer's (``MoeLayer.forward``: the reference modules, quantized experts dequantized); compiled whole."""
     moe = bfloat16_moe(scheme)
     assert triton_kind(moe, torch.zeros(1, D, dtype=torch.bfloat16)) == (te.PLAIN if scheme is None else te.INT8)
-    x = torch.randn(batch, D, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16)
+    x = torch.randn(batch, D, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16).to(DEVICE)
     with torch.no_grad():
         got = moe_one_token(moe, x, Tuning(triton_experts=True))
         expected = te.mixture(x, *moe.route(x), *_parts(moe, scheme), te.PLAIN if scheme is None else te.INT8)
@@ -151,7 +171,7 @@ def test_moe_one_token_takes_the_kernels_and_equals_the_reference_layer(scheme, 
         step = torch.compile(lambda x: moe_one_token(moe, x, Tuning(triton_experts=True)), fullgraph=True, dynamic=False)
         compiled = step(x)
     assert (got.float() - reference).abs().max() <= 0.02 * reference.abs().max()
-    assert torch.equal(compiled, got)
+    assert (compiled.float() - got.float()).abs().max() <= 1e-2 * got.float().abs().max()  # the routing compiled
 
 
 def _parts(moe, scheme):
@@ -175,17 +195,17 @@ def test_experts_the_kernels_do_not_take_keep_their_path():
 def test_the_decode_steps_with_the_kernels_give_the_eager_tokens(scheme, decode, monkeypatch):
     """Batch 4, top-2 of 4, float32 (the kernels multiply in float32; the eager loop dequantizes the
     int8 experts and multiplies with F.linear): the static and the compiled step with the kernels give
-    the eager loop's tokens and log-probabilities. Compiled by torch.compile: the kernels are Python
-    ops, which AOTInductor's C++ wrapper does not call."""
+    the eager loop's tokens and log-probabilities. Compiled on CPU by AOTInductor, whose library calls
+    the kernels' ops back (on CUDA by torch.compile)."""
     from mixtral_infer.formats.quantizing import quantize_model
 
-    model = random_model(dataclasses.replace(tiny_args(moe=True), max_batch_size=4), seed=6)
+    model = random_model(dataclasses.replace(tiny_args(moe=True), max_batch_size=4), seed=6).to(DEVICE)
     if scheme is not None:
         quantize_model(model, scheme)
     assert triton_kind(model.layers["0"].feed_forward, torch.zeros(1, D)) == (te.PLAIN if scheme is None else te.INT8)
     prompts = [[1, 5, 9, 13], [1, 7], [1, 3, 3, 3, 8], [1, 20, 21]]
     eager, eager_lp = generate(prompts, model, max_tokens=8, decode="eager", prompt_logprobs=False)
-    use_formats(model, Tuning(triton_experts=True, ahead_of_time=False))
+    use_formats(model, Tuning(triton_experts=True))
     launches = []
     launch = te._launch
     monkeypatch.setattr(te, "_launch", lambda *args, **kwargs: launches.append(args[9]) or launch(*args, **kwargs))
@@ -202,8 +222,8 @@ def test_a_dense_quantized_weight_read_as_one_expert_equals_its_dequantized_prod
     from mixtral_infer.quant.kernels import reference_linear, triton_dense_kind
 
     g = torch.Generator().manual_seed(rows)
-    weight = quantize(torch.randn(80, 2 * te.ROWS_BLOCK_K + 64, generator=g) * 0.1, scheme, torch.bfloat16)
-    x = torch.randn(rows, weight.in_features, generator=g).to(torch.bfloat16)
+    weight = quantize((torch.randn(80, 2 * te.ROWS_BLOCK_K + 64, generator=g) * 0.1).to(DEVICE), scheme, torch.bfloat16)
+    x = torch.randn(rows, weight.in_features, generator=g).to(torch.bfloat16).to(DEVICE)
     kind = triton_dense_kind(x, weight)
     assert kind == (te.INT8 if scheme.name == "int8" else te.INT4)
     with torch.no_grad():
@@ -219,11 +239,11 @@ def test_a_quantized_mistral_decodes_the_readable_tokens_through_the_dense_kerne
     few rows goes through ``dense_rows``; tokens and log-probabilities are the readable path's."""
     from mixtral_infer.formats.quantizing import quantize_model
 
-    model = random_model(dataclasses.replace(tiny_args(moe=False), max_batch_size=2), seed=8)
+    model = random_model(dataclasses.replace(tiny_args(moe=False), max_batch_size=2), seed=8).to(DEVICE)
     quantize_model(model, QuantScheme("int8") if scheme == "int8" else QuantScheme("int4", group_size=32))
     prompts = [[1, 5, 9, 13, 2], [1, 7, 7]]
     expected, expected_lp = generate(prompts, model, max_tokens=8, decode="eager", prompt_logprobs=False)
-    use_formats(model, Tuning(triton_dense=True, ahead_of_time=False))
+    use_formats(model, Tuning(triton_dense=True))
     launches = []
     launch = te._launch
     monkeypatch.setattr(te, "_launch", lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs))

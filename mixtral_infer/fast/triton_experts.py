@@ -38,6 +38,8 @@ Triton is not installed, or on CPU without the interpreter.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from typing import Optional, Tuple
 
@@ -274,8 +276,51 @@ if triton is not None:
 # Launching them.
 
 FEW_ROWS = 4  # a dense weight (one "expert") is read by a matrix-vector product per row below this many rows
-ROWS_BLOCK_N, ROWS_BLOCK_K = 32, 128  # a matrix-vector program: 32 outputs, 128 inputs a step
-BLOCKS_BLOCK_N, BLOCKS_BLOCK_K = 64, 64  # a grouped-product program: 64 outputs, 64 inputs a step
+
+# The block sizes and warps each kernel is tried with on a GPU: the fastest is kept per shape
+# (``triton.autotune``, measured on the machine it runs on at the first call of a shape, kept on disk
+# where the installed Triton can). The first is what runs under the interpreter, and sets ``split_k``.
+ROWS_CONFIGS = (
+    {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4},
+    {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4},
+    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8},
+    {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4},
+)
+BLOCKS_CONFIGS = (
+    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+)
+ROWS_BLOCK_N, ROWS_BLOCK_K = ROWS_CONFIGS[0]["BLOCK_N"], ROWS_CONFIGS[0]["BLOCK_K"]
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(name: str):
+    """The kernel ``name`` (``"rows"``, ``"blocks"``) under ``triton.autotune`` over its configurations,
+    keyed by the shape (and the split, or the rows a block): built on first use, on a GPU only."""
+    kernel, configs, keys = {
+        "rows": (_expert_rows, ROWS_CONFIGS, ["N", "K", "SPLIT_K"]),
+        "blocks": (_expert_blocks, BLOCKS_CONFIGS, ["N", "K", "BLOCK_M"]),
+    }[name]
+    options = {"reset_to_zero": ["out_ptr"]} if name == "rows" else {}  # split-K adds into its output
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        options["cache_results"] = True
+    tried = [triton.Config({k: v for k, v in c.items() if k not in _LAUNCH_OPTIONS},
+                           **{k: v for k, v in c.items() if k in _LAUNCH_OPTIONS}) for c in configs]  # fmt: skip
+    return triton.autotune(tried, key=keys, **options)(kernel)
+
+
+def _run(name: str, grid_of, args: tuple, constants: dict, config: Optional[dict]) -> None:
+    """Kernel ``name`` on ``args``: with ``config`` (block sizes and warps) where given or under the
+    interpreter (the first configuration), else the autotuned one. ``grid_of(BLOCK_N)``: its grid."""
+    if config is None and not interpreting():
+        _tuned(name)[lambda meta: grid_of(meta["BLOCK_N"])](*args, **constants)
+        return
+    config = config or (ROWS_CONFIGS if name == "rows" else BLOCKS_CONFIGS)[0]
+    kernel = _expert_rows if name == "rows" else _expert_blocks
+    kernel[grid_of(config["BLOCK_N"])](*args, **constants, **config)
 
 
 def block_m(assignments: int, n_experts: int) -> int:
@@ -301,9 +346,11 @@ def _in_features(weight: torch.Tensor, kind: int) -> int:
     return weight.shape[-1] * (2 if kind == INT4 else 1)
 
 
-def _launch(x, experts, w, s, v, t, mix, out, kind: int, swiglu: bool, per_row: int, parts: Optional[int] = None) -> None:
+def _launch(x, experts, w, s, v, t, mix, out, kind: int, swiglu: bool, per_row: int, parts: Optional[int] = None,
+            config: Optional[dict] = None) -> None:  # fmt: skip
     """Both kernels' launch: ``_expert_rows`` for fewer assignments than experts, or than ``FEW_ROWS``
-    (its inputs split in ``parts``, None: ``split_k``'s), else ``_expert_blocks``."""
+    (its inputs split in ``parts``, None: ``split_k``'s), else ``_expert_blocks``; with ``config``
+    (one of the kernel's configurations), else as ``_run`` chooses."""
     assignments, n_experts, n = experts.numel(), w.shape[0], w.shape[1]
     k = _in_features(w, kind)
     group = _group(k, s, kind)
@@ -312,15 +359,15 @@ def _launch(x, experts, w, s, v, t, mix, out, kind: int, swiglu: bool, per_row: 
     mix = out if mix is None else mix
     if assignments < max(n_experts, FEW_ROWS):
         parts = 1 if swiglu else parts or split_k(assignments, n, k, x.device)
-        grid = (assignments, triton.cdiv(n, ROWS_BLOCK_N), parts)
-        _expert_rows[grid](x, experts, w, s, v, t, mix, out, n, k, group, per_row,
-                           KIND=kind, SWIGLU=swiglu, SPLIT_K=parts, BLOCK_N=ROWS_BLOCK_N, BLOCK_K=ROWS_BLOCK_K)  # fmt: skip
+        args = (x, experts, w, s, v, t, mix, out, n, k, group, per_row)
+        constants = {"KIND": kind, "SWIGLU": swiglu, "SPLIT_K": parts}
+        _run("rows", lambda block_n: (assignments, triton.cdiv(n, block_n), parts), args, constants, config)
         return
     rows_a_block = block_m(assignments, n_experts)
     sorted_ids, block_experts = blocks_by_expert(experts, n_experts, rows_a_block)
-    grid = (block_experts.numel(), triton.cdiv(n, BLOCKS_BLOCK_N))
-    _expert_blocks[grid](x, sorted_ids, block_experts, w, s, v, t, mix, out, n, k, group, per_row, assignments,
-                         KIND=kind, SWIGLU=swiglu, WIDEN=interpreting() or x.dtype == torch.float32, BLOCK_M=rows_a_block, BLOCK_N=BLOCKS_BLOCK_N, BLOCK_K=BLOCKS_BLOCK_K)  # fmt: skip
+    args = (x, sorted_ids, block_experts, w, s, v, t, mix, out, n, k, group, per_row, assignments)
+    constants = {"KIND": kind, "SWIGLU": swiglu, "WIDEN": interpreting() or x.dtype == torch.float32, "BLOCK_M": rows_a_block}
+    _run("blocks", lambda block_n: (block_experts.numel(), triton.cdiv(n, block_n)), args, constants, config)
 
 
 def _chosen_swiglu(x, experts, w1, s1, w3, s3, kind: int) -> torch.Tensor:

@@ -280,7 +280,7 @@ def triton_kind(moe: MoeLayer, x: torch.Tensor) -> Optional[int]:
     weights = (moe.w1, moe.w2, moe.w3)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or len(moe.local_experts) != moe.args.num_experts:
         return None
-    if all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == x.dtype for w in weights):
+    if all(isinstance(w, torch.Tensor) and w.dtype == x.dtype for w in weights):  # (packed layouts are not tensors)
         return triton_experts.PLAIN
     if not all(isinstance(w, QuantizedWeight) and w.values is not None and w.expert is None for w in weights):
         return None
