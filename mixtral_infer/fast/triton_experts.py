@@ -23,17 +23,19 @@ Each picks one of two kernels by the shape of the work:
   block of its rows, and an expert no row chose is not read.
 
 Activations in bfloat16, float16 or float32 (multiplied as float32). Weights, as ``quant.weights``
-stores them (``kind``): ``PLAIN`` ``(E, N, K)`` in the activations' dtype; ``INT8`` ``(E, N, K)`` int8 with scales ``(E, N)``, ``w = q * scale``; ``INT4`` ``(E, N, K/2)``
-bytes, input 2j in the low nibble of byte j and 2j + 1 in the high one, ``w = (n - 8) * scale`` with
-scales ``(E, N, K/G)``, one per group of G inputs.
+stores them (``kind``): ``PLAIN`` ``(E, N, K)`` in the activations' dtype; ``INT8`` ``(E, N, K)``
+int8 with scales ``(E, N)``, ``w = q * scale``; ``INT4`` ``(E, N, K/2)`` bytes, input 2j in the low
+nibble of byte j and 2j + 1 in the high one, ``w = (n - 8) * scale`` with scales ``(E, N, K/G)``,
+one per group of G inputs.
 
 Everything has fixed shapes and no host sync (the sort and the blocks are computed on the device,
 the grids follow the shapes only), so a step that calls them can be captured in a CUDA graph. The
-two ops are ``torch.library`` ops (``mixtral_infer::chosen_swiglu``, ``mixtral_infer::chosen_down``):
-``torch.compile`` traces them whole. On CPU the kernels run under Triton's interpreter
-(``TRITON_INTERPRET=1``, set before Triton is imported): that is how the tests check them against
-the readable path, ``reference_swiglu`` and ``reference_down``, which the ops compute instead where
-Triton is not installed, or on CPU without the interpreter.
+entry points are ``torch.library`` ops (``mixtral_infer::chosen_swiglu``, ``chosen_down``,
+``dense_rows``), which ``torch.compile(fullgraph=True)`` keeps in its graph and AOTInductor's
+library calls back. On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set
+before Triton is imported): that is how the tests check them against the readable path,
+``reference_swiglu`` and ``reference_down``, which the ops compute instead where Triton is not
+installed, or on CPU without the interpreter.
 """
 
 from __future__ import annotations
