@@ -79,10 +79,11 @@ class Tuning:
     # quantized kernel per chosen expert on a gathered copy of its weights. Off until measured on a
     # GPU (``bench/bench_gpu.py --gathered-int8-experts``); needs the experts' plain int8 values.
     gathered_int8_experts: bool = False
-    # A decode step's experts through two Triton kernels (``fast.triton_experts``): the chosen experts'
-    # plain, int8 or int4 weights read once, in place, dequantized where they are read; a matrix-vector
-    # product per assignment while ``B * k < E``, a grouped product over the assignments sorted by
-    # expert beyond. On CUDA (on CPU under Triton's interpreter, for the tests).
+    # Mixtral's experts (decode steps and prompt chunks) through two Triton kernels
+    # (``fast.triton_experts``): the chosen experts' plain, int8 or int4 weights read once, in place,
+    # dequantized where they are read; a matrix-vector product per assignment while ``B * k < E``, a
+    # grouped product over the assignments sorted by expert beyond. On CUDA (on CPU under Triton's
+    # interpreter, for the tests).
     # Off until measured on a GPU (``bench/bench_gpu.py --triton-experts``); ahead of the two above.
     triton_experts: bool = False
     # Quantized int8 and int4 products of at most ``TRITON_DENSE_ROWS`` rows (decoding) through the same

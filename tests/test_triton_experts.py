@@ -14,11 +14,11 @@ from conftest import random_model, tiny_args
 
 from mixtral_infer import generate
 from mixtral_infer.fast import triton_experts as te
-from mixtral_infer.formats.modules import use_formats
+from mixtral_infer.formats.modules import triton_kind, use_formats
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.quant.scheme import QuantScheme
 from mixtral_infer.quant.weights import quantize
-from mixtral_infer.steps.decode_step import moe_one_token, triton_kind
+from mixtral_infer.steps.decode_step import moe_one_token
 from mixtral_infer.tuning import Tuning
 
 pytestmark = [
@@ -174,6 +174,24 @@ def test_moe_one_token_takes_the_kernels_and_equals_the_reference_layer(scheme, 
     assert (compiled.float() - got.float()).abs().max() <= 1e-2 * got.float().abs().max()  # the routing compiled
 
 
+@pytest.mark.parametrize("scheme", [None, "int8"])
+def test_prompts_take_the_kernels_too(scheme, monkeypatch):
+    """A prompt chunk of 21 tokens (42 assignments: the blocks kernel) through ``FastMoeLayer`` with the
+    option: one SwiGLU and one down launch, equal to the reference layer."""
+    moe = bfloat16_moe(scheme, seed=9)
+    use_formats(moe, Tuning(triton_experts=True))
+    x = torch.randn(21, D, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEVICE)
+    launches = []
+    launch = te._launch
+    monkeypatch.setattr(te, "_launch", lambda *args, **kwargs: launches.append(args[9]) or launch(*args, **kwargs))
+    with torch.no_grad():
+        got = moe(x).float()
+        use_formats(moe, Tuning(fast=False))
+        reference = moe(x).float()
+    assert launches == [True, False]
+    assert (got - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
 def _parts(moe, scheme):
     if scheme is None:
         return moe.w1, None, moe.w3, None, moe.w2, None
@@ -191,11 +209,11 @@ def test_experts_the_kernels_do_not_take_keep_their_path():
 
 
 @pytest.mark.parametrize("scheme", [None, "int8"])
-@pytest.mark.parametrize("decode", ["static", "compiled"])
+@pytest.mark.parametrize("decode", ["eager", "static", "compiled"])
 def test_the_decode_steps_with_the_kernels_give_the_eager_tokens(scheme, decode, monkeypatch):
     """Batch 4, top-2 of 4, float32 (the kernels multiply in float32; the eager loop dequantizes the
-    int8 experts and multiplies with F.linear): the static and the compiled step with the kernels give
-    the eager loop's tokens and log-probabilities. Compiled on CPU by AOTInductor, whose library calls
+    int8 experts and multiplies with F.linear): the eager loop, the static and the compiled step with
+    the kernels (prompts through them too) give the readable eager loop's tokens and log-probabilities. Compiled on CPU by AOTInductor, whose library calls
     the kernels' ops back (on CUDA by torch.compile)."""
     from mixtral_infer.formats.quantizing import quantize_model
 

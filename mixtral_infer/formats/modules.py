@@ -18,8 +18,9 @@ weight (``.weight``)   module                              forward
 
 and the blocks that multiply one input by several weights read them in one product where they
 are joined side by side (``FastAttention``: ``wq wk wv``; ``FastFeedForward``: ``w1 w3``;
-``FastMoeLayer``: an expert's ``w1 w3``, and its kernels read an expert in place), with CUDA's
-attention kernels (``fast.cuda_attention``).
+``FastMoeLayer``: an expert's ``w1 w3``, and its kernels read an expert in place; or, with
+``Tuning.triton_experts``, all the chosen experts in two Triton launches), with CUDA's attention
+kernels (``fast.cuda_attention``).
 
 ``Tuning(fast=False)`` keeps the reference modules; weights that are not plain parameters
 (quantized ones) then get modules whose forward is the reference: ``dequantize`` and ``F.linear``.
@@ -41,6 +42,7 @@ from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
 from mixtral_infer.fast.cpu_reductions import expert_of
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
+from mixtral_infer.fast import triton_experts
 from mixtral_infer.fast.cuda_attention import cuda_attention
 from mixtral_infer.formats.linear import column_blocks_linear, linear, linears
 from mixtral_infer.model.moe import MoeLayer
@@ -113,7 +115,13 @@ class FastFeedForward(FeedForward):
 
 
 class FastMoeLayer(MoeLayer):
-    """Each expert through its weights' kernels, read where they lie (``expert_of``)."""
+    """Each expert through its weights' kernels, read where they lie (``expert_of``); or with
+    ``Tuning.triton_experts`` every token's chosen experts in two Triton launches (``triton_mixture``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
+        if uses_triton_experts(self, x, self.__dict__.get("tuning", DEFAULT)):
+            return triton_mixture(self, x, *self.route(x))  # (all the experts are here: nothing to reduce)
+        return super().forward(x)
 
     def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return expert(self, e, x, self.tuning)
@@ -126,6 +134,42 @@ def expert(moe: MoeLayer, e: int | torch.Tensor, x: torch.Tensor, tuning: Option
     tuning = tuning if tuning is not None else moe.__dict__.get("tuning", DEFAULT)
     gate, up = linears(x, expert_of(moe.w1, e), expert_of(moe.w3, e), tuning=tuning)  # (N, I) each
     return linear(F.silu(gate) * up, expert_of(moe.w2, e), tuning)
+
+
+def triton_kind(moe: MoeLayer, x: torch.Tensor) -> Optional[int]:
+    """The kind of weight ``fast.triton_experts`` reads these experts as (``PLAIN``, ``INT8``, ``INT4``),
+    or None where its kernels do not take them: weights packed for a CPU kernel, in another dtype than
+    x, nf4, int8 with int8 activations, or without their plain values; a rank's share of the experts
+    (expert parallelism)."""
+    weights = (moe.w1, moe.w2, moe.w3)
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or len(moe.local_experts) != moe.args.num_experts:
+        return None
+    if all(isinstance(w, torch.Tensor) and w.dtype == x.dtype for w in weights):  # (packed layouts are not tensors)
+        return triton_experts.PLAIN
+    if not all(isinstance(w, QuantizedWeight) and w.values is not None and w.expert is None for w in weights):
+        return None
+    scheme = moe.w1.scheme
+    if any(w.scheme != scheme for w in weights) or scheme.activations is not None:
+        return None
+    return triton_experts.KINDS.get(scheme.name)
+
+
+def uses_triton_experts(moe: MoeLayer, x: torch.Tensor, tuning: Tuning) -> bool:
+    """Whether ``tuning`` sends these experts through the Triton kernels, and they can take them here."""
+    return tuning.triton_experts and triton_experts.runs_kernels(x.device) and triton_kind(moe, x) is not None
+
+
+def triton_mixture(
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Each row of ``x (B, D)`` through its chosen ``experts (B, A)``, mixed by ``weights (B, A)``, in
+    two Triton launches (``fast.triton_experts.mixture``): ``(B, D)``."""
+    kind = triton_kind(moe, x)
+
+    def parts(w) -> tuple:  # (weight, scales) as the kernels take them
+        return (w, None) if kind == triton_experts.PLAIN else (w.values, w.scales)
+
+    return triton_experts.mixture(x, experts, weights, *parts(moe.w1), *parts(moe.w3), *parts(moe.w2), kind)
 
 
 class ReferenceQuantizedMoeLayer(MoeLayer):

@@ -54,12 +54,11 @@ from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, buil
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.fast.cpu_reductions import materialized
-from mixtral_infer.fast import triton_experts
 from mixtral_infer.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.structured.rows import shaped_logits
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache
-from mixtral_infer.formats.modules import expert, tuning_of
+from mixtral_infer.formats.modules import expert, triton_mixture, tuning_of, uses_triton_experts
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Transformer, TransformerBlock
@@ -202,8 +201,8 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor, tuning: Optional[Tuning] = Non
     # the chosen experts are read while B * k <= up_to * E (and always while B * k < E)
     field = chosen_up_to_field(moe, tuning) if on_cpu else None
     up_to = getattr(tuning, field) if field is not None else 0
-    if tuning.triton_experts and triton_experts.runs_kernels(x.device) and triton_kind(moe, x) is not None:
-        return _triton_experts(moe, x, experts, weights)
+    if uses_triton_experts(moe, x, tuning):
+        return triton_mixture(moe, x, experts, weights)
     if batch * k < n_experts or batch * k <= up_to * n_experts:
         if tuning.gathered_int8_experts and plain_int8(moe):
             return _gathered_int8_experts(moe, x, experts, weights)
@@ -270,37 +269,6 @@ def _gathered_int8_experts(
         return w.values[experts].to(x.dtype) * w.scales[experts][..., None].to(x.dtype)
 
     return _mixed_gathered(x, dequantized(moe.w1), dequantized(moe.w3), dequantized(moe.w2), weights)
-
-
-def triton_kind(moe: MoeLayer, x: torch.Tensor) -> Optional[int]:
-    """The kind of weight ``fast.triton_experts`` reads these experts as (``PLAIN``, ``INT8``, ``INT4``),
-    or None where its kernels do not take them: weights packed for a CPU kernel, in another dtype than
-    x, nf4, int8 with int8 activations, or without their plain values; a rank's share of the experts
-    (expert parallelism)."""
-    weights = (moe.w1, moe.w2, moe.w3)
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or len(moe.local_experts) != moe.args.num_experts:
-        return None
-    if all(isinstance(w, torch.Tensor) and w.dtype == x.dtype for w in weights):  # (packed layouts are not tensors)
-        return triton_experts.PLAIN
-    if not all(isinstance(w, QuantizedWeight) and w.values is not None and w.expert is None for w in weights):
-        return None
-    scheme = moe.w1.scheme
-    if any(w.scheme != scheme for w in weights) or scheme.activations is not None:
-        return None
-    return triton_experts.KINDS.get(scheme.name)
-
-
-def _triton_experts(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """Each row of ``x (B, D)`` through its chosen ``experts (B, A)``, mixed by ``weights (B, A)``, in
-    two Triton launches (``fast.triton_experts.mixture``): ``(B, D)``."""
-    kind = triton_kind(moe, x)
-
-    def parts(w) -> tuple:  # (weight, scales) as the kernels take them
-        return (w, None) if kind == triton_experts.PLAIN else (w.values, w.scales)
-
-    return triton_experts.mixture(x, experts, weights, *parts(moe.w1), *parts(moe.w3), *parts(moe.w2), kind)
 
 
 def _grouped_experts(
