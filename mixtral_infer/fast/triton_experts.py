@@ -161,13 +161,14 @@ if triton is not None:
             scales = tl.load(s_ptr + e * N * (K // G) + offs_n[:, None] * (K // G) + (2 * j // G)[None, :], mask=ok, other=0.0)
             x_even = tl.load(x_ptr + row * K + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
             x_odd = tl.load(x_ptr + row * K + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-            return tl.sum((low * x_even[None, :] + high * x_odd[None, :]) * scales.to(tl.float32), axis=1)
+            part = tl.sum((low * x_even[None, :] + high * x_odd[None, :]) * scales.to(tl.float32), axis=1)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             w = tl.load(w_ptr + e * N * K + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
             x = tl.load(x_ptr + row * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            return tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        return part
 
     @triton.jit
     def _expert_rows(x_ptr, experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr, N, K, G, PER_ROW,
@@ -226,17 +227,20 @@ if triton is not None:
             high = ((bytes_ >> 4).to(tl.float32) - 8.0) * scales
             if WIDEN:
                 acc = tl.dot(x_even.to(tl.float32), tl.trans(low), acc, input_precision="ieee")
-                return tl.dot(x_odd.to(tl.float32), tl.trans(high), acc, input_precision="ieee")
-            acc = tl.dot(x_even, tl.trans(low.to(x_even.dtype)), acc)
-            return tl.dot(x_odd, tl.trans(high.to(x_even.dtype)), acc)
+                acc = tl.dot(x_odd.to(tl.float32), tl.trans(high), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x_even, tl.trans(low.to(x_even.dtype)), acc)
+                acc = tl.dot(x_odd, tl.trans(high.to(x_even.dtype)), acc)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + e * N * K + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
             if WIDEN:
-                return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            return tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 values are exact in 16 bits
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # int8 values are exact in 16 bits
+        return acc
 
     @triton.jit
     def _expert_blocks(x_ptr, sorted_ids_ptr, block_experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr,
