@@ -149,6 +149,30 @@ def test_every_configuration_a_gpu_may_choose_gives_the_same_products(kind, batc
         assert (down - readable).abs().max() <= 5e-3 * readable.abs().max(), config
 
 
+@pytest.mark.parametrize("group", [64, 256])
+@pytest.mark.parametrize("batch", [1, 9])
+def test_int4_groups_longer_and_shorter_than_a_block_of_inputs(group, batch):
+    """A block of inputs that holds whole groups (their scales loaded once each, repeated over the
+    group) and one that lies within a group (one scale an output): every configuration, both kernels."""
+    g = torch.Generator().manual_seed(group + batch)
+    wide = 256  # D = I = 256: groups of 256 are longer than the 128-input blocks, those of 64 shorter
+    scheme = QuantScheme("int4", group_size=group)
+    held = [quantize(torch.randn(E, wide, wide, generator=g) * 0.1, scheme, torch.bfloat16) for _ in range(3)]
+    (w1, s1), (w3, s3), (w2, s2) = [(q.values.to(DEVICE), q.scales.to(DEVICE)) for q in held]
+    x = torch.randn(batch, wide, generator=g).to(torch.bfloat16).to(DEVICE)
+    flat = torch.randint(0, E, (2 * batch,), generator=g).to(DEVICE)
+    mix = torch.rand(2 * batch, generator=g).to(torch.bfloat16).to(DEVICE)
+    expected_hidden = te.reference_swiglu(x, flat, w1, s1, w3, s3, te.INT4).float()
+    for config in te.ROWS_CONFIGS if batch == 1 else te.BLOCKS_CONFIGS:
+        hidden = torch.empty(flat.numel(), wide, dtype=x.dtype, device=DEVICE)
+        te._launch(x, flat, w1, s1, w3, s3, None, hidden, te.INT4, True, 2, config=config)
+        assert torch.allclose(hidden.float(), expected_hidden, atol=2e-2, rtol=1e-2), config
+        down = torch.zeros(flat.numel(), wide, device=DEVICE)
+        te._launch(hidden, flat, w2, s2, None, None, mix, down, te.INT4, False, 1, parts=2, config=config)
+        readable = te.reference_down(hidden, flat, w2, s2, mix, te.INT4)
+        assert (down - readable).abs().max() <= 5e-3 * readable.abs().max(), config
+
+
 def bfloat16_moe(scheme=None, seed: int = 4) -> MoeLayer:
     from mixtral_infer.formats.quantizing import quantize_model
 
@@ -296,24 +320,29 @@ def compiled_for_hopper() -> int:
         names = kernel.arg_names
         constants = {**constants, "BLOCK_N": config["BLOCK_N"], "BLOCK_K": config["BLOCK_K"]}
         signature = {name: "constexpr" if name in constants else types[name] for name in names}
-        source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+        # as Triton's launcher specializes them: pointers and sizes that are multiples of 16
+        aligned = [name for name in names if name not in constants and (types[name].startswith("*") or name in ("N", "K"))]
+        attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+        source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+                           attrs=attrs)  # fmt: skip
         options = {k: v for k, v in config.items() if k in ("num_warps", "num_stages")}
         assert "cubin" in triton.compile(source, target=GPUTarget(*HOPPER), options=options).asm
         built += 1
 
     for kind, weights in weight_types.items():
+        group = 128 if kind == te.INT4 else 1  # int4: the blocks of 64 inputs lie within a group, those of 128+ hold whole ones
         for swiglu in (True, False):
             out = "*bf16" if swiglu else "*fp32"
             common = dict(w_ptr=weights, s_ptr="*bf16", v_ptr=weights, t_ptr="*bf16", mix_ptr="*bf16", out_ptr=out,
-                          N="i32", K="i32", G="i32", PER_ROW="i32")  # fmt: skip
+                          N="i32", K="i32", PER_ROW="i32")  # fmt: skip
             rows = dict(common, x_ptr="*bf16", experts_ptr="*i64")
             blocks = dict(common, x_ptr="*bf16", sorted_ids_ptr="*i32", block_experts_ptr="*i32", ASSIGNMENTS="i32")
             for config in te.ROWS_CONFIGS if kind == te.INT4 else te.ROWS_CONFIGS[:1]:
-                build(te._expert_rows, rows, dict(KIND=kind, SWIGLU=swiglu, SPLIT_K=1 if swiglu else 4), config)
+                build(te._expert_rows, rows, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, SPLIT_K=1 if swiglu else 4), config)
             for config in te.BLOCKS_CONFIGS if kind == te.INT4 else te.BLOCKS_CONFIGS[:1]:
-                build(te._expert_blocks, blocks, dict(KIND=kind, SWIGLU=swiglu, WIDEN=False, BLOCK_M=16), config)
+                build(te._expert_blocks, blocks, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, WIDEN=False, BLOCK_M=16), config)
             widened = dict(blocks, x_ptr="*fp32", **({"w_ptr": "*fp32", "v_ptr": "*fp32"} if kind == te.PLAIN else {}))
-            build(te._expert_blocks, widened, dict(KIND=kind, SWIGLU=swiglu, WIDEN=True, BLOCK_M=16), te.BLOCKS_CONFIGS[0])
+            build(te._expert_blocks, widened, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, WIDEN=True, BLOCK_M=16), te.BLOCKS_CONFIGS[0])
     return built
 
 

@@ -147,32 +147,43 @@ def blocks_by_expert(experts: torch.Tensor, n_experts: int, block_m: int) -> Tup
 if triton is not None:
 
     @triton.jit
-    def _row_block_product(x_ptr, row, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, G,
-                           KIND: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    def _row_block_product(x_ptr, row, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K,
+                           KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
         """One block of outputs of one row times one expert's block of inputs ``[k0, k0 + BLOCK_K)``:
         ``(BLOCK_N,)`` float32 (int8's row scales applied by the caller, after the sum)."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + row * K + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # (BLOCK_K,)
         if KIND == 2:  # INT4: bytes j hold inputs 2j (low nibble) and 2j + 1 (high)
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            j_ok = j < K // 2
-            ok = n_ok[:, None] & j_ok[None, :]
-            bytes_ = tl.load(w_ptr + e * N * (K // 2) + offs_n[:, None] * (K // 2) + j[None, :], mask=ok, other=8)
-            low = (bytes_ & 15).to(tl.float32) - 8.0
-            high = (bytes_ >> 4).to(tl.float32) - 8.0
-            scales = tl.load(s_ptr + e * N * (K // G) + offs_n[:, None] * (K // G) + (2 * j // G)[None, :], mask=ok, other=0.0)
-            x_even = tl.load(x_ptr + row * K + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + row * K + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-            part = tl.sum((low * x_even[None, :] + high * x_odd[None, :]) * scales.to(tl.float32), axis=1)
+            bytes_ = tl.load(w_ptr + e * N * (K // 2) + offs_n[:, None] * (K // 2) + j[None, :],
+                             mask=n_ok[:, None] & (j < K // 2)[None, :], other=8)  # fmt: skip
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))  # (BLOCK_K / 2,) each
+            sums = ((bytes_ & 15).to(tl.float32) - 8.0) * x_even[None, :] + ((bytes_ >> 4).to(tl.float32) - 8.0) * x_odd[None, :]
+            part = tl.sum(sums * _group_scales(s_ptr, e, offs_n, n_ok, k0, N, K, GROUP, BLOCK_K), axis=1)
         else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            w = tl.load(w_ptr + e * N * K + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            x = tl.load(x_ptr + row * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + e * N * K + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0)
             part = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         return part
 
     @triton.jit
-    def _expert_rows(x_ptr, experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr, N, K, G, PER_ROW,
-                     KIND: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr,
+    def _group_scales(s_ptr, e, offs_n, n_ok, k0, N, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+        """int4's scales of outputs ``offs_n`` for the bytes of inputs ``[k0, k0 + BLOCK_K)``, one a byte
+        ``(BLOCK_N, BLOCK_K / 2)`` float32: each group's scale loaded once (a block holds whole groups,
+        or lies within one), then repeated over the group's bytes."""
+        groups = K // GROUP
+        if BLOCK_K >= GROUP:
+            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            scales = tl.load(s_ptr + e * N * groups + offs_n[:, None] * groups + g[None, :],
+                             mask=n_ok[:, None] & (g < groups)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            repeated = tl.broadcast_to(scales[:, :, None], (offs_n.shape[0], BLOCK_K // GROUP, GROUP // 2))
+            return tl.reshape(repeated, (offs_n.shape[0], BLOCK_K // 2))
+        else:
+            scale = tl.load(s_ptr + e * N * groups + offs_n * groups + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+            return tl.broadcast_to(scale[:, None], (offs_n.shape[0], BLOCK_K // 2))
+
+    @triton.jit
+    def _expert_rows(x_ptr, experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr, N, K, PER_ROW,
+                     KIND: tl.constexpr, GROUP: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
         """Program (a, n, s): outputs ``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of assignment a, over the s-th
         of SPLIT_K parts of the inputs. Row ``a // PER_ROW`` of x times expert ``experts[a]`` of w (and
@@ -188,9 +199,9 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_v = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
-            acc += _row_block_product(x_ptr, row, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, G, KIND, BLOCK_K)
+            acc += _row_block_product(x_ptr, row, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, KIND, GROUP, BLOCK_K)
             if SWIGLU:
-                acc_v += _row_block_product(x_ptr, row, v_ptr, t_ptr, e, offs_n, n_ok, k0, N, K, G, KIND, BLOCK_K)
+                acc_v += _row_block_product(x_ptr, row, v_ptr, t_ptr, e, offs_n, n_ok, k0, N, K, KIND, GROUP, BLOCK_K)
         if KIND == 1:  # INT8: one scale per output row
             acc *= tl.load(s_ptr + e * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if SWIGLU:
@@ -206,36 +217,32 @@ if triton is not None:
                 tl.atomic_add(out_ptr + a * N + offs_n, out, mask=n_ok)
 
     @triton.jit
-    def _block_product(acc, x_ptr, rows, row_ok, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, G,
-                       KIND: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
+    def _block_product(acc, x_ptr, rows, row_ok, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K,
+                       KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
         """``acc (BLOCK_M, BLOCK_N)`` plus the block's rows times one expert's block of inputs
         ``[k0, k0 + BLOCK_K)``, the weight dequantized to x's dtype where it is read. ``WIDEN``: the
         tiles go to ``tl.dot`` in float32, multiplied as float32 (not TF32): for float32 activations,
         and under Triton's interpreter, whose ``dot`` multiplies 16-bit floats' bits as integers
         (and whose conversion to bfloat16 truncates: int4's dequantized tiles then stay float32, the
         readable path's numbers to bfloat16's rounding)."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
         if KIND == 2:  # INT4
             j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            j_ok = j < K // 2
-            ok = n_ok[:, None] & j_ok[None, :]
-            bytes_ = tl.load(w_ptr + e * N * (K // 2) + offs_n[:, None] * (K // 2) + j[None, :], mask=ok, other=8)
-            scales = tl.load(s_ptr + e * N * (K // G) + offs_n[:, None] * (K // G) + (2 * j // G)[None, :], mask=ok, other=0.0).to(tl.float32)
-            x_ok = row_ok[:, None] & j_ok[None, :]
-            x_even = tl.load(x_ptr + rows[:, None] * K + 2 * j[None, :], mask=x_ok, other=0.0)
-            x_odd = tl.load(x_ptr + rows[:, None] * K + 2 * j[None, :] + 1, mask=x_ok, other=0.0)
+            bytes_ = tl.load(w_ptr + e * N * (K // 2) + offs_n[:, None] * (K // 2) + j[None, :],
+                             mask=n_ok[:, None] & (j < K // 2)[None, :], other=8)  # fmt: skip
+            scales = _group_scales(s_ptr, e, offs_n, n_ok, k0, N, K, GROUP, BLOCK_K)  # (BLOCK_N, BLOCK_K / 2)
             low = ((bytes_ & 15).to(tl.float32) - 8.0) * scales
             high = ((bytes_ >> 4).to(tl.float32) - 8.0) * scales
+            x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], BLOCK_K // 2, 2)))  # (BLOCK_M, BLOCK_K / 2) each
             if WIDEN:
                 acc = tl.dot(x_even.to(tl.float32), tl.trans(low), acc, input_precision="ieee")
                 acc = tl.dot(x_odd.to(tl.float32), tl.trans(high), acc, input_precision="ieee")
             else:
-                acc = tl.dot(x_even, tl.trans(low.to(x_even.dtype)), acc)
-                acc = tl.dot(x_odd, tl.trans(high.to(x_even.dtype)), acc)
+                acc = tl.dot(x_even, tl.trans(low.to(x.dtype)), acc)
+                acc = tl.dot(x_odd, tl.trans(high.to(x.dtype)), acc)
         else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + e * N * K + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = tl.load(w_ptr + e * N * K + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0)
             if WIDEN:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
@@ -244,8 +251,8 @@ if triton is not None:
 
     @triton.jit
     def _expert_blocks(x_ptr, sorted_ids_ptr, block_experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr,
-                       N, K, G, PER_ROW, ASSIGNMENTS,
-                       KIND: tl.constexpr, SWIGLU: tl.constexpr, WIDEN: tl.constexpr,
+                       N, K, PER_ROW, ASSIGNMENTS,
+                       KIND: tl.constexpr, GROUP: tl.constexpr, SWIGLU: tl.constexpr, WIDEN: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
         """Program (m, n): the assignments of block m (``sorted_ids[m * BLOCK_M :]``, one expert's) times
         outputs ``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of that expert's weight; as ``_expert_rows``."""
@@ -261,9 +268,9 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_v = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            acc = _block_product(acc, x_ptr, rows, row_ok, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, G, KIND, BLOCK_K, WIDEN)
+            acc = _block_product(acc, x_ptr, rows, row_ok, w_ptr, s_ptr, e, offs_n, n_ok, k0, N, K, KIND, GROUP, BLOCK_K, WIDEN)
             if SWIGLU:
-                acc_v = _block_product(acc_v, x_ptr, rows, row_ok, v_ptr, t_ptr, e, offs_n, n_ok, k0, N, K, G, KIND, BLOCK_K, WIDEN)
+                acc_v = _block_product(acc_v, x_ptr, rows, row_ok, v_ptr, t_ptr, e, offs_n, n_ok, k0, N, K, KIND, GROUP, BLOCK_K, WIDEN)
         if KIND == 1:  # INT8
             acc *= tl.load(s_ptr + e * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             if SWIGLU:
@@ -365,14 +372,15 @@ def _launch(x, experts, w, s, v, t, mix, out, kind: int, swiglu: bool, per_row: 
     mix = out if mix is None else mix
     if assignments < max(n_experts, FEW_ROWS):
         parts = 1 if swiglu else parts or split_k(assignments, n, k, x.device)
-        args = (x, experts, w, s, v, t, mix, out, n, k, group, per_row)
-        constants = {"KIND": kind, "SWIGLU": swiglu, "SPLIT_K": parts}
+        args = (x, experts, w, s, v, t, mix, out, n, k, per_row)
+        constants = {"KIND": kind, "GROUP": group, "SWIGLU": swiglu, "SPLIT_K": parts}
         _run("rows", lambda block_n: (assignments, triton.cdiv(n, block_n), parts), args, constants, config)
         return
     rows_a_block = block_m(assignments, n_experts)
     sorted_ids, block_experts = blocks_by_expert(experts, n_experts, rows_a_block)
-    args = (x, sorted_ids, block_experts, w, s, v, t, mix, out, n, k, group, per_row, assignments)
-    constants = {"KIND": kind, "SWIGLU": swiglu, "WIDEN": interpreting() or x.dtype == torch.float32, "BLOCK_M": rows_a_block}
+    args = (x, sorted_ids, block_experts, w, s, v, t, mix, out, n, k, per_row, assignments)
+    constants = {"KIND": kind, "GROUP": group, "SWIGLU": swiglu, "WIDEN": interpreting() or x.dtype == torch.float32,
+                 "BLOCK_M": rows_a_block}  # fmt: skip
     _run("blocks", lambda block_n: (block_experts.numel(), triton.cdiv(n, block_n)), args, constants, config)
 
 
