@@ -306,7 +306,7 @@ HOPPER = ("cuda", 90, 32)  # the H100 / H200: compute capability 9.0, warps of 3
 def compiled_for_hopper() -> int:
     """Each kernel built by Triton's compiler for ``HOPPER`` down to its cubin, with every configuration
     for int4 (the largest code) and the first for plain and int8 weights, float32 tiles (``WIDEN``)
-    too: the count built. Runs where Triton's interpreter is off (``TRITON_INTERPRET=0``)."""
+    and one quantized weight (``DENSE``) too: the count built. Runs where Triton's interpreter is off (``TRITON_INTERPRET=0``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -338,11 +338,16 @@ def compiled_for_hopper() -> int:
             rows = dict(common, x_ptr="*bf16", experts_ptr="*i64")
             blocks = dict(common, x_ptr="*bf16", sorted_ids_ptr="*i32", block_experts_ptr="*i32", ASSIGNMENTS="i32")
             for config in te.ROWS_CONFIGS if kind == te.INT4 else te.ROWS_CONFIGS[:1]:
-                build(te._expert_rows, rows, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, SPLIT_K=1 if swiglu else 4), config)
+                build(te._expert_rows, rows, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, DENSE=False, SPLIT_K=1 if swiglu else 4), config)
             for config in te.BLOCKS_CONFIGS if kind == te.INT4 else te.BLOCKS_CONFIGS[:1]:
-                build(te._expert_blocks, blocks, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, WIDEN=False, BLOCK_M=16), config)
+                build(te._expert_blocks, blocks, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, DENSE=False, WIDEN=False, BLOCK_M=16), config)
             widened = dict(blocks, x_ptr="*fp32", **({"w_ptr": "*fp32", "v_ptr": "*fp32"} if kind == te.PLAIN else {}))
-            build(te._expert_blocks, widened, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, WIDEN=True, BLOCK_M=16), te.BLOCKS_CONFIGS[0])
+            build(te._expert_blocks, widened, dict(KIND=kind, GROUP=group, SWIGLU=swiglu, DENSE=False, WIDEN=True, BLOCK_M=16),
+                  te.BLOCKS_CONFIGS[0])  # fmt: skip
+            if kind != te.PLAIN and not swiglu:  # dense_rows: one quantized weight, nothing sorted or mixed
+                build(te._expert_rows, rows, dict(KIND=kind, GROUP=group, SWIGLU=False, DENSE=True, SPLIT_K=4), te.ROWS_CONFIGS[0])
+                build(te._expert_blocks, dict(blocks, out_ptr="*bf16"), dict(KIND=kind, GROUP=group, SWIGLU=False, DENSE=True,
+                      WIDEN=False, BLOCK_M=16), te.BLOCKS_CONFIGS[0])  # fmt: skip
     return built
 
 
@@ -354,4 +359,4 @@ def test_every_kernel_compiles_for_an_h200():
     result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().splitlines()[-1] == str(2 * (4 + 4 + 1) + 2 * 2 * (1 + 1 + 1))  # int4's 18, 12 others
+    assert result.stdout.strip().splitlines()[-1] == str(2 * (4 + 4 + 1) + 2 * 2 * (1 + 1 + 1) + 2 * 2)  # int4's 18, 12 others, 4 dense

@@ -183,13 +183,18 @@ if triton is not None:
 
     @triton.jit
     def _expert_rows(x_ptr, experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr, N, K, PER_ROW,
-                     KIND: tl.constexpr, GROUP: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_K: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                     KIND: tl.constexpr, GROUP: tl.constexpr, SWIGLU: tl.constexpr, DENSE: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
         """Program (a, n, s): outputs ``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of assignment a, over the s-th
         of SPLIT_K parts of the inputs. Row ``a // PER_ROW`` of x times expert ``experts[a]`` of w (and
-        of v, w3, with SWIGLU: ``silu(x wᵀ) * (x vᵀ)``); without SWIGLU times ``mix[a]``, in float32."""
+        of v, w3, with SWIGLU: ``silu(x wᵀ) * (x vᵀ)``); without SWIGLU times ``mix[a]``, in float32.
+        ``DENSE``: w holds one weight, each row of x is an assignment, nothing is mixed (``experts``
+        and ``mix`` are not read)."""
         a = tl.program_id(0)
-        e = tl.load(experts_ptr + a).to(tl.int64)
+        if DENSE:
+            e = 0
+        else:
+            e = tl.load(experts_ptr + a).to(tl.int64)
         row = (a // PER_ROW).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -210,7 +215,7 @@ if triton is not None:
             out = acc / (1.0 + tl.exp(-acc)) * acc_v
             tl.store(out_ptr + a * N + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
         else:
-            out = acc * tl.load(mix_ptr + a).to(tl.float32)
+            out = acc if DENSE else acc * tl.load(mix_ptr + a).to(tl.float32)
             if SPLIT_K == 1:
                 tl.store(out_ptr + a * N + offs_n, out, mask=n_ok)
             else:
@@ -252,15 +257,20 @@ if triton is not None:
     @triton.jit
     def _expert_blocks(x_ptr, sorted_ids_ptr, block_experts_ptr, w_ptr, s_ptr, v_ptr, t_ptr, mix_ptr, out_ptr,
                        N, K, PER_ROW, ASSIGNMENTS,
-                       KIND: tl.constexpr, GROUP: tl.constexpr, SWIGLU: tl.constexpr, WIDEN: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                       KIND: tl.constexpr, GROUP: tl.constexpr, SWIGLU: tl.constexpr, DENSE: tl.constexpr,
+                       WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
         """Program (m, n): the assignments of block m (``sorted_ids[m * BLOCK_M :]``, one expert's) times
-        outputs ``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of that expert's weight; as ``_expert_rows``."""
+        outputs ``[n * BLOCK_N, (n + 1) * BLOCK_N)`` of that expert's weight; as ``_expert_rows``
+        (``DENSE``: rows ``[m * BLOCK_M, (m + 1) * BLOCK_M)`` of x through the one weight, nothing sorted)."""
         m = tl.program_id(0)
-        e = tl.load(block_experts_ptr + m).to(tl.int64)
+        if DENSE:
+            e = 0
+            ids = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        else:
+            e = tl.load(block_experts_ptr + m).to(tl.int64)
+            ids = tl.load(sorted_ids_ptr + m * BLOCK_M + tl.arange(0, BLOCK_M))
         if e < 0:  # a block past the last expert's run
             return
-        ids = tl.load(sorted_ids_ptr + m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = ids < ASSIGNMENTS
         rows = (ids // PER_ROW).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -281,8 +291,9 @@ if triton is not None:
             out = acc / (1.0 + tl.exp(-acc)) * acc_v
             tl.store(out_ptr + places, out.to(out_ptr.dtype.element_ty), mask=ok)
         else:
-            mix = tl.load(mix_ptr + ids, mask=row_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + places, acc * mix[:, None], mask=ok)
+            if not DENSE:
+                acc *= tl.load(mix_ptr + ids, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + places, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,29 +370,43 @@ def _in_features(weight: torch.Tensor, kind: int) -> int:
     return weight.shape[-1] * (2 if kind == INT4 else 1)
 
 
+def matrix_vector(assignments: int, n_experts: int) -> bool:
+    """Whether ``_launch`` runs the matrix-vector kernel (else the grouped product): for fewer
+    assignments than experts, or than ``FEW_ROWS``."""
+    return assignments < max(n_experts, FEW_ROWS)
+
+
 def _launch(x, experts, w, s, v, t, mix, out, kind: int, swiglu: bool, per_row: int, parts: Optional[int] = None,
             config: Optional[dict] = None) -> None:  # fmt: skip
-    """Both kernels' launch: ``_expert_rows`` for fewer assignments than experts, or than ``FEW_ROWS``
-    (its inputs split in ``parts``, None: ``split_k``'s), else ``_expert_blocks``; with ``config``
-    (one of the kernel's configurations), else as ``_run`` chooses."""
-    assignments, n_experts, n = experts.numel(), w.shape[0], w.shape[1]
+    """Both kernels' launch: ``_expert_rows`` where ``matrix_vector`` (its inputs split in ``parts``,
+    None: ``split_k``'s; ``out`` then zeros unless ``swiglu``), else ``_expert_blocks``; with ``config``
+    (one of the kernel's configurations), else as ``_run`` chooses. ``experts`` None: x's rows through
+    the one weight ``w (1, N, K)``, nothing mixed."""
+    dense = experts is None
+    assignments, n_experts, n = x.shape[0] if dense else experts.numel(), w.shape[0], w.shape[1]
     k = _in_features(w, kind)
     group = _group(k, s, kind)
     s = w if s is None else s  # plain weights: the pointers are never read
     v, t = (w, s) if v is None else (v, s if t is None else t)
-    mix = out if mix is None else mix
-    if assignments < max(n_experts, FEW_ROWS):
+    mix = out if mix is None else mix  # (nor is mix with swiglu or dense, nor experts when dense)
+    experts = x if dense else experts
+    if matrix_vector(assignments, n_experts):
         parts = 1 if swiglu else parts or split_k(assignments, n, k, x.device)
         args = (x, experts, w, s, v, t, mix, out, n, k, per_row)
-        constants = {"KIND": kind, "GROUP": group, "SWIGLU": swiglu, "SPLIT_K": parts}
+        constants = {"KIND": kind, "GROUP": group, "SWIGLU": swiglu, "DENSE": dense, "SPLIT_K": parts}
         _run("rows", lambda block_n: (assignments, triton.cdiv(n, block_n), parts), args, constants, config)
         return
     rows_a_block = block_m(assignments, n_experts)
-    sorted_ids, block_experts = blocks_by_expert(experts, n_experts, rows_a_block)
+    if dense:
+        sorted_ids = block_experts = x  # not read
+        blocks = triton.cdiv(assignments, rows_a_block)
+    else:
+        sorted_ids, block_experts = blocks_by_expert(experts, n_experts, rows_a_block)
+        blocks = block_experts.numel()
     args = (x, sorted_ids, block_experts, w, s, v, t, mix, out, n, k, per_row, assignments)
-    constants = {"KIND": kind, "GROUP": group, "SWIGLU": swiglu, "WIDEN": interpreting() or x.dtype == torch.float32,
-                 "BLOCK_M": rows_a_block}  # fmt: skip
-    _run("blocks", lambda block_n: (block_experts.numel(), triton.cdiv(n, block_n)), args, constants, config)
+    constants = {"KIND": kind, "GROUP": group, "SWIGLU": swiglu, "DENSE": dense,
+                 "WIDEN": interpreting() or x.dtype == torch.float32, "BLOCK_M": rows_a_block}  # fmt: skip
+    _run("blocks", lambda block_n: (blocks, triton.cdiv(n, block_n)), args, constants, config)
 
 
 def _chosen_swiglu(x, experts, w1, s1, w3, s3, kind: int) -> torch.Tensor:
@@ -395,7 +420,8 @@ def _chosen_swiglu(x, experts, w1, s1, w3, s3, kind: int) -> torch.Tensor:
 def _chosen_down(h, experts, w2, s2, mix, kind: int) -> torch.Tensor:
     if not runs_kernels(h.device):
         return reference_down(h, experts, w2, s2, mix, kind)
-    out = torch.zeros(experts.numel(), w2.shape[1], dtype=torch.float32, device=h.device)
+    fill = torch.zeros if matrix_vector(experts.numel(), w2.shape[0]) else torch.empty  # split-K adds into zeros
+    out = fill(experts.numel(), w2.shape[1], dtype=torch.float32, device=h.device)
     _launch(h.contiguous(), experts.contiguous(), w2, s2, None, None, mix.contiguous(), out, kind, False, 1)
     return out
 
@@ -404,10 +430,11 @@ def _dense_rows(x, w, s, kind: int) -> torch.Tensor:
     if not runs_kernels(x.device):
         return F.linear(x, dequantized(w, s, kind, x.dtype))
     rows = x.shape[0]
-    out = torch.zeros(rows, w.shape[0], dtype=torch.float32, device=x.device)
-    one = torch.zeros(rows, dtype=torch.int32, device=x.device)  # every row's "expert": the only one
-    mix = torch.ones(rows, dtype=x.dtype, device=x.device)
-    _launch(x.contiguous(), one, w[None], None if s is None else s[None], None, None, mix, out, kind, False, 1)
+    if matrix_vector(rows, 1):  # split-K: float32 parts added into zeros
+        out = torch.zeros(rows, w.shape[0], dtype=torch.float32, device=x.device)
+    else:  # the grouped product writes each output once, in x's dtype
+        out = torch.empty(rows, w.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x.contiguous(), None, w[None], None if s is None else s[None], None, None, None, out, kind, False, 1)
     return out.to(x.dtype)
 
 

@@ -47,7 +47,7 @@ from mixtral_infer.fast.cuda_attention import cuda_attention
 from mixtral_infer.formats.linear import column_blocks_linear, linear, linears
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.transformer import Attention, FeedForward
-from mixtral_infer.quant.kernels import quantized_linear, reference_linear
+from mixtral_infer.quant.kernels import quantized_linear, reference_linear, triton_weight_kind
 from mixtral_infer.quant.weights import QuantizedWeight
 from mixtral_infer.tuning import Tuning
 
@@ -119,8 +119,9 @@ class FastMoeLayer(MoeLayer):
     ``Tuning.triton_experts`` every token's chosen experts in two Triton launches (``triton_mixture``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
-        if uses_triton_experts(self, x, self.__dict__.get("tuning", DEFAULT)):
-            return triton_mixture(self, x, *self.route(x))  # (all the experts are here: nothing to reduce)
+        kind = triton_experts_kind(self, x, self.__dict__.get("tuning", DEFAULT))
+        if kind is not None:
+            return triton_mixture(self, x, *self.route(x), kind)  # (all the experts are here: nothing to reduce)
         return super().forward(x)
 
     def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -139,32 +140,32 @@ def expert(moe: MoeLayer, e: int | torch.Tensor, x: torch.Tensor, tuning: Option
 def triton_kind(moe: MoeLayer, x: torch.Tensor) -> Optional[int]:
     """The kind of weight ``fast.triton_experts`` reads these experts as (``PLAIN``, ``INT8``, ``INT4``),
     or None where its kernels do not take them: weights packed for a CPU kernel, in another dtype than
-    x, nf4, int8 with int8 activations, or without their plain values; a rank's share of the experts
-    (expert parallelism)."""
+    x, or quantized weights it does not take (``quant.kernels.triton_weight_kind``); a rank's share of
+    the experts (expert parallelism)."""
     weights = (moe.w1, moe.w2, moe.w3)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or len(moe.local_experts) != moe.args.num_experts:
         return None
     if all(isinstance(w, torch.Tensor) and w.dtype == x.dtype for w in weights):  # (packed layouts are not tensors)
         return triton_experts.PLAIN
-    if not all(isinstance(w, QuantizedWeight) and w.values is not None and w.expert is None for w in weights):
+    if not all(isinstance(w, QuantizedWeight) and w.scheme == moe.w1.scheme for w in weights):
         return None
-    scheme = moe.w1.scheme
-    if any(w.scheme != scheme for w in weights) or scheme.activations is not None:
-        return None
-    return triton_experts.KINDS.get(scheme.name)
+    kind = triton_weight_kind(moe.w1)
+    return kind if all(triton_weight_kind(w) == kind for w in weights) else None
 
 
-def uses_triton_experts(moe: MoeLayer, x: torch.Tensor, tuning: Tuning) -> bool:
-    """Whether ``tuning`` sends these experts through the Triton kernels, and they can take them here."""
-    return tuning.triton_experts and triton_experts.runs_kernels(x.device) and triton_kind(moe, x) is not None
+def triton_experts_kind(moe: MoeLayer, x: torch.Tensor, tuning: Tuning) -> Optional[int]:
+    """``triton_kind`` where ``tuning`` sends these experts through the Triton kernels and they run on
+    x's device, else None."""
+    if not tuning.triton_experts or not triton_experts.runs_kernels(x.device):
+        return None
+    return triton_kind(moe, x)
 
 
 def triton_mixture(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, kind: int
 ) -> torch.Tensor:
     """Each row of ``x (B, D)`` through its chosen ``experts (B, A)``, mixed by ``weights (B, A)``, in
-    two Triton launches (``fast.triton_experts.mixture``): ``(B, D)``."""
-    kind = triton_kind(moe, x)
+    two Triton launches (``fast.triton_experts.mixture``), the weights read as ``kind``: ``(B, D)``."""
 
     def parts(w) -> tuple:  # (weight, scales) as the kernels take them
         return (w, None) if kind == triton_experts.PLAIN else (w.values, w.scales)

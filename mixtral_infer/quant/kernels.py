@@ -275,17 +275,22 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = 
 TRITON_DENSE_ROWS = 64  # ``Tuning.triton_dense``: products of more rows (prompts) take the paths above
 
 
-def triton_dense_kind(x: torch.Tensor, weight: QuantizedWeight) -> Optional[int]:
-    """The kind ``fast.triton_experts.dense_rows`` reads ``weight`` as, or None where it does not take
-    it: not int8 or int4 weight-only, without its plain values, one expert of stacked weights, more
-    than ``TRITON_DENSE_ROWS`` rows, other activations than the scales' dtype, no kernels here."""
+def triton_weight_kind(weight: QuantizedWeight) -> Optional[int]:
+    """The kind ``fast.triton_experts`` reads ``weight`` as (``INT8``, ``INT4``), or None where its
+    kernels do not take it: nf4, int8 with int8 activations, without its plain values, or one expert of
+    stacked weights (``weight.expert``)."""
     if weight.scheme.activations is not None or weight.values is None or weight.expert is not None:
         return None
-    if x.dim() != 2 or x.shape[0] > TRITON_DENSE_ROWS or x.dtype != weight.dtype or weight.values.dim() != 2:
-        return None
-    if not triton_experts.runs_kernels(x.device):
-        return None
     return {"int8": triton_experts.INT8, "int4": triton_experts.INT4}.get(weight.scheme.name)
+
+
+def triton_dense_kind(x: torch.Tensor, weight: QuantizedWeight) -> Optional[int]:
+    """The kind ``fast.triton_experts.dense_rows`` reads ``weight`` as (``triton_weight_kind``), or None
+    where it does not take it: stacked weights, more than ``TRITON_DENSE_ROWS`` rows, other
+    activations than the scales' dtype, no kernels here."""
+    if x.dim() != 2 or x.shape[0] > TRITON_DENSE_ROWS or x.dtype != weight.dtype or len(weight.shape) != 2:
+        return None
+    return triton_weight_kind(weight) if triton_experts.runs_kernels(x.device) else None
 
 
 ROWS_PER_CONVERSION = 256  # a multiple of the kernel's 64-row blocks; bounds the int32 working copy

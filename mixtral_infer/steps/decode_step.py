@@ -58,7 +58,7 @@ from mixtral_infer.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.structured.rows import shaped_logits
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache
-from mixtral_infer.formats.modules import expert, triton_mixture, tuning_of, uses_triton_experts
+from mixtral_infer.formats.modules import expert, triton_experts_kind, triton_mixture, tuning_of
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Transformer, TransformerBlock
@@ -192,6 +192,9 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor, tuning: Optional[Tuning] = Non
     tuning = tuning if tuning is not None else tuning_of(moe)
     x = materialized(x)  # compiled on CPU: in memory, not recomputed for each row of the experts (fast.cpu_reductions)
     experts, weights = moe.route(x)  # (B, A), (B, A)
+    kind = triton_experts_kind(moe, x, tuning)
+    if kind is not None:
+        return triton_mixture(moe, x, experts, weights, kind)
     batch, k = experts.shape
     n_experts = moe.w1.shape[0]
     two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
@@ -201,8 +204,6 @@ def moe_one_token(moe: MoeLayer, x: torch.Tensor, tuning: Optional[Tuning] = Non
     # the chosen experts are read while B * k <= up_to * E (and always while B * k < E)
     field = chosen_up_to_field(moe, tuning) if on_cpu else None
     up_to = getattr(tuning, field) if field is not None else 0
-    if uses_triton_experts(moe, x, tuning):
-        return triton_mixture(moe, x, experts, weights)
     if batch * k < n_experts or batch * k <= up_to * n_experts:
         if tuning.gathered_int8_experts and plain_int8(moe):
             return _gathered_int8_experts(moe, x, experts, weights)
