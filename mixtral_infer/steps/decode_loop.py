@@ -201,9 +201,10 @@ def _launch(step: Callable[..., tuple], compiled: bool, index: int, cache: Rotat
             sampling.temperature, sampling.top_p, sampling.top_k, *shaping,
         )  # fmt: skip
     if cuda_graph:
-        # A CUDA graph's outputs are overwritten by its next replay: keep copies of what is fed back in
-        # (what the host reads is copied out before that replay, in stream order).
-        outputs = tuple(t.clone() for t in outputs)
+        # A CUDA graph's outputs are overwritten by its next replay: keep copies of what is fed back in.
+        # The token log-probabilities and emitted tokens (outputs 1 and 4) are only read by the host,
+        # copied out before that replay, in stream order: they need no copy.
+        outputs = tuple(t if i in (1, 4) else t.clone() for i, t in enumerate(outputs))
     return outputs
 
 
