@@ -456,9 +456,9 @@ def test_command_line_names_a_missing_tokenizer(model_folder):
     result = run_cli("demo", str(model_folder))
     assert result.returncode == 1
     assert result.stderr.strip() == f"error: {model_folder / 'tokenizer.model'}: file not found (the command line needs the model's tokenizer)"
-    (model_folder / "tokenizer.json").write_text("{}")  # a folder with transformers' fast tokenizer only
+    (model_folder / "tokenizer.json").write_text("{}")  # a folder with transformers' fast tokenizer only: read, and refused
     result = run_cli("demo", str(model_folder))
-    assert result.stderr.strip().endswith("(tokenizer.json alone is not read: the sentencepiece model is)")
+    assert result.stderr.strip().startswith(f"error: {model_folder / 'tokenizer.json'}: not a tokenizer.json the tokenizers library reads (")
 
 
 def test_interactive_unknown_command_and_end_of_input(model_folder):

@@ -228,8 +228,7 @@ def load(
     torch_dtype = parse_dtype(dtype)
     tokenizer_path = find_tokenizer(folder)
     if folder.is_dir() and tokenizer_path is None:
-        alone = " (tokenizer.json alone is not read: the sentencepiece model is)" if (folder / "tokenizer.json").is_file() else ""
-        raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer){alone}")
+        raise MixtralInferError(f"{folder / TOKENIZER_FILE}: file not found (the command line needs the model's tokenizer)")
     checkpoint = open_checkpoint(folder)  # the configuration and the file headers only
     tokenizer = Tokenizer(tokenizer_path)  # read (and refused) before the weights
     args = checkpoint.args

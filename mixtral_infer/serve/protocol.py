@@ -15,14 +15,15 @@ Several answers: ``n`` choices of each prompt, and for ``/v1/completions`` a lis
 (strings or lists of token ids). Choice ``i`` of prompt ``p`` has index ``p * n + i``, as in OpenAI
 and vLLM; the usage counts each prompt's tokens once and every choice's tokens.
 
-Chat messages become the model's instruct format (``Tokenizer.encode_instruct``), as
-mistral-common renders them (tested)::
+Chat messages become the model's instruct format (``Tokenizer.encode_chat``), as
+mistral-common renders them (tested; for a tekken tokenizer mistral-common renders them)::
 
     [system, user u1, assistant a1, user u2]
     v1 -> <s> [INST] system\\n\\nu1 [/INST] a1 </s> [INST] u2 [/INST]
     v3 -> <s> [INST] u1 [/INST] a1 </s> [INST] system\\n\\nu2 [/INST]
+    v7 (tekken) -> <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]u1[/INST]a1</s>[INST]u2[/INST]
 
-and for a ChatML fine-tune's tokenizer (``Tokenizer.chat_format``), ChatML's text encoded whole::
+and for a ChatML fine-tune's tokenizer (``Tokenizer.chat_format``), ChatML's text::
 
     -> <s><|im_start|>system\\nsystem<|im_end|>\\n<|im_start|>user\\nu1<|im_end|>\\n...<|im_start|>assistant\\n
 """
@@ -47,7 +48,7 @@ from mixtral_infer.serve.tools import (
     tools_text,
 )
 from mixtral_infer.structured.grammar import Constraint, check_constraint, one_line
-from mixtral_infer.tokenizer import Tokenizer, chatml
+from mixtral_infer.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # completions: logprobs in [0, 5]
@@ -335,19 +336,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: Any, tools: Optional[List[Dict[s
         raise BadRequest("after any system messages, messages must alternate user, assistant, ... and end with user", "messages")
     if tools is not None:  # the text format: the tool list before the last user turn
         turns[-1] = ("user", tools_text(tools) + "\n\n" + turns[-1][1])
-    if tokenizer.chat_format == "chatml":  # the template's text, encoded whole (as transformers encodes it)
-        return [tokenizer.bos_id] + tokenizer.encode(chatml([("system", text) for text in system] + turns), bos=False)
-    ids = [tokenizer.bos_id]
-    # The system prompt joins the first user turn (v1), or the last one (v3), as mistral-common renders them.
-    with_system = 0 if tokenizer.version == "v1" else len(turns) - 1
-    for index, (role, text) in enumerate(turns):
-        if role == "user":
-            if index == with_system and system:
-                text = "\n\n".join(system + [text])
-            ids += tokenizer.encode_instruct(text)
-        else:
-            ids += tokenizer.encode(text, bos=False) + [tokenizer.eos_id]
-    return ids
+    return tokenizer.encode_chat(system, turns)
 
 
 def _content(content: Any, index: int) -> str:

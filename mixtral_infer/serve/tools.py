@@ -1,9 +1,10 @@
 """Tool calling as Mistral's instruct models do it.
 
-**v3 tokenizers** (Mistral 7B v0.3: ``[AVAILABLE_TOOLS]``, ``[TOOL_CALLS]``, ``[TOOL_RESULTS]`` and
-their closing pieces are control pieces): a conversation with tools is rendered by mistral-common,
-the library Mistral maintains (``MistralTokenizer.encode_chat_completion``), from the same
-tokenizer file. The model calls tools by writing ``[TOOL_CALLS]`` and then a JSON list::
+**v3 tokenizers** (Mistral 7B v0.3, and the tekken files of v3 and v7: ``[AVAILABLE_TOOLS]``,
+``[TOOL_CALLS]``, ``[TOOL_RESULTS]`` and their closing pieces are control pieces): a conversation
+with tools is rendered by mistral-common, the library Mistral maintains
+(``MistralTokenizer.encode_chat_completion``), from the same tokenizer file. The model calls tools
+by writing ``[TOOL_CALLS]`` and then a JSON list::
 
     [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]</s>
 
@@ -24,8 +25,6 @@ import json
 import re
 import secrets
 import string
-import tempfile
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from mixtral_infer.structured.grammar import Constraint
@@ -33,6 +32,7 @@ from mixtral_infer.tokenizer import Tokenizer
 
 TOOL_PIECES = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
 TOOL_CALLS = "[TOOL_CALLS]"
+TOOL_VERSIONS = ("v3", "v7")  # the instruct formats whose calls are [TOOL_CALLS] and a JSON list
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_ID_CHARS = string.ascii_letters + string.digits
 
@@ -42,8 +42,14 @@ class ToolError(ValueError):
 
 
 def has_tool_pieces(tokenizer: Tokenizer) -> bool:
-    """Whether the tokenizer has Mistral's tool control pieces (a v3 tokenizer's)."""
-    return tokenizer.version == "v3" and tokenizer.control_ids(*TOOL_PIECES) is not None
+    """Whether the tokenizer has Mistral's tool control pieces and mistral-common renders them in
+    the layout read here (a v3 sentencepiece model's; a v3 or v7 tekken file's: v11 and later
+    write ``[TOOL_CALLS]name[ARGS]{...}``, and are given tools in the text format)."""
+    return (
+        tokenizer.version in TOOL_VERSIONS
+        and tokenizer.kind in ("sentencepiece", "tekken")
+        and tokenizer.control_ids(*TOOL_PIECES) is not None
+    )
 
 
 def check_tools(tools: Any, tool_choice: Any) -> Tuple[List[Dict[str, Any]], Any]:
@@ -133,24 +139,9 @@ def call_id() -> str:
 # ---- rendering a conversation ------------------------------------------------------------------
 
 
-_MISTRAL_TOKENIZERS: Dict[str, Any] = {}
-
-
 def mistral_common_tokenizer(tokenizer: Tokenizer):
-    """mistral-common's ``MistralTokenizer`` over the same sentencepiece file (made once). The library
-    tells versions apart by the file's name, so a v3 file named otherwise is linked as ``.v3``."""
-    path = str(tokenizer.path)
-    made = _MISTRAL_TOKENIZERS.get(path)
-    if made is None:
-        from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
-
-        source = Path(path)
-        if not source.name.endswith(".v3"):
-            linked = Path(tempfile.mkdtemp(prefix="mixtral_infer_tokenizer_")) / "tokenizer.model.v3"
-            linked.symlink_to(source.resolve())
-            source = linked
-        made = _MISTRAL_TOKENIZERS[path] = MistralTokenizer.from_file(str(source))
-    return made
+    """mistral-common's ``MistralTokenizer`` over the same file (``Tokenizer.mistral_common``)."""
+    return tokenizer.mistral_common()
 
 
 def render_with_mistral_common(tokenizer: Tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]]) -> List[int]:

@@ -12,11 +12,13 @@ allowed tokens as a bitmask, 32 tokens per int32 word (``fill``), the logits of 
 -inf (``logits.apply_bitmask``), and the sampled token moves the grammar on (``accept``). When the
 grammar is complete, EOS is the one token left (``done`` ends the row as EOS would).
 
-The bridge to the tokenizer (``ll_tokenizer``): each sentencepiece piece as the bytes it writes
-(``▁`` is a space, ``<0x0A>`` the byte 0x0A), control pieces marked special (they write no text),
-and an encoder without sentencepiece's leading space, which llguidance calls for text it forces.
-Example, the shipped tokenizer: piece ``▁the`` is ``b" the"``, ``<0x7B>`` is ``b"{"``, and a JSON
-schema allows ``{`` but no ``▁{`` as the first token (its text would begin with a space).
+The bridge to the tokenizer (``ll_tokenizer``): each token as the bytes it writes
+(``Tokenizer.token_bytes``: sentencepiece's ``▁`` is a space and ``<0x0A>`` the byte 0x0A; a tekken
+or byte-level ``tokenizer.json`` token its bytes, part of a character included), control tokens
+marked special (they write no text), and an encoder that adds no leading space
+(``Tokenizer.encode_continuation``), which llguidance calls for text it forces. Example, the
+shipped tokenizer: piece ``▁the`` is ``b" the"``, ``<0x7B>`` is ``b"{"``, and a JSON schema allows
+``{`` but no ``▁{`` as the first token (its text would begin with a space).
 """
 
 from __future__ import annotations
@@ -100,26 +102,18 @@ class _TokenizerBridge:
         self.tokens: List[bytes] = []
         self.special_token_ids: List[int] = []
         for token_id in range(tokenizer.n_words):
-            piece = tokenizer.id_to_piece(token_id)
-            byte = tokenizer.byte_value(token_id)
             if tokenizer.is_control(token_id):
-                self.tokens.append(SPECIAL_MARK + piece.encode())
+                self.tokens.append(SPECIAL_MARK + tokenizer.id_to_piece(token_id).encode())
                 self.special_token_ids.append(token_id)
-            elif byte is not None:
-                self.tokens.append(bytes([byte]))
             else:
-                self.tokens.append(piece.replace("\u2581", " ").encode())
+                self.tokens.append(tokenizer.token_bytes(token_id))
         self._tokenizer = tokenizer
-        self._newline = tokenizer.encode("\n", bos=False)
 
     def __call__(self, text) -> List[int]:
-        """Token ids of ``text`` as it continues other text (no leading space added): encoded after a
-        newline, whose ids are then left out."""
+        """Token ids of ``text`` as it continues other text (no leading space added)."""
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        ids = self._tokenizer.encode("\n" + text, bos=False)
-        n = len(self._newline)
-        return ids[n:] if ids[:n] == self._newline else ids
+        return self._tokenizer.encode_continuation(text)
 
 
 _LL_TOKENIZERS: Dict[int, Any] = {}

@@ -1,4 +1,5 @@
-"""A thin sentencepiece wrapper with the Mistral conventions (BOS prepended on request).
+"""The sentencepiece back-end: Mistral's ``tokenizer.model`` files, with the Mistral conventions
+(BOS prepended on request).
 
 Two versions of Mistral's sentencepiece tokenizers are read. **v1** (``tokenizer.model``:
 Mistral 7B v0.1/v0.2, Mixtral 8x7B; 32,000 pieces) has no instruct tokens: a turn is the
@@ -32,26 +33,11 @@ from typing import Dict, List, Optional
 
 from sentencepiece import SentencePieceProcessor
 
-from mixtral_infer.errors import CheckpointError, GenerationError, as_int
+from mixtral_infer.errors import CheckpointError, GenerationError
 from mixtral_infer.json_file import read_object
-from mixtral_infer.shipped import resolve_model_folder
-
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.model.v3")  # looked for in this order
-BEGIN_INST, END_INST = "[INST]", "[/INST]"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML's
-
-
-def chatml(messages: List[tuple], generation_prompt: bool = True) -> str:
-    """The ChatML text of ``(role, content)`` messages, as the common ChatML chat template renders
-    it: each ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``."""
-    text = "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in messages)
-    return text + (f"{IM_START}assistant\n" if generation_prompt else "")
-
+from mixtral_infer.tokenizer.base import BEGIN_INST, END_INST, IM_END, IM_START, Tokenizer, configured_token, token_list
 
 ADDED_TOKEN_FILES = ("tokenizer.json", "added_tokens.json")  # transformers' order
-TOKENIZER_CONFIG = "tokenizer_config.json"
-SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # read before TOKENIZER_CONFIG, as transformers does
 
 
 @dataclass(frozen=True)
@@ -91,20 +77,15 @@ def read_added_tokens(folder: Path, first_id: int) -> List[AddedToken]:
     return []
 
 
-def find_tokenizer(folder: str | Path) -> Optional[Path]:
-    """The tokenizer file of a model folder, or None."""
-    for name in TOKENIZER_FILES:
-        if (Path(folder) / name).is_file():
-            return Path(folder) / name
-    return None
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece model and a fine-tune's added tokens (module docstring)."""
 
+    kind = "sentencepiece"
 
-class Tokenizer:
     def __init__(self, model_path: str | Path):
         path = Path(model_path)
         if not path.is_file():
-            alone = " (tokenizer.json alone is not read: the sentencepiece model is)" if (path.parent / "tokenizer.json").is_file() else ""
-            raise CheckpointError(f"{path}: tokenizer file not found{alone}")
+            raise CheckpointError(f"{path}: tokenizer file not found")
         self._model = SentencePieceProcessor()
         try:
             self._model.Load(str(path))
@@ -119,22 +100,19 @@ class Tokenizer:
         self._split = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents else None
         self._by_content = by_content
         self._eos_id = self._end_token(path.parent)
+        self._mistral_common = None
         for name, token in (("BOS", self._model.bos_id()), ("EOS", self._eos_id)):
             if token < 0:  # sentencepiece trained with --bos_id=-1: encode() gave [-1, ...]
                 raise CheckpointError(f"{path}: defines no {name} piece ({name.lower()}_id={token}): "
                                       "a Mistral model's prompts begin with <s> and its answers end with </s>")  # fmt: skip
 
     def _end_token(self, folder: Path) -> int:
-        """The ``eos_token`` (a string, or ``{"content": ...}``) of ``special_tokens_map.json``, else of
-        ``tokenizer_config.json`` (transformers' order), as an added token or a piece; else
-        sentencepiece's end piece."""
-        for config_path in (folder / SPECIAL_TOKENS_MAP, folder / TOKENIZER_CONFIG):
-            eos = read_object(config_path, CheckpointError).get("eos_token") if config_path.is_file() else None
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            if isinstance(eos, str):
-                break
-        else:
+        """The ``eos_token`` of ``special_tokens_map.json``, else of ``tokenizer_config.json``
+        (``configured_token``), as an added token or a piece; else sentencepiece's end piece."""
+        configured = configured_token(folder, "eos_token")
+        if configured is None:
             return self._model.eos_id()
+        config_path, eos = configured
         if eos in self._by_content:
             return self._by_content[eos]
         piece = self._model.piece_to_id(eos)
@@ -143,15 +121,6 @@ class Tokenizer:
                 f"{config_path}: eos_token {eos!r} is neither a piece of {self.path.name} nor an added token"
             )
         return piece
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> "Tokenizer":
-        """The tokenizer of a model folder (a path or a shipped model's name, e.g. ``tiny-mixtral``)."""
-        folder = resolve_model_folder(folder)
-        path = find_tokenizer(folder)
-        if path is None:
-            raise CheckpointError(f"{Path(folder) / TOKENIZER_FILES[0]}: file not found (nor {', '.join(TOKENIZER_FILES[1:])})")
-        return cls(path)
 
     def control_ids(self, *pieces: str) -> Optional[List[int]]:
         """The ids of these control pieces (``[INST]``, ``[TOOL_CALLS]``), or None unless each is one."""
@@ -177,41 +146,43 @@ class Tokenizer:
     def eos_id(self) -> int:
         return self._eos_id
 
-    def encode(self, text: str, bos: bool = True, eos: bool = False) -> List[int]:
-        """Token ids of ``text``. Lone surrogates (undecodable input bytes) become U+FFFD."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        text = LONE_SURROGATE.sub("\ufffd", text)
+    def _encode(self, text: str) -> List[int]:
         if self._split is None:
-            ids = self._model.encode(text)
-        else:  # added tokens' strings become their ids; each stretch between is encoded on its own
-            parts = self._split.split(text)  # [text, token, text, token, ..., text]
-            ids = [i for k, part in enumerate(parts) if part
-                   for i in ([self._by_content[part]] if k % 2 else self._model.encode(part))]  # fmt: skip
-        if bos:
-            ids = [self.bos_id] + ids
-        if eos:
-            ids = ids + [self.eos_id]
-        return ids
+            return self._model.encode(text)
+        # added tokens' strings become their ids; each stretch between is encoded on its own
+        parts = self._split.split(text)  # [text, token, text, token, ..., text]
+        return [i for k, part in enumerate(parts) if part
+                for i in ([self._by_content[part]] if k % 2 else self._model.encode(part))]  # fmt: skip
 
-    @property
-    def chat_format(self) -> str:
-        """"chatml" for a ChatML fine-tune's tokens (module docstring), else ``version``."""
-        return "chatml" if IM_START in self._by_content and IM_END in self._by_content else self.version
+    def encode_continuation(self, text: str) -> List[int]:
+        """Token ids of ``text`` where it continues other text, without the ``▁`` sentencepiece puts
+        before a text: encoded after a newline, whose ids are then left out."""
+        newline = self._model.encode("\n")
+        ids = self.encode("\n" + text, bos=False)
+        return ids[len(newline) :] if ids[: len(newline)] == newline else ids
 
-    def encode_instruct(self, text: str, follows_answer: bool = False) -> List[int]:
-        """One user turn, without BOS, in this tokenizer's chat format (``follows_answer``: a turn
-        after an answer, which ChatML starts on a new line).
+    def _chatml_ids(self) -> Optional[List[int]]:
+        if IM_START in self._by_content and IM_END in self._by_content:
+            return [self._by_content[IM_START], self._by_content[IM_END]]
+        return None
 
-        v1: the text ``[INST] {text} [/INST]``; v3: ``[INST]``, the pieces of ``text``, ``[/INST]``;
-        chatml: the text ``<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n``.
-        """
-        if self.chat_format == "chatml":
-            return self.encode(("\n" if follows_answer else "") + chatml([("user", text)]), bos=False)
-        if self._instruct_ids is None:
-            return self.encode(f"{BEGIN_INST} {text} {END_INST}", bos=False)
-        begin, end = self._instruct_ids
-        return [begin] + self.encode(text, bos=False) + [end]
+    def mistral_common(self):
+        """mistral-common's ``MistralTokenizer`` over the same file, for a v3 model (made once). The
+        library tells versions apart by the file's name, so a v3 file named otherwise is linked as ``.v3``."""
+        if self.version != "v3":
+            return None
+        if self._mistral_common is None:
+            import tempfile
+
+            from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+            source = self.path
+            if not source.name.endswith(".v3"):
+                linked = Path(tempfile.mkdtemp(prefix="mixtral_infer_tokenizer_")) / "tokenizer.model.v3"
+                linked.symlink_to(source.resolve())
+                source = linked
+            self._mistral_common = MistralTokenizer.from_file(str(source))
+        return self._mistral_common
 
     def decode(self, ids: List[int]) -> str:
         """The text of token ids: a list, or a 1-D tensor or array."""
@@ -267,6 +238,12 @@ class Tokenizer:
             return None
         return int(self._model.id_to_piece(token_id)[3:5], 16)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        if self.is_control(token_id):
+            return b""
+        byte = self.byte_value(token_id)
+        return bytes([byte]) if byte is not None else self.id_to_piece(token_id).replace("\u2581", " ").encode()
+
     def id_to_piece(self, token_id: int) -> str:
         token = self.added.get(token_id)
         if token is not None:
@@ -274,17 +251,3 @@ class Tokenizer:
         if not 0 <= token_id < self._pieces:  # sentencepiece's IndexError said only "OUT_OF_RANGE"
             raise GenerationError(f"token id {token_id} is outside this tokenizer's vocabulary [0, {self.n_words})")
         return self._model.id_to_piece(token_id)
-
-
-def token_list(ids: object) -> List[int]:
-    """``ids`` (a list, or a 1-D tensor or array) as Python ints; GenerationError for one id alone
-    or for what is not an id (sentencepiece took ``True`` as 1 and raised its own TypeError for 1.5)."""
-    if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # a tensor or array
-        ids = ids.tolist()
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise GenerationError(f"decode({ids!r:.40}): pass a list of token ids (one id: [id])")
-    ids = list(ids)
-    for token in ids:
-        if type(token) is not int and as_int(token) is None:
-            raise GenerationError(f"token id {token!r:.40} of type {type(token).__name__}: token ids must be integers")
-    return [token if type(token) is int else as_int(token) for token in ids]
