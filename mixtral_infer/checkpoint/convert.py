@@ -4,7 +4,10 @@ Tensors stream from the source to the destination: one at a time into a Mistral
 ``consolidated.safetensors``, one shard of at most ``max_shard_size`` at a time into
 Hugging Face shards (``safetensors_writer``), every byte written once. The files are laid
 out before any tensor is read, from the source's headers (``planned_tensors``). A Hugging
-Face folder also gets what transformers' ``AutoTokenizer`` reads (``hf_tokenizer``). Everything is written into a
+Face folder also gets what transformers' ``AutoTokenizer`` reads (``hf_tokenizer``:
+``tokenizer.json`` and its configuration, written from a sentencepiece model or a tekken file);
+a Mistral folder gets the source's ``tokenizer.model`` or ``tekken.json``, or its
+``tokenizer.json`` and configuration when that is all it has. Everything is written into a
 hidden sibling folder ``.DST.partial-PID`` that is renamed to the destination only once
 complete, so an interrupted conversion leaves no half-written checkpoint behind; the next
 conversion to the same destination removes what a killed one left. The destination must
@@ -24,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 
 from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published, published_to_hf
-from mixtral_infer.checkpoint.hf_tokenizer import write_hf_tokenizer
+from mixtral_infer.checkpoint.hf_tokenizer import write_hf_tekken_tokenizer, write_hf_tokenizer
 from mixtral_infer.checkpoint.loading import (
     Progress,
     HF_CONFIG_FILE,
@@ -122,7 +125,14 @@ def convert(
             (partial / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if tokenizer is not None:  # read with a fine-tune's added tokens and end token, from the files beside it
             shutil.copyfile(tokenizer, partial / tokenizer.name)
-            if target == "hf":
+            if read.kind == "tekken":  # Mistral's layout reads tekken.json; transformers' fast tokenizer tokenizer.json
+                if target == "hf":
+                    write_hf_tekken_tokenizer(read.file, partial)
+            elif read.kind == "tokenizer.json":  # BOS and EOS were read from the files beside it
+                for name in (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):
+                    if (checkpoint.folder / name).is_file():
+                        shutil.copyfile(checkpoint.folder / name, partial / name)
+            elif target == "hf":
                 if tokenizer.name != TOKENIZER_FILE:  # transformers' LlamaTokenizer reads tokenizer.model
                     shutil.copyfile(tokenizer, partial / TOKENIZER_FILE)
                 write_hf_tokenizer(tokenizer, partial, list(read.added.values()), read.id_to_piece(read.eos_id))

@@ -1,4 +1,5 @@
-"""The files transformers' tokenizer reads, written from a sentencepiece ``tokenizer.model``.
+"""The files transformers' tokenizer reads, written from a sentencepiece ``tokenizer.model`` or a
+tekken ``tekken.json`` (``write_hf_tekken_tokenizer``, at the end).
 
 ``AutoTokenizer.from_pretrained(folder)`` given only ``tokenizer.model`` needs protobuf
 to convert it, and then guesses the special tokens. Hugging Face's own Mistral folders
@@ -48,6 +49,8 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from mixtral_infer.errors import CheckpointError
+from mixtral_infer.tokenizer.json_tokenizer import byte_level_alphabet
+from mixtral_infer.tokenizer.tekken_tokenizer import TekkenFile
 
 # sentencepiece_model.proto: SentencePiece.Type
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -280,4 +283,98 @@ def write_hf_tokenizer(tokenizer_path: str | Path, folder: str | Path, added: Se
     files = {TOKENIZER_JSON: pipeline, TOKENIZER_CONFIG: config, SPECIAL_TOKENS_MAP: special}
     for name, content in files.items():
         (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return [folder / name for name in files]
+
+
+# ---- tekken
+
+
+def tekken_tokenizer_json(tekken: TekkenFile) -> dict:
+    """The ``tokenizers`` pipeline that encodes as the tekken file does (tested against
+    mistral-common and transformers' own conversion): text split by the file's pattern, each
+    part's bytes written as GPT-2's printable characters (``ByteLevel``), then BPE over the
+    ranks with a whole part taken as one token when it is one (``ignore_merges``, as tiktoken
+    does); the merges are every split of a token into two tokens, ranked by the merged token's
+    rank (``bpe_merges``). Special tokens are ids ``0 .. 999``, added tokens marked special; regular
+    rank ``r`` is id ``1000 + r``; ``<s>`` is prepended."""
+    alphabet = byte_level_alphabet()
+    first = len(tekken.specials)
+    ranks = {"".join(alphabet[b] for b in token): rank for rank, token in enumerate(tekken.vocab)}
+    merges = bpe_merges(ranks)
+    vocab = {**{token: i for i, token in enumerate(tekken.specials)}, **{token: first + rank for token, rank in ranks.items()}}
+    added = [
+        {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+        for i, token in enumerate(tekken.specials)
+    ]  # fmt: skip
+    bos = "<s>"
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": tekken.pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {bos: {"id": bos, "ids": [vocab[bos]], "tokens": [bos]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": True,
+            "vocab": vocab,
+            "merges": [list(pair) for pair in merges],
+        },
+    }
+
+
+def tekken_chat_template(tekken: TekkenFile) -> str:
+    """The Jinja chat template mistral-common writes for the file's version, else the v3 template above."""
+    try:
+        from mistral_common.integrations.chat_templates.chat_templates import convert_tokenizer_to_chat_template
+
+        return convert_tokenizer_to_chat_template(tekken.path)
+    except Exception:  # noqa: BLE001 - an older mistral-common, or a version it writes no template for
+        return CHAT_TEMPLATES["v3"]
+
+
+def write_hf_tekken_tokenizer(tekken: TekkenFile, folder: str | Path) -> List[Path]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for a tekken file
+    (``tokenizer.tekken_tokenizer.read_tekken``) into ``folder``: what transformers' fast tokenizer
+    reads in a hub folder of a tekken model."""
+    folder = Path(folder)
+    pipeline = tekken_tokenizer_json(tekken)
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if special["unk_token"] not in tekken.specials:
+        del special["unk_token"]
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1000000000000000019884624838656,
+        "chat_template": tekken_chat_template(tekken),
+        **special,
+    }
+    files = {TOKENIZER_JSON: pipeline, TOKENIZER_CONFIG: config, SPECIAL_TOKENS_MAP: special}
+    for name, content in files.items():  # tokenizer.json on one line: its 270,000 merges would take a million
+        text = json.dumps(content, indent=None if name == TOKENIZER_JSON else 2, ensure_ascii=False)
+        (folder / name).write_text(text + "\n", encoding="utf-8")
     return [folder / name for name in files]
