@@ -32,7 +32,7 @@ from mixtral_infer.checkpoint.loading import build_model, save_consolidated
 WINDOW = 8
 
 
-def tiny_args(moe: bool = True, sliding_window: int | None = WINDOW, max_batch_size: int = 4) -> ModelArgs:
+def tiny_args(moe: bool = True, sliding_window: int | None | list = WINDOW, max_batch_size: int = 4) -> ModelArgs:
     """2 layers, GQA ratio 2, head_dim 16; MoE with 4 experts, top-2."""
     return ModelArgs(
         dim=64,
@@ -73,9 +73,13 @@ def hf_config(args: ModelArgs):
     config = hf_config_from_args(args, torch.float32)
     config.update(initializer_range=0.15, max_position_embeddings=4096)
     config.pop("architectures"), config.pop("torch_dtype")
-    if config.pop("model_type") == "mixtral":
-        return transformers.MixtralConfig(**config), transformers.MixtralForCausalLM
-    return transformers.MistralConfig(**config), transformers.MistralForCausalLM
+    classes = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),  # per-layer windows
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
+    config_class, model_class = classes[config.pop("model_type")]
+    return config_class(**config), model_class
 
 
 def hf_model(args: ModelArgs, seed: int = 0):
@@ -101,6 +105,22 @@ def ours_from_hf(hf, args: ModelArgs) -> Transformer:
 def model_pair(request):
     """(ours, transformers', args) on the same random weights."""
     args = tiny_args(moe=request.param == "mixtral")
+    hf = hf_model(args)
+    return ours_from_hf(hf, args), hf, args
+
+
+MINISTRAL_WINDOWS = [None, WINDOW, WINDOW, WINDOW]  # Ministral 8B's pattern: one full-attention layer, three windowed
+
+
+def ministral_args(max_batch_size: int = 4) -> ModelArgs:
+    """``tiny_args`` with 4 dense layers in Ministral's pattern of windows (``MINISTRAL_WINDOWS``)."""
+    return dataclasses.replace(tiny_args(moe=False, max_batch_size=max_batch_size), n_layers=4, sliding_window=list(MINISTRAL_WINDOWS))
+
+
+@pytest.fixture(scope="session")
+def ministral_pair():
+    """(ours, transformers' MinistralForCausalLM, args) on the same random weights."""
+    args = ministral_args()
     hf = hf_model(args)
     return ours_from_hf(hf, args), hf, args
 

@@ -26,7 +26,7 @@ def position_cache(window: int, batch: int) -> RotatingBufferCache:
 def write_chunk(cache: RotatingBufferCache, seqlens: list[int]) -> None:
     """Write a chunk whose keys are the tokens' own positions, as the model would (update, then count)."""
     metadata = cache.get_input_metadata(seqlens)
-    keys = metadata.positions.float()[:, None, None]  # (T, 1, 1)
+    keys = metadata[0].positions.float()[:, None, None]  # (T, 1, 1)
     cache.get_view(0, metadata).update(keys, keys)
     cache.advance(seqlens)
 
@@ -86,7 +86,7 @@ def test_interleave_kv_puts_each_cache_before_its_chunk():
     cache = position_cache(window=4, batch=3)
     write_chunk(cache, [6, 2, 0])
     metadata = cache.get_input_metadata([2, 1, 3])
-    keys = metadata.positions.float()[:, None, None]
+    keys = metadata[0].positions.float()[:, None, None]
     key, _ = cache.get_view(0, metadata).interleave_kv(keys, keys)
     assert key[:, 0, 0].long().tolist() == [2, 3, 4, 5, 6, 7] + [0, 1, 2] + [0, 1, 2]
 
@@ -109,7 +109,7 @@ def test_gathered_kv_equals_the_unrotated_interleave(first, second):
     write_chunk(cache, first)
     metadata = cache.get_input_metadata(second)
     view = cache.get_view(0, metadata)
-    chunk = 100 + metadata.positions.float()[:, None, None]
+    chunk = 100 + metadata[0].positions.float()[:, None, None]
     key, value = view.interleave_kv(chunk, chunk)
     assert torch.equal(gather_kv(view, chunk), key)
     assert torch.equal(gather_kv(view, chunk, values=True), value)
@@ -147,7 +147,7 @@ def test_interleave_kv_of_many_sequences_gathers_the_same_keys():
     write_chunk(cache, first)
     second = [1] * (batch - 2) + [3, 0]  # the last sequence sits this step out
     metadata = cache.get_input_metadata(second)
-    chunk = metadata.positions.float()[:, None, None]
+    chunk = metadata[0].positions.float()[:, None, None]
     key, value = gathered_kv(cache.get_view(0, metadata), chunk, chunk)
     expected = [p for seen, n in zip(first, second) if n for p in range(max(0, seen - window), seen + n)]
     assert key[:, 0, 0].long().tolist() == expected

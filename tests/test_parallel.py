@@ -56,9 +56,13 @@ def last_logits_only(model, sequences):
     return logits  # (B, V)
 
 
-@pytest.fixture(scope="module", params=["mistral", "mixtral"])
+@pytest.fixture(scope="module", params=["mistral", "mixtral", "ministral"])
 def saved_model(request, tmp_path_factory):
+    """3 layers; ``ministral``: its first layer full attention, the others windowed (the pipeline's
+    first stage holds both kinds, the second windowed layers only)."""
     args = dataclasses.replace(tiny_args(moe=request.param == "mixtral", max_batch_size=3), n_layers=3)
+    if request.param == "ministral":
+        args = dataclasses.replace(args, sliding_window=[None, WINDOW, WINDOW])
     model = random_model(args, seed=21)
     folder = tmp_path_factory.mktemp(request.param)
     save_consolidated(model, folder)

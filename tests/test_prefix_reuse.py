@@ -17,14 +17,15 @@ from mixtral_infer.serve.prefix_reuse import (
     Placement,
     RowState,
     can_cut_back,
-    copied_slots,
     reusable_length,
 )
+from mixtral_infer.model.cache import BufferKind, copied_slots
 from mixtral_infer.serve.protocol import chat_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 W = 4
+ONE = [BufferKind(W, W)]  # every layer: W slots, window W
 
 
 # ---- the rule ------------------------------------------------------------------------------
@@ -47,22 +48,33 @@ def test_cut_back_with_spare_slots_and_without_a_window():
 
 
 def test_reusable_length_docstring_example_and_boundaries():
-    assert reusable_length([1, 5, 6, 7, 8], [1, 5, 6, 7, 8, 9], W, W) == 5
-    assert reusable_length([1, 5, 6, 7, 8], [1, 5, 6, 7, 2], W, W) == 0
+    assert reusable_length([1, 5, 6, 7, 8], [1, 5, 6, 7, 8, 9], ONE) == 5
+    assert reusable_length([1, 5, 6, 7, 8], [1, 5, 6, 7, 2], ONE) == 0
     held = [1, 5, 6, 7]  # h = W: never wrapped
-    assert reusable_length(held, [1, 5, 6, 7, 9], W, W) == 4  # m = W
-    assert reusable_length(held, [1, 5, 6, 2, 9], W, W) == 3
-    assert reusable_length(held, [1, 5, 6, 7], W, W) == 3  # the last prompt token is always fed
-    assert reusable_length(held + [8], [1, 5, 6, 7, 8], W, W) == 0  # wrapped, m = W would be a cut back
-    assert reusable_length(held + [8], held + [8, 3], W, W) == 5  # m = W + 1 at the wrapped row's end
-    assert reusable_length([], [1, 2], W, W) == 0
-    assert reusable_length([2, 3], [1, 2, 3], W, W) == 0
+    assert reusable_length(held, [1, 5, 6, 7, 9], ONE) == 4  # m = W
+    assert reusable_length(held, [1, 5, 6, 2, 9], ONE) == 3
+    assert reusable_length(held, [1, 5, 6, 7], ONE) == 3  # the last prompt token is always fed
+    assert reusable_length(held + [8], [1, 5, 6, 7, 8], ONE) == 0  # wrapped, m = W would be a cut back
+    assert reusable_length(held + [8], held + [8, 3], ONE) == 5  # m = W + 1 at the wrapped row's end
+    assert reusable_length([], [1, 2], ONE) == 0
+    assert reusable_length([2, 3], [1, 2, 3], ONE) == 0
 
 
 def test_copied_slots():
-    assert copied_slots(3, W) == range(3)
-    assert copied_slots(W, W) == range(W)
+    assert copied_slots(3, W) == slice(0, 3)
+    assert copied_slots(W, W) == slice(0, W)
     assert copied_slots(W + 1, W) is None  # wrapped: the whole row
+
+
+def test_reusable_length_is_the_rule_in_every_kind_of_layer():
+    """Ministral's layers: full attention (64 slots, never wrapped) beside windowed ones (W slots).
+    The windowed layers decide; a model of full-attention layers only cuts back anywhere."""
+    mixed = [BufferKind(64, None), BufferKind(W, W)]
+    held = [1, 5, 6, 7, 8]  # wrapped in the windowed layers
+    assert reusable_length(held, held + [9], mixed) == 5  # at its end
+    assert reusable_length(held, [1, 5, 6, 7, 2], mixed) == 0  # a cut back the windowed layers cannot make
+    assert reusable_length(held, [1, 5, 6, 7, 2], [BufferKind(64, None)]) == 4
+    assert reusable_length(held[:3], [1, 5, 2], mixed) == 2  # never wrapped: any prefix
 
 
 class Rows(list):
@@ -78,7 +90,7 @@ def rows(*ids, busy=(), used=None):
 
 
 def place(prompt, states, slots, window):
-    return prefix_reuse.place(prompt, states, states.busy, slots, window)
+    return prefix_reuse.place(prompt, states, states.busy, [BufferKind(slots, window)])
 
 
 def test_place_continues_a_kept_row_in_place_and_prefers_the_longest():
@@ -301,7 +313,7 @@ def test_an_answer_sent_back_as_text_lines_up_with_the_ids_the_row_holds(version
         follow_up = chat_prompt(tokenizer, question + [{"role": "assistant", "content": text}, {"role": "user", "content": "Why?"}])
         held = prompt + generated  # the row: prompt and answer, all fed (the EOS sampled last was not)
         assert follow_up[: len(held)] == held and follow_up[len(held)] == tokenizer.eos_id
-        assert reusable_length(held, follow_up, slots=8, window=8) == len(held)  # even wrapped: at its end
+        assert reusable_length(held, follow_up, [BufferKind(8, 8)]) == len(held)  # even wrapped: at its end
 
 
 # ---- the Python API: a batch that begins alike reads its beginning once ----------------------

@@ -73,6 +73,7 @@ def args_from_hf_config(config: dict, source: str = "config.json") -> ModelArgs:
     if theta is None:  # transformers' default_theta of the config's class, not params.json's rule
         mixtral = config.get("model_type") == "mixtral" or "MixtralForCausalLM" in (config.get("architectures") or [])
         theta = 1e6 if mixtral else 10000.0
+    n_layers = _field(config, "num_hidden_layers", (int,), source)
     moe = None
     if config.get("num_local_experts") is not None:
         moe = MoeArgs(
@@ -82,7 +83,7 @@ def args_from_hf_config(config: dict, source: str = "config.json") -> ModelArgs:
     return checked_args(
         dict(
             dim=dim,
-            n_layers=_field(config, "num_hidden_layers", (int,), source),
+            n_layers=n_layers,
             head_dim=_field(config, "head_dim", (int,), source, default=dim // n_heads),
             hidden_dim=_field(config, "intermediate_size", (int,), source),
             n_heads=n_heads,
@@ -90,11 +91,36 @@ def args_from_hf_config(config: dict, source: str = "config.json") -> ModelArgs:
             norm_eps=_field(config, "rms_norm_eps", number, source, default=1e-6),  # MistralConfig's default
             vocab_size=_field(config, "vocab_size", (int,), source),
             rope_theta=theta,
-            sliding_window=config.get("sliding_window"),
+            sliding_window=windows_from_layer_types(config, n_layers, source),
             moe=moe,
         ),
         source,
     )
+
+
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # transformers' layer_types: windowed?
+
+
+def windows_from_layer_types(config: dict, n_layers: int, source: str) -> object:
+    """params.json's ``sliding_window`` from transformers' ``sliding_window`` and ``layer_types``: the
+    window alone where there are no layer types (MistralConfig), else the shortest list of windows that
+    repeats into the layers' (``None`` for a full-attention layer), or one value where they are all alike.
+
+    >>> windows_from_layer_types({"sliding_window": 8, "layer_types": ["full_attention"] + 3 * ["sliding_attention"]}, 4, "c")
+    [None, 8, 8, 8]
+    """
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if types is None:
+        return window
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ConfigError(f"{source}: layer_types must list one type for each of the num_hidden_layers={n_layers} layers")
+    unknown = next((kind for kind in types if kind not in LAYER_TYPES), None)
+    if unknown is not None:
+        raise ConfigError(f"{source}: layer_types names {unknown!r}, expected one of {list(LAYER_TYPES)}")
+    windows = [window if LAYER_TYPES[kind] else None for kind in types]
+    period = next(p for p in range(1, n_layers + 1) if n_layers % p == 0 and windows == windows[:p] * (n_layers // p))
+    return windows[0] if period == 1 else windows[:period]
 
 
 ACTIVATIONS = ("silu", "swish")  # transformers' names of the SwiGLU's activation (swish is silu)
@@ -256,10 +282,21 @@ def published_to_hf(tensors: Iterable[Tuple[str, torch.Tensor]], args: ModelArgs
 
 
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
-    """A config.json dict that transformers reads as MistralConfig / MixtralConfig."""
+    """A config.json dict that transformers reads as MistralConfig / MixtralConfig, or MinistralConfig
+    (``layer_types``) for a model whose layers are not all alike (full attention beside windows)."""
+    windows = args.layer_windows
+    alternating = len(set(windows)) > 1
+    if alternating and (args.moe is not None or len({w for w in windows if w is not None}) > 1):
+        what = "experts" if args.moe is not None else f"several windows {sorted({w for w in windows if w is not None})}"
+        raise ConfigError(f"sliding_window={args.sliding_window}: no transformers model has {what} with per-layer "
+                          "attention; keep the Mistral layout (--to mistral)")  # fmt: skip
+    architecture, model_type = (
+        ("MixtralForCausalLM", "mixtral") if args.moe is not None
+        else ("MinistralForCausalLM", "ministral") if alternating else ("MistralForCausalLM", "mistral")
+    )  # fmt: skip
     config = {
-        "architectures": ["MixtralForCausalLM" if args.moe is not None else "MistralForCausalLM"],
-        "model_type": "mixtral" if args.moe is not None else "mistral",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
         "intermediate_size": args.hidden_dim,
@@ -269,7 +306,7 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
         "head_dim": args.head_dim,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "sliding_window": args.sliding_window,
+        "sliding_window": next((w for w in windows if w is not None), None),
         "max_position_embeddings": 32768,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
@@ -277,6 +314,8 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict:
         "eos_token_id": 2,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if alternating:
+        config["layer_types"] = ["sliding_attention" if w is not None else "full_attention" for w in windows]
     if args.moe is not None:
         config["num_local_experts"] = args.moe.num_experts
         config["num_experts_per_tok"] = args.moe.num_experts_per_tok

@@ -2,7 +2,7 @@
 
 A **Mistral folder** holds ``params.json``, ``consolidated.safetensors`` (or
 ``consolidated.00.pth``) and ``tokenizer.model``. A **Hugging Face folder** holds
-``config.json`` (``MistralForCausalLM`` / ``MixtralForCausalLM``), ``model.safetensors``
+``config.json`` (``MistralForCausalLM`` / ``MixtralForCausalLM`` / ``MinistralForCausalLM``), ``model.safetensors``
 or shards listed in ``model.safetensors.index.json``, and ``tokenizer.model``.
 The format is detected from the files.
 
@@ -82,7 +82,7 @@ TOKENIZER_FILE = "tokenizer.model"
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
-HF_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM")
+HF_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "MinistralForCausalLM")
 
 Progress = Callable[[int, int], None]  # (tensors read, tensors in all)
 NamedTensors = Iterator[Tuple[str, torch.Tensor]]

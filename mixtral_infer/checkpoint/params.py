@@ -41,10 +41,7 @@ def check_args(args: ModelArgs, source: str = "ModelArgs") -> ModelArgs:
         )
     if args.head_dim % 2 != 0:
         raise ConfigError(f"{source}: head_dim={args.head_dim} must be even for rotary embeddings")
-    if args.sliding_window is not None and (
-        isinstance(args.sliding_window, bool) or not isinstance(args.sliding_window, int) or args.sliding_window < 1
-    ):
-        raise ConfigError(f"{source}: sliding_window={args.sliding_window!r} must be a positive integer or null")
+    check_windows(args.sliding_window, args.n_layers, source)
     if args.moe is not None:
         n, k = args.moe.num_experts, args.moe.num_experts_per_tok
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (n, k)):
@@ -54,6 +51,23 @@ def check_args(args: ModelArgs, source: str = "ModelArgs") -> ModelArgs:
         if n > MAX_SIZE:
             raise ConfigError(f"{source}: moe.num_experts={n} is more than 2**31 - 1, no model has that many experts")
     return args
+
+
+def check_windows(sliding_window: object, n_layers: int, source: str) -> None:
+    """``sliding_window`` is null, a positive integer, or a list of them (null: a full-attention layer)
+    whose length divides ``n_layers`` (it is repeated over the layers, as mistral-inference reads it)."""
+    def window(value: object) -> bool:
+        return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+    if isinstance(sliding_window, list):
+        bad = next((value for value in sliding_window if not window(value)), "ok")
+        if bad != "ok":
+            raise ConfigError(f"{source}: sliding_window entry {bad!r} must be a positive integer or null (full attention)")
+        if not sliding_window or n_layers % len(sliding_window) != 0:
+            raise ConfigError(f"{source}: sliding_window lists {len(sliding_window)} windows, which does not divide "
+                              f"n_layers={n_layers} (the list is repeated over the layers)")  # fmt: skip
+    elif not window(sliding_window):
+        raise ConfigError(f"{source}: sliding_window={sliding_window!r} must be a positive integer or null, or a list of them")
 
 
 def args_from_params(params: dict, source: str = "params.json") -> ModelArgs:
@@ -83,6 +97,6 @@ def checked_args(fields: dict, source: str) -> ModelArgs:
 
 
 def args_to_params(args: ModelArgs) -> dict:
-    """The params.json dict (no null entries, no max_batch_size)."""
+    """The params.json dict (no null entries, no max_batch_size; a list of windows keeps its nulls)."""
     params = dataclasses.asdict(args)
     return {key: value for key, value in params.items() if value is not None and key != "max_batch_size"}

@@ -217,7 +217,7 @@ def load(
     decoding reads faster than oneDNN's layout (``fast.cpu_reductions``; docs/performance.md).
     """
     from mixtral_infer.checkpoint.loading import TOKENIZER_FILE, default_dtype, load_model, open_checkpoint
-    from mixtral_infer.generation.settings import check_new_cache
+    from mixtral_infer.generation.settings import check_new_cache, describe_windows
     from mixtral_infer.quant.scheme import QuantScheme
     from mixtral_infer.tokenizer import Tokenizer, find_tokenizer
 
@@ -256,9 +256,12 @@ def load(
     held_apart = quantized_numel(model) + packed_numel(model) + blocked_numel(model)  # not in model.parameters()
     n_params = sum(p.numel() for p in model.parameters()) + held_apart
     scheme = model_scheme(model)
+    # A model whose layers differ in attention says how (its cache is each layer's own size).
+    attention = f", {describe_windows(model.args)}" if isinstance(model.args.sliding_window, list) else ""
     print(
         f"rank {parallel.rank}: " if parallel.world_size > 1 else "",
-        f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}{', weights ' + scheme.label if scheme else ''}, {model.device}) "
+        f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}{', weights ' + scheme.label if scheme else ''}, "
+        f"{model.device}{attention}) "
         f"in {time.perf_counter() - start:.2f}s",
         sep="",
         file=sys.stderr,
@@ -596,7 +599,7 @@ def perplexity(
     from mixtral_infer.generation.perplexity import perplexity as text_perplexity
 
     args = open_checkpoint(model_folder(model_path)).args  # the configuration only: is there a window?
-    if context is None and args.sliding_window is None:
+    if context is None and args.full_attention:
         context = DEFAULT_CONTEXT
     batch = 1 if context is None else max(1, min(64, PREFILL_TOKENS // context))  # segments read at once
     model, tokenizer = load(model_path, batch, device, dtype, tensor_parallel, num_pipeline_ranks, 0, quantize)
@@ -697,8 +700,9 @@ def serve(
 
     folder = model_folder(model_path)
     checkpoint = open_checkpoint(folder)  # the configuration and file headers: a bad folder is said before the engine starts
-    if max_model_len is None and checkpoint.args.sliding_window is None:
-        raise GenerationError("this model has no sliding window: give --max-model-len (tokens per sequence) to size its rows")
+    if max_model_len is None and checkpoint.args.full_attention:
+        what = "no sliding window" if checkpoint.args.sliding_window is None else "full-attention layers"
+        raise GenerationError(f"this model has {what}: give --max-model-len (tokens per sequence) to size its rows")
     if max_model_len is None:  # a bound on each request (a row holds the window, whatever the length)
         max_model_len = declared_max_len(checkpoint) or DEFAULT_MAX_MODEL_LEN
     tokenizer = Tokenizer.from_folder(folder)  # this process turns requests into tokens; the engine's loads the model

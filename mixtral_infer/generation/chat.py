@@ -98,7 +98,7 @@ class Conversation:
     def reset(self) -> None:
         """Forget the conversation."""
         self.history = []
-        if self.model.args.sliding_window is None:
+        if self.model.args.full_attention:  # its cache would grow with the chat: each turn reads the history again
             self.cache = None
         elif self.cache is None:
             self.cache = self.model.make_cache(1)

@@ -65,7 +65,7 @@ def perplexity(
     ``on_segments(done, total)`` is called after each batch of segments (progress).
     """
     context = check_context(context)
-    if context is None and model.args.sliding_window is None:
+    if context is None and model.args.full_attention:
         context = DEFAULT_CONTEXT
     if isinstance(ids, (str, bytes)):
         raise GenerationError("ids is text: pass its token ids, tokenizer.encode(text, bos=False)")

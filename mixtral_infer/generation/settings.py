@@ -142,19 +142,35 @@ def check_cache_fits(n_bytes: int, what: str, device: torch.device, advice: str)
         raise GenerationError(f"{what} needs {gigabytes(n_bytes)}, more than the {gigabytes(free)} free on {device}: {advice}")
 
 
-def cache_slots_needed(model: "Transformer", n_tokens: int) -> int:
-    """Slots per sequence a cache needs for ``n_tokens`` tokens: all of them, or the window when smaller."""
-    window = model.args.sliding_window
-    return n_tokens if window is None else min(window, n_tokens)
+def cache_slots_needed(model: "Transformer", n_tokens: int) -> List[int]:
+    """Slots per sequence each of the model's layers (on this rank) needs for ``n_tokens`` tokens: all of
+    them, or the layer's window when smaller (``model.cache.layer_cache_sizes``)."""
+    from mixtral_infer.model.cache import layer_cache_sizes
+
+    return layer_cache_sizes([model.args.layer_windows[i] for i in model.layer_ids], n_tokens)
 
 
 def kv_cache_bytes(args: "ModelArgs", batch: int, n_tokens: int, dtype: torch.dtype, parallel: "Parallel") -> int:
-    """Bytes of the keys and values a cache for ``batch`` sequences of ``n_tokens`` tokens holds on this rank."""
-    window = args.sliding_window
-    slots = max(n_tokens if window is None else min(window, n_tokens), 1)
-    n_layers = len(parallel.layer_range(args.n_layers))
+    """Bytes of the keys and values a cache for ``batch`` sequences of ``n_tokens`` tokens holds on this
+    rank: the sum over its layers of each one's buffer (a windowed layer's at most its window)."""
+    from mixtral_infer.model.cache import layer_cache_sizes
+
+    windows = [args.layer_windows[i] for i in parallel.layer_range(args.n_layers)]
+    slots = sum(layer_cache_sizes(windows, max(n_tokens, 1)))
     n_kv_heads = len(parallel.share(args.n_kv_heads))
-    return 2 * n_layers * batch * slots * n_kv_heads * args.head_dim * dtype.itemsize
+    return 2 * batch * slots * n_kv_heads * args.head_dim * dtype.itemsize
+
+
+def describe_windows(args: "ModelArgs") -> str:
+    """The model's attention in a few words: ``no sliding window``, ``window 4096``, or
+    ``full attention in 9 of 36 layers, window 32768 in the others``."""
+    windows = args.layer_windows
+    full = sum(window is None for window in windows)
+    windowed = sorted({window for window in windows if window is not None})
+    if not windowed:
+        return "no sliding window"
+    sizes = "window " + "/".join(str(w) for w in windowed)
+    return sizes if not full else f"full attention in {full} of {len(windows)} layers, {sizes} in the others"
 
 
 def check_new_cache(
@@ -162,10 +178,8 @@ def check_new_cache(
     parallel: "Parallel",
 ) -> None:
     """Refuse, with the size, a cache for ``n_tokens`` tokens per sequence that cannot fit in memory."""
-    if args.sliding_window is None:
-        what = f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of up to {n_tokens} tokens (no sliding window)"
-    else:
-        what = f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of {args.sliding_window} slots"
+    what = (f"max_tokens={max_tokens}: the KV cache for {batch} sequence(s) of up to {n_tokens} tokens "
+            f"({describe_windows(args)})")  # fmt: skip
     n_bytes = kv_cache_bytes(args, batch, n_tokens, dtype, parallel)
     check_cache_fits(n_bytes, what, device, "lower max_tokens or the batch")
 
@@ -189,10 +203,12 @@ def check_slots(
     (a model without a window, or S below the window) it would silently turn into a sliding window
     of S tokens."""
     n_tokens = before + more
-    if cache.cache_size < cache_slots_needed(model, n_tokens):
+    short = [(held, needed) for held, needed in zip(cache.layer_sizes, cache_slots_needed(model, n_tokens)) if held < needed]
+    if short:
+        held, needed = short[0]
         raise GenerationError(
-            f"the cache holds {cache.cache_size} slots per sequence, but sequence {index} needs "
-            f"{cache_slots_needed(model, n_tokens)} ({before} already seen + {what}): make it with "
+            f"the cache holds {held} slots per sequence, but sequence {index} needs "
+            f"{needed} ({before} already seen + {what}): make it with "
             f"model.make_cache(batch, max_seqlen={n_tokens}) or larger"
         )
 
@@ -205,16 +221,18 @@ def check_cache_matches(cache: "RotatingBufferCache", model: "Transformer") -> N
     if not isinstance(cache, RotatingBufferCache):
         raise GenerationError(f"cache={cache!r:.40} must be a cache from model.make_cache(batch), or None")
     expected = (len(model.layer_ids), len(model.parallel.share(model.args.n_kv_heads)), model.args.head_dim)
-    got = (cache.n_layers, cache.cache_k.shape[3], cache.cache_k.shape[4])
-    if got != expected or cache.cache_k.dtype != model.dtype or cache.device != model.device:
+    got = (cache.n_layers, cache.n_kv_heads, cache.head_dim)
+    if got != expected or cache.dtype != model.dtype or cache.device != model.device:
         raise GenerationError(
-            f"the cache (layers, KV heads, head dim = {got}, {cache.cache_k.dtype}, {cache.device}) does not fit the "
+            f"the cache (layers, KV heads, head dim = {got}, {cache.dtype}, {cache.device}) does not fit the "
             f"model ({expected}, {model.dtype}, {model.device}): make it with model.make_cache"
         )
-    if cache.sliding_window != model.args.sliding_window:
+    windows = [model.args.layer_windows[i] for i in model.layer_ids]
+    if cache.layer_windows != windows:
+        made, has = (w[0] if len(set(w)) == 1 else w for w in (cache.layer_windows, windows))
         raise GenerationError(
-            f"the cache was made for sliding_window={cache.sliding_window}, the model has "
-            f"sliding_window={model.args.sliding_window}: make it with model.make_cache"
+            f"the cache was made for sliding_window={made}, the model has "
+            f"sliding_window={has}: make it with model.make_cache"
         )
 
 

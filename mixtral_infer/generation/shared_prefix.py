@@ -68,9 +68,8 @@ def read_shared_prefix(
             last = logits[-1].clone()
         else:
             last = forward(model, input_ids, seqlens, cache, logit_rows=[len(chunk) - 1])[0]  # (V,)
-    for layer_cache in (cache.cache_k, cache.cache_v):  # (L, B, S, H_kv, D): row 0's state into every row
-        layer_cache[:, 1:] = layer_cache[:, :1]
-    for row in range(1, batch):
+    for row in range(1, batch):  # row 0's state into every row
+        cache.copy_row(0, row)
         cache.tokens_seen[row] = cache.tokens_seen[0]
     assert last is not None
     return last, logprobs

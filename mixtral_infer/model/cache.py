@@ -282,49 +282,190 @@ class CacheView:
         return self.cache_v[: self.batch_size].flatten(0, 1)
 
 
+@dataclass(frozen=True)
+class BufferKind:
+    """What a layer's buffer is: ``size`` slots per sequence, read under a ``window`` (None: full attention).
+
+    Layers of one kind share one buffer tensor and one chunk's metadata (``RotatingBufferCache``)."""
+
+    size: int  # S
+    window: Optional[int]  # W, None for a full-attention layer
+
+
+def layer_cache_sizes(windows: Sequence[Optional[int]], max_seqlen: Optional[int]) -> List[int]:
+    """Slots per sequence of each layer's buffer: ``min(W, max_seqlen)`` for a layer with a window W
+    (W when ``max_seqlen`` is None), ``max_seqlen`` for a full-attention layer, which keeps every position.
+
+    A windowed layer stores position p in slot ``p % W`` and overwrites what fell out of its window;
+    a full-attention layer of ``max_seqlen`` slots stores p in slot p and never overwrites. Each
+    layer's buffer is sized on its own, so the cache's memory is the sum over the layers.
+
+    Worked example: the article's W = 3 and one full-attention layer before it, ``windows [None, 3]``,
+    one prompt of 10 tokens prefilled in chunks of 5 (``max_seqlen`` 10): sizes ``[10, 3]``::
+
+        layer 0 (10 slots, full):   chunk 0 writes 0..4 -> slots 0..4; chunk 1 writes 5..9 -> slots 5..9
+                                    chunk 1 attends to [cached 0..4 | chunk 5..9], causal
+        layer 1 (3 slots, W = 3):   chunk 0 writes 2 -> slot 2, 3 -> slot 0, 4 -> slot 1
+                                    chunk 1 attends to [cached 2, 3, 4 | chunk 5..9], window 3,
+                                    then writes 7 -> slot 1, 8 -> slot 2, 9 -> slot 0
+
+    >>> layer_cache_sizes([None, 3], 10), layer_cache_sizes([None, 3, 3, 3], 2), layer_cache_sizes([4, 4], None)
+    ([10, 3], [2, 2, 2, 2], [4, 4])
+    """
+    if max_seqlen is None and any(window is None for window in windows):
+        raise GenerationError("a model with full-attention layers needs max_seqlen to size its cache")
+    return [
+        max(window if max_seqlen is None else max_seqlen if window is None else min(window, max_seqlen), 1)
+        for window in windows
+    ]
+
+
+def copied_slots(length: int, slots: int) -> Optional[slice]:
+    """The slots of a buffer of ``slots`` slots that hold the state of a sequence's first ``length``
+    tokens: ``0 .. length - 1`` while it fits, every slot (None) once it has wrapped.
+
+    >>> copied_slots(3, 10), copied_slots(12, 10)
+    (slice(0, 3, None), None)
+    """
+    return slice(0, length) if length <= slots else None
+
+
 class RotatingBufferCache:
-    """Per-layer K and V buffers ``(max_batch_size, cache_size, n_kv_heads, head_dim)``. ``cache_size``
-    is the sliding window, or without one the longest sequence the caller will run (nothing is ever
-    evicted then). ``tokens_seen``: the tokens each sequence has seen (empty until ``start_sequences``)."""
+    """Each layer's K and V buffers ``(max_batch_size, S_layer, n_kv_heads, head_dim)``.
+
+    ``cache_size`` is one size for every layer or a list of one per layer (``layer_cache_sizes``: a
+    windowed layer's window, a full-attention layer's longest sequence; nothing is evicted from the
+    latter); ``sliding_window`` likewise one window or one per layer (None: full attention). The
+    layers of one kind (``BufferKind``: size and window) share one ``(L_kind, B_max, S, H_kv, Dh)``
+    tensor and one chunk's metadata (``get_input_metadata``). ``tokens_seen``: the tokens each sequence
+    has seen (empty until ``start_sequences``)."""
 
     def __init__(
         self,
         n_layers: int,
         max_batch_size: int,
-        cache_size: int,
+        cache_size: int | Sequence[int],
         n_kv_heads: int,
         head_dim: int,
-        sliding_window: Optional[int] = None,
+        sliding_window: Optional[int] | Sequence[Optional[int]] = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
-        if sliding_window is not None and cache_size > sliding_window:
-            raise ValueError(f"cache_size {cache_size} is larger than the sliding window {sliding_window}")
-        self.cache_size = cache_size
-        self.sliding_window = sliding_window
+        sizes = list(cache_size) if isinstance(cache_size, (list, tuple)) else [cache_size] * n_layers
+        windows = list(sliding_window) if isinstance(sliding_window, (list, tuple)) else [sliding_window] * n_layers
+        if len(sizes) != n_layers or len(windows) != n_layers:
+            raise ValueError(f"{len(sizes)} cache sizes and {len(windows)} windows for {n_layers} layers")
+        for size, window in zip(sizes, windows):
+            if size < 1:
+                raise ValueError(f"cache_size must be >= 1, got {size}")
+            if window is not None and size > window:
+                raise ValueError(f"cache_size {size} is larger than the sliding window {window}")
+        self.layer_kinds = [BufferKind(size, window) for size, window in zip(sizes, windows)]
+        self.kinds: List[BufferKind] = list(dict.fromkeys(self.layer_kinds))  # distinct, in layer order
+        self.kind_of = [self.kinds.index(kind) for kind in self.layer_kinds]  # (L,) each layer's kind
+        # Each layer's place in its kind's tensor.
+        self._place = [self.kind_of[:layer].count(self.kind_of[layer]) for layer in range(n_layers)]
         self.max_batch_size = max_batch_size
-        shape = (n_layers, max_batch_size, cache_size, n_kv_heads, head_dim)
         # Zeros, not empty: no result depends on unused slots, but zeros keep them finite.
-        self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
-        self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kind_k: List[torch.Tensor] = []  # per kind: (L_kind, B_max, S, H_kv, Dh)
+        self.kind_v: List[torch.Tensor] = []
+        for index, kind in enumerate(self.kinds):
+            shape = (self.kind_of.count(index), max_batch_size, kind.size, n_kv_heads, head_dim)
+            self.kind_k.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.kind_v.append(torch.zeros(shape, dtype=dtype, device=device))
         self.tokens_seen: List[int] = []
         # A prompt chunk cut short between layers leaves early layers' slots overwritten that, once the
         # window wrapped, later positions still needed: refused until the sequences start again.
         self.damaged = False
-        self._views: Optional[tuple] = None  # (cache_k, cache_v, their layers' views): layer_keys
+        self._views: Optional[tuple] = None  # (kind_k, kind_v, their layers' views): layer_keys
+
+    # One buffer for the whole cache, where every layer is of one kind (the published Mistral 7B
+    # and Mixtral 8x7B, every model with one window): ``(L, B_max, S, H_kv, Dh)``.
+    @property
+    def cache_k(self) -> torch.Tensor:
+        return self.kind_k[self._uniform("cache_k")]
+
+    @cache_k.setter
+    def cache_k(self, value: torch.Tensor) -> None:
+        self.kind_k[self._uniform("cache_k")] = value
+
+    @property
+    def cache_v(self) -> torch.Tensor:
+        return self.kind_v[self._uniform("cache_v")]
+
+    @cache_v.setter
+    def cache_v(self, value: torch.Tensor) -> None:
+        self.kind_v[self._uniform("cache_v")] = value
+
+    @property
+    def cache_size(self) -> int:
+        """S, the slots per sequence of every layer (a cache with layers of one size)."""
+        return self.kinds[self._uniform("cache_size")].size
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """The window of every layer (a cache with layers of one kind)."""
+        return self.kinds[self._uniform("sliding_window")].window
+
+    def _uniform(self, name: str) -> int:
+        if len(self.kinds) != 1:
+            sizes = sorted({kind.size for kind in self.kinds})
+            raise GenerationError(f"cache.{name}: this cache's layers are of {len(self.kinds)} kinds ({sizes} slots): "
+                                  "read cache.layer_sizes, cache.layer_windows, cache.layer_keys or cache.kind_k")  # fmt: skip
+        return 0
+
+    @property
+    def layer_sizes(self) -> List[int]:
+        """(L,) each layer's slots per sequence."""
+        return [kind.size for kind in self.layer_kinds]
+
+    @property
+    def layer_windows(self) -> List[Optional[int]]:
+        """(L,) each layer's window, None for full attention."""
+        return [kind.window for kind in self.layer_kinds]
 
     @property
     def device(self) -> torch.device:
-        return self.cache_k.device
+        return self.kind_k[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kind_k[0].dtype
 
     @property
     def n_layers(self) -> int:
-        return self.cache_k.shape[0]
+        return len(self.layer_kinds)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kind_k[0].shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kind_k[0].shape[4]
+
+    @property
+    def buffers(self) -> List[torch.Tensor]:
+        """Every buffer tensor, keys then values of each kind: for operations on whole rows."""
+        return [*self.kind_k, *self.kind_v]
 
     def nbytes(self) -> int:
-        return self.cache_k.nbytes + self.cache_v.nbytes
+        """The keys' and values' bytes: the sum over the layers of their own buffers."""
+        return sum(buffer.nbytes for buffer in self.buffers)
+
+    def clear_row(self, row: int) -> None:
+        """Zero row ``row`` of every layer's buffers."""
+        for buffer in self.buffers:
+            buffer[:, row] = 0
+
+    def copy_row(self, source: int, target: int, length: Optional[int] = None) -> None:
+        """Copy row ``source``'s slots into row ``target``: every slot, or with ``length`` those holding
+        positions ``0 .. length - 1`` in each layer (``copied_slots`` of the layer's size)."""
+        for kind, keys, values in zip(self.kinds, self.kind_k, self.kind_v):
+            part = None if length is None else copied_slots(length, kind.size)
+            part = slice(None) if part is None else part
+            keys[:, target, part] = keys[:, source, part]
+            values[:, target, part] = values[:, source, part]
 
     def start_sequences(self, batch_size: int) -> None:
         """Hold ``batch_size`` new sequences, none of whose tokens are seen yet (the buffers are reused as they are)."""
@@ -334,15 +475,20 @@ class RotatingBufferCache:
         self.tokens_seen = [0] * as_int(batch_size)
         self.damaged = False
 
-    def get_input_metadata(self, chunk_lengths: List[int]) -> RotatingCacheInputMetadata:
+    def get_input_metadata(self, chunk_lengths: List[int]) -> List[RotatingCacheInputMetadata]:
+        """A chunk's metadata for each kind of layer (``kinds``): positions are the same in all,
+        slots and masks are the kind's."""
         if not self.tokens_seen:
             self.start_sequences(len(chunk_lengths))
-        return build_input_metadata(chunk_lengths, self.tokens_seen, self.cache_size, self.sliding_window, self.device)
+        return [
+            build_input_metadata(chunk_lengths, self.tokens_seen, kind.size, kind.window, self.device)
+            for kind in self.kinds
+        ]
 
     @property
     def layer_keys(self) -> Tuple[torch.Tensor, ...]:
-        """Each layer's key buffer ``(B_max, S, H_kv, Dh)``, views of ``cache_k``, the same objects
-        at every call: what a compiled step takes and writes in place."""
+        """Each layer's key buffer ``(B_max, S_layer, H_kv, Dh)``, views of its kind's tensor, the same
+        objects at every call: what a compiled step takes and writes in place."""
         return self._layer_views()[0]
 
     @property
@@ -352,12 +498,17 @@ class RotatingBufferCache:
 
     def _layer_views(self) -> Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]:
         held = self._views
-        if held is None or held[0] is not self.cache_k or held[1] is not self.cache_v:  # made anew for new buffers
-            held = self._views = (self.cache_k, self.cache_v, self.cache_k.unbind(0), self.cache_v.unbind(0))
+        fresh = held is not None and all(a is b for a, b in zip(held[0] + held[1], self.kind_k + self.kind_v))
+        if not fresh:  # made anew for new buffers
+            keys = tuple(self.kind_k[kind][place] for kind, place in zip(self.kind_of, self._place))
+            values = tuple(self.kind_v[kind][place] for kind, place in zip(self.kind_of, self._place))
+            held = self._views = (tuple(self.kind_k), tuple(self.kind_v), keys, values)
         return held[2], held[3]
 
-    def get_view(self, layer: int, metadata: RotatingCacheInputMetadata) -> CacheView:
-        return CacheView(self.cache_k[layer], self.cache_v[layer], metadata)
+    def get_view(self, layer: int, metadata: Sequence[RotatingCacheInputMetadata]) -> CacheView:
+        """Layer ``layer``'s buffers seen through its kind's metadata (``get_input_metadata``)."""
+        kind, place = self.kind_of[layer], self._place[layer]
+        return CacheView(self.kind_k[kind][place], self.kind_v[kind][place], metadata[kind])
 
     def advance(self, chunk_lengths: List[int]) -> None:
         """Count a chunk's tokens as seen, once every layer has written them."""

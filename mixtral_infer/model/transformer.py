@@ -10,7 +10,7 @@ I feed-forward hidden dim, E experts, A experts chosen per token (top-k), V voca
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from torch import nn
 
 from mixtral_infer.errors import GenerationError, as_int
 from mixtral_infer.model.attention import attention
-from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_attention_bias
+from mixtral_infer.model.cache import CacheView, RotatingBufferCache, causal_attention_bias, layer_cache_sizes
 from mixtral_infer.model.moe import MoeArgs, MoeLayer
 from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.rope import apply_rotary, rotary_angles
@@ -40,12 +40,31 @@ class ModelArgs:
     max_batch_size: int = 1  # not the model's: the batch a loaded model serves (never written to params.json)
     # When absent: 10000.0 with a sliding window, 1e6 without (as the published models do).
     rope_theta: Optional[float] = None
-    sliding_window: Optional[int] = None
+    # One window for every layer, None (full attention everywhere), or a list repeated over the
+    # layers, None in it for a full-attention layer (params.json's form, as mistral-inference reads
+    # it): Ministral 8B's ``[None, W, W, W]`` is one full-attention layer, then three windowed ones.
+    sliding_window: Union[None, int, List[Optional[int]]] = None
     moe: Optional[MoeArgs] = None
 
     def __post_init__(self) -> None:
         if self.rope_theta is None:
             self.rope_theta = 10000.0 if self.sliding_window is not None else 1e6
+
+    @property
+    def layer_windows(self) -> List[Optional[int]]:
+        """Each layer's window, None for full attention: ``sliding_window`` repeated over the layers.
+
+        >>> ModelArgs(8, 8, 4, 16, 2, 1, 1e-5, 10, sliding_window=[None, 3, 3, 3]).layer_windows
+        [None, 3, 3, 3, None, 3, 3, 3]
+        """
+        pattern = self.sliding_window if isinstance(self.sliding_window, list) else [self.sliding_window]
+        return [pattern[i % len(pattern)] for i in range(self.n_layers)]
+
+    @property
+    def full_attention(self) -> bool:
+        """Some layer attends to every earlier position: its cache grows with the sequence, so a
+        cache must be sized for the longest sequence (``max_seqlen``)."""
+        return any(window is None for window in self.layer_windows)
 
 
 class RMSNorm(nn.Module):
@@ -194,23 +213,21 @@ class Transformer(nn.Module):
         return next(self.parameters()).device
 
     def make_cache(self, batch_size: int, max_seqlen: Optional[int] = None) -> RotatingBufferCache:
-        """A cache for ``batch_size`` sequences: ``min(W, max_seqlen)`` slots each with a sliding window
-        W, else ``max_seqlen`` (the longest prompt plus the new tokens)."""
-        window = self.args.sliding_window
+        """A cache for ``batch_size`` sequences, each layer's buffer sized on its own
+        (``model.cache.layer_cache_sizes``): ``min(W, max_seqlen)`` slots for a layer with a window W,
+        ``max_seqlen`` (the longest prompt plus the new tokens) for a full-attention layer."""
         for name, value, least in (("batch_size", batch_size, 1), ("max_seqlen", max_seqlen, 0)):
             if value is not None and (as_int(value) is None or as_int(value) < least):  # -1: a RuntimeError of zeros()
                 raise GenerationError(f"make_cache({name}={value!r}): must be an integer >= {least}")
         batch_size, max_seqlen = as_int(batch_size), None if max_seqlen is None else as_int(max_seqlen)
-        if window is None and max_seqlen is None:
-            raise GenerationError("a model without a sliding window needs max_seqlen to size its cache")
-        cache_size = window if max_seqlen is None else max_seqlen if window is None else min(window, max_seqlen)
+        windows = [self.args.layer_windows[i] for i in self.layer_ids]  # this pipeline stage's layers
         return RotatingBufferCache(
             len(self.layer_ids),
             batch_size,
-            max(cache_size, 1),
+            layer_cache_sizes(windows, max_seqlen),
             len(self.parallel.share(self.args.n_kv_heads)),
             self.args.head_dim,
-            sliding_window=window,
+            sliding_window=windows,
             dtype=self.dtype,
             device=self.device,
         )
@@ -231,20 +248,25 @@ class Transformer(nn.Module):
         if cache is not None and cache.damaged:
             raise GenerationError("the cache was left half-written by an interrupted prompt chunk: start its "
                                   "sequences again (cache.start_sequences(n)) and feed them from their first token")
+        windows = [self.args.layer_windows[i] for i in self.layer_ids]
         if cache is None:
             positions = torch.cat([torch.arange(n) for n in seqlens]) if seqlens else torch.zeros(0, dtype=torch.long)
             positions = positions.to(self.device)
-            mask = causal_attention_bias(seqlens, self.args.sliding_window, self.device)
+            masks = {window: causal_attention_bias(seqlens, window, self.device) for window in set(windows)}
             metadata = None
         else:
-            metadata = cache.get_input_metadata(seqlens)
-            positions, mask = metadata.positions, metadata.mask
+            metadata = cache.get_input_metadata(seqlens)  # one per kind of layer (size, window)
+            positions = metadata[0].positions
         rotary = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
 
         h = self._stage_input(input_ids)  # (T, D)
         try:
             for local_index, layer in enumerate(self.layers.values()):
-                view = cache.get_view(local_index, metadata) if cache is not None else None
+                if cache is None:
+                    view, mask = None, masks[windows[local_index]]
+                else:
+                    view = cache.get_view(local_index, metadata)
+                    mask = view.mask
                 h = layer(h, rotary, view, mask)
         except BaseException:  # Ctrl-C, out of memory: see RotatingBufferCache.damaged
             if cache is not None and max(seqlens, default=0) > 1:

@@ -58,7 +58,6 @@ from mixtral_infer.serve.prefix_reuse import (
     Placement,
     RowState,
     common_prefix,
-    copied_slots,
     place,
     spare_rows,
 )
@@ -224,13 +223,13 @@ class Engine:
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
             raise GenerationError(f"rows={rows} and prefill_tokens={prefill_tokens} must be >= 1, max_queue={max_queue} >= 0")
-        window = model.args.sliding_window
-        if window is None and max_model_len is None:
-            raise GenerationError("a model without a sliding window needs max_model_len (tokens per sequence)")
+        if model.args.full_attention and max_model_len is None:
+            what = "without a sliding window" if model.args.sliding_window is None else "with full-attention layers"
+            raise GenerationError(f"a model {what} needs max_model_len (tokens per sequence)")
         self.model, self.tokenizer = model, tokenizer
         self.tuning = tuning if tuning is not None else tuning_of(model)  # how the static steps are built
         self.rows, self.max_queue, self.prefill_tokens = rows, max_queue, prefill_tokens
-        self.max_model_len = max_model_len  # with a window, a bound on each request alone (rows hold the window)
+        self.max_model_len = max_model_len  # with windows only, a bound on each request alone (rows hold the windows)
         self.mode = decode_mode(decode, model)
         # auto compiles on CPU too (generate's auto does not: there a compilation costs more than a
         # short generation; a server compiles once, in warm_up), and off CUDA still chooses per step
@@ -243,7 +242,10 @@ class Engine:
         self.may_fall_back = decode == "auto" and self.mode == "compiled"
         self.metrics = metrics
         self.after_step = after_step  # called in the engine's thread after every step (it sent its events)
-        self.cache = model.make_cache(rows, max_seqlen=window if window is not None else max_model_len)
+        # Each layer's buffer on its own: a windowed layer's window, a full-attention layer's max_model_len.
+        windows = model.args.layer_windows
+        longest = max_model_len if model.args.full_attention else max(w for w in windows if w is not None)
+        self.cache = model.make_cache(rows, max_seqlen=longest)
         self.cache.start_sequences(rows)
         self.slots: List[Optional[Request]] = [None] * rows
         self.prefix_reuse = prefix_reuse
@@ -402,10 +404,8 @@ class Engine:
         """Zero these rows of the cache; they hold nothing to reuse. A row's next request never sees slots
         it has not written, but the static decode step reads them under a mask, and a NaN there would
         still spoil its sums."""
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.cache.device)
-        self.cache.cache_k[:, index] = 0
-        self.cache.cache_v[:, index] = 0
         for row in rows:
+            self.cache.clear_row(row)
             self.row_states[row].ids = []
 
     @torch.inference_mode()
@@ -511,7 +511,7 @@ class Engine:
         if placement is None:
             if self.prefix_reuse:
                 busy = {row for row, holder in enumerate(self.slots) if holder is not None}
-                placement = place(request.prompt, self.row_states, busy, self.cache.cache_size, self.model.args.sliding_window)
+                placement = place(request.prompt, self.row_states, busy, self.cache.kinds)
             else:
                 placement = Placement(self.slots.index(None), 0)
         row, reused = placement.row, placement.reused
@@ -537,11 +537,8 @@ class Engine:
             self.metrics.prompt_read(reused, len(request.prompt) - reused)
 
     def _copy_row(self, source: int, row: int, length: int) -> None:
-        """Put into ``row`` the state of ``source``'s first ``length`` tokens (``prefix_reuse.copied_slots``)."""
-        slots = copied_slots(length, self.cache.cache_size)
-        part = slice(None) if slots is None else slice(slots.start, slots.stop)
-        self.cache.cache_k[:, row, part] = self.cache.cache_k[:, source, part]
-        self.cache.cache_v[:, row, part] = self.cache.cache_v[:, source, part]
+        """Put into ``row`` the state of ``source``'s first ``length`` tokens (``model.cache.copied_slots``, in each layer)."""
+        self.cache.copy_row(source, row, length)
 
     def _take_followers(self, sampled: List[Request], logits: torch.Tensor) -> Tuple[List[Request], torch.Tensor]:
         """The waiting choices that follow a request which has just read its prompt, each given a free
@@ -717,14 +714,16 @@ class Engine:
         static step's own MoE computes every expert on every row, which is slower on CPU
         (docs/performance.md, "The MoE decode step").
         """
-        slots = self.cache.cache_size
         seen = self.cache.tokens_seen
         decoding = [r.row for r in self.running if r.next_token is not None and seqlens[r.row]]
-        prompts = [(min(seen[r.row], slots), seqlens[r.row]) for r in self.running if r.next_token is None and seqlens[r.row]]
-        line = max((n for _, n in prompts), default=0)
-        static = self.rows * slots + len(prompts) * line * (slots + line)
-        longest = max((min(seen[row] + 1, slots) for row in decoding), default=0)
-        gathered = len(decoding) * longest + sum(n * (cached + n) for cached, n in prompts)
+        reading = [r.row for r in self.running if r.next_token is None and seqlens[r.row]]
+        line = max((seqlens[row] for row in reading), default=0)
+        static = gathered = 0
+        for slots, layers in collections.Counter(self.cache.layer_sizes).items():  # by the size of the layers' buffers
+            prompts = [(min(seen[row], slots), seqlens[row]) for row in reading]
+            static += layers * (self.rows * slots + len(prompts) * line * (slots + line))
+            longest = max((min(seen[row] + 1, slots) for row in decoding), default=0)
+            gathered += layers * (len(decoding) * longest + sum(n * (cached + n) for cached, n in prompts))
         return static <= GATHER_COST * gathered
 
     @torch.inference_mode()
@@ -740,11 +739,13 @@ class Engine:
         self._call_decode_step(zeros, zeros.clone(), idle)
         if not self.compile_prompts:
             return
-        held_k, held_v = self.cache.cache_k[:, 0, 0].clone(), self.cache.cache_v[:, 0, 0].clone()
+        buffers = (*self.cache.layer_keys, *self.cache.layer_values)  # (B_max, S_layer, H_kv, Dh) each
+        held = [buffer[0, 0].clone() for buffer in buffers]
         for size in self.chunk_sizes:
             chunk = pack_chunk([(0, 0, [0])], size, self.max_segments, self.model.device)  # writes row 0's slot 0
             self._call_step(("mixed", size), zeros, zeros.clone(), idle, chunk)
-        self.cache.cache_k[:, 0, 0], self.cache.cache_v[:, 0, 0] = held_k, held_v
+        for buffer, slot in zip(buffers, held):
+            buffer[0, 0] = slot
 
     def _compiles(self, mixed: bool) -> bool:
         """Whether the decode step (or, ``mixed``, the step that reads prompts) runs compiled."""
@@ -771,12 +772,12 @@ class Engine:
             return step
         if not supports_static_decode(model):  # pragma: no cover - decode_mode refuses it first
             raise GenerationError("the static decode step needs the whole model in one process")
-        cuda = self.cache.cache_k.is_cuda
+        cuda = self.cache.device.type == "cuda"
         if cuda:
             for buffer in (*self.cache.layer_keys, *self.cache.layer_values):  # what the steps take
                 torch._dynamo.mark_static_address(buffer)
         if cuda or mixed:
-            return static_step.compiled(step, self.cache.cache_k.device)
+            return static_step.compiled(step, self.cache.device)
         return CpuDecodeStep(model, step, grouped_moe, tuning)
 
     def _choose(self, sampled: List[Request], logits: torch.Tensor) -> None:

@@ -25,6 +25,13 @@ h      row slots 0 1 2 3      cut back to m               why
                                                          need p0 .. p3 (m = W + 1 needs p1 .. p4)
 =====  ====================  ==========================  ==================
 
+Per layer. Each layer's buffer is sized on its own (``model.cache.layer_cache_sizes``): a windowed
+layer holds its window ``W`` (``S = W``), a full-attention one every position of the longest sequence
+(``S = max_model_len``, never wrapped). The rule above holds in each layer, and a row can be cut
+back to ``m`` only where every layer can: ``reusable_length`` takes the kinds of layers
+(``RotatingBufferCache.kinds``). Ministral's layers, ``[full, W, W, W]``: the full-attention layers
+never stand in the way, the windowed ones decide (a row cut back before it wraps, or continued at its end).
+
 Matching. A request's prompt is compared with a row's ids token by token (ids after the chat
 template, never text). The longest common prefix ``c`` is cut to the longest length the row can be
 cut back to, and to ``len(prompt) - 1`` (the last prompt token is always fed: its logits give the
@@ -47,6 +54,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Collection, List, Optional, Sequence
+
+from mixtral_infer.model.cache import BufferKind
 
 # A shorter prefix is read again: reading a few tokens costs little, and a prompt read after
 # tokens already in its row takes the attention path over the cache, slower for a fresh prompt.
@@ -96,27 +105,23 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def reusable_length(held: Sequence[int], prompt: Sequence[int], slots: int, window: Optional[int]) -> int:
+def reusable_length(held: Sequence[int], prompt: Sequence[int], kinds: Sequence[BufferKind]) -> int:
     """How many of ``prompt``'s first tokens a row holding ``held`` can skip: the longest common prefix,
-    at most ``len(prompt) - 1``, cut to a length the row can be cut back to (0 if none).
+    at most ``len(prompt) - 1``, cut to a length the row can be cut back to in every kind of layer
+    (``kinds``: each one's slots and window; 0 if none).
 
     With ``slots = window = 4``, a row that has seen ``[1, 5, 6, 7, 8]`` (wrapped) serves
     ``[1, 5, 6, 7, 8, 9]`` from 5 tokens, but ``[1, 5, 6, 7, 2]`` from none: the row no longer holds
-    the state of its first 4 tokens.
+    the state of its first 4 tokens. A full-attention layer of 64 slots beside it changes neither.
     """
     longest = min(common_prefix(held, prompt), len(prompt) - 1)
     if longest <= 0:
         return 0
-    seen = len(held)
-    if seen <= slots:
-        return longest
-    window = slots if window is None else window
-    shortest = seen - (slots - window)  # the shortest length a wrapped row can be cut back to
-    return longest if longest >= shortest else 0
+    return longest if all(can_cut_back(len(held), longest, kind.size, kind.window) for kind in kinds) else 0
 
 
 def place(
-    prompt: Sequence[int], rows: Sequence[RowState], busy: Collection[int], slots: int, window: Optional[int]
+    prompt: Sequence[int], rows: Sequence[RowState], busy: Collection[int], kinds: Sequence[BufferKind]
 ) -> Optional[Placement]:
     """Where ``prompt`` goes among ``rows``, those in ``busy`` held by running requests (module
     docstring, "Placement"); None when no row is free."""
@@ -125,7 +130,7 @@ def place(
         return None
     best, source, best_key = 0, None, None
     for r, state in enumerate(rows):
-        n = reusable_length(state.ids, prompt, slots, window)
+        n = reusable_length(state.ids, prompt, kinds)
         key = (n, r not in busy, state.last_used)  # the longest; then a free row (no copy); then the most recent
         if n > 0 and (best_key is None or key > best_key):
             best, source, best_key = n, r, key
@@ -142,8 +147,3 @@ def spare_rows(rows: Sequence[RowState], free: Sequence[int]) -> List[int]:
     """The ``free`` rows, the ones worth least first: those holding nothing, then the least recently used."""
     return sorted(free, key=lambda r: (len(rows[r].ids) > 0, rows[r].last_used))
 
-
-def copied_slots(length: int, slots: int) -> Optional[range]:
-    """The slots that hold the state of a sequence's first ``length`` tokens: ``0 .. length - 1`` while
-    it fits, None (every slot) once it has wrapped."""
-    return range(length) if length <= slots else None

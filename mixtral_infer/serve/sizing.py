@@ -4,7 +4,10 @@ As vLLM's ``gpu_memory_utilization``: a fraction of the device's memory (of the 
 CPU) is the budget; the weights and the measured peak of one prefill step of
 ``prefill_tokens`` tokens come off it, and what is left is cut into rows. With a sliding
 window each row costs exactly W slots however long its sequence runs, so the number of
-rows is final before the first request; without one, a row holds ``max_model_len`` slots.
+rows is final before the first request; without one, a row holds ``max_model_len`` slots. Each
+layer's buffer is sized on its own (``model.cache.layer_cache_sizes``): a model that mixes
+full-attention and windowed layers (Ministral 8B: one in four full) costs a row
+``max_model_len`` slots in its full layers and W in the others, and its row's bytes are the sum.
 
 Worked example (Mistral 7B shape in bfloat16: 32 layers, 8 KV heads of 128, window 4096):
 a row is ``2 * 32 * 4096 * 8 * 128 * 2`` bytes = 512 MiB; with an 80 GB GPU at fraction 0.9
@@ -39,16 +42,18 @@ DEFAULT_ROW_CAP = 64  # rows made from a budget are at most this many unless --m
 @dataclasses.dataclass
 class RowPlan:
     rows: int
-    slots: int  # per row: the window, or max_model_len
+    slots: int  # per row: the window, or max_model_len (the longest buffer of a layer)
     row_bytes: int
     weight_bytes: int
     step_peak_bytes: Optional[int]  # measured; None when rows were given
     budget_bytes: Optional[int]
     reason: str
+    slots_text: str = ""  # each kind of layer's slots where they differ: "8192 (9 full-attention layers) / 32768"
 
     def describe(self) -> str:
         parts = [
-            f"{self.rows} cache rows of {self.slots} slots ({size(self.rows * self.row_bytes)}, {size(self.row_bytes)} per row)",
+            f"{self.rows} cache rows of {self.slots_text or self.slots} slots ({size(self.rows * self.row_bytes)}, "
+            f"{size(self.row_bytes)} per row)",
             f"weights {size(self.weight_bytes)}",
         ]
         if self.step_peak_bytes is not None:
@@ -139,16 +144,18 @@ def plan_rows(
 ) -> RowPlan:
     """The rows: ``max_rows`` when given alone; else from ``memory_fraction`` (default 0.9) of
     the device's memory, at most ``max_rows`` (default ``DEFAULT_ROW_CAP``)."""
-    window = model.args.sliding_window
-    slots = window if window is not None else max_model_len
+    windows = model.args.layer_windows
+    slots = max_model_len if model.args.full_attention else max(w for w in windows if w is not None)
     if slots is None:
-        raise GenerationError("a model without a sliding window needs --max-model-len (tokens per sequence) to size its rows")
+        what = "without a sliding window" if model.args.sliding_window is None else "with full-attention layers"
+        raise GenerationError(f"a model {what} needs --max-model-len (tokens per sequence) to size its rows")
     row_bytes = kv_cache_bytes(model.args, 1, slots, model.dtype, model.parallel)
+    text = layer_slots_text(windows, slots)
     weights = weight_bytes(model)
     device = model.device
     if max_rows is not None and memory_fraction is None:
         check_cache_fits(max_rows * row_bytes, f"--max-rows {max_rows}: the KV cache", device, "lower --max-rows")
-        return RowPlan(max_rows, slots, row_bytes, weights, None, None, "--max-rows")
+        return RowPlan(max_rows, slots, row_bytes, weights, None, None, "--max-rows", text)
     fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
     total = total_memory(device)
     if total is None:
@@ -170,4 +177,23 @@ def plan_rows(
     reason = f"{fit} fit in --memory-fraction {fraction} of {size(total)}"
     if fit > cap:
         reason += f", capped at {cap}" + (" (--max-rows)" if max_rows is not None else " (give --max-rows for more)")
-    return RowPlan(int(min(fit, cap)), slots, row_bytes, weights, peak, budget, reason)
+    return RowPlan(int(min(fit, cap)), slots, row_bytes, weights, peak, budget, reason, text)
+
+
+def layer_slots_text(windows, max_seqlen: int) -> str:
+    """The slots of a row's layers where they differ (``""`` where every layer holds as many):
+    ``layer_slots_text([None, 8, 8, 8], 64) == "64 (1 full-attention layer) / 8 (3 windowed)"``."""
+    from mixtral_infer.model.cache import layer_cache_sizes
+
+    sizes = layer_cache_sizes(windows, max_seqlen)
+    if len(set(sizes)) == 1:
+        return ""
+    full = sum(w is None for w in windows)
+    parts = []
+    for value in sorted(set(sizes), reverse=True):
+        count = sizes.count(value)
+        kinds = {w is None for w, s in zip(windows, sizes) if s == value}
+        what = (f"{count} full-attention layer{'s' if count > 1 else ''}" if kinds == {True} and count == full
+                else f"{count} windowed" if kinds == {False} else f"{count} layers")  # fmt: skip
+        parts.append(f"{value} ({what})")
+    return " / ".join(parts)

@@ -190,7 +190,7 @@ def _launch(step: Callable[..., tuple], compiled: bool, index: int, cache: Rotat
             tokens: torch.Tensor, positions: torch.Tensor, alive: torch.Tensor, *shaping: torch.Tensor) -> tuple:  # fmt: skip
     """Run step ``index`` of a decode loop on the rows' last ``tokens``, with a fresh uniform per row
     (and the shaping tensors of ``decode_shaped``): the step's outputs."""
-    sampling, device = settings.sampling, cache.cache_k.device
+    sampling, device = settings.sampling, cache.device
     cuda_graph = compiled and device.type == "cuda"
     if cuda_graph:
         torch.compiler.cudagraph_mark_step_begin()

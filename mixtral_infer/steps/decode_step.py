@@ -57,7 +57,7 @@ from mixtral_infer.fast.cpu_reductions import materialized
 from mixtral_infer.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.structured.rows import shaped_logits
 from mixtral_infer.model.attention import one_query_sdpa
-from mixtral_infer.model.cache import RotatingBufferCache
+from mixtral_infer.model.cache import RotatingBufferCache, layer_cache_sizes
 from mixtral_infer.formats.modules import expert, triton_experts_kind, triton_mixture, tuning_of
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
@@ -353,9 +353,19 @@ def slots_and_visibility(positions: torch.Tensor, n_slots: int) -> Tuple[torch.T
     return positions % n_slots, visible
 
 
+def slots_by_layer(positions: torch.Tensor, keys: Sequence[torch.Tensor]) -> list:
+    """``slots_and_visibility`` for each layer's buffer ``(B_max, S_layer, H_kv, Dh)``, made once per
+    distinct size S: a full-attention layer's buffer holds the whole sequence, a windowed one's its window."""
+    by_size: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer_k in keys:
+        if layer_k.shape[1] not in by_size:
+            by_size[layer_k.shape[1]] = slots_and_visibility(positions, layer_k.shape[1])
+    return [by_size[layer_k.shape[1]] for layer_k in keys]
+
+
 def decode_logits(
     model: Transformer,
-    cache_k: torch.Tensor | Sequence[torch.Tensor],  # L x (B_max, S, H_kv, Dh): layer_buffers; rows 0..B-1 are decoded
+    cache_k: torch.Tensor | Sequence[torch.Tensor],  # L x (B_max, S_layer, H_kv, Dh): layer_buffers; rows 0..B-1 are decoded
     cache_v: torch.Tensor | Sequence[torch.Tensor],  # L x (B_max, S, H_kv, Dh)
     tokens: torch.Tensor,  # (B,) each row's last token
     positions: torch.Tensor,  # (B,) the position each token takes = tokens the row has seen
@@ -377,12 +387,11 @@ def decode_logits(
     """
     tuning = tuning if tuning is not None else tuning_of(model)
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
-    slots, visible = slots_and_visibility(positions, keys[0].shape[1])
     rotary = rotary_angles(positions, model.args.head_dim, model.args.rope_theta)
 
     run = block_region if in_regions(tuning.regions) else block
     h = model.tok_embeddings(tokens)  # (B, D)
-    for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
+    for layer, layer_k, layer_v, (slots, visible) in zip(model.layers.values(), keys, values, slots_by_layer(positions, keys)):
         h = run(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe, tuning)  # (B, D)
     return model.output(model.norm(h)).float()  # (B, V)
 
@@ -621,9 +630,10 @@ class StepCompiler:
         so a few shapes cover every call: each shape is one compilation, and decoding over a
         buffer at most twice the sequence reads at most twice the keys it needs.
         """
-        slots = slot_bucket(max_seqlen, self.model.args.sliding_window)
+        slots = slot_bucket(max_seqlen, None)  # each windowed layer's buffer is capped at its window
         cache = self.cache
-        wanted = (batch, slots, self.model.dtype, self.model.device)  # a model cast or moved since: a new one
+        sizes = tuple(layer_cache_sizes([self.model.args.layer_windows[i] for i in self.model.layer_ids], slots))
+        wanted = (batch, sizes, self.model.dtype, self.model.device)  # a model cast or moved since: a new one
         if cache is None or buffer_shape(cache) != wanted:
             self.cache = cache = None  # free the old buffers before making the new ones
             cache = self.model.make_cache(batch, max_seqlen=slots)
@@ -634,7 +644,7 @@ class StepCompiler:
     def step(self, cache: RotatingBufferCache, batch: int, sampling: Sampling, eos_id: Optional[int], shaped: bool = False):
         """The compiled ``decode_one_token`` for this shape (compiled on its first call); ``shaped``:
         the step that takes the rows' logits changes (``make_decode_step``)."""
-        if cache.cache_k.is_cuda:
+        if cache.device.type == "cuda":
             # The graph writes the cache in place at the addresses it was captured with (a cache
             # at other addresses is captured anew, not compiled anew).
             for buffer in (*cache.layer_keys, *cache.layer_values):
@@ -654,13 +664,13 @@ class StepCompiler:
             """Build the step for these arguments' shapes, saying so on the terminal."""
             if key in self.steps:
                 return self.steps[key](*args)
-            self.announce(f"compiling the decode step for batch {batch}, {cache.cache_size} cache slots (once per shape)...")
+            self.announce(f"compiling the decode step for batch {batch}, {slots_text(cache)} cache slots (once per shape)...")
             start = time.perf_counter()
             step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, tuning, shaped)
-            on_cpu = cache.cache_k.device.type == "cpu"
+            on_cpu = cache.device.type == "cpu"
             built = built_ahead_of_time(self.model, step, args, self.announce, tuning) if on_cpu else None
             if built is None:
-                built = compiled(step, cache.cache_k.device)
+                built = compiled(step, cache.device)
             self.steps[key] = built
             with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
                 try:
@@ -673,7 +683,7 @@ class StepCompiler:
                     self.announce(regions_failed(reason))
                     written_out = replace(tuning, regions=False)
                     step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, written_out, shaped)
-                    built = self.steps[key] = compiled(step, cache.cache_k.device)
+                    built = self.steps[key] = compiled(step, cache.device)
                     outputs = built(*args)
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
@@ -712,8 +722,13 @@ def one_line(reason: Exception) -> str:
 
 
 def buffer_shape(cache: RotatingBufferCache) -> tuple:
-    """``(rows, slots, dtype, device)`` of a cache's buffers: what a step compiled for it assumes."""
-    return cache.max_batch_size, cache.cache_size, cache.cache_k.dtype, cache.cache_k.device
+    """``(rows, each layer's slots, dtype, device)`` of a cache's buffers: what a step compiled for it assumes."""
+    return cache.max_batch_size, tuple(cache.layer_sizes), cache.dtype, cache.device
+
+
+def slots_text(cache: RotatingBufferCache) -> str:
+    """A cache's slots per sequence, each kind's: ``"128"``, or ``"512/128"`` (full-attention and windowed layers)."""
+    return "/".join(str(kind.size) for kind in cache.kinds)
 
 
 def built_ahead_of_time(

@@ -199,15 +199,20 @@ def mixed_logits(
     """
     tuning = tuning if tuning is not None else tuning_of(model)
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
-    n_slots = keys[0].shape[1]
-    slots, visible = slots_and_visibility(positions, n_slots)  # (R,), (R, S)
-    chunk_visible = chunk_visibility(chunk, n_slots, model.args.sliding_window)  # (K, P, S + P)
-    writes = chunk_writes(chunk, n_slots)
+    windows = [model.args.layer_windows[i] for i in model.layer_ids]
+    masks: dict = {}  # per kind of layer (slots S, window): what its attention reads and writes
+    for layer_k, window in zip(keys, windows):
+        n_slots = layer_k.shape[1]
+        if (n_slots, window) not in masks:
+            slots, visible = slots_and_visibility(positions, n_slots)  # (R,), (R, S)
+            chunk_visible = chunk_visibility(chunk, n_slots, window)  # (K, P, S + P)
+            masks[n_slots, window] = (slots, visible, chunk_visible, chunk_writes(chunk, n_slots))
     rotary = rotary_angles(torch.cat([positions, chunk.positions]), model.args.head_dim, model.args.rope_theta)
 
     run = decode_step.block_region if in_regions(tuning.regions) else decode_step.block  # the decode step's pass
     h = model.tok_embeddings(torch.cat([tokens, chunk.tokens]))  # (R + C, D)
-    for layer, layer_k, layer_v in zip(model.layers.values(), keys, values):
+    for layer, layer_k, layer_v, window in zip(model.layers.values(), keys, values, windows):
+        slots, visible, chunk_visible, writes = masks[layer_k.shape[1], window]
         h = run(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe, tuning, chunk, chunk_visible, writes)
     ends = torch.cat([torch.arange(tokens.shape[0], device=h.device), tokens.shape[0] + chunk.last])  # (R + K,)
     return model.output(model.norm(h[ends])).float()  # (R + K, V)
