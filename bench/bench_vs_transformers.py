@@ -12,7 +12,8 @@ and default experts implementation) and into ours (``hf_to_published`` + ``check
   top-2, vocab 32000, sliding window 256 (3.2 GB of weights);
 * ``mistral-bench``: the same with a dense SwiGLU of hidden 3584 instead of the experts (0.7 GB).
 
-(``SHAPES`` also has ``mistral-wide``, Mistral 7B's widths with 4 layers, for the llama.cpp harness.)
+(``SHAPES`` also has ``mistral-wide``, Mistral 7B's widths with 4 layers, and ``ministral-wide``, Ministral
+8B's with 4 layers, for the llama.cpp harness.)
 
 Weights: embeddings N(0, 1), every matrix N(0, 1/fan_in), norms U(0.8, 1.2), so activations stay
 O(1) through the layers and the logits (std ~1 over 32000 tokens) make greedy ties very unlikely.
@@ -121,6 +122,11 @@ SHAPES = {
     "mistral-wide": dict(dim=4096, head_dim=128, hidden_dim=14336, n_heads=32, n_kv_heads=8, n_layers=4, moe=False),
     # Mixtral 8x7B's widths (8 experts of Mistral 7B's feed-forward) with 2 of its 32 layers.
     "mixtral-wide": dict(dim=4096, head_dim=128, hidden_dim=14336, n_heads=32, n_kv_heads=8, n_layers=2, moe=True),
+    # Ministral 8B's widths (hidden 12288, vocab 131072, rope_theta 1e8) with 4 of its 36 layers in its
+    # pattern: one full-attention layer, three windowed (window 4096, not its 32768, so that an
+    # 8192-token prompt runs past it). bench/llamacpp/run_ministral.py.
+    "ministral-wide": dict(dim=4096, head_dim=128, hidden_dim=12288, n_heads=32, n_kv_heads=8, n_layers=4, moe=False,
+                           vocab_size=131072, rope_theta=1e8, sliding_window=[None, 4096, 4096, 4096]),
 }
 
 
@@ -135,14 +141,8 @@ def bench_args(name: str, max_batch_size: int = 8, n_layers: Optional[int] = Non
     moe = MoeArgs(num_experts=8, num_experts_per_tok=2) if shape.pop("moe") else None
     if n_layers is not None:
         shape["n_layers"] = n_layers
-    return ModelArgs(
-        **shape,
-        norm_eps=1e-5,
-        vocab_size=32000,
-        max_batch_size=max_batch_size,
-        sliding_window=WINDOW,
-        moe=moe,
-    )
+    shape = {"vocab_size": 32000, "sliding_window": WINDOW, **shape}  # unless the shape has its own
+    return ModelArgs(**shape, norm_eps=1e-5, max_batch_size=max_batch_size, moe=moe)
 
 
 def _init_(name: str, param: torch.Tensor) -> None:
@@ -174,7 +174,12 @@ def hf_model(args: ModelArgs, seed: int = 0):
         bos_token_id=1,
         eos_token_id=2,
     )
-    if args.moe is None:
+    windows = args.layer_windows
+    if len(set(windows)) > 1:  # full-attention layers beside windowed ones (ministral-wide)
+        common.update(sliding_window=next(w for w in windows if w is not None),
+                      layer_types=["full_attention" if w is None else "sliding_attention" for w in windows])  # fmt: skip
+        config, cls = transformers.MinistralConfig(**common), transformers.MinistralForCausalLM
+    elif args.moe is None:
         config, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
     else:
         config = transformers.MixtralConfig(
