@@ -49,6 +49,7 @@ modules pass their own).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -256,7 +257,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = 
         if weight.scheme.name == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, weight.integers(), weight.scales)
         cpu_layout = int4_layout(weight) == "cpu"
-        if cpu_layout and x.shape[0] >= DEQUANTIZE_ROWS and weight.shape[-2] % INT4_BLOCK == 0:
+        readable = cpu_layout and weight.shape[-2] % INT4_BLOCK == 0 and int4_cpu_layout_reads_back()
+        if readable and x.shape[0] >= DEQUANTIZE_ROWS:
             if not upcast:  # this CPU multiplies 16-bit faster: as reference_linear does
                 return F.linear(x, dequantize_int4_kernel_layout(weight, x.dtype))
             if x.shape[0] >= INT4_DEQUANTIZE_ROWS:
@@ -295,6 +297,32 @@ def triton_dense_kind(x: torch.Tensor, weight: QuantizedWeight) -> Optional[int]
 
 ROWS_PER_CONVERSION = 256  # a multiple of the kernel's 64-row blocks; bounds the int32 working copy
 INT4_BLOCK = 64  # rows per block of the CPU int4 layout
+
+
+def documented_int4_layout(nibbles: torch.Tensor) -> torch.Tensor:
+    """``(OUT, IN)`` nibbles (OUT a multiple of 64) in the layout ``dequantize_int4_kernel_layout``
+    reads: per block of 64 rows, an ``(IN, 32)`` byte matrix, row ``64b + j`` in the low nibble of
+    byte ``[k, j]``, row ``64b + 32 + j`` in its high nibble. Returns ``(OUT, IN/2)`` uint8."""
+    out_features, in_features = nibbles.shape
+    blocks = nibbles.to(torch.uint8).view(out_features // INT4_BLOCK, INT4_BLOCK, in_features)  # (OUT/64, 64, IN)
+    half = INT4_BLOCK // 2
+    paired = blocks[:, :half] | (blocks[:, half:] << 4)  # (OUT/64, 32, IN)
+    return paired.transpose(1, 2).reshape(out_features, in_features // 2)
+
+
+@functools.cache
+def int4_cpu_layout_reads_back() -> bool:
+    """Whether this machine's ``_convert_weight_to_int4pack_for_cpu`` lays blocks out as
+    ``documented_int4_layout`` (and so ``dequantize_int4_kernel_layout``) says. The layout is the one
+    torch's CPU kernel reads on this CPU, which follows the vector width it runs with (AVX512 and AVX2
+    builds differ), so it is probed once, on 64 rows of known nibbles; where it differs, prompts keep
+    the int4 kernel instead of reading the layout back."""
+    nibbles = (torch.arange(INT4_BLOCK)[:, None] * 3 + torch.arange(32)[None, :] * 5) % 16  # (64, 32)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), 1)
+    except (RuntimeError, NotImplementedError):  # no CPU int4 kernel in this torch: nothing to read back
+        return False
+    return packed.shape == (INT4_BLOCK, 16) and torch.equal(packed.view(torch.uint8), documented_int4_layout(nibbles))
 
 
 def dequantize_int8(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
