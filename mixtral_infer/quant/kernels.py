@@ -49,7 +49,6 @@ modules pass their own).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -310,13 +309,23 @@ def documented_int4_layout(nibbles: torch.Tensor) -> torch.Tensor:
     return paired.transpose(1, 2).reshape(out_features, in_features // 2)
 
 
-@functools.cache
 def int4_cpu_layout_reads_back() -> bool:
     """Whether this machine's ``_convert_weight_to_int4pack_for_cpu`` lays blocks out as
     ``documented_int4_layout`` (and so ``dequantize_int4_kernel_layout``) says. The layout is the one
     torch's CPU kernel reads on this CPU, which follows the vector width it runs with (AVX512 and AVX2
     builds differ), so it is probed once, on 64 rows of known nibbles; where it differs, prompts keep
-    the int4 kernel instead of reading the layout back."""
+    the int4 kernel instead of reading the layout back. Kept in a global, set when weights are
+    prepared (``prepare``): compiled steps read it as a constant, never trace the probe."""
+    global _INT4_READS_BACK
+    if _INT4_READS_BACK is None:
+        _INT4_READS_BACK = _probe_int4_layout()
+    return _INT4_READS_BACK
+
+
+_INT4_READS_BACK: Optional[bool] = None
+
+
+def _probe_int4_layout() -> bool:
     nibbles = (torch.arange(INT4_BLOCK)[:, None] * 3 + torch.arange(32)[None, :] * 5) % 16  # (64, 32)
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), 1)
@@ -411,6 +420,7 @@ def prepare(weight: QuantizedWeight, keep_values: bool = False, gemlite_float32_
         return weight
     if weight.device.type != "cpu" or weight.shape[-2] % 16:
         return weight
+    int4_cpu_layout_reads_back()  # probed now, outside any compiled step that will ask
     def convert(part: torch.Tensor) -> torch.Tensor:  # (rows, IN/2) plain bytes -> the kernel's
         nibbles = torch.stack([part & 15, part >> 4], dim=-1).flatten(-2).to(torch.int32)  # (rows, IN)
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
