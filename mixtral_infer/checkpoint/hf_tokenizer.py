@@ -176,6 +176,19 @@ def bpe_merges(vocab: Dict[str, int]) -> List[Tuple[str, str]]:
     return [(left, right) for *_, left, right in sorted(merges)]
 
 
+def bos_first(bos: str, bos_id: int) -> dict:
+    """tokenizer.json's post-processor that puts ``bos`` (id ``bos_id``) before each sequence, as transformers writes it."""
+    return {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+
+
 def tokenizer_json(model: SentencePieceModel, source: str = "tokenizer.model") -> dict:
     """The ``tokenizers`` pipeline that encodes as the sentencepiece model does."""
     if model.model_type != BPE:
@@ -216,15 +229,7 @@ def tokenizer_json(model: SentencePieceModel, source: str = "tokenizer.model") -
         "added_tokens": added,
         "normalizer": {"type": "Sequence", "normalizers": normalizers},
         "pre_tokenizer": None,
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [
-                {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}},
-            ],
-            "special_tokens": {bos: {"id": bos, "ids": [model.bos_id], "tokens": [bos]}},
-        },
+        "post_processor": bos_first(bos, model.bos_id),
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {
             "type": "BPE",
@@ -320,15 +325,7 @@ def tekken_tokenizer_json(tekken: TekkenFile) -> dict:
                 {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
             ],
         },
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [
-                {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}},
-            ],
-            "special_tokens": {bos: {"id": bos, "ids": [vocab[bos]], "tokens": [bos]}},
-        },
+        "post_processor": bos_first(bos, vocab[bos]),
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         "model": {
             "type": "BPE",
