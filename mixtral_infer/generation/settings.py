@@ -147,7 +147,7 @@ def cache_slots_needed(model: "Transformer", n_tokens: int) -> List[int]:
     them, or the layer's window when smaller (``model.cache.layer_cache_sizes``)."""
     from mixtral_infer.model.cache import layer_cache_sizes
 
-    return layer_cache_sizes([model.args.layer_windows[i] for i in model.layer_ids], n_tokens)
+    return layer_cache_sizes(model.layer_windows, n_tokens)
 
 
 def kv_cache_bytes(args: "ModelArgs", batch: int, n_tokens: int, dtype: torch.dtype, parallel: "Parallel") -> int:
@@ -155,7 +155,8 @@ def kv_cache_bytes(args: "ModelArgs", batch: int, n_tokens: int, dtype: torch.dt
     rank: the sum over its layers of each one's buffer (a windowed layer's at most its window)."""
     from mixtral_infer.model.cache import layer_cache_sizes
 
-    windows = [args.layer_windows[i] for i in parallel.layer_range(args.n_layers)]
+    windows = args.layer_windows
+    windows = [windows[i] for i in parallel.layer_range(args.n_layers)]
     slots = sum(layer_cache_sizes(windows, max(n_tokens, 1)))
     n_kv_heads = len(parallel.share(args.n_kv_heads))
     return 2 * batch * slots * n_kv_heads * args.head_dim * dtype.itemsize
@@ -227,7 +228,7 @@ def check_cache_matches(cache: "RotatingBufferCache", model: "Transformer") -> N
             f"the cache (layers, KV heads, head dim = {got}, {cache.dtype}, {cache.device}) does not fit the "
             f"model ({expected}, {model.dtype}, {model.device}): make it with model.make_cache"
         )
-    windows = [model.args.layer_windows[i] for i in model.layer_ids]
+    windows = model.layer_windows
     if cache.layer_windows != windows:
         made, has = (w[0] if len(set(w)) == 1 else w for w in (cache.layer_windows, windows))
         raise GenerationError(

@@ -205,6 +205,12 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if parallel.is_last_stage else None
 
     @property
+    def layer_windows(self) -> List[Optional[int]]:
+        """The window of each layer this process holds (its pipeline stage's), None for full attention."""
+        windows = self.args.layer_windows  # a list made anew at each read: read once
+        return [windows[i] for i in self.layer_ids]
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
@@ -220,7 +226,7 @@ class Transformer(nn.Module):
             if value is not None and (as_int(value) is None or as_int(value) < least):  # -1: a RuntimeError of zeros()
                 raise GenerationError(f"make_cache({name}={value!r}): must be an integer >= {least}")
         batch_size, max_seqlen = as_int(batch_size), None if max_seqlen is None else as_int(max_seqlen)
-        windows = [self.args.layer_windows[i] for i in self.layer_ids]  # this pipeline stage's layers
+        windows = self.layer_windows
         return RotatingBufferCache(
             len(self.layer_ids),
             batch_size,
@@ -248,7 +254,7 @@ class Transformer(nn.Module):
         if cache is not None and cache.damaged:
             raise GenerationError("the cache was left half-written by an interrupted prompt chunk: start its "
                                   "sequences again (cache.start_sequences(n)) and feed them from their first token")
-        windows = [self.args.layer_windows[i] for i in self.layer_ids]
+        windows = self.layer_windows
         if cache is None:
             positions = torch.cat([torch.arange(n) for n in seqlens]) if seqlens else torch.zeros(0, dtype=torch.long)
             positions = positions.to(self.device)

@@ -632,7 +632,7 @@ class StepCompiler:
         """
         slots = slot_bucket(max_seqlen, None)  # each windowed layer's buffer is capped at its window
         cache = self.cache
-        sizes = tuple(layer_cache_sizes([self.model.args.layer_windows[i] for i in self.model.layer_ids], slots))
+        sizes = tuple(layer_cache_sizes(self.model.layer_windows, slots))
         wanted = (batch, sizes, self.model.dtype, self.model.device)  # a model cast or moved since: a new one
         if cache is None or buffer_shape(cache) != wanted:
             self.cache = cache = None  # free the old buffers before making the new ones

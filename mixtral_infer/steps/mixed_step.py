@@ -199,7 +199,7 @@ def mixed_logits(
     """
     tuning = tuning if tuning is not None else tuning_of(model)
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
-    windows = [model.args.layer_windows[i] for i in model.layer_ids]
+    windows = model.layer_windows
     masks: dict = {}  # per kind of layer (slots S, window): what its attention reads and writes
     for layer_k, window in zip(keys, windows):
         n_slots = layer_k.shape[1]
