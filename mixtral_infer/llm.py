@@ -30,6 +30,7 @@ from mixtral_infer.checkpoint.loading import load_model
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.generate import generate
 from mixtral_infer.generation.settings import free_memory, kv_cache_bytes
+from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.serve.protocol import BadRequest, chat_prompt
 from mixtral_infer.tokenizer import Tokenizer
 
@@ -117,10 +118,10 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise GenerationError("prompts must be a string or a non-empty list of strings (or of token-id lists)")
         ids = [self.tokenizer.encode(p, bos=True) if isinstance(p, str) else list(p) for p in prompts]
-        results = self._run(ids, params)
+        results = self._run(ids, params, leading_space=True)
         return [
-            Completion(p, self._text(tokens, params, continuation=True), tokens, logprobs, reason, prompt_ids)
-            for p, prompt_ids, (tokens, logprobs, reason) in zip(prompts, ids, results)
+            Completion(p, text, tokens, logprobs, reason, prompt_ids)
+            for p, prompt_ids, (text, tokens, logprobs, reason) in zip(prompts, ids, results)
         ]  # fmt: skip
 
     def chat(
@@ -136,10 +137,10 @@ class LLM:
             ids = [chat_prompt(self.tokenizer, conversation) for conversation in conversations]
         except BadRequest as error:
             raise GenerationError(error.message) from None
-        results = self._run(ids, params)
+        results = self._run(ids, params, leading_space=False)
         out = [
-            Completion(c, self._text(tokens, params, continuation=False), tokens, logprobs, reason, prompt_ids)
-            for c, prompt_ids, (tokens, logprobs, reason) in zip(conversations, ids, results)
+            Completion(c, text, tokens, logprobs, reason, prompt_ids)
+            for c, prompt_ids, (text, tokens, logprobs, reason) in zip(conversations, ids, results)
         ]  # fmt: skip
         return out[0] if single else out
 
@@ -154,8 +155,10 @@ class LLM:
 
     # ---- below ------------------------------------------------------------------------------
 
-    def _run(self, ids: List[List[int]], params: SamplingParams):
-        """``(tokens, logprobs, finish_reason)`` per prompt, in batches that fit."""
+    def _run(self, ids: List[List[int]], params: SamplingParams, leading_space: bool):
+        """``(text, tokens, logprobs, finish_reason)`` per prompt, in batches that fit. The text is the
+        server's (``AnswerText``): a completion keeps the space before its first word (``leading_space``),
+        a chat answer does not; cut before a stop string, found in that same text as ``generate`` found it."""
         longest = max(len(p) for p in ids) + params.max_tokens
         batch = self._batch_size(len(ids), longest)
         eos = None if params.ignore_eos else self.tokenizer.eos_id
@@ -168,20 +171,13 @@ class LLM:
             generated, logprobs = generate(
                 part, self.model, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, seed=params.seed, eos_id=eos, prompt_logprobs=False,
-                tokenizer=self.tokenizer if needs_tokenizer else None, **extra,
+                tokenizer=self.tokenizer if needs_tokenizer else None, leading_space=leading_space, **extra,
             )  # fmt: skip
             for tokens, lps in zip(generated, logprobs):
-                text = self.tokenizer.decode(tokens) if params.stop else ""  # decoded only for stop strings
-                stopped = len(tokens) < params.max_tokens or any(s in text for s in params.stop)
-                results.append((tokens, lps, "stop" if stopped else "length"))
+                answer = AnswerText.of(self.tokenizer, tokens, leading_space, params.stop)
+                stopped = len(tokens) < params.max_tokens or answer.stopped
+                results.append((answer.text, tokens, lps, "stop" if stopped else "length"))
         return results
-
-    def _text(self, tokens: List[int], params: SamplingParams, continuation: bool) -> str:
-        """The answer's text: a completion keeps the space before its first word, a chat answer does not;
-        cut before a stop string."""
-        text = self.tokenizer.decode_continuation(tokens) if continuation else self.tokenizer.decode(tokens)
-        cuts = [text.index(s) for s in params.stop if s in text]
-        return text[: min(cuts)] if cuts else text
 
     def _batch_size(self, prompts: int, tokens: int) -> int:
         """Prompts per batch: all of them, at most ``max_batch``, halved until a batch's cache fits in

@@ -18,6 +18,7 @@ from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decod
 from mixtral_infer.steps.decode_step import supports_static_decode
 from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs
 from mixtral_infer.generation.shared_prefix import read_shared_prefix, shared_prefix_length
+from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
     as_int,
@@ -219,6 +220,7 @@ def generate(
     choices: Optional[Sequence[str]] = None,
     grammar: Optional[str] = None,
     tokenizer: Optional[Tokenizer] = None,
+    leading_space: bool = True,
 ) -> Tuple[List[List[int]], List[List[float]]]:
     """Continue each prompt by up to ``max_tokens`` tokens.
 
@@ -247,7 +249,9 @@ def generate(
     ``choices`` (a list of strings) or ``grammar`` (Lark): the text of every answer follows it
     (``structured.grammar``, llguidance), and a row ends when it is complete. ``stop``: strings
     that end a row once its text holds one (its tokens up to the one that completed it are
-    returned). ``presence_penalty``, ``frequency_penalty`` (OpenAI's), ``repetition_penalty``
+    returned); the text is the server's (``generation.text_stream.AnswerText``): with
+    ``leading_space`` (a continuation of the prompt) it keeps the space before its first word,
+    without it (a chat's answer) it does not. ``presence_penalty``, ``frequency_penalty`` (OpenAI's), ``repetition_penalty``
     (transformers'): one number for every prompt, or a list of one per prompt; ``logit_bias`` (token id to a number added to its logit), ``min_tokens``
     (EOS held back until then): ``structured.logits``. Logprobs stay the model's.
 
@@ -314,10 +318,10 @@ def generate(
     penalised = any(v != neutral for value, neutral in ((presence_penalty, 0), (frequency_penalty, 0), (repetition_penalty, 1))
                     for v in ([value] if isinstance(value, (int, float)) else value))  # fmt: skip
     if grammar_text or stop or penalised or logit_bias or min_tokens:
-        shaping = Shaping(
+        shaping = ShapingWithStops(
             encoded_prompts, model.args.vocab_size, model.device, eos_id, grammar=grammar_text, tokenizer=tokenizer,
             presence=presence_penalty, frequency=frequency_penalty, repetition=repetition_penalty, bias=logit_bias,
-            min_tokens=min_tokens, stop=stop,
+            min_tokens=min_tokens, stop=stop, leading_space=leading_space,
         )  # fmt: skip
     settings = DecodeSettings(sampling, generator, eos_id, max_tokens, on_token, shaping)
     if mode == "eager":
@@ -374,6 +378,24 @@ def decode_eager(
         input_ids = torch.tensor([generated[i][-1] for i in active], dtype=torch.long, device=model.device)
         logits = model(input_ids, seqlens, cache)  # (B_active, V)
         _check_finite(logits, f"at generation step {step + 1}")
+
+
+class ShapingWithStops(Shaping):
+    """``Shaping`` whose rows end at a stop string where the server's would: each row's text is an
+    ``AnswerText`` (``TextStream`` through ``StopStrings``, the server's own check). ``Shaping``'s own
+    check is left off: it read ``tokenizer.decode``, which drops the space before a continuation's
+    first word, so ``stop=[" unto"]`` never matched an answer that began with it."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], *args, stop: Sequence[str] = (), leading_space: bool = True, **kwargs):
+        super().__init__(prompts, *args, **kwargs)
+        self.answers = [AnswerText(self.tokenizer, leading_space, stop) for _ in prompts] if stop else None
+
+    def record(self, row: int, token: int) -> bool:
+        ended = super().record(row, token)
+        if self.answers is None:
+            return ended
+        self.answers[row].push(token)
+        return self.answers[row].stopped or ended
 
 
 def check_shaping(

@@ -1,12 +1,16 @@
-"""Tokens to text as they arrive: what the chat prints and the server streams.
+"""Tokens to text as they arrive: what the chat prints and the server streams, and where stop strings
+are found in it.
 
-Used by ``generation.chat`` (the interactive loop) and ``serve.engine`` (server-sent events).
+``TextStream`` turns tokens into text pieces; ``StopStrings`` cuts those pieces at the first stop
+string; ``AnswerText`` is the two together, one answer's text token by token. Used by
+``generation.chat`` (the interactive loop), ``serve.engine`` (server-sent events) and
+``generation.generate`` with its ``LLM`` (a row ends, and its text is cut, where the server's would).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 from mixtral_infer.tokenizer import Tokenizer
 
@@ -82,3 +86,90 @@ class TextStream:
         self.pieces.append(now[len(before) :])
         self.start, self.shown = self.shown, len(self.tokens)
         return self.pieces[-1]
+
+
+class StopStrings:
+    """Text released for streaming, cut at the first stop string; a tail that could be the start of
+    one is held back, so streamed text never shows part of a stop string.
+
+    ``stop = ["\\n\\n", "END"]``: pushing ``"a E"``, ``"N"``, ``"Db"`` releases ``"a "``
+    (``"E"`` may start ``"END"``), then ``""``, then stops: the answer is ``"a "``.
+    """
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.text = ""  # everything pushed, up to a stop string once found
+        self.released = 0
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        """Text that may be shown now. After it returns with ``stopped`` set, push no more."""
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        self.text += piece
+        found = self._first_stop(start)
+        if found is not None:
+            self.text, self.stopped = self.text[:found], True
+            return self._release(len(self.text))
+        return self._release(len(self.text) - self._held_back())
+
+    def flush(self) -> str:
+        return self._release(len(self.text))
+
+    def _first_stop(self, start: int) -> Optional[int]:
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, end: int) -> str:
+        end = max(end, self.released)
+        piece, self.released = self.text[self.released : end], end
+        return piece
+
+
+class AnswerText:
+    """One answer's text as its tokens arrive: ``TextStream``'s pieces through ``StopStrings``, as the
+    server streams it (``serve.engine``). ``push`` gives the text that may be shown and sets ``stopped``
+    once the text holds a stop string; ``finish`` gives the rest. A completion continues its prompt
+    (``leading_space``): with ``stop=[" unto"]`` its first token ``▁unto`` stops it at once, though
+    ``tokenizer.decode([▁unto])`` is ``"unto"``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, leading_space: bool, stop: Sequence[str] = ()):
+        self.stream = TextStream(tokenizer, leading_space)
+        self.stops = StopStrings(stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    @property
+    def text(self) -> str:
+        """The text so far, cut before a stop string (held-back text included)."""
+        return self.stops.text
+
+    def push(self, token: int) -> str:
+        return self.stops.push(self.stream.push(token))
+
+    def finish(self) -> str:
+        return self.stops.push(self.stream.finish()) + self.stops.flush()
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, tokens: Sequence[int], leading_space: bool, stop: Sequence[str] = ()) -> "AnswerText":
+        """The answer of these ``tokens``, pushed until one stops it, then finished: ``.text``, ``.stopped``."""
+        answer = cls(tokenizer, leading_space, stop)
+        for token in tokens:
+            if answer.stopped:
+                break
+            answer.push(token)
+        if not answer.stopped:
+            answer.finish()
+        return answer

@@ -51,7 +51,7 @@ from mixtral_infer.steps.decode_step import decode_logits, finite_rows, one_line
 from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling, sample
-from mixtral_infer.generation.text_stream import TextStream
+from mixtral_infer.generation.text_stream import StopStrings, TextStream
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.serve.prefix_reuse import (
     MIN_REUSED_TOKENS,
@@ -61,7 +61,6 @@ from mixtral_infer.serve.prefix_reuse import (
     place,
     spare_rows,
 )
-from mixtral_infer.serve.text import StopStrings
 from mixtral_infer.structured.grammar import Constraint, RowGrammar, fill_bitmask, grammar_of
 from mixtral_infer.structured.logits import RowPenalties, apply_bitmask, apply_penalties, dense_penalties
 from mixtral_infer.tokenizer import Tokenizer
