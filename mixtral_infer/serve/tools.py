@@ -104,9 +104,10 @@ def call_grammar(tokenizer: Tokenizer, functions: List[Dict[str, Any]], choice: 
     return Constraint("lark", lark)
 
 
-def parse_calls(tokens: List[int], text: str, tokenizer: Tokenizer) -> Optional[List[Dict[str, Any]]]:
+def parse_calls(tokens: List[int], text: str, tokenizer: Tokenizer, cut: bool = False) -> Optional[List[Dict[str, Any]]]:
     """The calls an answer makes (OpenAI's ``tool_calls``, with fresh ids), or None when it is not a
-    list of calls after ``[TOOL_CALLS]``."""
+    list of calls after ``[TOOL_CALLS]``. ``cut``: ``max_tokens`` ended the answer, so a list cut
+    short gives its complete calls (``complete_calls``)."""
     if has_tool_pieces(tokenizer):
         (token,) = tokenizer.control_ids(TOOL_CALLS)
         if not tokens or tokens[0] != token:
@@ -119,7 +120,7 @@ def parse_calls(tokens: List[int], text: str, tokenizer: Tokenizer) -> Optional[
     try:
         calls = json.loads(body)
     except ValueError:
-        return None
+        calls = complete_calls(body) if cut else None
     if isinstance(calls, dict):
         calls = [calls]
     if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
@@ -129,6 +130,35 @@ def parse_calls(tokens: List[int], text: str, tokenizer: Tokenizer) -> Optional[
          "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
         for c in calls
     ]  # fmt: skip
+
+
+def complete_calls(body: str) -> Optional[List[Any]]:
+    """The complete calls at the start of a list that ends unfinished: what a model that keeps
+    adding calls has written when ``max_tokens`` stops it. The unfinished last call is dropped;
+    None when not even one call is complete, or when the text is not a list cut short.
+
+    ``' [{"name": "a", "arguments": {}}, {"name": "b", "argu'`` gives ``[{"name": "a", "arguments": {}}]``;
+    ``' [{"name": "a", "arguments": {}}] and more'`` (a whole list, then text) gives None.
+    """
+    decoder = json.JSONDecoder()
+    start = body.lstrip()
+    if not start.startswith("["):
+        return None
+    calls, position = [], 1
+    while True:
+        position = len(start) - len(start[position:].lstrip())
+        try:
+            call, position = decoder.raw_decode(start, position)
+        except ValueError:  # the unfinished call, or none
+            break
+        calls.append(call)
+        rest = start[position:].lstrip()
+        if not rest:  # cut right after a call
+            break
+        if not rest.startswith(","):  # a closed list (then more text) or no list: not a cut
+            return None
+        position = len(start) - len(rest) + 1
+    return calls or None
 
 
 def call_id() -> str:
