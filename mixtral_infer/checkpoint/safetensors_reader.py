@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,6 @@ DTYPES = {
     "BOOL": torch.bool,
 }
 MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors format itself sets
-MAX_NESTING = 32  # JSON depth; a real header is 3 deep (name -> entry -> shape list)
 MAX_DIMS = 16  # a tensor of more dimensions is not a model weight
 HEADER_KEYS = {"dtype", "shape", "data_offsets"}
 
@@ -62,19 +60,6 @@ class TensorEntry:
 
 
 ShapeCheck = Callable[[str, Tuple[int, ...]], None]  # raises CheckpointError when a tensor does not fit the model
-
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_BRACKET = re.compile(r"[\[\]{}]")
-
-
-def _nesting_depth(text: str) -> int:
-    """How deeply the JSON text nests arrays and objects (strings skipped), without parsing it."""
-    depth = deepest = 0
-    for match in _BRACKET.finditer(_STRING.sub("", text)):
-        depth += 1 if match[0] in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
 
 def _no_duplicate_keys(pairs: List[Tuple[str, object]]) -> dict:
     result = {}
@@ -113,13 +98,13 @@ def parse_header_and_metadata(raw: bytes, data_size: int) -> Tuple[List[TensorEn
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise CheckpointError("corrupt safetensors header (not UTF-8 JSON)") from None
-    if _nesting_depth(text) > MAX_NESTING:
-        raise CheckpointError(f"corrupt safetensors header (JSON nested deeper than {MAX_NESTING} levels)")
-    try:
+    try:  # json's C parser: a header nested past the recursion limit is a RecursionError, not a crash
         header = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except CheckpointError as error:
         raise CheckpointError(f"corrupt safetensors header: {error}") from None
-    except (json.JSONDecodeError, RecursionError, ValueError):
+    except RecursionError:
+        raise CheckpointError("corrupt safetensors header (JSON nested too deeply)") from None
+    except (json.JSONDecodeError, ValueError):
         raise CheckpointError("corrupt safetensors header (not JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"corrupt safetensors header (a JSON {type(header).__name__}, expected an object)")
