@@ -206,9 +206,13 @@ def make_app(
 
     @app.get("/health")
     async def health():
+        """200 while serving; 503 while draining (a load balancer sends new requests elsewhere), or
+        once the engine's process has stopped."""
         stats = engine.stats()
+        if getattr(engine, "stopped", False):
+            return JSONResponse({"status": "engine stopped", **stats}, status_code=503)
         if engine.draining:
-            return JSONResponse({"status": "shutting down", **stats}, status_code=503)
+            return JSONResponse({"status": "draining", **stats}, status_code=503)
         return {"status": "ok", **stats}
 
     @app.get("/metrics")

@@ -1,19 +1,23 @@
 """``python main.py serve``: start the engine's process (it loads the model and sizes the rows:
 ``engine_process``), build the app over it, run uvicorn.
 
-Shutdown (SIGTERM or Ctrl-C): the server stops accepting connections and the engine takes
-no new requests (503 on connections still open); requests already running or queued go on
-for up to ``shutdown_timeout`` seconds, then those left are cancelled (their streams end with
-``finish_reason: "abort"``) and the process exits 0.
+Shutdown (SIGTERM or Ctrl-C) drains, as a load balancer wants it: the server keeps accepting
+connections, answers new generation requests 503 with ``Retry-After`` and ``/health`` 503
+``draining``, while the requests already running or queued go on for up to ``shutdown_timeout``
+seconds. When none is left, or at the timeout (those left are cancelled: their streams end with
+``finish_reason: "abort"``), it closes the listener, lets the last responses finish and exits 0.
+A second signal stops at once. No step on the way out depends on another succeeding: the log
+lines come last and may fail (a log reader that has gone, ``serve 2>&1 | head``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
-import threading
+import time
 from typing import Callable, Optional
 
 from mixtral_infer.errors import MixtralInferError
@@ -26,33 +30,70 @@ try:
 except ImportError as error:  # pragma: no cover - the serve extra is part of the test set-up
     raise MixtralInferError(f"serve needs the serve extra ({error.name} is missing): pip install -e '.[serve]'") from None
 
+from mixtral_infer.serve.engine import Engine
 from mixtral_infer.serve.engine_process import EngineProcess, Load, split_cpus
 from mixtral_infer.serve.sizing import size
 
 DEFAULT_MAX_MODEL_LEN = 32768  # serve's bound on a request of a windowed model whose folder declares none
+FINAL_WRITES_S = 10.0  # after the drain, uvicorn's bound on the last responses' writes (cancelled streams' ends)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, which also tells the engine to take no new requests when asked to stop."""
+def log_to_stderr(message: str) -> None:
+    """A line on stderr. When its reader has gone (a dead log collector, ``serve 2>&1 | head``),
+    stderr is pointed at /dev/null, so that no later write (a log line, uvicorn's, the
+    interpreter's flush at exit) fails either: the server goes on, and stops when asked."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stderr.fileno())
+            os.close(devnull)
 
-    def __init__(self, config: uvicorn.Config, engine: EngineProcess, shutdown_timeout: float, log: Callable[[str], None]):
-        super().__init__(config)
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server over ``app``, which drains before it stops (the module's docstring): the
+    first signal starts the drain, ``on_tick`` (every 0.1 s) ends it when no request is left or at
+    the timeout, and only then does uvicorn stop accepting. ``engine``: the app's (``drain``,
+    ``cancel_all``, ``stats``)."""
+
+    def __init__(self, app, engine: "EngineProcess | Engine", shutdown_timeout: float, log: Callable[[str], None] = log_to_stderr):
+        # uvicorn's wait starts after the drain, by which time nothing is left running.
+        super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=FINAL_WRITES_S, lifespan="on"))
         self.engine, self.shutdown_timeout, self.log = engine, shutdown_timeout, log
+        self.drain_until: Optional[float] = None  # time.monotonic() at which what is left is cancelled
 
     def handle_exit(self, sig: int, frame) -> None:
-        if not self.should_exit:
+        """A signal handler: it must not raise, and each step is done whether the others fail."""
+        if self.drain_until is not None:  # a second signal: cancel what is left and stop now
+            with contextlib.suppress(Exception):
+                self.engine.cancel_all()
+            super().handle_exit(sig, frame)  # should_exit; a Ctrl-C after that: force_exit (uvicorn's)
+            return
+        self._captured_signals.append(sig)  # raised again once uvicorn has stopped, as uvicorn does
+        self.drain_until = time.monotonic() + self.shutdown_timeout
+        with contextlib.suppress(Exception):
+            self.engine.drain()
+        with contextlib.suppress(Exception):
             stats = self.engine.stats()
             self.log(
                 f"stopping: {stats['running']} running and {stats['queued']} queued requests get up to "
-                f"{self.shutdown_timeout:g}s to finish"
+                f"{self.shutdown_timeout:g}s to finish; new requests get 503 meanwhile"
             )
-            # Cancel what is left just before uvicorn would cut the connections: each stream then
-            # ends properly (finish_reason "abort", then [DONE]) and uvicorn exits at once.
-            timer = threading.Timer(self.shutdown_timeout, self.engine.cancel_all)
-            timer.daemon = True
-            timer.start()
-        self.engine.drain()
-        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and not self.should_exit:
+            self.should_exit = self._drained()
+        return await super().on_tick(counter)
+
+    def _drained(self) -> bool:
+        """Whether the drain is over: no request is being answered, or the time is up (what is
+        left is cancelled: each stream then ends properly, finish_reason "abort" and [DONE])."""
+        if time.monotonic() >= self.drain_until:
+            with contextlib.suppress(Exception):
+                self.engine.cancel_all()
+            return True
+        return not self.server_state.tasks
 
 
 def run_server(
@@ -72,7 +113,7 @@ def run_server(
     shutdown_timeout: float = 30.0,
     pin_cpus: bool = False,
     prefix_reuse: bool = True,
-    log: Callable[[str], None] = lambda message: print(message, file=sys.stderr, flush=True),
+    log: Callable[[str], None] = log_to_stderr,
 ) -> None:
     """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on.
 
@@ -120,9 +161,7 @@ def run_server(
             )
 
         app = make_app(engine, tokenizer, model_name, engine.metrics, on_ready=ready)
-        # uvicorn's own limit is a backstop: the engine cancels what is left at shutdown_timeout.
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout + 10, lifespan="on")
-        server = _Server(config, engine, shutdown_timeout, log)
+        server = DrainingServer(app, engine, shutdown_timeout, log)
         # uvicorn raises the signal that stopped it again once it has shut down; with this handler
         # in place that ends the process normally (exit 0) instead of by the signal.
         previous = signal.signal(signal.SIGTERM, lambda *_: None)
