@@ -348,7 +348,7 @@ def test_a_client_that_leaves_before_its_whole_answer_frees_its_row(server):
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be an integer >= 1"),
         ({"prompt": "x", "n": 0}, "n", "n=0 must be an integer in [1, 128]"),
         # bounded by default: 32768 tokens a request for a windowed model whose folder declares no length
-        ({"prompt": "x", "max_tokens": 10**9}, "prompt", "max_tokens=1000000000 exceeds this model's limit of 32768 tokens"),
+        ({"prompt": "x", "max_tokens": 10**9}, "max_tokens", "max_tokens=1000000000 exceeds this model's limit of 32768 tokens"),
         ({"prompt": ["x", "y"], "n": 65}, "prompt", "2 prompts times n=65 asks for more than 128 answers"),
         ({"prompt": ["x", [1, 99999]]}, "prompt", "prompt[1] holds token ids outside the vocabulary"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),

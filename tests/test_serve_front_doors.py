@@ -1,5 +1,6 @@
-"""What the server answers at its edges (issue 72): requests that arrive while it drains; and that
-it stops on SIGTERM when its log's reader has gone.
+"""What the server answers at its edges (issue 72): fields it does not know, paths and methods it
+does not have, a max_tokens over the model's limit, and requests that arrive while it drains;
+and that it stops on SIGTERM when its log's reader has gone.
 
 Most tests serve an in-process engine over a tiny random model with ``DrainingServer`` (the
 uvicorn server ``serve`` runs) on a thread; the drain is started by calling its signal handler.
@@ -26,10 +27,12 @@ from mixtral_infer import Tokenizer
 from mixtral_infer.serve.api import make_app
 from mixtral_infer.serve.engine import Engine
 from mixtral_infer.serve.metrics import ServeMetrics
+from mixtral_infer.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from mixtral_infer.serve.server import DrainingServer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 64  # tokens a request (--max-model-len) of the served engine
 LONG = {"prompt": "module", "max_tokens": 30000, "ignore_eos": True}  # runs until cancelled
 
 
@@ -94,7 +97,99 @@ def refuses_connections(port: int) -> bool:
     return False
 
 
+@pytest.fixture(scope="module")
+def served(tokenizer_path):
+    served = Served(tokenizer_path, max_model_len=LIMIT)
+    yield served
+    served.close()
+
+
 CHAT = {"messages": [{"role": "user", "content": "module"}]}
+
+
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        # were 200: 16 tokens (the default), and temperature 1
+        ("/v1/completions", {"prompt": "hi", "max_token": 2}, "max_token", "unknown field 'max_token': did you mean 'max_tokens'?"),
+        ("/v1/completions", {"prompt": "hi", "temprature": 0}, "temprature", "unknown field 'temprature': did you mean 'temperature'?"),
+        ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 2}, "max_completion_tokens", "did you mean 'max_tokens'?"),
+        ("/v1/chat/completions", {**CHAT, "prompt": "hi"}, "prompt", "unknown field 'prompt': did you mean 'messages'?"),
+        ("/v1/chat/completions", {**CHAT, "max_tokenz": 2}, "max_tokenz", "unknown field 'max_tokenz': did you mean 'max_tokens'?"),
+        ("/v1/chat/completions", {**CHAT, "top_logprob": 2}, "top_logprob", "did you mean 'top_logprobs'?"),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"include_usuage": True}},
+         "stream_options.include_usuage", "did you mean 'stream_options.include_usage'?"),  # fmt: skip
+        ("/v1/completions", {"prompt": "hi", "zzz": 1, "max_token": 2}, "zzz",
+         "unknown field 'zzz' (known: best_of, echo, frequency_penalty, "),  # fmt: skip
+    ],
+)
+def test_unknown_fields_are_refused_naming_the_nearest_known_one(served, path, body, param, message):
+    status, _, error = served.request("POST", path, body)
+    assert status == 400, error
+    assert error["error"]["param"] == param and error["error"]["code"] == "unknown_parameter"
+    assert error["error"]["type"] == "invalid_request_error" and message in error["error"]["message"]
+    if param == "zzz":  # every unknown field is named
+        assert "; unknown field 'max_token': did you mean 'max_tokens'?" in error["error"]["message"]
+
+
+def test_openai_s_fields_and_the_documented_extensions_are_still_taken(served):
+    """vLLM's extensions that docs/serving.md lists, and OpenAI's fields that change nothing here."""
+    completion = {"prompt": "module", "max_tokens": 3, "temperature": 0, "top_k": 5, "ignore_eos": True, "repetition_penalty": 1.1,
+                  "min_tokens": 1, "user": "u", "seed": 1, "top_p": 0.9, "n": 1, "best_of": 1, "echo": False, "suffix": None,
+                  "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "logprobs": None, "stop": None,
+                  "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None}  # fmt: skip
+    status, _, answer = served.request("POST", "/v1/completions", completion)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3
+    chat = {**CHAT, "max_completion_tokens": 2, "ignore_eos": True, "store": False, "metadata": {"a": "b"}, "user": "u",
+            "parallel_tool_calls": True, "service_tier": "auto", "top_logprobs": 0, "logprobs": False}  # fmt: skip
+    status, _, answer = served.request("POST", "/v1/chat/completions", chat)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    # Every field docs/serving.md names per request is one an endpoint knows.
+    docs = (ROOT / "docs" / "serving.md").read_text(encoding="utf-8")
+    per_request = docs[docs.index("Per request:") : docs.index("**Several answers.**")]
+    named = {name for name in re.findall(r"`([a-z_]+)`", per_request)}
+    assert named and named <= COMPLETION_FIELDS | CHAT_FIELDS, named - (COMPLETION_FIELDS | CHAT_FIELDS)
+
+
+def test_unknown_paths_and_wrong_methods_answer_in_openai_s_shape(served):
+    """They answered Starlette's {"detail": "Not Found"} and {"detail": "Method Not Allowed"}."""
+    status, _, error = served.request("GET", "/v1/nothing")
+    assert status == 404 and set(error) == {"error"}
+    assert error["error"] == {"message": error["error"]["message"], "type": "not_found_error", "param": None, "code": None}
+    assert error["error"]["message"].startswith("GET /v1/nothing: no such endpoint (this server has POST /v1/completions")
+    status, headers, error = served.request("GET", "/v1/completions")
+    assert status == 405 and headers["allow"] == "POST" and set(error) == {"error"}
+    assert error["error"]["message"] == "GET /v1/completions: method not allowed (this path takes POST)"
+    assert error["error"]["type"] == "invalid_request_error"
+    status, _, error = served.request("DELETE", "/health")
+    assert status == 405 and "DELETE /health: method not allowed" in error["error"]["message"]
+
+
+def test_a_failure_of_the_server_s_own_is_a_500_in_openai_s_shape(served, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(served.engine, "submit", broken)
+    status, _, error = served.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert status == 500 and error["error"]["type"] == "server_error"
+    assert error["error"]["message"] == "the server failed on this request (RuntimeError): its log has the traceback"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, "max_tokens"),  # it named prompt
+        ("/v1/completions", {"prompt": ["x", "module module"], "max_tokens": LIMIT - 2}, "max_tokens"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens"),  # it named messages
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**9}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": list(range(3, 3 + LIMIT)), "max_tokens": 1}, "prompt"),  # the prompt alone fills the limit
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "module " * LIMIT}], "max_tokens": 1}, "messages"),
+    ],
+)
+def test_a_request_over_the_model_s_limit_names_the_field_to_change(served, path, body, param):
+    status, _, error = served.request("POST", path, body)
+    assert status == 400 and error["error"]["param"] == param, error
+    assert f"limit of {LIMIT} tokens per sequence" in error["error"]["message"]
 
 
 def test_a_drain_answers_new_requests_503_while_running_ones_finish_then_stops(tokenizer_path):

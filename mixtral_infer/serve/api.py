@@ -8,6 +8,11 @@ streamed response writes the events that have arrived since its last write in on
 client goes away (a stream stops being read; a request for a whole answer polls for it), the request is
 cancelled: the engine frees its row at the start of its next step. ``GET /`` is a chat page over
 ``/v1/chat/completions`` (``chat_page.html``).
+
+Every error has OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: the requests'
+own (``protocol``), and Starlette's and FastAPI's refusals (an unknown path, a wrong method), which
+would otherwise answer ``{"detail": ...}``. While the server drains (``server``), a generation
+request is a 503 with ``Retry-After`` and ``/health`` a 503 whose status is ``draining``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Opti
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.settings import SEED_LIMIT
@@ -44,6 +50,7 @@ DEFAULT_CHAT_TOKENS = 512  # an answer's length when a chat request gives no max
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+ENDPOINTS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics and /"
 
 
 def make_app(
@@ -67,6 +74,25 @@ def make_app(
     async def bad_request(request: Request, error: BadRequest):
         kind = "invalid_request_error" if error.status == 400 else "not_found_error"
         return JSONResponse(error_body(error.message, kind, error.param, error.code), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        """Starlette's refusals (an unknown path, a wrong method) in OpenAI's body, not ``{"detail": ...}``."""
+        where = f"{request.method} {request.url.path}"
+        if error.status_code == 404:
+            message, kind = f"{where}: no such endpoint (this server has {ENDPOINTS})", "not_found_error"
+        elif error.status_code == 405:
+            allowed = (error.headers or {}).get("Allow", "")
+            message, kind = f"{where}: method not allowed (this path takes {allowed or 'other methods'})", "invalid_request_error"
+        else:
+            message, kind = f"{where}: {error.detail}", "invalid_request_error"
+        return JSONResponse(error_body(message, kind), status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception):
+        """A failure of the server's own (a bug): a 500 in OpenAI's body; uvicorn logs the traceback."""
+        message = f"the server failed on this request ({type(error).__name__}): its log has the traceback"
+        return JSONResponse(error_body(message, "server_error"), status_code=500)
 
     def default_max_tokens(prompt_length: int) -> int:
         if engine.max_model_len is None:
@@ -100,6 +126,19 @@ def make_app(
             raise
         return handles
 
+    def refused_field(parsed: ParsedRequest, chat: bool) -> str:
+        """The field to blame for a request the engine refuses: its first prompt that does not fit
+        the model's limit is the prompt's fault (a chat's: its messages') when it fills the limit
+        alone, else its max_tokens' (the engine checks in that order: ``engine.check_request``)."""
+        prompt_field = "messages" if chat else "prompt"
+        limit = engine.max_model_len
+        for prompt in parsed.prompts if limit is not None else []:
+            if len(prompt) >= limit:
+                return prompt_field
+            if len(prompt) + parsed.settings.max_tokens > limit:
+                return parsed.max_tokens_field
+        return prompt_field
+
     async def respond(request: Request, parsed: ParsedRequest, fmt: "CompletionFormat"):
         loop = asyncio.get_running_loop()
         pump = pumps.setdefault(id(loop), EventPump(loop))
@@ -112,9 +151,8 @@ def make_app(
             return JSONResponse(
                 error_body(f"{error}: retry later", kind), status_code=status, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
             )
-        except GenerationError as error:  # the prompt: a chat's comes from its messages
-            param = "messages" if isinstance(fmt, ChatFormat) else "prompt"
-            return JSONResponse(error_body(str(error), param=param), status_code=400)
+        except GenerationError as error:  # a prompt that can never run, or too long for its max_tokens
+            return JSONResponse(error_body(str(error), param=refused_field(parsed, isinstance(fmt, ChatFormat))), status_code=400)
         answers = len(handles)
         formats = [fmt.for_choice(index) for index in range(answers)]
         if parsed.tools is not None:  # each choice's text is held while it may be a list of calls

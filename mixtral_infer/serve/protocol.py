@@ -1,11 +1,14 @@
 """OpenAI request bodies: read, check, and turn into a prompt and ``RequestSettings``.
 
 Every check raises ``BadRequest`` naming the field (``param``) and what is expected, which
-the server sends as a 400 with OpenAI's error body. Fields of OpenAI's API that change
-nothing here are accepted (``user``, penalties of 0); those this server cannot honour
-(``echo``, ``best_of`` other than ``n``, ``suffix``, tools: ``CANNOT_HONOUR``) are refused, not
-ignored. Extensions, as vLLM has them: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
-``min_tokens``, and ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+the server sends as a 400 with OpenAI's error body. A field the endpoint does not know is refused,
+as OpenAI refuses it, naming the nearest known one (``unknown field 'max_token': did you mean
+'max_tokens'?``): a mistyped field silently ignored gives an answer other than the one asked for.
+Fields of OpenAI's API that change nothing here are accepted (``user``, ``store``, penalties of 0);
+those this server cannot honour (``echo``, ``best_of`` other than ``n``, ``suffix``, the deprecated
+``functions``: ``CANNOT_HONOUR``) are refused, not ignored. Extensions, as vLLM has them: ``top_k``,
+``ignore_eos``, ``repetition_penalty``, ``min_tokens``, and ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``.
 
 Structured output: ``response_format`` (``json_object``; ``json_schema`` with its ``schema``, always
 enforced, ``strict`` or not) or one ``guided_*`` field becomes a ``Constraint``, compiled here so
@@ -30,6 +33,7 @@ and for a ChatML fine-tune's tokenizer (``Tokenizer.chat_format``), ChatML's tex
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -65,8 +69,28 @@ CANNOT_HONOUR = (
     ("function_call", (None, "none"), "function calling (the deprecated form: give tool_choice)"),
     ("modalities", (None, ["text"]), "output other than text"),
     ("audio", (None,), "audio output"),
+    ("prediction", (None,), "predicted outputs"),
+    ("reasoning_effort", (None,), "reasoning effort (a model that reasons)"),
+    ("verbosity", (None,), "a verbosity (a model that reasons)"),
+    ("web_search_options", (None,), "web search"),
 )
 GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "lark"))
+
+# The fields each endpoint knows; any other is refused (check_fields). Both take OpenAI's sampling
+# fields and vLLM's extensions (docs/serving.md lists them).
+SAMPLING_FIELDS = frozenset({
+    "model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format", "tools", "tool_choice",
+    "top_k", "ignore_eos", "repetition_penalty", "min_tokens", *(name for name, _ in GUIDED),
+})  # fmt: skip
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix"}
+CHAT_FIELDS = SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls", "store", "metadata", "service_tier",
+    "prompt_cache_key", "safety_identifier", *(name for name, _, _ in CANNOT_HONOUR if name != "suffix"),
+}  # fmt: skip
+STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})  # obfuscation pads chunks: nothing to change here
+# The other endpoint's name of a field, where difflib would not find it ("min_tokens" is nearer "max_completion_tokens").
+COUNTERPARTS = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs", "messages": "prompt", "prompt": "messages"}
 MAX_PENALTY = 2.0  # presence and frequency penalties in [-2, 2], as OpenAI
 MAX_BIAS = 100.0  # logit_bias values in [-100, 100], as OpenAI
 
@@ -90,6 +114,7 @@ class ParsedRequest:
     include_usage: bool
     n: int = 1  # choices of each prompt
     tools: Optional[List[Dict[str, Any]]] = None  # a chat's functions the model may call (serve.tools)
+    max_tokens_field: str = "max_tokens"  # the field that gave max_tokens (a chat's may be max_completion_tokens)
 
     @property
     def prompt(self) -> List[int]:
@@ -120,6 +145,21 @@ def _is_number(value: Any) -> bool:
 def _get(body: Dict[str, Any], name: str, default: Any) -> Any:
     value = body.get(name, default)
     return default if value is None else value
+
+
+def check_fields(given: Dict[str, Any], known: frozenset, where: str = "") -> None:
+    """Refuse fields outside ``known``, each named with the nearest known one, e.g.
+    ``{"prompt": "hi", "max_token": 2}`` -> ``unknown field 'max_token': did you mean 'max_tokens'?``
+    (param ``max_token``). ``where``: the object's own field (``stream_options.``)."""
+    unknown = [name for name in given if name not in known]
+    if not unknown:
+        return
+    said = []
+    for name in unknown:
+        nearest = [COUNTERPARTS[name]] if COUNTERPARTS.get(name) in known else difflib.get_close_matches(str(name), known, n=1)
+        hint = f": did you mean {where + nearest[0]!r}?" if nearest else f" (known: {', '.join(sorted(known))})"
+        said.append(f"unknown field {where + str(name)!r}{hint}")
+    raise BadRequest("; ".join(said), where + str(unknown[0]), code="unknown_parameter")
 
 
 def _check_model(body: Dict[str, Any], served: str) -> None:
@@ -250,6 +290,7 @@ def _stream_options(body: Dict[str, Any]) -> tuple[bool, bool]:
     options = _get(body, "stream_options", {})
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
+    check_fields(options, STREAM_OPTIONS, "stream_options.")
     include_usage = _get(options, "include_usage", False)
     if not isinstance(include_usage, bool):
         raise BadRequest(f"stream_options.include_usage={include_usage!r} must be true or false", "stream_options")
@@ -270,6 +311,7 @@ def _prompt_ids(prompt: Any, tokenizer: Tokenizer, where: str) -> List[int]:
 
 def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) -> ParsedRequest:
     """``/v1/completions``: the prompt is a string or token ids, or a list of them (one answer each)."""
+    check_fields(body, COMPLETION_FIELDS)
     _check_model(body, served)
     _check_unsupported(body)
     for name in ("tools", "tool_choice"):
@@ -366,6 +408,7 @@ def parse_chat(
 ) -> ParsedRequest:
     """``/v1/chat/completions``; without max_tokens, an answer runs to EOS or to
     ``default_max_tokens(prompt length)`` tokens."""
+    check_fields(body, CHAT_FIELDS)
     _check_model(body, served)
     _check_unsupported(body)
     tools, choice = None, "none"
@@ -401,4 +444,5 @@ def parse_chat(
         settings.max_tokens = max(1, default_max_tokens(len(ids)))
     parsed = ParsedRequest([ids], settings, stream, include_usage, _get(body, "n", 1))
     parsed.tools = tools if choice != "none" else None
+    parsed.max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return parsed
