@@ -513,3 +513,125 @@ class RotatingBufferCache:
     def advance(self, chunk_lengths: List[int]) -> None:
         """Count a chunk's tokens as seen, once every layer has written them."""
         self.tokens_seen = [seen + n for seen, n in zip(self.tokens_seen, chunk_lengths)]
+
+
+class SlackSlots:
+    """A few slots beside each row's windowed buffers that keep the positions the buffer pushed out
+    last, so that a row which has wrapped can be cut back up to ``slack`` tokens (``cut_back``):
+    serving's prefix reuse, where a regenerated answer or an edited last message goes back a few
+    tokens into a long conversation. Attention never reads them; only the engine's steps write them.
+
+    In a windowed buffer of S slots, writing position p overwrites position p - S ("pushes it out").
+    Before a pass writes, ``save`` copies each row's positions about to be pushed out into its slack
+    slot ``p % slack``, so a row that has seen ``seen`` tokens keeps, beside the positions
+    ``seen - S .. seen - 1`` of its buffer, the ``saved`` (at most ``slack``) before them. Only positions
+    the buffer holds before the pass can be kept: a chunk longer than S pushes out positions it wrote
+    itself, never stored, and leaves the row none saved. A full-attention buffer never wraps: nothing to keep.
+
+    Worked example, S = 4, slack 3, one row that reads positions 0..3 then decodes 4, 5, 6, each step
+    pushing out one position::
+
+        seen 7: buffer slots [4 5 6 3], slack slots [0 1 2], saved 3
+        cut_back(row, 5): its window is positions 1..4; 1 and 2 come back from the slack
+        seen 5: buffer slots [4 1 2 3], saved 1 (position 0, still beside them)
+
+    ``saved[row][kind]``: per row, per kind of layer (``RotatingBufferCache.kinds``), how many positions
+    are kept; 0 for a full-attention kind.
+    """
+
+    def __init__(self, cache: RotatingBufferCache, slack: int):
+        if as_int(slack) is None or slack < 0:
+            raise GenerationError(f"slack={slack!r}: the slots kept beside each row must be an integer >= 0")
+        self.cache, self.slack = cache, as_int(slack)
+        self.keys: List[Optional[torch.Tensor]] = []  # per kind: (L_kind, B_max, slack, H_kv, Dh), None where none is kept
+        self.values: List[Optional[torch.Tensor]] = []
+        for index, kind in enumerate(cache.kinds):
+            kept = self.slack > 0 and kind.window is not None
+            shape = (cache.kind_k[index].shape[0], cache.max_batch_size, self.slack, cache.n_kv_heads, cache.head_dim)
+            self.keys.append(torch.zeros(shape, dtype=cache.dtype, device=cache.device) if kept else None)
+            self.values.append(torch.zeros(shape, dtype=cache.dtype, device=cache.device) if kept else None)
+        self.saved: List[List[int]] = [[0] * len(cache.kinds) for _ in range(cache.max_batch_size)]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values if t is not None)
+
+    def save(self, chunk_lengths: Sequence[int]) -> None:
+        """Keep the positions a pass of ``chunk_lengths`` tokens per row is about to push out of the
+        buffers (before it writes them; ``cache.tokens_seen`` as before the pass)."""
+        seen = self.cache.tokens_seen
+        for index, kind in enumerate(self.cache.kinds):
+            if self.keys[index] is None:
+                continue
+            size, slack = kind.size, self.slack
+            source: List[int] = []  # flat slot b * S + p % S of each position kept
+            target: List[int] = []  # its flat slack slot b * slack + p % slack
+            for row, n in enumerate(chunk_lengths):
+                first, end = max(0, seen[row] - size), max(0, seen[row] + n - size)  # pushed out: first .. end - 1
+                if end == first:
+                    continue
+                if end > seen[row]:  # the chunk pushes out positions of its own, never stored
+                    self.saved[row][index] = 0
+                    continue
+                for p in range(max(first, end - slack), end):
+                    source.append(row * size + p % size)
+                    target.append(row * slack + p % slack)
+                self.saved[row][index] = min(slack, self.saved[row][index] + end - first)
+            if source:
+                self._move(self.cache.kind_k[index], self.keys[index], source, target)
+                self._move(self.cache.kind_v[index], self.values[index], source, target)
+
+    @staticmethod
+    def _move(from_: torch.Tensor, to: torch.Tensor, source: List[int], target: List[int]) -> None:
+        """``to``'s flat slots ``target`` = ``from_``'s flat slots ``source`` (flat over rows and slots), in every layer."""
+        device = from_.device
+        flat_from = from_.flatten(1, 2)  # (L_kind, B_max * S_from, H_kv, Dh), a view
+        flat_to = to.flatten(1, 2)
+        picked = flat_from.index_select(1, torch.tensor(source, dtype=torch.long, device=device))
+        flat_to.index_copy_(1, torch.tensor(target, dtype=torch.long, device=device), picked)
+
+    def cut_back(self, row: int, length: int) -> None:
+        """Make ``row`` hold the state of its first ``length`` tokens: the positions of its window that
+        its buffers pushed out come back from the slack; ``cache.tokens_seen[row]`` becomes ``length``.
+        GenerationError where they are no longer kept (``serve.prefix_reuse.can_cut_back`` says which)."""
+        seen = self.cache.tokens_seen[row]
+        if not 0 <= length <= seen:
+            raise GenerationError(f"cut_back({row}, {length}): row {row} has seen {seen} tokens")
+        moves = []
+        for index, kind in enumerate(self.cache.kinds):
+            size = kind.size
+            pushed, kept = max(0, seen - size), self.saved[row][index]  # positions pushed - kept .. pushed - 1 are kept
+            back = range(max(0, length - size), min(length, pushed))  # in the window before `length`, pushed out
+            if len(back) and back.start < pushed - kept:
+                raise GenerationError(f"cut_back({row}, {length}): row {row} ({seen} tokens seen) keeps positions from "
+                                      f"{pushed - kept} on in its layers of {size} slots, not {back.start}")  # fmt: skip
+            moves.append(back)
+        for index, (kind, back) in enumerate(zip(self.cache.kinds, moves)):
+            if len(back):
+                source = [row * self.slack + p % self.slack for p in back]
+                target = [row * kind.size + p % kind.size for p in back]
+                self._move(self.keys[index], self.cache.kind_k[index], source, target)
+                self._move(self.values[index], self.cache.kind_v[index], source, target)
+            pushed, now = max(0, seen - kind.size), max(0, length - kind.size)
+            self.saved[row][index] = max(0, min(now, self.saved[row][index] - (pushed - now)))
+        self.cache.tokens_seen[row] = length
+
+    def copy_row(self, source: int, target: int, length: int) -> None:
+        """Put into row ``target`` the state of row ``source``'s first ``length`` tokens (``cut_back``),
+        slack slots included; ``source`` stays as it is. Copies only the slots ``0 .. length - 1`` of a
+        buffer that has not wrapped (``copied_slots``), the whole buffer of one that has."""
+        seen = self.cache.tokens_seen[source]
+        for index, kind in enumerate(self.cache.kinds):
+            part = copied_slots(length, kind.size) if seen <= kind.size else None
+            part = slice(None) if part is None else part
+            for buffer in (self.cache.kind_k[index], self.cache.kind_v[index]):
+                buffer[:, target, part] = buffer[:, source, part]
+            for buffer in (self.keys[index], self.values[index]):
+                if buffer is not None:
+                    buffer[:, target] = buffer[:, source]
+        self.saved[target] = list(self.saved[source])
+        self.cache.tokens_seen[target] = seen
+        self.cut_back(target, length)
+
+    def forget(self, row: int) -> None:
+        """``row`` keeps nothing beside its slots (its sequence ended, or its slots were cleared)."""
+        self.saved[row] = [0] * len(self.cache.kinds)

@@ -53,13 +53,17 @@ from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling, sample
 from mixtral_infer.generation.text_stream import StopStrings, TextStream
 from mixtral_infer.model.transformer import Transformer
+from mixtral_infer.model.cache import SlackSlots
 from mixtral_infer.serve.prefix_reuse import (
     MIN_REUSED_TOKENS,
+    Answer,
     Placement,
     RowState,
     common_prefix,
+    kept_answers,
     place,
     spare_rows,
+    with_generated_answer,
 )
 from mixtral_infer.structured.grammar import Constraint, RowGrammar, fill_bitmask, grammar_of
 from mixtral_infer.structured.logits import RowPenalties, apply_bitmask, apply_penalties, dense_penalties
@@ -201,6 +205,14 @@ class Engine:
     Otherwise it is ``Transformer.forward`` over the ragged batch, whose attention runs in two
     parts off CUDA, the decoding rows over their own buffers and the prompts over their own caches
     (``cache.split_mixed``).
+
+    ``prefix_reuse``: a request continues the row that holds the start of its prompt
+    (``serve.prefix_reuse``). ``slack`` (with ``prefix_reuse``): the positions each row's windowed
+    layers keep after they push them out (``model.cache.SlackSlots``), so a row that has wrapped
+    steps back up to that many tokens: the same request sent again, an edited last message. They
+    cost ``slack`` more slots per row in each windowed layer (``sizing.plan_rows``' ``slack``), and
+    a copy of the positions about to be pushed out before each pass; a prompt's last chunk longer
+    than a windowed buffer is read in two (``_plan``). Off (0) by default.
     """
 
     def __init__(
@@ -219,6 +231,7 @@ class Engine:
         after_step: Optional[Callable[[], None]] = None,
         tuning: Optional[Tuning] = None,
         prefix_reuse: bool = True,
+        slack: int = 0,
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
             raise GenerationError(f"rows={rows} and prefill_tokens={prefill_tokens} must be >= 1, max_queue={max_queue} >= 0")
@@ -249,6 +262,13 @@ class Engine:
         self.slots: List[Optional[Request]] = [None] * rows
         self.prefix_reuse = prefix_reuse
         self.row_states = [RowState() for _ in range(rows)]  # the ids each row holds (prefix_reuse)
+        # Positions each row's windowed layers pushed out last, kept so a wrapped row can step back
+        # (prefix_reuse, "Cutting a row back"): a regenerated answer, an edited last message.
+        self.slack = SlackSlots(self.cache, slack if prefix_reuse else 0)
+        # A prompt's last chunk longer than the smallest windowed buffer (S) is read in two, its last
+        # min(slack, S) tokens alone, so that the positions they push out are kept (_plan).
+        windowed = [kind.size for kind in self.cache.kinds if kind.window is not None]
+        self.split_longer_than = min(windowed) if self.slack.slack and windowed else None
         self.uses = itertools.count(1)  # RowState.last_used
         self.prefix_hits = 0  # requests that started after tokens already in a row
         self.reused_tokens = 0  # prompt tokens not read again
@@ -405,7 +425,8 @@ class Engine:
         still spoil its sums."""
         for row in rows:
             self.cache.clear_row(row)
-            self.row_states[row].ids = []
+            self.slack.forget(row)
+            self.row_states[row].ids, self.row_states[row].answers = [], []
 
     @torch.inference_mode()
     def step(self) -> bool:
@@ -439,6 +460,7 @@ class Engine:
         self, seqlens: List[int], chunks: List[List[int]], sampled: List[Request], decode_only: bool
     ) -> torch.Tensor:
         """Logits ``(len(sampled), V)`` after feeding each row its first ``seqlens[row]`` tokens of ``chunks``."""
+        self.slack.save(seqlens)  # before the pass writes over them
         static = self._static_step_is_cheaper(seqlens) if self.choose_per_step else self.mode != "eager"
         if decode_only and static:
             return self._decode_only(sampled)
@@ -509,19 +531,22 @@ class Engine:
         of its prompt the row already holds or gets copied."""
         if placement is None:
             if self.prefix_reuse:
+                self._read_generated_answer(request)
                 busy = {row for row, holder in enumerate(self.slots) if holder is not None}
-                placement = place(request.prompt, self.row_states, busy, self.cache.kinds)
+                placement = place(request.prompt, self.row_states, busy, self.cache.kinds, self.slack.saved)
             else:
                 placement = Placement(self.slots.index(None), 0)
         row, reused = placement.row, placement.reused
         state = self.row_states[row]
+        answers = self.row_states[row if placement.source is None else placement.source].answers
+        state.answers = kept_answers(answers, request.prompt, reused) if reused else []
         if placement.source is not None:
             self._copy_row(placement.source, row, reused)
             state.ids = self.row_states[placement.source].ids[:reused]
         else:
+            self.slack.cut_back(row, reused)  # the window before `reused` back in its slots, from the slack
             del state.ids[reused:]  # the row's slots past `reused` count as empty: nothing in them is visible
         state.last_used = next(self.uses)
-        self.cache.tokens_seen[row] = reused
         request.fed = request.reused = reused
         self.last_admission = self.steps
         request.row = row
@@ -536,8 +561,27 @@ class Engine:
             self.metrics.prompt_read(reused, len(request.prompt) - reused)
 
     def _copy_row(self, source: int, row: int, length: int) -> None:
-        """Put into ``row`` the state of ``source``'s first ``length`` tokens (``model.cache.copied_slots``, in each layer)."""
-        self.cache.copy_row(source, row, length)
+        """Put into ``row`` the state of ``source``'s first ``length`` tokens (``SlackSlots.copy_row``, in each layer)."""
+        self.slack.copy_row(source, row, length)
+
+    def _read_generated_answer(self, request: Request) -> None:
+        """Where ``request``'s prompt sends back, encoded again, the answers a row generated, read the
+        generated ids instead (``prefix_reuse.with_generated_answer``): the same text, and the row goes on
+        at its end. The prompt must still fit ``max_model_len`` with ``max_tokens``; the usage reports
+        the prompt as read."""
+        limit = None if self.max_model_len is None else self.max_model_len - request.settings.max_tokens
+        tokenizer = self.tokenizer
+        prompt = with_generated_answer(
+            request.prompt, self.row_states, tokenizer.decode, lambda text: tokenizer.encode(text, bos=False), limit
+        )
+        if prompt is request.prompt:
+            return
+        request.prompt = prompt
+        if request.penalties is not None:  # repetition_penalty counts the prompt's tokens
+            s = request.settings
+            request.penalties = RowPenalties.of(
+                s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias, prompt
+            )
 
     def _take_followers(self, sampled: List[Request], logits: torch.Tensor) -> Tuple[List[Request], torch.Tensor]:
         """The waiting choices that follow a request which has just read its prompt, each given a free
@@ -553,6 +597,7 @@ class Engine:
                     continue
                 self.queue.remove(request)
                 leader = request.follows
+                request.prompt = leader.prompt  # the same prompt, as the leader read it (_read_generated_answer)
                 row = spare_rows(self.row_states, [r for r in range(self.rows) if self.slots[r] is None])[0]
                 self._admit(request, Placement(row, len(leader.prompt), leader.row))
                 sampled.append(request)
@@ -574,6 +619,9 @@ class Engine:
                 end = request.fed + budget
                 if request.pause_at is not None and request.pause_at > request.fed:  # a waiting request copies it there
                     end = min(end, request.pause_at)
+                longest = self.split_longer_than
+                if longest is not None and end >= len(request.prompt) and len(request.prompt) - request.fed > longest:
+                    end = len(request.prompt) - min(self.slack.slack, longest)  # the last tokens alone: their pushed-out positions are kept
                 chunks[request.row] = request.prompt[request.fed : end]
                 budget -= len(chunks[request.row])
                 segments -= 1
@@ -872,7 +920,10 @@ class Engine:
             if request.row is not None and self.slots[request.row] is request:
                 self.slots[request.row] = None
                 self.running.remove(request)
-                self.row_states[request.row].last_used = next(self.uses)
+                state = self.row_states[request.row]
+                state.last_used = next(self.uses)
+                if reason in ("stop", "length") and request.generated:  # the row holds the prompt, then the answer
+                    state.answers.append(Answer(len(request.prompt), list(request.generated)))
         text = "" if reason in ("cancelled", "error") else request.stops.push(request.detokenizer.finish()) + request.stops.flush()
         if self.metrics is not None:
             self.metrics.finished(reason, time.perf_counter() - request.arrival, len(request.prompt), len(request.generated))

@@ -12,6 +12,10 @@ full-attention and windowed layers (Ministral 8B: one in four full) costs a row
 Worked example (Mistral 7B shape in bfloat16: 32 layers, 8 KV heads of 128, window 4096):
 a row is ``2 * 32 * 4096 * 8 * 128 * 2`` bytes = 512 MiB; with an 80 GB GPU at fraction 0.9
 (72 GB), 14.5 GB of weights and a 1 GB step peak, ``(72 - 14.5 - 1) GB / 512 MiB`` = 105 rows.
+
+Slack (``Engine``'s ``slack``, ``model.cache.SlackSlots``): each windowed layer of a row keeps that
+many slots more, so a row costs ``slack`` more slots in them; with a slack of 512 the row above is
+``2 * 32 * (4096 + 512) * 8 * 128 * 2`` bytes = 576 MiB, and 93 rows fit.
 """
 
 from __future__ import annotations
@@ -141,16 +145,20 @@ def plan_rows(
     max_rows: Optional[int] = None,
     memory_fraction: Optional[float] = None,
     max_model_len: Optional[int] = None,
+    slack: int = 0,
 ) -> RowPlan:
     """The rows: ``max_rows`` when given alone; else from ``memory_fraction`` (default 0.9) of
-    the device's memory, at most ``max_rows`` (default ``DEFAULT_ROW_CAP``)."""
+    the device's memory, at most ``max_rows`` (default ``DEFAULT_ROW_CAP``). ``slack``: the slots
+    a row keeps beside each windowed layer's buffer (the engine's ``slack``), counted in its bytes."""
     windows = model.args.layer_windows
     slots = max_model_len if model.args.full_attention else max(w for w in windows if w is not None)
     if slots is None:
         what = "without a sliding window" if model.args.sliding_window is None else "with full-attention layers"
         raise GenerationError(f"a model {what} needs --max-model-len (tokens per sequence) to size its rows")
-    row_bytes = kv_cache_bytes(model.args, 1, slots, model.dtype, model.parallel)
+    row_bytes = kv_cache_bytes(model.args, 1, slots, model.dtype, model.parallel) + slack_bytes(model, slack)
     text = layer_slots_text(windows, slots)
+    if slack:
+        text = f"{text or slots} (and {slack} slack)"
     weights = weight_bytes(model)
     device = model.device
     if max_rows is not None and memory_fraction is None:
@@ -178,6 +186,13 @@ def plan_rows(
     if fit > cap:
         reason += f", capped at {cap}" + (" (--max-rows)" if max_rows is not None else " (give --max-rows for more)")
     return RowPlan(int(min(fit, cap)), slots, row_bytes, weights, peak, budget, reason, text)
+
+
+def slack_bytes(model: Transformer, slack: int) -> int:
+    """Bytes a row's slack slots take on this rank: keys and values of ``slack`` slots in each windowed layer."""
+    args, parallel = model.args, model.parallel
+    windowed = sum(args.layer_windows[i] is not None for i in parallel.layer_range(args.n_layers))
+    return 2 * slack * windowed * len(parallel.share(args.n_kv_heads)) * args.head_dim * model.dtype.itemsize
 
 
 def layer_slots_text(windows, max_seqlen: int) -> str:
