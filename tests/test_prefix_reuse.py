@@ -14,12 +14,17 @@ from mixtral_infer.serve.engine import Engine, Finished, RequestSettings, TokenE
 from mixtral_infer.serve import prefix_reuse
 from mixtral_infer.serve.prefix_reuse import (
     MIN_REUSED_TOKENS,
+    Answer,
     Placement,
     RowState,
+    answer_length,
     can_cut_back,
+    kept_answers,
     reusable_length,
+    with_generated_answer,
 )
-from mixtral_infer.model.cache import BufferKind, copied_slots
+from mixtral_infer.errors import GenerationError
+from mixtral_infer.model.cache import BufferKind, RotatingBufferCache, SlackSlots, copied_slots
 from mixtral_infer.serve.protocol import chat_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -75,6 +80,237 @@ def test_reusable_length_is_the_rule_in_every_kind_of_layer():
     assert reusable_length(held, [1, 5, 6, 7, 2], mixed) == 0  # a cut back the windowed layers cannot make
     assert reusable_length(held, [1, 5, 6, 7, 2], [BufferKind(64, None)]) == 4
     assert reusable_length(held[:3], [1, 5, 2], mixed) == 2  # never wrapped: any prefix
+
+
+def test_cut_back_with_slack_table_of_the_docstring():
+    """S = W = 4, slack 2: the module docstring's table, row by row (seen, saved) -> lengths it serves."""
+    table = {(3, 0): range(0, 4), (4, 0): range(0, 5), (5, 0): [5], (5, 1): range(0, 6), (7, 2): [5, 6, 7]}
+    for (seen, saved), served in table.items():
+        assert [m for m in range(9) if can_cut_back(seen, m, W, W, saved)] == list(served), (seen, saved)
+
+
+def test_reusable_length_counts_what_each_kind_of_layer_saved():
+    """reusable_length's docstring (position 0 saved), and the module docstring's per-layer example:
+    layers [full (64 slots), W = 4], a row at h = 7 whose windowed layers saved 2 positions."""
+    assert reusable_length([1, 5, 6, 7, 8], [1, 5, 6, 7, 2], ONE, saved=[1]) == 4
+    mixed = [BufferKind(64, None), BufferKind(W, W)]
+    held = [1, 5, 6, 7, 8, 9, 10]
+    served = [m for m in range(1, 8) if reusable_length(held, held[:m] + [99], mixed, saved=[0, 2]) == m]
+    assert served == [5, 6, 7]
+    assert reusable_length(held, held[:4] + [99], mixed, saved=[0, 2]) == 0  # the windowed layers lack p0
+    assert reusable_length(held, held[:4] + [99], [BufferKind(64, None)], saved=[0]) == 4
+
+
+# ---- slack slots: what a wrapped row keeps, and how it steps back ----------------------------
+
+
+def positions_cache(slack, sizes=(W,), windows=(W,), rows=1):
+    """A cache whose keys and values are the positions they stand for (one head of one number),
+    with SlackSlots beside it."""
+    cache = RotatingBufferCache(len(sizes), rows, list(sizes), 1, 1, list(windows))
+    cache.start_sequences(rows)
+    return cache, SlackSlots(cache, slack)
+
+
+def feed(cache, slack, row, n):
+    """Feed ``row`` n tokens as a pass does: the slack keeps what they push out, then each layer writes
+    positions seen .. seen + n - 1 (the last S of them) into slots p % S."""
+    lengths = [0] * cache.max_batch_size
+    lengths[row] = n
+    slack.save(lengths)
+    seen = cache.tokens_seen[row]
+    for index, kind in enumerate(cache.kinds):
+        for p in range(max(seen, seen + n - kind.size), seen + n):
+            cache.kind_k[index][:, row, p % kind.size] = float(p)
+            cache.kind_v[index][:, row, p % kind.size] = float(-p)
+    cache.tokens_seen[row] += n
+
+
+def slots(tensor, row=0):
+    return [int(x) for x in tensor[0, row, :, 0, 0].tolist()]
+
+
+def test_slack_slots_docstring_example():
+    """S = 4, slack 3: a row reads positions 0..3 and decodes 4, 5, 6; cut back to 5, then to 4."""
+    cache, slack = positions_cache(3)
+    feed(cache, slack, 0, 4)
+    for _ in range(3):
+        feed(cache, slack, 0, 1)
+    assert slots(cache.kind_k[0]) == [4, 5, 6, 3] and slots(slack.keys[0]) == [0, 1, 2] and slack.saved[0] == [3]
+    slack.cut_back(0, 5)
+    assert slots(cache.kind_k[0]) == [4, 1, 2, 3] and slots(cache.kind_v[0]) == [-4, -1, -2, -3]
+    assert cache.tokens_seen == [5] and slack.saved[0] == [1]
+    assert can_cut_back(5, 4, W, W, slack.saved[0][0])
+    slack.cut_back(0, 4)
+    assert slots(cache.kind_k[0]) == [0, 1, 2, 3] and slack.saved[0] == [0]
+    feed(cache, slack, 0, 1)  # going on from the cut: position 4 pushes out position 0 again
+    assert slots(cache.kind_k[0]) == [4, 1, 2, 3] and slack.saved[0] == [1]
+
+
+def test_slack_keeps_only_what_the_buffer_held_and_refuses_a_cut_it_cannot_make():
+    cache, slack = positions_cache(3)
+    feed(cache, slack, 0, 7)  # one chunk longer than S: positions 0..2 were never stored
+    assert slack.saved[0] == [0]
+    with pytest.raises(GenerationError, match="keeps positions from 3 on"):
+        slack.cut_back(0, 6)
+    feed(cache, slack, 0, 2)  # a chunk within S: positions 3, 4 pushed out and kept
+    assert slack.saved[0] == [2]
+    slack.cut_back(0, 7)
+    assert slots(cache.kind_k[0]) == [4, 5, 6, 3]
+    slack.cut_back(0, 0)  # a new sequence: nothing needed, nothing kept
+    assert cache.tokens_seen == [0] and slack.saved[0] == [0]
+
+
+def test_slack_copies_a_cut_back_row_and_leaves_its_source():
+    """Two kinds, a full-attention layer (16 slots) and a windowed one (W): a row at 9 tokens copied
+    to another at 7 gets the windowed positions 3..6 back from the slack; the source is unchanged."""
+    cache, slack = positions_cache(3, sizes=(16, W), windows=(None, W), rows=2)
+    feed(cache, slack, 0, 5)
+    for _ in range(4):
+        feed(cache, slack, 0, 1)
+    assert slack.saved[0] == [0, 3]  # the full-attention layer never pushes anything out
+    slack.copy_row(0, 1, 7)
+    assert slots(cache.kind_k[1], row=1) == [4, 5, 6, 3] and slots(cache.kind_k[1], row=0) == [8, 5, 6, 7]
+    assert slots(cache.kind_k[0], row=1)[:7] == list(range(7))
+    assert cache.tokens_seen == [9, 7] and slack.saved[1] == [0, 1]
+
+
+# ---- answers sent back as text ----------------------------------------------------------------
+
+PIECES = {29: "", 30: ",", 31: " and", 2: "", 9: " why", 40: " so", 41: " s", 42: "o"}
+
+
+def decode_pieces(ids):
+    return "".join(PIECES[i] for i in ids).lstrip()
+
+
+def encode_pieces(text):
+    return {", and": [29, 30, 31], "so": [40], "s": [41]}[text]
+
+
+def test_an_answer_encoded_again_is_read_as_generated():
+    """The module docstring's example; EOS after the answer stays; earlier answers first."""
+    row = RowState([1, 7, 8, 30], 1, [Answer(3, [30, 31])])
+    assert with_generated_answer([1, 7, 8, 29, 30, 31, 2, 9], [row], decode_pieces, encode_pieces) == [1, 7, 8, 30, 31, 2, 9]
+    assert with_generated_answer([1, 7, 8, 30, 31, 2, 9], [row], decode_pieces, encode_pieces) == [1, 7, 8, 30, 31, 2, 9]
+    assert with_generated_answer([1, 7, 8], [row], decode_pieces, encode_pieces) == [1, 7, 8]  # the same request again
+    assert with_generated_answer([1, 7, 6, 29, 30, 31, 2], [row], decode_pieces, encode_pieces) == [1, 7, 6, 29, 30, 31, 2]
+    assert with_generated_answer([1, 7, 8, 29, 30, 31, 2], [row], decode_pieces, encode_pieces, longest=5) == [1, 7, 8, 29, 30, 31, 2]
+    # an encoding that decodes to nothing more past the answer (EOS here) is not taken into it
+    assert answer_length([1, 7, 8, 29, 30, 31, 2, 9], Answer(3, [30, 31]), decode_pieces, lambda text: [0] * 9) == 3
+    # two turns: the first answer is replaced, then the second lines up with the row
+    first, second = Answer(3, [30, 31]), Answer(8, [41, 42])  # "so" generated as "s" "o"
+    held = [1, 7, 8, 30, 31, 2, 9, 5, 41]
+    two = RowState(held, 2, [first, second])
+    prompt = [1, 7, 8, 29, 30, 31, 2, 9, 5, 40, 2, 9]
+    assert with_generated_answer(prompt, [row, two], decode_pieces, encode_pieces) == [1, 7, 8, 30, 31, 2, 9, 5, 41, 42, 2, 9]
+    assert [a.start for a in kept_answers([first, second], held + [42, 2, 9], 9)] == [3, 8]
+    assert [a.start for a in kept_answers([first, second], held[:8], 7)] == [3]
+
+
+# ---- the engine: answers sent back as text, the same request again, an edited message -----------
+
+
+def chat_turn(engine, prompt, max_tokens, **settings):
+    """One request; returns (the request, its tokens, its logprobs, its text as the server streams a chat's)."""
+    events = []
+    request = engine.submit(prompt, RequestSettings(max_tokens=max_tokens, logprobs=0, leading_space=False, **settings), events.append)
+    while engine.step():
+        pass
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    return request, [e.token for e in tokens], [e.logprob for e in tokens], "".join(e.text for e in tokens) + events[-1].text
+
+
+def read_alone(model, tokenizer, prompt, max_tokens):
+    """Tokens and logprobs of an engine that reads ``prompt`` whole."""
+    engine = Engine(model, tokenizer, rows=1, decode="eager", prefix_reuse=False)
+    _, tokens, logprobs, _ = chat_turn(engine, prompt, max_tokens)
+    return tokens, logprobs
+
+
+QUESTIONS = ["Who made the heaven and the earth?", "And what did he say unto Moses?",
+             "Where went the children of Israel?", "What is the law of the LORD?"]  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_chat_sent_back_as_text_continues_its_row_and_regenerates_from_it(tiny, rows):
+    """A chat through the template, answers cut by max_tokens and sent back as their text, past the
+    window (32) from the second turn: every later turn continues its row at its end (the ids a cut
+    answer encodes back to differ from those generated), and the same request sent again (with
+    slack 24, more than an answer) steps back into the wrapped row to the prompt's last token, on
+    one row in place or on two from a copy; tokens and logprobs equal those of the same prompt read whole."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, rows=rows, decode="eager", slack=24)
+    messages, held, substituted = [], 0, 0
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        sent = chat_prompt(tokenizer, messages)
+        request, tokens, logprobs, text = chat_turn(engine, sent, 20)
+        assert request.reused == held  # the row's end (0 at the first turn)
+        substituted += request.prompt != sent
+        again, tokens_again, logprobs_again, _ = chat_turn(engine, sent, 20)
+        assert again.prompt == request.prompt and again.reused == len(request.prompt) - 1
+        assert tokens_again == tokens and logprobs_again == pytest.approx(logprobs, abs=1e-5)
+        alone, alone_logprobs = read_alone(model, tokenizer, request.prompt, 20)
+        assert tokens == alone and logprobs == pytest.approx(alone_logprobs, abs=1e-5)
+        held = len(request.prompt) + len(tokens) - 1
+        messages.append({"role": "assistant", "content": text})
+    assert substituted >= 1 and held > 3 * model.args.sliding_window
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_an_edited_last_message_steps_back_into_a_wrapped_row(tiny, decode):
+    """A 60-token prompt (past the window) and a 6-token answer, then the same prompt with its last 4
+    tokens changed: with slack 16 the row steps back 10 tokens (its last prompt tokens were read in a
+    step of their own, so their pushed-out positions were kept); without slack it cannot, and reads
+    the prompt again. Tokens and logprobs equal the prompt read whole."""
+    model, tokenizer = tiny
+    rng = random.Random(7)
+    prompt = [1] + [rng.randrange(3, 2000) for _ in range(59)]
+    edited = prompt[:-4] + [rng.randrange(3, 2000) for _ in range(4)]
+    for slack, reused in ((16, 56), (0, 0)):
+        engine = Engine(model, tokenizer, rows=1, decode=decode, slack=slack)
+        chat_turn(engine, prompt, 6, ignore_eos=True)
+        request, tokens, logprobs, _ = chat_turn(engine, edited, 6, ignore_eos=True)
+        assert request.reused == reused
+        alone, alone_logprobs = read_alone(model, tokenizer, edited, 6)
+        assert tokens == alone and logprobs == pytest.approx(alone_logprobs, abs=1e-5)
+
+
+def test_slack_steps_back_in_the_windowed_layers_beside_full_attention():
+    """Layers [full, W = 8]: the same request again steps back into a row past the window, where only
+    the windowed layer needed its slack; tokens and logprobs equal the prompt read whole."""
+    from conftest import random_model, tiny_args
+
+    model = random_model(tiny_args(sliding_window=[None, 8]))
+    model = model.to(torch.float32)
+    tokenizer = Tokenizer.from_folder("tiny-mixtral")
+    rng = random.Random(9)
+    prompt = [1] + [rng.randrange(3, 128) for _ in range(29)]
+    engine = Engine(model, tokenizer, rows=1, decode="eager", max_model_len=64, slack=8)
+    assert [kind.window for kind in engine.cache.kinds] == [None, 8] and engine.slack.keys[0] is None
+    first, tokens, logprobs, _ = chat_turn(engine, prompt, 6, ignore_eos=True)
+    assert engine.slack.saved[0] == [0, 8]
+    again, tokens_again, logprobs_again, _ = chat_turn(engine, prompt, 6, ignore_eos=True)
+    assert again.reused == len(prompt) - 1
+    assert tokens_again == tokens and logprobs_again == pytest.approx(logprobs, abs=1e-5)
+    alone = Engine(model, tokenizer, rows=1, decode="eager", max_model_len=64, prefix_reuse=False)
+    _, tokens_alone, logprobs_alone, _ = chat_turn(alone, prompt, 6, ignore_eos=True)
+    assert tokens == tokens_alone and logprobs == pytest.approx(logprobs_alone, abs=1e-5)
+
+
+def test_sizing_counts_the_slack():
+    from mixtral_infer.serve.sizing import plan_rows
+
+    model = load_model("tiny-mixtral", dtype=torch.float32, device="cpu")
+    plain = plan_rows(model, prefill_tokens=16, max_rows=2)
+    with_slack = plan_rows(model, prefill_tokens=16, max_rows=2, slack=16)
+    args = model.args
+    assert with_slack.row_bytes - plain.row_bytes == 2 * args.n_layers * 16 * args.n_kv_heads * args.head_dim * 4
+    assert with_slack.row_bytes == plain.row_bytes * 3 // 2  # window 32, slack 16
+    assert "32 (and 16 slack) slots" in with_slack.describe()
+    engine = Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=2, decode="eager", slack=16)
+    assert engine.cache.nbytes() + engine.slack.nbytes() == 2 * with_slack.row_bytes
 
 
 class Rows(list):
