@@ -189,23 +189,30 @@ def encode_pieces(text):
 
 
 def test_an_answer_encoded_again_is_read_as_generated():
-    """The module docstring's example; EOS after the answer stays; earlier answers first."""
-    row = RowState([1, 7, 8, 30], 1, [Answer(3, [30, 31])])
-    assert with_generated_answer([1, 7, 8, 29, 30, 31, 2, 9], [row], decode_pieces, encode_pieces) == [1, 7, 8, 30, 31, 2, 9]
-    assert with_generated_answer([1, 7, 8, 30, 31, 2, 9], [row], decode_pieces, encode_pieces) == [1, 7, 8, 30, 31, 2, 9]
-    assert with_generated_answer([1, 7, 8], [row], decode_pieces, encode_pieces) == [1, 7, 8]  # the same request again
-    assert with_generated_answer([1, 7, 6, 29, 30, 31, 2], [row], decode_pieces, encode_pieces) == [1, 7, 6, 29, 30, 31, 2]
-    assert with_generated_answer([1, 7, 8, 29, 30, 31, 2], [row], decode_pieces, encode_pieces, longest=5) == [1, 7, 8, 29, 30, 31, 2]
+    """The module docstring's example; EOS after the answer stays; earlier answers first; the answers
+    the prompt then holds as generated come with it."""
+    answer = Answer(3, [30, 31])
+    row = RowState([1, 7, 8, 30], 1, [answer])
+
+    def read(prompt, rows=(row,), longest=None):
+        return with_generated_answer(prompt, rows, decode_pieces, encode_pieces, longest)
+
+    assert read([1, 7, 8, 29, 30, 31, 2, 9]) == ([1, 7, 8, 30, 31, 2, 9], [answer])
+    sent = [1, 7, 8, 30, 31, 2, 9]  # sent back as generated: nothing to replace
+    assert read(sent)[0] is sent and read(sent)[1] == [answer]
+    assert read([1, 7, 8]) == ([1, 7, 8], [])  # the same request again
+    assert read([1, 7, 6, 29, 30, 31, 2]) == ([1, 7, 6, 29, 30, 31, 2], [])  # another prompt before the answer
+    assert read([1, 7, 8, 29, 30, 31, 2], longest=5) == ([1, 7, 8, 29, 30, 31, 2], [])  # too long with the answer's ids
     # an encoding that decodes to nothing more past the answer (EOS here) is not taken into it
     assert answer_length([1, 7, 8, 29, 30, 31, 2, 9], Answer(3, [30, 31]), decode_pieces, lambda text: [0] * 9) == 3
     # two turns: the first answer is replaced, then the second lines up with the row
-    first, second = Answer(3, [30, 31]), Answer(8, [41, 42])  # "so" generated as "s" "o"
+    second = Answer(8, [41, 42])  # "so" generated as "s" "o"
     held = [1, 7, 8, 30, 31, 2, 9, 5, 41]
-    two = RowState(held, 2, [first, second])
+    two = RowState(held, 2, [answer, second])
     prompt = [1, 7, 8, 29, 30, 31, 2, 9, 5, 40, 2, 9]
-    assert with_generated_answer(prompt, [row, two], decode_pieces, encode_pieces) == [1, 7, 8, 30, 31, 2, 9, 5, 41, 42, 2, 9]
-    assert [a.start for a in kept_answers([first, second], held + [42, 2, 9], 9)] == [3, 8]
-    assert [a.start for a in kept_answers([first, second], held[:8], 7)] == [3]
+    assert read(prompt, [row, two]) == ([1, 7, 8, 30, 31, 2, 9, 5, 41, 42, 2, 9], [answer, second])
+    assert kept_answers([answer, second], held + [42, 2, 9], 9) == [answer, second]
+    assert kept_answers([answer, second], held[:8], 7) == [answer]
 
 
 # ---- the engine: answers sent back as text, the same request again, an edited message -----------
@@ -232,15 +239,16 @@ QUESTIONS = ["Who made the heaven and the earth?", "And what did he say unto Mos
              "Where went the children of Israel?", "What is the law of the LORD?"]  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_a_chat_sent_back_as_text_continues_its_row_and_regenerates_from_it(tiny, rows):
+@pytest.mark.parametrize("rows, slack", [(1, 24), (2, 24), (2, 0)])
+def test_a_chat_sent_back_as_text_continues_its_row_and_regenerates_from_it(tiny, rows, slack):
     """A chat through the template, answers cut by max_tokens and sent back as their text, past the
     window (32) from the second turn: every later turn continues its row at its end (the ids a cut
     answer encodes back to differ from those generated), and the same request sent again (with
     slack 24, more than an answer) steps back into the wrapped row to the prompt's last token, on
-    one row in place or on two from a copy; tokens and logprobs equal those of the same prompt read whole."""
+    one row in place or on two from a copy. Without slack it starts from what the other row holds
+    (the chat before this turn's message), and the chat goes on from there as well. Tokens and logprobs equal those of the same prompt read whole."""
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer, rows=rows, decode="eager", slack=24)
+    engine = Engine(model, tokenizer, rows=rows, decode="eager", slack=slack)
     messages, held, substituted = [], 0, 0
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})
@@ -248,13 +256,17 @@ def test_a_chat_sent_back_as_text_continues_its_row_and_regenerates_from_it(tiny
         request, tokens, logprobs, text = chat_turn(engine, sent, 20)
         assert request.reused == held  # the row's end (0 at the first turn)
         substituted += request.prompt != sent
-        again, tokens_again, logprobs_again, _ = chat_turn(engine, sent, 20)
-        assert again.prompt == request.prompt and again.reused == len(request.prompt) - 1
+        again, tokens_again, logprobs_again, text_again = chat_turn(engine, sent, 20)
+        assert again.prompt == request.prompt
+        if slack:
+            assert again.reused == len(request.prompt) - 1
+        else:  # what another row holds at most: the chat before this turn's message
+            assert again.reused <= request.reused
         assert tokens_again == tokens and logprobs_again == pytest.approx(logprobs, abs=1e-5)
         alone, alone_logprobs = read_alone(model, tokenizer, request.prompt, 20)
         assert tokens == alone and logprobs == pytest.approx(alone_logprobs, abs=1e-5)
-        held = len(request.prompt) + len(tokens) - 1
-        messages.append({"role": "assistant", "content": text})
+        held = len(again.prompt) + len(tokens_again) - 1
+        messages.append({"role": "assistant", "content": text_again})  # the chat goes on from the answer sent again
     assert substituted >= 1 and held > 3 * model.args.sliding_window
 
 

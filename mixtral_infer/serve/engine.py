@@ -60,7 +60,6 @@ from mixtral_infer.serve.prefix_reuse import (
     Placement,
     RowState,
     common_prefix,
-    kept_answers,
     place,
     spare_rows,
     with_generated_answer,
@@ -178,6 +177,7 @@ class Request:
     pause_at: Optional[int] = None  # a prompt length where a waiting request copies this row (_waits_for_prefix)
     grammar: Optional[RowGrammar] = None  # settings.constraint, following the generated tokens
     penalties: Optional[RowPenalties] = None  # the settings' penalties and bias, and what they count
+    answers: List[Answer] = field(default_factory=list)  # rows' answers the prompt holds as generated (_read_generated_answer)
 
 
 class Engine:
@@ -538,8 +538,7 @@ class Engine:
                 placement = Placement(self.slots.index(None), 0)
         row, reused = placement.row, placement.reused
         state = self.row_states[row]
-        answers = self.row_states[row if placement.source is None else placement.source].answers
-        state.answers = kept_answers(answers, request.prompt, reused) if reused else []
+        state.answers = list(request.answers)
         if placement.source is not None:
             self._copy_row(placement.source, row, reused)
             state.ids = self.row_states[placement.source].ids[:reused]
@@ -568,10 +567,10 @@ class Engine:
         """Where ``request``'s prompt sends back, encoded again, the answers a row generated, read the
         generated ids instead (``prefix_reuse.with_generated_answer``): the same text, and the row goes on
         at its end. The prompt must still fit ``max_model_len`` with ``max_tokens``; the usage reports
-        the prompt as read."""
+        the prompt as read. ``request.answers``: the answers it holds as generated, which its row keeps."""
         limit = None if self.max_model_len is None else self.max_model_len - request.settings.max_tokens
         tokenizer = self.tokenizer
-        prompt = with_generated_answer(
+        prompt, request.answers = with_generated_answer(
             request.prompt, self.row_states, tokenizer.decode, lambda text: tokenizer.encode(text, bos=False), limit
         )
         if prompt is request.prompt:
@@ -597,7 +596,7 @@ class Engine:
                     continue
                 self.queue.remove(request)
                 leader = request.follows
-                request.prompt = leader.prompt  # the same prompt, as the leader read it (_read_generated_answer)
+                request.prompt, request.answers = leader.prompt, leader.answers  # as the leader read it (_read_generated_answer)
                 row = spare_rows(self.row_states, [r for r in range(self.rows) if self.slots[r] is None])[0]
                 self._admit(request, Placement(row, len(leader.prompt), leader.row))
                 sampled.append(request)

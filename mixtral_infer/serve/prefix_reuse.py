@@ -60,8 +60,9 @@ the answer's text (``answer_length``), the engine reads the generated ids in the
 turn continues the row at its end. Worked example: a row holds ``[1, 7, 8, 30]``, the prompt ``[1, 7,
 8]`` and the answer ``[30, 31]`` (``", and"``) but its last token, never fed; the next prompt is ``[1,
 7, 8, 29, 30, 31, 2, 9]`` (``"▁", ",", "▁and"``, EOS, the next message), read as ``[1, 7, 8, 30, 31, 2,
-9]``: it continues the row at its end, 4 tokens in. A row remembers the answers its prompt sent back
-as generated (``kept_answers``), and the one it generates.
+9]``: it continues the row at its end, 4 tokens in. A row remembers the answers its prompt holds as
+generated (``kept_answers``: found in whichever row, so they are not forgotten where the prompt is
+read again in another row), and the one it generates.
 
 Placement (``place``): the row with the longest reusable prefix wins (ties: a free row, then the
 most recently used). A free row is taken as it is, no copy, when the request continues it at its end, or when no
@@ -76,7 +77,7 @@ A match shorter than ``MIN_REUSED_TOKENS`` is read again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Collection, List, Optional, Sequence
+from typing import Callable, Collection, List, Optional, Sequence, Tuple
 
 from mixtral_infer.model.cache import BufferKind
 
@@ -236,17 +237,20 @@ def with_generated_answer(
     decode: Callable[[List[int]], str],
     encode: Callable[[str], List[int]],
     longest: Optional[int] = None,
-) -> List[int]:
+) -> Tuple[List[int], List[Answer]]:
     """``prompt`` with the ids rows generated for their answers in place of those that encode the
     answers' text again (module docstring, "Answers sent back as text"), or ``prompt`` itself where
-    none is found in it. ``longest``: the most ids the prompt may have (an answer's ids may be more
-    than its text encodes to).
+    none is found in it; and the answers it then holds as generated (``kept_answers``), which the
+    row it goes to remembers. ``longest``: the most ids the prompt may have (an answer's ids may be
+    more than its text encodes to).
 
     Per row, answer after answer, while the prompt holds the row's ids up to the answer's start; the
     row whose ids the prompt then shares the most of is taken.
     """
-    best, shared = prompt, 0
+    best, held, shared = prompt, [], 0
     for state in rows:
+        if not state.answers:
+            continue
         rewritten = prompt
         for answer in state.answers:
             start, ids = answer.start, answer.ids
@@ -258,20 +262,21 @@ def with_generated_answer(
             if k is None:
                 break
             rewritten = rewritten[:start] + list(ids) + rewritten[start + k :]
-        if rewritten is prompt or (longest is not None and len(rewritten) > longest):
-            continue
+        if longest is not None and len(rewritten) > longest:
+            rewritten = prompt
         n = common_prefix(state.ids, rewritten)
-        if n > shared:
-            best, shared = rewritten, n
-    return best
+        answers = kept_answers(state.answers, rewritten, n)
+        if answers and n > shared:
+            best, held, shared = rewritten, answers, n
+    return best, held
 
 
-def kept_answers(answers: Sequence[Answer], prompt: Sequence[int], reused: int) -> List[Answer]:
-    """The ``answers`` of a row that a request continuing it from ``reused`` tokens of ``prompt`` (as
-    read) sends back as they were generated: those beginning within the reused tokens whose ids
-    ``prompt`` holds there.
+def kept_answers(answers: Sequence[Answer], prompt: Sequence[int], shared: int) -> List[Answer]:
+    """The ``answers`` of a row whose first ``shared`` ids ``prompt`` (as read) holds, that ``prompt``
+    sends back as they were generated: those beginning within the shared ids whose ids ``prompt``
+    holds there.
 
     >>> [a.start for a in kept_answers([Answer(3, [30, 31]), Answer(7, [40])], [1, 7, 8, 30, 31, 2, 9, 41], 7)]
     [3]
     """
-    return [a for a in answers if a.start <= reused and list(prompt[a.start : a.start + len(a.ids)]) == a.ids]
+    return [a for a in answers if a.start <= shared and list(prompt[a.start : a.start + len(a.ids)]) == a.ids]
