@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.settings import SEED_LIMIT
+from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.serve.engine import Engine, Event, Finished, QueueFull, RequestSettings, ShuttingDown, TokenEvent
 from mixtral_infer.serve.metrics import ServeMetrics
 from mixtral_infer.serve.protocol import BadRequest, ParsedRequest, error_body, parse_chat, parse_completion, read_body
@@ -183,14 +184,8 @@ def make_app(
                                     return
                                 finished[index] = event
                                 out.extend(sse(c) for c in f.final_chunks(event))
-                            elif f.calls is not None:
-                                text = f.calls.push(event)
-                                if text:
-                                    out.append(f.text_sse(text))
-                            elif event.logprob is not None:
-                                out.append(sse(f.chunk(event.text, f.logprobs([event]), None)))
-                            elif event.text:
-                                out.append(f.text_sse(event.text))
+                            else:  # with tools, held while the answer may be calls
+                                out.extend(f.token_sse(f.calls.push(event) if f.calls is not None else [event]))
                         if len(finished) == answers:
                             if parsed.include_usage:
                                 out.append(sse(fmt.usage_chunk(usage(parsed, finished))))
@@ -350,6 +345,14 @@ class CompletionFormat:
         before, after = self._text_template
         return before + json.dumps(text, ensure_ascii=False) + after
 
+    def token_sse(self, events: List[TokenEvent]) -> List[str]:
+        """The events of streamed tokens (one chunk for those released together), with their
+        logprobs when the request asked for them."""
+        text = "".join(e.text for e in events)
+        if events and events[0].logprob is not None:
+            return [sse(self.chunk(text, self.logprobs(events), None))]
+        return [self.text_sse(text)] if text else []
+
     def token_text(self, token: int) -> str:
         return self.tokenizer.id_to_piece(token).replace("\u2581", " ")
 
@@ -397,40 +400,46 @@ class CompletionFormat:
 
 
 class CallStream:
-    """A streamed chat choice with tools: its text is held while it may be a list of calls (the
+    """A streamed chat choice with tools: its tokens are held while it may be a list of calls (the
     first token is ``[TOOL_CALLS]`` for a tokenizer with Mistral's tool pieces; else the text begins
-    as ``[TOOL_CALLS]`` does), and sent as it comes once it cannot be."""
+    as ``[TOOL_CALLS]`` does), and sent as they come once it cannot be."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.pieces = has_tool_pieces(tokenizer)
-        self.tokens: List[int] = []
+        self.events: List[TokenEvent] = []  # every token of the answer
+        self.held = 0  # events[held:] are not sent yet
         self.text = ""
         self.deciding, self.calling = True, False
 
-    def push(self, event: TokenEvent) -> str:
-        """The text to send now for this token ("" while held)."""
-        self.tokens.append(event.token)
+    def push(self, event: TokenEvent) -> List[TokenEvent]:
+        """The tokens to send now: none while held, then the held ones with this one."""
+        self.events.append(event)
         self.text += event.text
-        if not self.deciding:
-            return "" if self.calling else event.text
-        if self.pieces:
-            self.calling = self.tokens[0] == self.tokenizer.control_ids(TOOL_CALLS)[0]
+        if self.deciding:
+            if self.pieces:
+                self.calling = event.token == self.tokenizer.control_ids(TOOL_CALLS)[0]
+            else:
+                start = self.text.lstrip()
+                if TOOL_CALLS.startswith(start):
+                    return []  # still a prefix of [TOOL_CALLS]: held
+                self.calling = start.startswith(TOOL_CALLS)
             self.deciding = False
-        else:
-            start = self.text.lstrip()
-            if TOOL_CALLS.startswith(start):
-                return ""  # still a prefix of [TOOL_CALLS]: held
-            self.calling, self.deciding = start.startswith(TOOL_CALLS), False
-        return "" if self.calling else self.text
+        if self.calling:
+            return []
+        released, self.held = self.events[self.held :], len(self.events)
+        return released
 
-    def finish(self, finished: Finished) -> Tuple[Optional[List[Dict[str, Any]]], str]:
-        """``(calls, None)`` when the answer is a list of calls, else ``(None, the text still to send)``."""
-        text = self.text + finished.text
-        calls = parse_calls(self.tokens, text, self.tokenizer) if (self.calling or self.deciding) else None
-        if calls is not None:
-            return calls, ""
-        return None, (text if (self.calling or self.deciding) else finished.text)
+    def finish(self, finished: Finished) -> Tuple[Optional[List[Dict[str, Any]]], List[TokenEvent]]:
+        """``(calls, the tokens not sent)`` when the answer is a list of calls (the complete ones of a
+        list that ``max_tokens`` cut), else ``(None, the tokens not sent)``, whose text with
+        ``finished.text`` is the text still to send."""
+        held = self.events[self.held :]
+        calls = None
+        if self.calling or self.deciding:
+            tokens = [e.token for e in self.events]
+            calls = parse_calls(tokens, self.text + finished.text, self.tokenizer, cut=finished.reason == "length")
+        return calls, held
 
 
 class ChatFormat(CompletionFormat):
@@ -441,6 +450,12 @@ class ChatFormat(CompletionFormat):
     def __init__(self, model_name: str, tokenizer: Tokenizer):
         super().__init__(model_name, tokenizer)
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._content = TextStream(tokenizer, leading_space=False)  # the choice's text, as the engine writes it
+
+    def for_choice(self, index: int) -> "ChatFormat":
+        other = super().for_choice(index)
+        other._content = TextStream(self.tokenizer, leading_space=False)
+        return other
 
     def first_chunk(self) -> Dict[str, Any]:
         return self.envelope([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
@@ -450,11 +465,33 @@ class ChatFormat(CompletionFormat):
         return self.envelope([{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     def logprobs(self, events: List[TokenEvent]) -> Dict[str, Any]:
-        def entry(token: int, logprob: float) -> Dict[str, Any]:
-            text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        """OpenAI's chat logprobs of these tokens, the next of the choice's (a stream's one at a time,
+        or all at once). As OpenAI's, the tokens' strings make up ``message.content``: each ``token``
+        is the text it adds to the answer, decoded as the engine decodes it. So the first token's
+        space, which a chat answer drops (sentencepiece's ``▁Hello`` starts the answer as ``Hello``),
+        is not in it, and a character written in several byte tokens is the last one's text (the
+        others' ``""``). ``bytes`` are the token's own bytes as they stand in the answer (joined, the
+        answer's UTF-8). An alternative in ``top_logprobs`` is named by its piece (its space dropped
+        at the first position, as the chosen token's)."""
+        content = []
+        for e in events:
+            first = not self._content.tokens
+            text = self._content.push(e.token)
+            alternatives = []
+            for token, logprob in e.top_logprobs or []:
+                name, raw = self._as_written(token, self.token_text(token), first)
+                alternatives.append({"token": name, "logprob": logprob, "bytes": list(raw)})
+            raw = self._as_written(e.token, text, first)[1]
+            content.append({"token": text, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": alternatives})
+        return {"content": content}
 
-        return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs or []]} for e in events]}
+    def _as_written(self, token: int, name: str, first: bool) -> Tuple[str, bytes]:
+        """A token's name and bytes as they stand in a chat answer: at its start (``first``), without
+        the space that the decode drops (sentencepiece's; tekken's decode keeps it)."""
+        raw = self.tokenizer.token_bytes(token)
+        if first and raw.startswith(b" ") and not self.tokenizer.decode([token]).startswith(" "):
+            return name[1:] if name.startswith(" ") else name, raw[1:]
+        return name, raw
 
     def final_chunks(self, finished: Finished) -> List[Dict[str, Any]]:
         """A streamed choice's last chunks; with tools, either its calls (OpenAI's ``tool_calls`` deltas,
@@ -462,23 +499,33 @@ class ChatFormat(CompletionFormat):
         if self.calls is None:
             return super().final_chunks(finished)
         calls, held = self.calls.finish(finished)
+        logprobs = self.logprobs(held) if held and held[0].logprob is not None else None
         if calls is None:
-            return [self.chunk(held, None, FINISH_REASONS[finished.reason])]
+            text = "".join(e.text for e in held) + finished.text
+            return [self.chunk(text, logprobs, FINISH_REASONS[finished.reason])]
         deltas = [{"index": i, **call} for i, call in enumerate(calls)]
         return [
-            self.envelope([{"index": self.index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}]),
-            self.envelope([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}]),
+            self.envelope([{"index": self.index, "delta": {"tool_calls": deltas}, "logprobs": logprobs, "finish_reason": None}]),
+            self.envelope([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": calls_finish(finished)}]),
         ]
 
     def whole_choice(self, events: List[TokenEvent], finished: Finished, with_logprobs: bool) -> Dict[str, Any]:
         text = "".join(e.text for e in events) + finished.text
-        calls = parse_calls([e.token for e in events], text, self.tokenizer) if self.calls is not None else None
+        calls = None
+        if self.calls is not None:
+            calls = parse_calls([e.token for e in events], text, self.tokenizer, cut=finished.reason == "length")
         if calls is not None:
             return {
                 "index": self.index, "message": {"role": "assistant", "content": None, "tool_calls": calls},
-                "logprobs": self.logprobs(events) if with_logprobs else None, "finish_reason": "tool_calls",
+                "logprobs": self.logprobs(events) if with_logprobs else None, "finish_reason": calls_finish(finished),
             }  # fmt: skip
         return {
             "index": self.index, "message": {"role": "assistant", "content": text},
             "logprobs": self.logprobs(events) if with_logprobs else None, "finish_reason": FINISH_REASONS[finished.reason],
         }  # fmt: skip
+
+
+def calls_finish(finished: Finished) -> str:
+    """The finish reason of an answer that is calls: ``tool_calls``, or ``length`` when ``max_tokens``
+    cut the list (its complete calls are the answer's, the unfinished last one dropped)."""
+    return "length" if finished.reason == "length" else "tool_calls"
