@@ -82,6 +82,16 @@ def test_reusable_length_is_the_rule_in_every_kind_of_layer():
     assert reusable_length(held[:3], [1, 5, 2], mixed) == 2  # never wrapped: any prefix
 
 
+def test_the_docstring_examples_hold():
+    """prefix_reuse's (can_cut_back, answer_length, kept_answers ...) and the cache's (slack_writes ...)."""
+    import doctest
+
+    from mixtral_infer.model import cache
+
+    for module in (prefix_reuse, cache):
+        assert doctest.testmod(module).failed == 0, module.__name__
+
+
 def test_cut_back_with_slack_table_of_the_docstring():
     """S = W = 4, slack 2: the module docstring's table, row by row (seen, saved) -> lengths it serves."""
     table = {(3, 0): range(0, 4), (4, 0): range(0, 5), (5, 0): [5], (5, 1): range(0, 6), (7, 2): [5, 6, 7]}
@@ -112,13 +122,22 @@ def positions_cache(slack, sizes=(W,), windows=(W,), rows=1):
     return cache, SlackSlots(cache, slack)
 
 
-def feed(cache, slack, row, n):
+def feed(cache, slack, row, n, in_pass=True):
     """Feed ``row`` n tokens as a pass does: the slack keeps what they push out, then each layer writes
-    positions seen .. seen + n - 1 (the last S of them) into slots p % S."""
+    positions seen .. seen + n - 1 (the last S of them) into slots p % S: through the cache's views as
+    ``Transformer.forward`` does (``in_pass``: the chunk's own pushed-out positions go to the slack),
+    or by hand as the static steps do."""
     lengths = [0] * cache.max_batch_size
     lengths[row] = n
-    slack.save(lengths)
+    slack.save(lengths, in_pass=in_pass)
     seen = cache.tokens_seen[row]
+    if in_pass:
+        metadata = cache.get_input_metadata(lengths)
+        positions = torch.arange(seen, seen + n, dtype=torch.float32)[:, None, None]  # (T, H_kv, Dh)
+        for layer in range(cache.n_layers):
+            cache.get_view(layer, metadata).update(positions, -positions)
+        cache.advance(lengths)
+        return
     for index, kind in enumerate(cache.kinds):
         for p in range(max(seen, seen + n - kind.size), seen + n):
             cache.kind_k[index][:, row, p % kind.size] = float(p)
@@ -147,13 +166,21 @@ def test_slack_slots_docstring_example():
     assert slots(cache.kind_k[0]) == [4, 1, 2, 3] and slack.saved[0] == [1]
 
 
-def test_slack_keeps_only_what_the_buffer_held_and_refuses_a_cut_it_cannot_make():
+def test_a_chunk_longer_than_the_buffer_keeps_what_it_pushes_out_only_through_the_views():
+    """A chunk of 7 on S = 4 pushes out positions 0..2 of its own: the views write them to the slack
+    (Transformer.forward); a pass that writes the buffers by hand (the static steps) keeps none, and
+    a cut back the slack cannot serve is refused."""
     cache, slack = positions_cache(3)
-    feed(cache, slack, 0, 7)  # one chunk longer than S: positions 0..2 were never stored
+    feed(cache, slack, 0, 7)
+    assert slack.saved[0] == [3] and slots(slack.keys[0]) == [0, 1, 2] and slots(slack.values[0]) == [0, -1, -2]
+    slack.cut_back(0, 5)
+    assert slots(cache.kind_k[0]) == [4, 1, 2, 3]
+    cache, slack = positions_cache(3)
+    feed(cache, slack, 0, 7, in_pass=False)
     assert slack.saved[0] == [0]
     with pytest.raises(GenerationError, match="keeps positions from 3 on"):
         slack.cut_back(0, 6)
-    feed(cache, slack, 0, 2)  # a chunk within S: positions 3, 4 pushed out and kept
+    feed(cache, slack, 0, 2, in_pass=False)  # a chunk within S: positions 3, 4 pushed out and kept
     assert slack.saved[0] == [2]
     slack.cut_back(0, 7)
     assert slots(cache.kind_k[0]) == [4, 5, 6, 3]

@@ -101,6 +101,9 @@ class RotatingCacheInputMetadata:
     # Set when the pass attends in parts (``split_mixed``): each part's rows of the flat batch
     # (T_part,) and its metadata (the other sequences sit it out).
     parts: Optional[List[Tuple[torch.Tensor, "RotatingCacheInputMetadata"]]] = None
+    # With slack (SlackSlots): the chunk's tokens whose positions it pushes out itself (a chunk longer
+    # than S), its last ones, (N_s,) rows of the flat chunk, and their flat slack slots (N_s,).
+    slack_writes: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def nothing_cached(self) -> bool:
@@ -215,18 +218,51 @@ def build_input_metadata(
     )
 
 
+def slack_writes(
+    chunk_lengths: Sequence[int], seen_before: Sequence[int], cache_size: int, slack: int, device: torch.device
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Where a chunk writes, into a row's ``slack`` slack slots (``SlackSlots``), the positions it pushes out
+    of a buffer of ``cache_size`` slots itself: a chunk longer than S writes only its last S tokens to
+    the buffer, so positions ``seen .. seen + n - S - 1`` are never there; the last ``slack`` of them go
+    to slack slot ``p % slack``. ``(rows of the flat chunk, flat slack slots b * slack + p % slack)``, or
+    None when no chunk is longer than S.
+
+    Chunks ``[6, 2]`` after ``[0, 5]`` tokens, S = 4, slack 3: row 0 pushes out positions 0 and 1
+    (chunk rows 0, 1; slack slots 0, 1); row 1's positions it pushes out (1, 2) were in its buffer.
+
+    >>> [t.tolist() for t in slack_writes([6, 2], [0, 5], 4, 3, torch.device("cpu"))]
+    [[0, 1], [0, 1]]
+    """
+    rows: List[int] = []
+    slots: List[int] = []
+    start = 0
+    for b, (n, seen) in enumerate(zip(chunk_lengths, seen_before)):
+        end = seen + n - cache_size  # positions below `end` are pushed out once the chunk is written
+        for p in range(max(seen, end - slack), end):
+            rows.append(start + p - seen)
+            slots.append(b * slack + p % slack)
+        start += n
+    if not rows:
+        return None
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(slots, dtype=torch.long, device=device)
+
+
 class CacheView:
-    """One layer's keys/values buffers seen through one chunk's metadata."""
+    """One layer's keys/values buffers seen through one chunk's metadata; with slack (``SlackSlots``), the
+    layer's slack slots ``(B_max, slack, H_kv, Dh)`` too, which ``update`` writes (``slack_writes``)."""
 
     def __init__(
         self,
         cache_k: torch.Tensor,  # (B_max, S, H_kv, Dh)
         cache_v: torch.Tensor,  # (B_max, S, H_kv, Dh)
         metadata: RotatingCacheInputMetadata,
+        slack_k: Optional[torch.Tensor] = None,  # (B_max, slack, H_kv, Dh)
+        slack_v: Optional[torch.Tensor] = None,
     ):
         self.cache_k = cache_k
         self.cache_v = cache_v
         self.metadata = metadata
+        self.slack_k, self.slack_v = slack_k, slack_v
 
     @property
     def batch_size(self) -> int:
@@ -241,7 +277,7 @@ class CacheView:
         """The parts a mixed pass attends in (``split_mixed``): rows of the flat batch ``(T_part,)`` and a view each."""
         if self.metadata.parts is None:
             return None
-        return [(rows, CacheView(self.cache_k, self.cache_v, part)) for rows, part in self.metadata.parts]
+        return [(rows, CacheView(self.cache_k, self.cache_v, part, self.slack_k, self.slack_v)) for rows, part in self.metadata.parts]
 
     @property
     def mask(self) -> Optional[AttentionBias]:
@@ -255,6 +291,10 @@ class CacheView:
         rows = self.metadata.to_cache_rows  # an index, not a boolean mask: no device sync
         flat_k.index_copy_(0, self.metadata.cache_positions, xk.index_select(0, rows))
         flat_v.index_copy_(0, self.metadata.cache_positions, xv.index_select(0, rows))
+        if self.slack_k is not None and self.metadata.slack_writes is not None:
+            rows, slots = self.metadata.slack_writes
+            self.slack_k.view(-1, n_kv_heads, head_dim).index_copy_(0, slots, xk.index_select(0, rows))
+            self.slack_v.view(-1, n_kv_heads, head_dim).index_copy_(0, slots, xv.index_select(0, rows))
 
     def interleave_kv(self, xk: torch.Tensor, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values a prefill chunk attends to, before it is written: ``[cache_0 | chunk_0 | cache_1 |
@@ -378,6 +418,7 @@ class RotatingBufferCache:
         # window wrapped, later positions still needed: refused until the sequences start again.
         self.damaged = False
         self._views: Optional[tuple] = None  # (kind_k, kind_v, their layers' views): layer_keys
+        self.slack: Optional["SlackSlots"] = None  # set by SlackSlots: the passes write into its slots too
 
     # One buffer for the whole cache, where every layer is of one kind (the published Mistral 7B
     # and Mixtral 8x7B, every model with one window): ``(L, B_max, S, H_kv, Dh)``.
@@ -480,10 +521,17 @@ class RotatingBufferCache:
         slots and masks are the kind's."""
         if not self.tokens_seen:
             self.start_sequences(len(chunk_lengths))
-        return [
+        metadata = [
             build_input_metadata(chunk_lengths, self.tokens_seen, kind.size, kind.window, self.device)
             for kind in self.kinds
         ]
+        if self.slack is not None:  # the positions a chunk pushes out itself, into the slack slots
+            for index, kind in enumerate(self.kinds):
+                if self.slack.keys[index] is None:
+                    continue
+                for part in [metadata[index]] + [part for _, part in metadata[index].parts or []]:
+                    part.slack_writes = slack_writes(part.chunk_lengths, part.seen_before, kind.size, self.slack.slack, self.device)
+        return metadata
 
     @property
     def layer_keys(self) -> Tuple[torch.Tensor, ...]:
@@ -508,7 +556,10 @@ class RotatingBufferCache:
     def get_view(self, layer: int, metadata: Sequence[RotatingCacheInputMetadata]) -> CacheView:
         """Layer ``layer``'s buffers seen through its kind's metadata (``get_input_metadata``)."""
         kind, place = self.kind_of[layer], self._place[layer]
-        return CacheView(self.kind_k[kind][place], self.kind_v[kind][place], metadata[kind])
+        slack = self.slack
+        if slack is None or slack.keys[kind] is None:
+            return CacheView(self.kind_k[kind][place], self.kind_v[kind][place], metadata[kind])
+        return CacheView(self.kind_k[kind][place], self.kind_v[kind][place], metadata[kind], slack.keys[kind][place], slack.values[kind][place])
 
     def advance(self, chunk_lengths: List[int]) -> None:
         """Count a chunk's tokens as seen, once every layer has written them."""
@@ -519,14 +570,17 @@ class SlackSlots:
     """A few slots beside each row's windowed buffers that keep the positions the buffer pushed out
     last, so that a row which has wrapped can be cut back up to ``slack`` tokens (``cut_back``):
     serving's prefix reuse, where a regenerated answer or an edited last message goes back a few
-    tokens into a long conversation. Attention never reads them; only the engine's steps write them.
+    tokens into a long conversation. Attention never reads them.
 
     In a windowed buffer of S slots, writing position p overwrites position p - S ("pushes it out").
     Before a pass writes, ``save`` copies each row's positions about to be pushed out into its slack
     slot ``p % slack``, so a row that has seen ``seen`` tokens keeps, beside the positions
-    ``seen - S .. seen - 1`` of its buffer, the ``saved`` (at most ``slack``) before them. Only positions
-    the buffer holds before the pass can be kept: a chunk longer than S pushes out positions it wrote
-    itself, never stored, and leaves the row none saved. A full-attention buffer never wraps: nothing to keep.
+    ``seen - S .. seen - 1`` of its buffer, the ``saved`` (at most ``slack``) before them. A chunk longer
+    than S also pushes out positions of its own, which the buffer never holds: ``Transformer.forward``
+    writes them to the slack as it writes the buffer (``CacheView.update``, ``slack_writes``: the
+    cache knows its slack, ``RotatingBufferCache.slack``); a pass that writes the cache itself (the
+    serving engine's static steps) does not, and leaves the row none saved (``save(..., in_pass=False)``).
+    A full-attention buffer never wraps: nothing to keep.
 
     Worked example, S = 4, slack 3, one row that reads positions 0..3 then decodes 4, 5, 6, each step
     pushing out one position::
@@ -551,13 +605,17 @@ class SlackSlots:
             self.keys.append(torch.zeros(shape, dtype=cache.dtype, device=cache.device) if kept else None)
             self.values.append(torch.zeros(shape, dtype=cache.dtype, device=cache.device) if kept else None)
         self.saved: List[List[int]] = [[0] * len(cache.kinds) for _ in range(cache.max_batch_size)]
+        if any(t is not None for t in self.keys):
+            cache.slack = self  # Transformer.forward's passes write the positions a chunk pushes out itself
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys + self.values if t is not None)
 
-    def save(self, chunk_lengths: Sequence[int]) -> None:
+    def save(self, chunk_lengths: Sequence[int], in_pass: bool = True) -> None:
         """Keep the positions a pass of ``chunk_lengths`` tokens per row is about to push out of the
-        buffers (before it writes them; ``cache.tokens_seen`` as before the pass)."""
+        buffers (before it writes them; ``cache.tokens_seen`` as before the pass). ``in_pass``: the pass
+        writes those a chunk pushes out itself (``Transformer.forward``); else a row whose chunk does
+        keeps none."""
         seen = self.cache.tokens_seen
         for index, kind in enumerate(self.cache.kinds):
             if self.keys[index] is None:
@@ -569,10 +627,10 @@ class SlackSlots:
                 first, end = max(0, seen[row] - size), max(0, seen[row] + n - size)  # pushed out: first .. end - 1
                 if end == first:
                     continue
-                if end > seen[row]:  # the chunk pushes out positions of its own, never stored
+                if end > seen[row] and not in_pass:  # the chunk pushes out positions of its own, never stored
                     self.saved[row][index] = 0
                     continue
-                for p in range(max(first, end - slack), end):
+                for p in range(max(first, end - slack), min(end, seen[row])):  # the pass writes those from `seen` on
                     source.append(row * size + p % size)
                     target.append(row * slack + p % slack)
                 self.saved[row][index] = min(slack, self.saved[row][index] + end - first)

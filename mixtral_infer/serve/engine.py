@@ -211,8 +211,9 @@ class Engine:
     layers keep after they push them out (``model.cache.SlackSlots``), so a row that has wrapped
     steps back up to that many tokens: the same request sent again, an edited last message. They
     cost ``slack`` more slots per row in each windowed layer (``sizing.plan_rows``' ``slack``), and
-    a copy of the positions about to be pushed out before each pass; a prompt's last chunk longer
-    than a windowed buffer is read in two (``_plan``). Off (0) by default.
+    a copy of the positions about to be pushed out before each pass; a chunk longer than a windowed
+    buffer is read by ``Transformer.forward`` (which keeps what it pushes out itself), or, where
+    prompts are read only by static steps, a prompt's last one in two (``_plan``). Off (0) by default.
     """
 
     def __init__(
@@ -265,10 +266,10 @@ class Engine:
         # Positions each row's windowed layers pushed out last, kept so a wrapped row can step back
         # (prefix_reuse, "Cutting a row back"): a regenerated answer, an edited last message.
         self.slack = SlackSlots(self.cache, slack if prefix_reuse else 0)
-        # A prompt's last chunk longer than the smallest windowed buffer (S) is read in two, its last
-        # min(slack, S) tokens alone, so that the positions they push out are kept (_plan).
+        # A chunk longer than the smallest windowed buffer (S) pushes out positions of its own: the eager
+        # pass writes them to the slack, the static steps do not (_forward, _plan).
         windowed = [kind.size for kind in self.cache.kinds if kind.window is not None]
-        self.split_longer_than = min(windowed) if self.slack.slack and windowed else None
+        self.slack_span = min(windowed) if self.slack.slack and windowed else None
         self.uses = itertools.count(1)  # RowState.last_used
         self.prefix_hits = 0  # requests that started after tokens already in a row
         self.reused_tokens = 0  # prompt tokens not read again
@@ -460,8 +461,10 @@ class Engine:
         self, seqlens: List[int], chunks: List[List[int]], sampled: List[Request], decode_only: bool
     ) -> torch.Tensor:
         """Logits ``(len(sampled), V)`` after feeding each row its first ``seqlens[row]`` tokens of ``chunks``."""
-        self.slack.save(seqlens)  # before the pass writes over them
         static = self._static_step_is_cheaper(seqlens) if self.choose_per_step else self.mode != "eager"
+        if static and self.choose_per_step and self.slack_span is not None and max(seqlens) > self.slack_span:
+            static = False  # the eager pass keeps the positions a chunk pushes out itself (slack)
+        self.slack.save(seqlens, in_pass=not static)  # before the pass writes over them
         if decode_only and static:
             return self._decode_only(sampled)
         if static:
@@ -470,6 +473,12 @@ class Engine:
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)  # (T,)
         ends = list(itertools.accumulate(seqlens))  # each row's end in the flat batch
         return self.model(input_ids, seqlens, self.cache, logit_rows=[ends[r.row] - 1 for r in sampled])  # (N, V)
+
+    def _reads_prompts_eagerly(self) -> bool:
+        """Whether steps that read long prompt chunks run ``Transformer.forward`` (``_forward``), which
+        writes the positions a chunk pushes out itself to the slack; the static steps do not, so there
+        a prompt's last chunk longer than a windowed buffer is read in two (``_plan``)."""
+        return self.mode == "eager" or self.choose_per_step
 
     def _admit_now(self) -> bool:
         """Whether waiting requests take free rows at this step.
@@ -618,9 +627,9 @@ class Engine:
                 end = request.fed + budget
                 if request.pause_at is not None and request.pause_at > request.fed:  # a waiting request copies it there
                     end = min(end, request.pause_at)
-                longest = self.split_longer_than
-                if longest is not None and end >= len(request.prompt) and len(request.prompt) - request.fed > longest:
-                    end = len(request.prompt) - min(self.slack.slack, longest)  # the last tokens alone: their pushed-out positions are kept
+                span = self.slack_span
+                if span is not None and not self._reads_prompts_eagerly() and end >= len(request.prompt) > request.fed + span:
+                    end = len(request.prompt) - min(self.slack.slack, span)  # the last tokens alone: the static step keeps what they push out
                 chunks[request.row] = request.prompt[request.fed : end]
                 budget -= len(chunks[request.row])
                 segments -= 1

@@ -38,8 +38,9 @@ the full-attention layers never stand in the way, the windowed ones decide. Work
 layers ``[full (64 slots), W = 4]``, slack 2, a row at ``h = 7`` that saved 2 positions in its
 windowed layers: the full-attention layer holds ``p0 .. p6`` (cut back anywhere), the windowed one
 ``p1 .. p6`` (``m >= 5``): the row serves ``m = 5, 6, 7``. A prompt chunk longer than ``S`` pushes
-out positions it wrote itself, which no buffer held, so it leaves nothing saved: the engine reads
-the last ``min(slack, S)`` tokens of a long prompt in a step of their own (``Engine._plan``).
+out positions of its own, which no buffer held: ``Transformer.forward`` writes them to the slack
+as it goes (``model.cache.slack_writes``); where only the static steps read prompts, the engine
+reads the last ``min(slack, S)`` tokens of a long prompt in a step of their own (``Engine._plan``).
 
 Matching. A request's prompt is compared with a row's ids token by token (ids after the chat
 template, never text). The longest common prefix ``c`` is cut to the longest length the row can be
