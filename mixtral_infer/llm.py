@@ -46,7 +46,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Optional[int] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # each prompt samples with its own generator: its text is the same in any batch
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     presence_penalty: float = 0.0

@@ -7,7 +7,9 @@ no ``.item()``, no host sync, no shape that depends on the data.
 A sampled token is drawn by inverse transform from one uniform number per row, which the
 caller draws (``draw_uniform``) for the whole batch at every step, finished rows included.
 So a row's draws do not depend on which other rows are still running, and the eager and
-the static decode loops, fed the same uniforms, choose the same tokens.
+the static decode loops, fed the same uniforms, choose the same tokens. With a generator per
+row (a seeded ``generate``, as the server's requests) row i's k-th uniform is its own
+generator's k-th: its tokens do not depend on the batch at all.
 
 Worked example, one row, probabilities ``[0.1, 0.5, 0.3, 0.1]``, top_k = 2 (no top-p)::
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -70,10 +72,17 @@ class Sampling:
         return Sampling(self.temperature[index], self.top_p[index], self.top_k[index], self.greedy, self.filtered)
 
 
-def draw_uniform(batch: int, sampling: Sampling, generator: Optional[torch.Generator], device) -> Optional[torch.Tensor]:
-    """One uniform number in [0, 1) per row, or None when no row samples (greedy draws nothing)."""
+Generators = Union[None, torch.Generator, Sequence[torch.Generator]]  # one for the batch, or one per row
+
+
+def draw_uniform(batch: int, sampling: Sampling, generator: Generators, device) -> Optional[torch.Tensor]:
+    """One uniform number in [0, 1) per row, or None when no row samples (greedy draws nothing).
+    ``generator``: one for the whole batch (None: torch's default), or a list of one per row, each
+    drawing its row's number as ``torch.rand(1)`` would for that row alone."""
     if sampling.greedy:
         return None
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.rand(1, generator=g, device=device) for g in generator])  # (B,)
     return torch.rand(batch, generator=generator, device=device)
 
 

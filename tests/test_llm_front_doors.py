@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixtral_infer import LLM, SamplingParams, generate
+from mixtral_infer import LLM, GenerationError, SamplingParams, generate
 from mixtral_infer.generation import text_stream
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,3 +50,35 @@ def test_the_server_and_generate_share_one_stop_check():
 
     assert engine.StopStrings is text_stream.StopStrings is text.StopStrings
     assert engine.TextStream is text_stream.TextStream  # AnswerText is these two, as the engine chains them
+
+
+# ---- 8: a seed per prompt -----------------------------------------------------------------------
+
+PROMPTS = ["And God said", "In the beginning", "Blessed are", "The LORD is my shepherd", "Hear, O Israel", "And God said"]
+
+
+def test_a_prompts_sampled_text_does_not_depend_on_its_batch(llm, monkeypatch):
+    """Seed 42: a prompt's text alone, three times in one batch, beside other prompts, and with the
+    batches split by free memory (here one prompt a batch) is one text (three copies gave three texts,
+    none the text alone: one generator drew for the whole batch)."""
+    settings = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=42)
+    alone = {p: llm.generate(p, settings)[0].text for p in set(PROMPTS)}
+    assert [o.text for o in llm.generate([PROMPT] * 3, settings)] == [alone[PROMPT]] * 3
+    together = [o.text for o in llm.generate(PROMPTS, settings)]  # batches of 4 and 2 (max_batch=4)
+    assert together == [alone[p] for p in PROMPTS]
+    monkeypatch.setattr("mixtral_infer.llm.free_memory", lambda device: 1)  # no room: a batch is one prompt
+    assert llm._batch_size(len(PROMPTS), 20) == 1
+    assert [o.text for o in llm.generate(PROMPTS[::-1], settings)] == [alone[p] for p in PROMPTS[::-1]]
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_generate_samples_each_row_with_its_own_seed(llm, decode):
+    """A list of seeds gives each prompt its own; a row's tokens are those it gets alone with its seed."""
+    ids = [llm.tokenizer.encode(p, bos=True) for p in PROMPTS[:3]]
+    kwargs = dict(max_tokens=6, temperature=1.0, prompt_logprobs=False, decode=decode)
+    rows, _ = generate(ids, llm.model, seed=[7, 8, 9], **kwargs)
+    assert rows == [generate([p], llm.model, seed=s, **kwargs)[0][0] for p, s in zip(ids, [7, 8, 9])]
+    with pytest.raises(GenerationError, match=r"seed=\[7, 8\] must be one integer, or a list of one per prompt \(3\)"):
+        generate(ids, llm.model, seed=[7, 8], **kwargs)
+    with pytest.raises(GenerationError, match=r"seed\[1\]=-1 must be an integer in \[0, 2\*\*63\)"):
+        generate(ids, llm.model, seed=[7, -1, 9], **kwargs)

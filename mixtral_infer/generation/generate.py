@@ -16,12 +16,13 @@ from mixtral_infer.errors import GenerationError
 from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
-from mixtral_infer.sampling import Sampling, draw_uniform, sample, token_logprobs
+from mixtral_infer.sampling import Generators, Sampling, draw_uniform, sample, token_logprobs
 from mixtral_infer.generation.shared_prefix import read_shared_prefix, shared_prefix_length
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
     as_int,
+    check_seed,
     check_cache_capacity,
     check_cache_matches,
     check_new_cache,
@@ -57,7 +58,7 @@ def check_settings(
     top_k: Optional[int],
     chunk_size: Optional[int],
     max_batch_size: int,
-    seed: Optional[int] = None,
+    seed: Union[None, int, Sequence[int]] = None,
     eos_id: Optional[int] = None,
     on_token: Optional[TokenCallback] = None,
 ) -> List[List[int]]:
@@ -66,7 +67,8 @@ def check_settings(
     Token ids may be any integers (numpy's, 0-d torch tensors); they come back as Python ints.
     The prompts may be a list of lists, of tensors or arrays, or a ``(B, T)`` tensor or array.
     """
-    check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)
+    per_prompt = isinstance(seed, (list, tuple))
+    check_options(max_tokens, temperature, top_p, top_k, chunk_size, None if per_prompt else seed)
     if isinstance(encoded_prompts, (str, bytes, set, frozenset, dict)) or not hasattr(encoded_prompts, "__len__"):
         raise GenerationError(
             f"encoded_prompts={encoded_prompts!r:.40}: pass a list of prompts, each a list of token ids "
@@ -94,6 +96,11 @@ def check_settings(
         if max_batch_size != model.args.max_batch_size:  # the limit is a cache's: generate(cache=...)
             larger = "make the cache for more, model.make_cache(batch)"
         raise GenerationError(f"{len(prompts)} prompts exceed max_batch_size={max_batch_size}: pass fewer prompts or {larger}")
+    if per_prompt:
+        if len(seed) != len(prompts):
+            raise GenerationError(f"seed={seed!r:.40} must be one integer, or a list of one per prompt ({len(prompts)})")
+        for index, value in enumerate(seed):
+            check_seed(value, f"seed[{index}]")
     if on_token is not None and not callable(on_token):
         raise GenerationError(f"on_token={on_token!r:.40} must be a function on_token(prompt_index, token), or None")
     eos = None if eos_id is None else as_int(eos_id)
@@ -204,7 +211,7 @@ def generate(
     top_k: Optional[int] = None,
     chunk_size: Optional[int] = None,
     eos_id: Optional[int] = None,
-    seed: Optional[int] = None,
+    seed: Union[None, int, Sequence[int]] = None,
     cache: Optional[RotatingBufferCache] = None,
     on_token: Optional[TokenCallback] = None,
     prompt_logprobs: bool = True,
@@ -244,6 +251,10 @@ def generate(
     with ``generated[i][-1]`` (as ``generation.chat.Conversation`` does).
     ``on_token(i, token)`` is called as each token of prompt i is chosen (streaming).
 
+    ``seed``: each prompt samples from a generator of its own, seeded with it (as the server's
+    requests and vLLM's), so a prompt's tokens are those it gets alone, in any batch; a list gives
+    each prompt its seed. None: one unseeded generator for the batch.
+
     What the answers must be, and how tokens are chosen (as the server takes them; each needs
     ``tokenizer`` where it is about text): ``json_schema`` (a dict or its JSON text), ``regex``,
     ``choices`` (a list of strings) or ``grammar`` (Lark): the text of every answer follows it
@@ -270,7 +281,7 @@ def generate(
     )
     eos_id = None if eos_id is None else int(eos_id)
     max_tokens, temperature = int(max_tokens), effective_temperature(temperature)
-    top_k, chunk_size, seed = (None if v is None else int(v) for v in (top_k, chunk_size, seed))
+    top_k, chunk_size = (None if v is None else int(v) for v in (top_k, chunk_size))
     grammar_text = check_shaping(
         model, tokenizer, max_tokens, len(encoded_prompts), stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens,
         json_schema, regex, choices, grammar,
@@ -293,9 +304,7 @@ def generate(
         if not cache.tokens_seen:
             cache.start_sequences(batch)
     chunk_size = chunk_size or default_chunk_size(batch)
-    if model.parallel.world_size > 1:
-        seed = shared_seed(seed)  # every rank must draw the same tokens
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    generator = row_generators(seed, batch, model)
     sampling = Sampling.uniform_settings(batch, model.args.vocab_size, temperature, top_p, top_k, model.device)
 
     shared = shared_prefix_length(encoded_prompts) if fresh else 0
@@ -441,6 +450,20 @@ def check_shaping(
     (name, value), = given.items()
     kind = {"json_schema": "json_schema", "regex": "regex", "choices": "choice", "grammar": "lark"}[name]
     return check_constraint(Constraint(kind, value), tokenizer)
+
+
+def row_generators(seed: Union[None, int, Sequence[int]], batch: int, model: Transformer) -> Generators:
+    """The generators a batch samples with: one per row, seeded with ``seed`` (or with its row's, from
+    a list); None for no seed, or, in a process group, one for the batch seeded as rank 0 says."""
+    if seed is None and model.parallel.world_size == 1:
+        return None
+    if seed is None:
+        return torch.Generator(device=model.device).manual_seed(shared_seed(None))  # every rank draws alike
+    if isinstance(seed, (list, tuple)):
+        seeds = [int(s) for s in seed]  # (in a process group: the caller gives every rank the same list)
+    else:
+        seeds = [shared_seed(int(seed))] * batch  # rank 0's
+    return [torch.Generator(device=model.device).manual_seed(s) for s in seeds]
 
 
 def shared_seed(seed: Optional[int]) -> Optional[int]:

@@ -59,8 +59,13 @@ def check_options(
         raise GenerationError(f"top_k={top_k!r} must be an integer >= 1 (or None for no limit)")
     if chunk_size is not None and (as_int(chunk_size) is None or as_int(chunk_size) < 1):
         raise GenerationError(f"chunk_size={chunk_size!r} must be an integer >= 1")
+    check_seed(seed)
+
+
+def check_seed(seed: object, name: str = "seed") -> None:
+    """A seed: None, or an integer in [0, 2**63); GenerationError naming it otherwise."""
     if seed is not None and (as_int(seed) is None or not 0 <= as_int(seed) < SEED_LIMIT):
-        raise GenerationError(f"seed={seed!r} must be an integer in [0, 2**63) (or None for a random one)")
+        raise GenerationError(f"{name}={seed!r} must be an integer in [0, 2**63) (or None for a random one)")
 
 
 def check_context(context: object, label: str = "context") -> Optional[int]:
