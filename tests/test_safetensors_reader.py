@@ -128,12 +128,37 @@ def test_brackets_inside_strings_are_not_nesting():
         (struct.pack("<Q", 10**12) + b"{}", "not a safetensors file, or truncated"),
         (struct.pack("<Q", 4) + b"\xff\xfe{}", "not UTF-8 JSON"),
         (struct.pack("<Q", 2) + b"[]", "a JSON list, expected an object"),
-        (struct.pack("<Q", 3) + b"{x}", r"corrupt safetensors header \(not JSON\)"),
+        (struct.pack("<Q", 3) + b"{x}", r"corrupt safetensors header \(invalid JSON in header: key must be a string at line 1 column 2\)"),
     ],
 )
 def test_broken_framing(tmp_path, content, message):
     with pytest.raises(CheckpointError, match=message):
         load(tmp_path, content)
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        # Python's json takes a lone surrogate; the library does not, and its reason stands.
+        ('{"a\\ud800": ' + json.dumps(VALID[0][1]) + "}", r"invalid JSON in header: .*hex escape at line 1 column 10"),
+        # Not JSON: the library says what and where.
+        ('{"a": ' + json.dumps(VALID[0][1]) + ",}", r"\(invalid JSON in header: trailing comma at line 1 column \d+\)"),
+    ],
+)
+def test_what_the_library_alone_refuses_is_one_line_with_its_reason(tmp_path, header, message):
+    with pytest.raises(CheckpointError, match=message) as error:
+        load(tmp_path, file_bytes(header=header, data=DATA[:24]))
+    assert str(error.value).startswith(f"{tmp_path / 'x.safetensors'}: corrupt safetensors header (") and "\n" not in str(error.value)
+
+
+def test_a_large_header_the_library_finds_not_json_of_its_schema_is_not_built_here(tmp_path, monkeypatch):
+    """Millions of empty lists under __metadata__ (94 MB of them: 20 s and 2.5 GB in json.loads): the
+    library stops at the first one, and its reason stands."""
+    metadata = "[" + "[]," * 700_000 + "[]]"  # 2 MB, past DIAGNOSED_HEADER_BYTES
+    header = header_text(VALID)[:-1] + f', "__metadata__": {{"x": {metadata}}}}}'
+    monkeypatch.setattr(reader, "parse_header_and_metadata", lambda *a: pytest.fail("the header was parsed in Python"))
+    with pytest.raises(CheckpointError, match=r"\(invalid JSON in header: invalid type: sequence, expected a string at line 1 column \d+\)"):
+        load(tmp_path, file_bytes(header=header))
 
 
 def test_the_whole_header_is_checked_before_a_byte_of_data_is_read(tmp_path, monkeypatch):

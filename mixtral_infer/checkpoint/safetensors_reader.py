@@ -1,17 +1,23 @@
-"""Reading a .safetensors file: its header parsed and checked once, here, then each tensor read.
+"""Reading a .safetensors file: its header checked once per read, then each tensor read from its bytes.
 
-A header is hostile input. ``read_header`` parses and checks all of it first, cheaply
-(the JSON is at most ``MAX_HEADER_BYTES``; Mixtral 8x7B's are about 100 KB): every entry,
-every offset, no overlap, no gap, so a bad file is one ``CheckpointError`` line naming
-the file and the tensor, before the library opens it and before any tensor memory is
-allocated. The library's own messages (``invalid shape, data type, or offset for
-tensor``) name neither.
+A header is hostile input, checked in two passes before any tensor memory is allocated:
+
+- The ``safetensors`` library's own parser (``safe_open``, once) reads it first. It refuses wrong
+  JSON types, unknown dtypes, offsets that overlap, leave gaps or run past the file, and headers over
+  its limit, without building Python objects: 90 MB of ``[[], [], ...]`` under ``__metadata__`` is
+  refused at once, where ``json.loads`` spends seconds and GBs building it.
+- Then ``parse_header`` here, for what the library lets through (a name given twice, which it reads
+  as the last; keys of an entry it skips; an empty name; dtypes and ranks no weight has) and, where
+  the library refused, to say which tensor and why: one ``CheckpointError`` line naming the file and
+  the tensor, which the library's messages (``invalid shape, data type, or offset for tensor``) may
+  name neither of. Its offset checks repeat the library's: they cover the bytes read below, through
+  our own handle, and cost little beside parsing the JSON.
 
 Then each tensor, or the rows of it a rank keeps, is read from its byte range straight into
-memory of its own (one file handle, no memory map): the model does not depend on the file
-once loaded, a rank's share touches only its bytes, and the header is parsed once however
-many tensors the file holds (the ``safetensors`` library parses it again each time it opens the
-file, which for a large header, up to the format's 100 MB, multiplies with the tensor count).
+memory of its own, with one unbuffered handle per file, not through the library's memory map: with
+one map per file every page read stays mapped, and resident, until the file is closed (the whole
+file, where reads into memory of our own keep none), and a file cut while mapped kills the process
+(SIGBUS) where a short read is one error line. The model does not depend on the file once loaded.
 
 The layout: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.checkpoint.shares import Selection
@@ -45,9 +52,11 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors format itself sets
+MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library sets
+DIAGNOSED_HEADER_BYTES = 1 << 20  # larger headers the library finds not JSON of its schema are not parsed here
 MAX_DIMS = 16  # a tensor of more dimensions is not a model weight
 HEADER_KEYS = {"dtype", "shape", "data_offsets"}
+NOT_JSON = "corrupt safetensors header (not JSON)"  # where the library says what and where, its reason is given
 
 
 @dataclass
@@ -105,7 +114,7 @@ def parse_header_and_metadata(raw: bytes, data_size: int) -> Tuple[List[TensorEn
     except RecursionError:
         raise CheckpointError("corrupt safetensors header (JSON nested too deeply)") from None
     except (json.JSONDecodeError, ValueError):
-        raise CheckpointError("corrupt safetensors header (not JSON)") from None
+        raise CheckpointError(NOT_JSON) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"corrupt safetensors header (a JSON {type(header).__name__}, expected an object)")
     metadata = header.pop("__metadata__", {})
@@ -193,13 +202,32 @@ def _raw_header(handle, path: Path) -> Tuple[bytes, int]:
 
 
 def _parsed(path: Path, raw_and_size: Tuple[bytes, int]) -> Tuple[List[TensorEntry], Dict[str, str]]:
+    """The header's entries (absolute offsets) and metadata, checked by the library, then here."""
     raw, size = raw_and_size
+    refusal = _library_refusal(path)
+    # A large header that is not JSON of the library's schema may be anything (millions of nested
+    # lists): it is not built here, the library's reason stands. Should the library word its JSON
+    # errors otherwise, such headers are parsed here too, as they were before the library was asked.
+    unparsed = refusal is not None and refusal.startswith("invalid JSON") and len(raw) > DIAGNOSED_HEADER_BYTES
     try:
-        entries, metadata = parse_header_and_metadata(raw, size - 8 - len(raw))
+        if not unparsed:
+            entries, metadata = parse_header_and_metadata(raw, size - 8 - len(raw))
     except CheckpointError as error:
-        raise CheckpointError(f"{path}: {error}") from None
+        if refusal is None or str(error) != NOT_JSON:
+            raise CheckpointError(f"{path}: {error}") from None
+    if refusal is not None:  # too large to parse here, stricter than the checks here, or the file changed
+        raise CheckpointError(f"{path}: corrupt safetensors header ({refusal})")
     data_start = 8 + len(raw)
     return [TensorEntry(e.name, e.dtype, e.shape, data_start + e.begin, data_start + e.end) for e in entries], metadata
+
+
+def _library_refusal(path: Path) -> Optional[str]:
+    """Why the ``safetensors`` library refuses the file's header; None where it reads it."""
+    try:  # "numpy": the header only; "pt" maps the whole file privately (a 1 TB sparse file: ENOMEM)
+        with safe_open(path, framework="numpy"):
+            return None
+    except SafetensorError as error:
+        return _first_line(error).removeprefix("Error while deserializing header: ")
 
 
 Selector = Callable[[str], Optional[Selection]]
