@@ -8,14 +8,18 @@
 
 ``LLM`` loads a model (a shipped name, a folder, or a Hugging Face hub name already in the local
 cache) and its tokenizer. ``generate`` takes strings (or token-id lists) and a ``SamplingParams``
-(or its fields as keyword arguments) and returns one ``Completion`` per prompt: ``.text``,
-``.token_ids``, ``.logprobs`` (of each generated token), ``.finish_reason`` (``"stop"``: EOS, a stop
-string or a complete structured answer; ``"length"``: ``max_tokens``). ``chat`` takes a conversation
+(or its fields as keyword arguments) and returns one ``Completion`` per prompt, shaped as vLLM's
+``RequestOutput``: ``.outputs``, the ``SamplingParams.n`` answers (one by default), each with
+``.text``, ``.token_ids``, ``.logprobs`` (of each generated token), ``.finish_reason`` (``"stop"``:
+EOS, a stop string or a complete structured answer; ``"length"``: ``max_tokens``); the
+``Completion``'s own ``.text`` and the rest are its first answer's. ``chat`` takes a conversation
 of ``{"role", "content"}`` dicts (or a list of conversations) in the model's instruct format.
 ``score`` gives a text's log-likelihood per token.
 
 Batches of any size: prompts are run in batches as large as half the free memory holds for
-their caches (at most ``max_batch``, 64 by default); no batch size is declared at load time. The layer below, for research scripts: ``load_model``, ``generate``, ``forward``.
+their caches (at most ``max_batch``, 64 by default); no batch size is declared at load time. A
+prompt's ``n`` answers share one reading of it (``generation.shared_prefix``). The layer below, for
+research scripts: ``load_model``, ``generate``, ``forward``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 from mixtral_infer.checkpoint.loading import load_model
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.generate import generate
-from mixtral_infer.generation.settings import free_memory, kv_cache_bytes
+from mixtral_infer.generation.settings import SEED_LIMIT, check_seed, free_memory, kv_cache_bytes
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.serve.protocol import BadRequest, chat_prompt
 from mixtral_infer.tokenizer import Tokenizer
@@ -40,7 +44,9 @@ CACHE_SHARE = 0.5  # of the free memory, for one batch's cache
 
 @dataclass
 class SamplingParams:
-    """How to choose tokens, as vLLM's ``SamplingParams`` (its defaults: temperature 1, 16 tokens)."""
+    """How to choose tokens, as vLLM's ``SamplingParams`` (its defaults: temperature 1, 16 tokens).
+    ``n``: answers per prompt, all sampled after one reading of it; with a seed, answer ``i`` samples
+    with ``seed + i`` (as the server's ``n``), so the answers differ and each is the one that seed gives."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -58,18 +64,48 @@ class SamplingParams:
     regex: Optional[str] = None
     choices: Optional[Sequence[str]] = None
     grammar: Optional[str] = None  # Lark
+    n: int = 1  # answers per prompt (last: the fields before it keep their positions)
 
 
 @dataclass
-class Completion:
-    """One prompt's answer."""
+class CompletionOutput:
+    """One answer to a prompt, as vLLM's ``CompletionOutput``: ``index`` among its ``n``."""
 
-    prompt: Union[str, List[int], List[Dict[str, Any]]]
+    index: int
     text: str
     token_ids: List[int]
     logprobs: List[float]  # of each generated token
     finish_reason: str  # "stop" or "length"
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return math.fsum(self.logprobs)
+
+
+@dataclass
+class Completion:
+    """One prompt's answers, as vLLM's ``RequestOutput``: ``outputs``, ``SamplingParams.n`` of them.
+    ``text``, ``token_ids``, ``logprobs`` and ``finish_reason`` are the first answer's."""
+
+    prompt: Union[str, List[int], List[Dict[str, Any]]]
+    outputs: List[CompletionOutput]
     prompt_token_ids: List[int] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> List[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def logprobs(self) -> List[float]:
+        return self.outputs[0].logprobs
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
 
 
 @dataclass
@@ -118,11 +154,8 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise GenerationError("prompts must be a string or a non-empty list of strings (or of token-id lists)")
         ids = [self.tokenizer.encode(p, bos=True) if isinstance(p, str) else list(p) for p in prompts]
-        results = self._run(ids, params, leading_space=True)
-        return [
-            Completion(p, text, tokens, logprobs, reason, prompt_ids)
-            for p, prompt_ids, (text, tokens, logprobs, reason) in zip(prompts, ids, results)
-        ]  # fmt: skip
+        answers = self._run(ids, params, leading_space=True)
+        return [Completion(p, outputs, prompt_ids) for p, prompt_ids, outputs in zip(prompts, ids, answers)]
 
     def chat(
         self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]], sampling_params: Optional[SamplingParams] = None,
@@ -137,11 +170,8 @@ class LLM:
             ids = [chat_prompt(self.tokenizer, conversation) for conversation in conversations]
         except BadRequest as error:
             raise GenerationError(error.message) from None
-        results = self._run(ids, params, leading_space=False)
-        out = [
-            Completion(c, text, tokens, logprobs, reason, prompt_ids)
-            for c, prompt_ids, (text, tokens, logprobs, reason) in zip(conversations, ids, results)
-        ]  # fmt: skip
+        answers = self._run(ids, params, leading_space=False)
+        out = [Completion(c, outputs, prompt_ids) for c, prompt_ids, outputs in zip(conversations, ids, answers)]
         return out[0] if single else out
 
     def score(self, text: Union[str, Sequence[int]]) -> TextScore:
@@ -155,29 +185,34 @@ class LLM:
 
     # ---- below ------------------------------------------------------------------------------
 
-    def _run(self, ids: List[List[int]], params: SamplingParams, leading_space: bool):
-        """``(text, tokens, logprobs, finish_reason)`` per prompt, in batches that fit. The text is the
-        server's (``AnswerText``): a completion keeps the space before its first word (``leading_space``),
-        a chat answer does not; cut before a stop string, found in that same text as ``generate`` found it."""
+    def _run(self, ids: List[List[int]], params: SamplingParams, leading_space: bool) -> List[List[CompletionOutput]]:
+        """The ``n`` answers of each prompt, in batches that fit: a prompt's answers are rows of one batch
+        (where ``n`` fits in one), which ``generate`` reads the prompt once for. The text is the server's
+        (``AnswerText``): a completion keeps the space before its first word (``leading_space``), a chat
+        answer does not; cut before a stop string, found in that same text as ``generate`` found it."""
+        n = params.n
+        rows = [prompt for prompt in ids for _ in range(n)]  # prompt p's answer i is row p * n + i
+        seeds = None if params.seed is None else [(int(params.seed) + i) % SEED_LIMIT for _ in ids for i in range(n)]
         longest = max(len(p) for p in ids) + params.max_tokens
-        batch = self._batch_size(len(ids), longest)
+        batch = self._batch_size(len(rows), longest)
+        batch -= batch % n if n <= batch else 0
         eos = None if params.ignore_eos else self.tokenizer.eos_id
         extra = {name: getattr(params, name) for name in ("stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                                           "logit_bias", "min_tokens", "json_schema", "regex", "choices", "grammar")}  # fmt: skip
         needs_tokenizer = params.stop or any(extra[k] is not None for k in ("json_schema", "regex", "choices", "grammar"))
         results = []
-        for start in range(0, len(ids), batch):
-            part = ids[start : start + batch]
+        for start in range(0, len(rows), batch):
+            part = rows[start : start + batch]
             generated, logprobs = generate(
                 part, self.model, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k, seed=params.seed, eos_id=eos, prompt_logprobs=False,
+                top_k=params.top_k, seed=None if seeds is None else seeds[start : start + batch], eos_id=eos, prompt_logprobs=False,
                 tokenizer=self.tokenizer if needs_tokenizer else None, leading_space=leading_space, **extra,
             )  # fmt: skip
-            for tokens, lps in zip(generated, logprobs):
+            for row, (tokens, lps) in enumerate(zip(generated, logprobs), start):
                 answer = AnswerText.of(self.tokenizer, tokens, leading_space, params.stop)
                 stopped = len(tokens) < params.max_tokens or answer.stopped
-                results.append((answer.text, tokens, lps, "stop" if stopped else "length"))
-        return results
+                results.append(CompletionOutput(row % n, answer.text, tokens, lps, "stop" if stopped else "length"))
+        return [results[p * n : (p + 1) * n] for p in range(len(ids))]
 
     def _batch_size(self, prompts: int, tokens: int) -> int:
         """Prompts per batch: all of them, at most ``max_batch``, halved until a batch's cache fits in
@@ -198,4 +233,8 @@ def _params(params: Optional[SamplingParams], overrides: Dict[str, Any]) -> Samp
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise GenerationError(f"unknown sampling setting(s) {unknown}: SamplingParams has {sorted(known)}")
-    return replace(params, **overrides)
+    params = replace(params, **overrides)
+    if not isinstance(params.n, int) or isinstance(params.n, bool) or params.n < 1:
+        raise GenerationError(f"n={params.n!r} must be an integer >= 1 (answers per prompt)")
+    check_seed(params.seed)  # before answer i's seed + i could wrap a bad one round
+    return params

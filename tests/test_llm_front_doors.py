@@ -82,3 +82,58 @@ def test_generate_samples_each_row_with_its_own_seed(llm, decode):
         generate(ids, llm.model, seed=[7, 8], **kwargs)
     with pytest.raises(GenerationError, match=r"seed\[1\]=-1 must be an integer in \[0, 2\*\*63\)"):
         generate(ids, llm.model, seed=[7, -1, 9], **kwargs)
+
+
+# ---- 9: n answers of one prompt -----------------------------------------------------------------
+
+
+def test_n_answers_sample_after_one_reading_of_the_prompt(llm):
+    """``SamplingParams(n=3)`` (a TypeError before): vLLM's shape, ``outputs`` of 3 answers; answer i
+    with seed 42 is the prompt's answer with seed 42 + i (the server's ``n``); each prompt is read
+    once, also when its answers fill a batch of their own (max_batch=4: 3 rows a batch)."""
+    tokens_read = []
+    hook = llm.model.register_forward_pre_hook(lambda module, args: tokens_read.append(args[0].numel()))
+    try:
+        outs = llm.generate([PROMPT, "Blessed are"], SamplingParams(n=3, max_tokens=1, seed=42))
+    finally:
+        hook.remove()
+    ids = [llm.tokenizer.encode(p, bos=True) for p in (PROMPT, "Blessed are")]
+    assert sum(tokens_read) == len(ids[0]) + len(ids[1])  # max_tokens=1: the prefill's forwards only
+    assert [len(o.outputs) for o in outs] == [3, 3] and [o.prompt_token_ids for o in outs] == ids
+
+    [out] = llm.generate(PROMPT, SamplingParams(n=3, max_tokens=8, seed=42))
+    alone = [llm.generate(PROMPT, max_tokens=8, seed=42 + i)[0] for i in range(3)]
+    assert [a.index for a in out.outputs] == [0, 1, 2]
+    assert [(a.text, a.token_ids, a.finish_reason) for a in out.outputs] == [(a.text, a.token_ids, a.finish_reason) for a in alone]
+    assert [a.logprobs for a in out.outputs] == [pytest.approx(a.logprobs, abs=1e-5) for a in alone]
+    assert len({a.text for a in out.outputs}) == 3  # seed + i: the answers differ
+    assert (out.text, out.token_ids, out.finish_reason) == (out.outputs[0].text, out.outputs[0].token_ids, "length")
+    assert out.outputs[1].cumulative_logprob == pytest.approx(sum(alone[1].logprobs), abs=1e-4)
+
+
+def test_n_in_chat_and_its_check(llm):
+    answer = llm.chat([{"role": "user", "content": "Who art thou?"}], n=2, max_tokens=4, temperature=0)
+    assert [a.index for a in answer.outputs] == [0, 1] and answer.outputs[0].text == answer.outputs[1].text  # greedy
+    for bad in (0, 1.5, True):
+        with pytest.raises(GenerationError, match=rf"n={bad!r} must be an integer >= 1"):
+            llm.generate(PROMPT, n=bad)
+    with pytest.raises(GenerationError, match=r"seed=-1 must be an integer in \[0, 2\*\*63\)"):
+        llm.generate(PROMPT, n=2, seed=-1)  # not wrapped round to 2**63 - 1 by answer 1's seed + 1
+
+
+def test_generate_reads_a_repeated_prompt_once(llm):
+    """Rows 2 and 3 repeat rows 0 and 1: they sit the prefill out and get copies of those rows, their
+    logits and their prompt logprobs; every row's tokens and logprobs are those of its prompt alone."""
+    a = llm.tokenizer.encode(PROMPT, bos=True)
+    b = llm.tokenizer.encode("In the beginning God created the heaven and the earth. And the earth was without form", bos=True)
+    kwargs = dict(max_tokens=5, temperature=1.0)
+    tokens_read = []
+    hook = llm.model.register_forward_pre_hook(lambda module, args: tokens_read.append(args[0].numel()))
+    try:
+        rows, logprobs = generate([a, b, a, b], llm.model, seed=[1, 2, 3, 4], decode="eager", **kwargs)
+    finally:
+        hook.remove()
+    assert sum(tokens_read) == len(a) + len(b) + 4 * 4  # the prompts once, then 4 decode steps of 4 rows
+    for row, (prompt, seed) in enumerate(zip([a, b, a, b], [1, 2, 3, 4])):
+        [alone], [alone_logprobs] = generate([prompt], llm.model, seed=seed, decode="eager", **kwargs)
+        assert rows[row] == alone and logprobs[row] == pytest.approx(alone_logprobs, abs=1e-5)

@@ -17,7 +17,12 @@ from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
 from mixtral_infer.sampling import Generators, Sampling, draw_uniform, sample, token_logprobs
-from mixtral_infer.generation.shared_prefix import read_shared_prefix, shared_prefix_length
+from mixtral_infer.generation.shared_prefix import (
+    copy_repeated_rows,
+    read_shared_prefix,
+    repeated_prompts,
+    shared_prefix_length,
+)
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
@@ -138,12 +143,16 @@ def prefill(
     cache: RotatingBufferCache,
     encoded_prompts: Sequence[Sequence[int]],
     chunk_size: int,
+    same_as: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """Read every prompt into the cache in chunks; the logits after each prompt's last token ``(B, V)``.
 
     Only the rows of those last tokens go through the output matrix (``Transformer.forward``'s
-    ``logit_rows``): what generation needs.
+    ``logit_rows``): what generation needs. ``same_as[i]``: the row whose prompt row ``i`` repeats
+    (``shared_prefix.repeated_prompts``); a repeat is not read but copied.
     """
+    same_as = list(range(len(encoded_prompts))) if same_as is None else same_as
+    encoded_prompts = [p if same_as[i] == i else [] for i, p in enumerate(encoded_prompts)]
     last_logits: List[Optional[torch.Tensor]] = [None] * len(encoded_prompts)
     for start, lengths, input_ids, ends in prompt_chunks(encoded_prompts, chunk_size, model.device):
         ends_at = list(accumulate(lengths))  # each sequence's end in the flat chunk
@@ -151,7 +160,8 @@ def prefill(
         _check_finite(logits, f"while reading the prompts (tokens {start}..{start + max(lengths) - 1})")
         for row, i in enumerate(ends):
             last_logits[i] = logits[row]
-    return torch.stack(last_logits)  # type: ignore[arg-type]
+    copy_repeated_rows(cache, same_as)
+    return torch.stack([last_logits[source] for source in same_as])  # type: ignore[misc]
 
 
 def prefill_with_logprobs(
@@ -159,9 +169,12 @@ def prefill_with_logprobs(
     cache: RotatingBufferCache,
     encoded_prompts: Sequence[Sequence[int]],
     chunk_size: int,
+    same_as: Optional[Sequence[int]] = None,
 ) -> Tuple[torch.Tensor, List[List[float]]]:
     """``prefill``, scoring the prompts too: the logits after each prompt's last token ``(B, V)``
     and, per prompt, the log-probability of each of its tokens after the first."""
+    same_as = list(range(len(encoded_prompts))) if same_as is None else same_as
+    encoded_prompts = [p if same_as[i] == i else [] for i, p in enumerate(encoded_prompts)]
     last_logits: List[Optional[torch.Tensor]] = [None] * len(encoded_prompts)
     prompt_logprobs: List[List[float]] = [[] for _ in encoded_prompts]
     for start, lengths, input_ids, ends in prompt_chunks(encoded_prompts, chunk_size, model.device):
@@ -179,7 +192,8 @@ def prefill_with_logprobs(
             if i in ends:
                 last_logits[i] = logits[offset + n - 1].clone()  # not a view that keeps the chunk's (T, V) alive
             offset += n
-    return torch.stack(last_logits), prompt_logprobs  # type: ignore[arg-type]
+    copy_repeated_rows(cache, same_as)
+    return torch.stack([last_logits[s] for s in same_as]), [list(prompt_logprobs[s]) for s in same_as]  # type: ignore[misc]
 
 
 def decode_mode(decode: str, model: Transformer) -> str:
@@ -241,8 +255,9 @@ def generate(
     ``default_chunk_size(B)``, 2048 tokens shared by the B prompts. Any size gives the
     same results; it trades the activations' memory for speed.
 
-    Prompts that begin alike (16 tokens or more, common to all) read that beginning once
-    (``generation.shared_prefix``); the results are those of reading each prompt whole.
+    Prompts that begin alike (16 tokens or more, common to all) read that beginning once, and a
+    prompt given several times is read once (``generation.shared_prefix``); the results are those of
+    reading each prompt whole.
 
     ``cache``: continue sequences already in this cache (a conversation); the
     prompts are then appended to what it holds. Left None, a fresh cache is made.
@@ -313,13 +328,14 @@ def generate(
         own = [p[shared:] for p in encoded_prompts]
     else:
         own = encoded_prompts
+    same_as = repeated_prompts(encoded_prompts) if fresh else None  # a prompt given twice is read once
     if prompt_logprobs:
-        logits, logprobs = prefill_with_logprobs(model, cache, own, chunk_size)  # (B, V)
+        logits, logprobs = prefill_with_logprobs(model, cache, own, chunk_size, same_as)  # (B, V)
         if shared:
             first = torch.log_softmax(after_shared.float(), dim=-1)[[p[0] for p in own]].tolist()  # (B,)
             logprobs = [shared_logprobs + [first[i]] + logprobs[i] for i in range(batch)]
     else:
-        logits, logprobs = prefill(model, cache, own, chunk_size), [[] for _ in encoded_prompts]
+        logits, logprobs = prefill(model, cache, own, chunk_size, same_as), [[] for _ in encoded_prompts]
     generated: List[List[int]] = [[] for _ in range(batch)]
     if max_tokens == 0:
         return generated, logprobs

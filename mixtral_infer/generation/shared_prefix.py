@@ -9,11 +9,15 @@ own tokens as usual.
 Example: prompts ``[1 7 7 7 ... 7 4 5]`` and ``[1 7 7 7 ... 7 9]`` sharing 40 tokens: row 0 reads
 40 tokens, rows 1.. get a copy, then the rows read ``[4 5]`` and ``[9]``: 43 tokens read, not 83.
 The logprob of each prompt's first own token comes from the logits after the shared part.
+
+A prompt given twice or more (``LLM``'s ``n`` answers of one prompt) is read once whatever its length:
+the rows that repeat it sit the prefill out and get a copy of the first one's row, its logits and its
+logprobs (``repeated_prompts``, ``copy_repeated_rows``).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +44,23 @@ def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
             n += 1
         length = n
     return length if length >= MIN_SHARED_TOKENS else 0
+
+
+def repeated_prompts(prompts: Sequence[Sequence[int]]) -> List[int]:
+    """For each prompt, the first row with the same tokens (itself where none comes before it).
+
+    ``repeated_prompts([[1, 5], [1, 6], [1, 5], [1, 5]]) == [0, 1, 0, 0]``.
+    """
+    first: Dict[Tuple[int, ...], int] = {}
+    return [first.setdefault(tuple(prompt), row) for row, prompt in enumerate(prompts)]
+
+
+def copy_repeated_rows(cache: RotatingBufferCache, same_as: Sequence[int]) -> None:
+    """Row ``i`` of ``cache`` takes the state of row ``same_as[i]``, which has read the same prompt."""
+    for row, source in enumerate(same_as):
+        if source != row:
+            cache.copy_row(source, row)
+            cache.tokens_seen[row] = cache.tokens_seen[source]
 
 
 def read_shared_prefix(
