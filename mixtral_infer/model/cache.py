@@ -277,7 +277,9 @@ class CacheView:
         """The parts a mixed pass attends in (``split_mixed``): rows of the flat batch ``(T_part,)`` and a view each."""
         if self.metadata.parts is None:
             return None
-        return [(rows, CacheView(self.cache_k, self.cache_v, part, self.slack_k, self.slack_v)) for rows, part in self.metadata.parts]
+        return [
+            (rows, CacheView(self.cache_k, self.cache_v, part, self.slack_k, self.slack_v)) for rows, part in self.metadata.parts
+        ]
 
     @property
     def mask(self) -> Optional[AttentionBias]:
@@ -530,7 +532,9 @@ class RotatingBufferCache:
                 if self.slack.keys[index] is None:
                     continue
                 for part in [metadata[index]] + [part for _, part in metadata[index].parts or []]:
-                    part.slack_writes = slack_writes(part.chunk_lengths, part.seen_before, kind.size, self.slack.slack, self.device)
+                    part.slack_writes = slack_writes(
+                        part.chunk_lengths, part.seen_before, kind.size, self.slack.slack, self.device
+                    )
         return metadata
 
     @property
@@ -559,7 +563,8 @@ class RotatingBufferCache:
         slack = self.slack
         if slack is None or slack.keys[kind] is None:
             return CacheView(self.kind_k[kind][place], self.kind_v[kind][place], metadata[kind])
-        return CacheView(self.kind_k[kind][place], self.kind_v[kind][place], metadata[kind], slack.keys[kind][place], slack.values[kind][place])
+        keys, values = self.kind_k[kind][place], self.kind_v[kind][place]
+        return CacheView(keys, values, metadata[kind], slack.keys[kind][place], slack.values[kind][place])
 
     def advance(self, chunk_lengths: List[int]) -> None:
         """Count a chunk's tokens as seen, once every layer has written them."""

@@ -629,7 +629,8 @@ class Engine:
                     end = min(end, request.pause_at)
                 span = self.slack_span
                 if span is not None and not self._reads_prompts_eagerly() and end >= len(request.prompt) > request.fed + span:
-                    end = len(request.prompt) - min(self.slack.slack, span)  # the last tokens alone: the static step keeps what they push out
+                    # the last tokens alone: the static step keeps the positions they push out
+                    end = len(request.prompt) - min(self.slack.slack, span)
                 chunks[request.row] = request.prompt[request.fed : end]
                 budget -= len(chunks[request.row])
                 segments -= 1

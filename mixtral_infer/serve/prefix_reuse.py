@@ -252,10 +252,10 @@ def with_generated_answer(
     for state in rows:
         if not state.answers:
             continue
-        rewritten = prompt
+        rewritten, n = prompt, common_prefix(state.ids, prompt)  # the prompt holds the row's first n ids
         for answer in state.answers:
             start, ids = answer.start, answer.ids
-            if not ids or rewritten[:start] != state.ids[:start]:
+            if not ids or n < start:
                 break
             if rewritten[start : start + len(ids)] == ids:
                 continue  # sent back as generated
@@ -263,9 +263,9 @@ def with_generated_answer(
             if k is None:
                 break
             rewritten = rewritten[:start] + list(ids) + rewritten[start + k :]
+            n = start + common_prefix(state.ids[start:], rewritten[start:])
         if longest is not None and len(rewritten) > longest:
-            rewritten = prompt
-        n = common_prefix(state.ids, rewritten)
+            rewritten, n = prompt, common_prefix(state.ids, prompt)
         answers = kept_answers(state.answers, rewritten, n)
         if answers and n > shared:
             best, held, shared = rewritten, answers, n
