@@ -7,7 +7,10 @@
     mixtral-infer models                                   the shipped models, by name
 
 Every function here only turns options into API calls and prints; errors of the
-package are printed as one line (exit code 1), never as a traceback. torch and the
+package are printed as one line, never as a traceback: exit code 2 for a command line that is
+not one (an unknown command or option, an argument too many or missing: ``UsageError``), as
+argparse and the shells do, 1 for the others (a value out of range, a file that cannot be read,
+a model that cannot be loaded). torch and the
 model code are imported when a command runs, so ``--help`` answers at once.
 
 ``--help`` shows each option's ``Type:`` (its annotation), ``Default:`` and the line of the
@@ -40,6 +43,12 @@ from mixtral_infer.hub import is_hub_name
 from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, is_shipped, resolve_model_folder, shipped_models
 
 DEFAULT_MODEL = SHIPPED_MODELS / DEFAULT_MODEL_NAME
+USAGE_EXIT = 2  # a command line that is not one (an unknown command or option): argparse's code
+
+
+class UsageError(MixtralInferError):
+    """The command line itself is wrong (an unknown option, an argument too many or missing): exit 2."""
+
 DEMO_PROMPTS = [
     "In the beginning",
     "And the LORD spake unto Moses, saying,",
@@ -336,7 +345,7 @@ def demo(
     check_quantize(quantize)
     check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
     if not isinstance(json, bool):
-        raise GenerationError(f"--json takes no value (got {json!r})")
+        raise UsageError(f"--json takes no value (got {json!r})")
     prompts = prompt_list(prompt, prompt_file)
     from mixtral_infer.steps.decode_loop import compile_seconds
     from mixtral_infer.generation.generate import generate
@@ -423,7 +432,7 @@ def interactive(
     check_decode(decode)
     check_quantize(quantize)
     if not isinstance(instruct, bool):
-        raise GenerationError(f"--instruct takes no value (got {instruct!r}): write --instruct or --noinstruct")
+        raise UsageError(f"--instruct takes no value (got {instruct!r}): write --instruct or --noinstruct")
     if system is not None:
         if not isinstance(system, str) or not system.strip():
             raise GenerationError(f"--system {system!r}: give the system prompt's text")
@@ -465,6 +474,8 @@ def interactive(
         line = _share_line(line)
         if line is None:
             return
+        if not line.strip():  # an empty or blank line is no prompt: skipped, as a shell skips it
+            continue
         if line.strip().startswith("/"):  # "  /quit" too
             command = line.strip()
             if command == "/quit":
@@ -619,18 +630,26 @@ def perplexity(
 
 def check_text_option(path: object) -> None:
     if path is None or isinstance(path, bool):  # fire reads `--text` alone, or `--text -`, as True
-        raise GenerationError(
+        raise UsageError(
             "--text FILE is required: the file whose perplexity to measure (/dev/stdin for standard input)"
         )
 
 
 def read_text(path: object) -> str:
-    """The text of the file ``--text`` names (/dev/stdin for standard input)."""
+    """The text of the file ``--text`` names (/dev/stdin for standard input), which must be UTF-8: the
+    perplexity of a text read with its undecodable bytes as U+FFFD would measure another text."""
     check_text_option(path)
     try:
-        return Path(str(path)).read_text(encoding="utf-8", errors="replace")
+        data = Path(str(path)).read_bytes()
     except OSError as error:
         raise GenerationError(f"--text {path}: cannot read it ({error.strerror or error})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise GenerationError(
+            f"--text {path}: not UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start}); "
+            "convert it to UTF-8 first (iconv -t utf-8)"
+        ) from None
 
 
 def models() -> None:
@@ -792,14 +811,16 @@ def check_arguments(argv: List[str]) -> None:
     fire calls the command with the arguments it recognises and only complains about
     the others after the call returns: ``demo --max_token 5`` would run the whole
     default demo first. The rules are fire's: ``--name value``, ``--name=value``,
-    ``--flag`` / ``--noflag`` for booleans, ``-`` and ``_`` alike; ``--`` ends the options.
+    ``--flag`` / ``--noflag`` for booleans, ``-`` and ``_`` alike; ``--`` ends the options. Each
+    refusal is a ``UsageError`` (exit 2).
     """
     if not argv or argv[0] not in COMMANDS or any(a in ("-h", "--help") for a in argv):
         return  # fire's own usage message
     command, args = argv[0], list(argv[1:])
     if "--" in args:
         args = args[: args.index("--")]
-    names = list(inspect.signature(COMMANDS[command]).parameters)
+    parameters = inspect.signature(COMMANDS[command]).parameters
+    names = list(parameters)
     given, positional, skip = set(), [], False
     for index, arg in enumerate(args):
         if skip:
@@ -816,20 +837,21 @@ def check_arguments(argv: List[str]) -> None:
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"did you mean --{close[0]}? " if close else ""
-            raise MixtralInferError(
+            raise UsageError(
                 f"{command}: unknown option {arg.split('=', 1)[0]}; {hint}options: {', '.join('--' + n for n in names)}"
             )
         if name in given:  # fire keeps the last one silently
-            raise MixtralInferError(f"{command}: --{name} is given twice; give it once")
+            raise UsageError(f"{command}: --{name} is given twice; give it once")
+        if is_flag and not isinstance(parameters[name].default, bool):  # fire would pass True
+            raise UsageError(f"{command}: --{name} needs a value (--{name} VALUE)")
         given.add(name)
         skip = "=" not in arg and not is_flag
     free = [n for n in names if n not in given]
     if len(positional) > len(free):
-        raise MixtralInferError(f"{command}: unexpected argument {positional[len(free)]!r} (takes {', '.join(free) or 'none'})")
-    parameters = inspect.signature(COMMANDS[command]).parameters
+        raise UsageError(f"{command}: unexpected argument {positional[len(free)]!r} (takes {', '.join(free) or 'none'})")
     for value, name in zip(positional, free):
         if isinstance(parameters[name].default, bool):  # fire would read `interactive MODEL x` as --instruct x
-            raise MixtralInferError(
+            raise UsageError(
                 f"{command}: unexpected argument {value!r} (a switch such as --{name} is written as one)"
             )
 
@@ -851,7 +873,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         print(f"error: unknown command {argv[0]!r}: {hint}(commands: {', '.join(COMMANDS)}; --help says more)", file=sys.stderr)
-        return 2
+        return USAGE_EXIT
     if "torch" not in sys.modules and not any(isinstance(f, DeferCtrlCWhileTorchImports) for f in sys.meta_path):
         sys.meta_path.insert(0, DeferCtrlCWhileTorchImports())
     try:
@@ -862,7 +884,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         fire.Fire(COMMANDS, command=argv, name="mixtral-infer")
     except MixtralInferError as error:
         print(f"error: {cli_spelling(str(error))}", file=sys.stderr)
-        return 1
+        return USAGE_EXIT if isinstance(error, UsageError) else 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
