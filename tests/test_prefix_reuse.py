@@ -204,7 +204,7 @@ def test_slack_copies_a_cut_back_row_and_leaves_its_source():
 
 # ---- answers sent back as text ----------------------------------------------------------------
 
-PIECES = {29: "", 30: ",", 31: " and", 2: "", 9: " why", 40: " so", 41: " s", 42: "o"}
+PIECES = {29: "", 30: ",", 31: " and", 2: "", 9: " why", 40: " so", 41: " s", 42: "o"}  # 2: EOS
 
 
 def decode_pieces(ids):
@@ -230,6 +230,7 @@ def test_an_answer_encoded_again_is_read_as_generated():
     assert read([1, 7, 8]) == ([1, 7, 8], [])  # the same request again
     assert read([1, 7, 6, 29, 30, 31, 2]) == ([1, 7, 6, 29, 30, 31, 2], [])  # another prompt before the answer
     assert read([1, 7, 8, 29, 30, 31, 2], longest=5) == ([1, 7, 8, 29, 30, 31, 2], [])  # too long with the answer's ids
+    assert read([1, 7, 8, 29, 30, 31, 9]) == ([1, 7, 8, 29, 30, 31, 9], [])  # a completion going on past its text
     # an encoding that decodes to nothing more past the answer (EOS here) is not taken into it
     assert answer_length([1, 7, 8, 29, 30, 31, 2, 9], Answer(3, [30, 31]), decode_pieces, lambda text: [0] * 9) == 3
     # two turns: the first answer is replaced, then the second lines up with the row

@@ -56,7 +56,8 @@ encodes that text again; the ids it gets may differ from those the model generat
 otherwise). A row remembers the answers it generated (``RowState.answers``: where each starts, its
 ids, and the text they decode to), those of earlier turns too, since every later prompt sends them
 all back. Where a prompt holds the row's ids up to an answer's start and then ids that decode to
-the answer's text (``answer_length``), the engine reads the generated ids in their place
+the answer's text and end the turn (``answer_length``: a token decoding to nothing follows, EOS or
+``<|im_end|>``), the engine reads the generated ids in their place
 (``with_generated_answer``), answer after answer: the same text, the ids the row holds, so the next
 turn continues the row at its end. Worked example: a row holds ``[1, 7, 8, 30]``, the prompt ``[1, 7,
 8]`` and the answer ``[30, 31]`` (``", and"``) but its last token, never fed; the next prompt is ``[1,
@@ -64,6 +65,9 @@ turn continues the row at its end. Worked example: a row holds ``[1, 7, 8, 30]``
 9]``: it continues the row at its end, 4 tokens in. A row remembers the answers its prompt holds as
 generated (``kept_answers``: found in whichever row, so they are not forgotten where the prompt is
 read again in another row), and the one it generates.
+The model then reads the ids it wrote, not the template's: a later turn's tokens equal those of
+its prompt as read (the request's ``prompt``, and its usage) read whole, not always those of the
+template's ids read whole. A completion's prompt that goes on past an answer's text is read as sent.
 
 Placement (``place``): the row with the longest reusable prefix wins (ties: a free row, then the
 most recently used). A free row is taken as it is, no copy, when the request continues it at its end, or when no
@@ -208,15 +212,19 @@ ANSWER_LENGTH_SPREAD = 8
 def answer_length(
     prompt: Sequence[int], answer: Answer, decode: Callable[[List[int]], str], encode: Callable[[str], List[int]]
 ) -> Optional[int]:
-    """How many of ``prompt``'s ids from ``answer.start`` on decode to the answer's text, if some do:
-    first as many as the text encodes to (the chat templates encode an answer alone), then lengths
-    near the answer's own, nearest first (at most ``ANSWER_LENGTH_SPREAD`` apart); the fewest that
-    do, so that a token decoding to nothing after them (EOS) stays. None if none does.
+    """How many of ``prompt``'s ids from ``answer.start`` on decode to the answer's text, where the
+    turn ends there, if some do: first as many as the text encodes to (the chat templates encode an
+    answer alone), then lengths near the answer's own, nearest first (at most
+    ``ANSWER_LENGTH_SPREAD`` apart); the fewest that do, so that a token decoding to nothing after
+    them (EOS) stays. The turn ends where such a token follows (EOS, ChatML's ``<|im_end|>``): a
+    prompt that goes on with the answer's text and more (a completion's) is read as sent. None if
+    none does.
 
-    >>> pieces = {29: "", 30: ",", 31: " and", 2: "</s>", 9: " why"}
+    >>> pieces = {29: "", 30: ",", 31: " and", 2: "", 9: " why"}  # 2: EOS, decoded to nothing
     >>> decode = lambda ids: "".join(pieces[i] for i in ids)
     >>> answer_length([1, 7, 8, 29, 30, 31, 2, 9], Answer(3, [30, 31]), decode, lambda text: [29, 30, 31])
     3
+    >>> answer_length([1, 7, 8, 29, 30, 31, 9], Answer(3, [30, 31]), decode, lambda text: [29, 30, 31])  # goes on
     >>> answer_length([1, 7, 8, 29, 30, 31], Answer(3, [30, 31, 9]), decode, lambda text: [30, 31, 9])  # cut short
     """
     if answer.text is None:
@@ -228,7 +236,8 @@ def answer_length(
         if 0 < k <= tail and decode(list(prompt[start : start + k])) == answer.text:
             while k > 1 and decode(list(prompt[start : start + k - 1])) == answer.text:
                 k -= 1  # a token that decodes to nothing (EOS, a control token) ends the answer, not in it
-            return k
+            ends_turn = k < tail and decode(list(prompt[start : start + k + 1])) == answer.text
+            return k if ends_turn else None
     return None
 
 
