@@ -137,3 +137,9 @@ def test_generate_reads_a_repeated_prompt_once(llm):
     for row, (prompt, seed) in enumerate(zip([a, b, a, b], [1, 2, 3, 4])):
         [alone], [alone_logprobs] = generate([prompt], llm.model, seed=seed, decode="eager", **kwargs)
         assert rows[row] == alone and logprobs[row] == pytest.approx(alone_logprobs, abs=1e-5)
+
+
+def test_repeated_prompts_docstring_example():
+    from mixtral_infer.generation.shared_prefix import repeated_prompts
+
+    assert repeated_prompts([[1, 5], [1, 6], [1, 5], [1, 5]]) == [0, 1, 0, 0]
