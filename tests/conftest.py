@@ -28,8 +28,12 @@ except ImportError:
 from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published
 from mixtral_infer.checkpoint.loading import build_model, save_consolidated
+from mixtral_infer.fast.cpu_packed import onednn_packs
 
 WINDOW = 8
+# The float type the packed-weight tests pack: bfloat16 where this CPU's oneDNN reorders it (AVX-512:
+# what load_model packs), else float32, which oneDNN packs on every x86 CPU (fast.cpu_packed).
+PACKS = torch.bfloat16 if onednn_packs(torch.bfloat16) else torch.float32
 
 
 def tiny_args(moe: bool = True, sliding_window: int | None | list = WINDOW, max_batch_size: int = 4) -> ModelArgs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WINDOW, random_model, tiny_args
+from conftest import PACKS, WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
 import mixtral_infer.steps.decode_step as decode_step
@@ -98,9 +98,9 @@ def test_a_replaced_weight_makes_a_new_build_and_an_edited_one_is_read_in_place(
 def test_which_steps_are_built_ahead_of_time(weights, ahead):
     """w8a8's kernels take packed matrices that AOTInductor would make constants of its own,
     oneDNN-packed weights are read by handle; their steps go to torch.compile directly."""
-    model = random_model(tiny_args(moe=True), seed=43).to(torch.bfloat16)
+    model = random_model(tiny_args(moe=True), seed=43).to(PACKS if weights == "packed" else torch.bfloat16)
     if weights == "packed":
-        pack_model(model)
+        pack_model(model, dtypes=(PACKS,))
     elif weights != "bfloat16":
         quantize_model(model, weights)
     assert builds_ahead_of_time(model) is ahead

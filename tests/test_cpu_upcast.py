@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast import cpu_upcast
-from mixtral_infer.fast.cpu_packed import pack
+from mixtral_infer.fast.cpu_packed import onednn_packs, pack
 from mixtral_infer.fast.cpu_upcast import UPCAST_ROWS, should_upcast, upcast_is_faster, upcast_linear
 from mixtral_infer.formats.linear import linear
 from mixtral_infer.quant.weights import QuantScheme, quantize
@@ -48,10 +48,12 @@ def test_linear_takes_the_chosen_path_for_plain_packed_and_int8_weights(monkeypa
     x = torch.randn(600, 64, generator=g).to(torch.bfloat16)
     expected = upcast_linear(x, weight) if choice else F.linear(x, weight)
     assert torch.equal(linear(x, weight, tuning), expected)
-    assert torch.equal(linear(x, pack(weight), tuning), expected)
+    packs = onednn_packs(torch.bfloat16)  # a CPU without AVX-512 holds no packed bfloat16 weights
+    if packs:
+        assert torch.equal(linear(x, pack(weight), tuning), expected)
     int8 = quantize(weight, QuantScheme.parse("int8"), torch.bfloat16)
     linear(x, int8, tuning)
-    assert widened == ([600, 600, 600] if choice else [])
+    assert widened == ([600] * (3 if packs else 2) if choice else [])
     assert torch.equal(linear(x[:3], weight, tuning), F.linear(x[:3], weight))  # decoding-sized: never widened
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_model, tiny_args
+from conftest import PACKS, random_model, tiny_args
 from torch import nn
 
 from mixtral_infer.fast.cpu_column_blocks import MAX_BLOCK
@@ -60,7 +60,7 @@ def stood_for(model: nn.Module, scheme: str | None, dtype: torch.dtype) -> dict:
 
 FORMATS = {  # how a model gets the format, its scheme, the dtype it computes in, the module its wq becomes
     "plain float32": (lambda m: m, None, torch.float32, PlainLinear),
-    "oneDNN bfloat16": (pack_model, None, torch.bfloat16, PackedLinear),
+    "oneDNN packed": (lambda m: pack_model(m, dtypes=(PACKS,)), None, PACKS, PackedLinear),  # bfloat16 with AVX-512
     "int8": (lambda m: quantize_model(m, "int8"), "int8", torch.bfloat16, QuantizedLinear),
     "int4": (lambda m: quantize_model(m, "int4"), "int4", torch.bfloat16, QuantizedLinear),
     "nf4": (lambda m: quantize_model(m, "nf4"), "nf4", torch.bfloat16, QuantizedLinear),
@@ -121,9 +121,9 @@ def test_the_reference_keeps_the_models_own_modules_and_reads_quantized_weights_
 def test_swapping_back_restores_the_reference_and_keeps_every_name():
     """Unpacking puts plain parameters back and the modules follow; the state dict's names and
     values are the reference's throughout."""
-    model = random_model(tiny_args(moe=True), seed=5).to(torch.bfloat16)
+    model = random_model(tiny_args(moe=True), seed=5).to(PACKS)
     names = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    pack_model(model)
+    pack_model(model, dtypes=(PACKS,))
     assert type(model.layers["0"].attention.wq) is PackedLinear
     packed = model.state_dict()
     assert set(packed) == set(names) and all(torch.equal(packed[n], names[n]) for n in names)

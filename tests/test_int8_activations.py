@@ -20,6 +20,7 @@ from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, Qua
 from mixtral_infer.serve.sizing import weight_bytes
 
 W8A8 = QuantScheme.parse("w8a8")
+LEVELS = int8_activations.levels()  # what weights packed on this CPU quantize activations to: 127, or 63 without VNNI
 pytestmark = pytest.mark.skipif(not int8_activations.available(), reason="fbgemm (x86 PyTorch builds) is not in this PyTorch")
 
 
@@ -32,8 +33,10 @@ def w8a8_weight(shape, seed=0):
     return packed(quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)), W8A8, torch.bfloat16))
 
 
-def test_worked_example():
-    """The module docstring's: x = [0.5, -0.25], weight rows [2, -3] (scale 0.01) and [1, 1] (0.02)."""
+def test_worked_example(monkeypatch):
+    """The module docstring's: x = [0.5, -0.25], weight rows [2, -3] (scale 0.01) and [1, 1] (0.02), at
+    127 levels (a CPU with 32-bit-summing dot products; this example's pair sums fit 16 bits on any)."""
+    monkeypatch.setattr(int8_activations, "cpu_info", lambda: CpuInfo(int8_dot=True))
     integers, scales = torch.tensor([[2, -3], [1, 1]], dtype=torch.int8), torch.tensor([0.01, 0.02])
     expected = torch.tensor([[446 * 0.01, 63 * 0.02]]) * 0.5 / 127
     x = torch.tensor([[0.5, -0.25]])
@@ -60,11 +63,13 @@ def test_kernel_equals_the_reference_for_every_expert(rows):
     assert stacked.values is None and stacked.prepacked is not None  # fbgemm holds the integers
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(100 + rows))
     for e in range(3):
-        expected = reference_linear(x, stacked.integers()[e], stacked.scales[e])
+        expected = reference_linear(x, stacked.integers()[e], stacked.scales[e], LEVELS)
         for expert in (stacked[e], stacked[torch.tensor(e)]):
             torch.testing.assert_close(int8_activations_linear(x, expert.prepacked), expected, atol=1e-5, rtol=1e-5)
             bfloat16 = quantized_linear(x.bfloat16(), expert)
-            torch.testing.assert_close(bfloat16.float(), reference_linear(x.bfloat16(), stacked.integers()[e], stacked.scales[e]).float())
+            # bfloat16 inputs: the float32 product of the same inputs, rounded (the reference may round a tie otherwise)
+            float32 = int8_activations_linear(x.bfloat16().float(), expert.prepacked)
+            torch.testing.assert_close(bfloat16.float(), float32, rtol=2**-8, atol=1e-5)
 
 
 def test_the_integers_are_int8s():
@@ -84,12 +89,13 @@ def test_each_row_is_quantized_on_its_own():
     for i in range(4):
         assert torch.equal(together[i : i + 1], int8_activations_linear(x[i : i + 1], weight.prepacked))
     assert torch.equal(together[3], torch.zeros(64))
-    torch.testing.assert_close(together, reference_linear(x, weight.integers(), weight.scales), atol=0, rtol=1e-5)
+    torch.testing.assert_close(together, reference_linear(x, weight.integers(), weight.scales, LEVELS), atol=0, rtol=1e-5)
 
 
 def test_seven_bit_rows_where_8_bit_dot_products_saturate(monkeypatch):
     """Without VNNI/AMX (``int8_dot``) fbgemm's pair sums would saturate: 63 levels, and the reference agrees."""
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(int8_activations, "cpu_info", lambda: CpuInfo(int8_dot=True))
     eight_bits = w8a8_weight((64, 128), seed=4)
     monkeypatch.setattr(int8_activations, "cpu_info", lambda: CpuInfo(int8_dot=False))
     assert int8_activations.levels() == 63
@@ -103,7 +109,7 @@ def test_prompt_sized_products_quantize_their_activations_too():
     """Unlike int8, which dequantizes from DEQUANTIZE_ROWS rows on, w8a8 multiplies prompts through fbgemm."""
     weight = w8a8_weight((32, 64), seed=6)
     x = torch.randn(DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(7))
-    expected = reference_linear(x, weight.integers(), weight.scales)
+    expected = reference_linear(x, weight.integers(), weight.scales, LEVELS)
     torch.testing.assert_close(quantized_linear(x, weight), expected, atol=1e-5, rtol=1e-5)
     bfloat16 = x.bfloat16()  # the same product, its result rounded to bfloat16
     float32 = int8_activations_linear(bfloat16.float(), weight.prepacked)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Collection, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -131,10 +131,12 @@ class PackedWeight:
         return torch.stack(plain) if len(self.shape) == 3 else plain[0]
 
 
-def can_pack(tensor: torch.Tensor) -> bool:
+def can_pack(tensor: torch.Tensor, dtypes: Collection[torch.dtype] = PACKED_DTYPES) -> bool:
+    """Whether ``pack_model`` packs ``tensor``: a CPU matrix (or stacked experts) of one of ``dtypes``
+    that this CPU's oneDNN reorders."""
     return (
         tensor.device.type == "cpu"
-        and tensor.dtype in PACKED_DTYPES
+        and tensor.dtype in dtypes
         and tensor.dim() in (2, 3)
         and onednn_packs(tensor.dtype)
     )

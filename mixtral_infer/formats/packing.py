@@ -10,20 +10,26 @@ parameters back, for code that edits weights. ``state_dict()`` gives the plain w
 
 from __future__ import annotations
 
+from typing import Collection
+
+import torch
 from torch import nn
 
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocksParameter, block_width, blocks_integers, blocks_rows, int8_blocks, to_blocks
-from mixtral_infer.fast.cpu_packed import PackedParameter, can_pack, pack, pack_side_by_side, side_by_side_groups
+from mixtral_infer.fast.cpu_packed import PACKED_DTYPES, PackedParameter, can_pack, pack, pack_side_by_side, side_by_side_groups
 from mixtral_infer.formats.modules import replace_parameter
 from mixtral_infer.quant.model import is_quantized
 from mixtral_infer.quant.weights import QuantizedParameter
 
 
-def pack_model(model: nn.Module) -> nn.Module:
+def pack_model(model: nn.Module, dtypes: Collection[torch.dtype] = PACKED_DTYPES) -> nn.Module:
     """Pack, in place, the float matrices that decoding reads (those ``quant.model`` would quantize):
-    ``wq wk wv`` side by side, as are ``w1 w3`` (``SIDE_BY_SIDE``), the others one by one."""# here: formats import this module
+    ``wq wk wv`` side by side, as are ``w1 w3`` (``SIDE_BY_SIDE``), the others one by one.
+    ``dtypes``: the float types packed, where this CPU's oneDNN reorders them (``onednn_packs``):
+    bfloat16 by default (``fast.cpu_packed``); float32 packs on every x86 CPU, and is how the tests
+    exercise the packed paths on a CPU without AVX-512."""# here: formats import this module
     params = dict(model.named_parameters())
-    packable = [name for name, param in params.items() if is_quantized(name) and can_pack(param)]
+    packable = [name for name, param in params.items() if is_quantized(name) and can_pack(param, dtypes)]
     for group in side_by_side_groups(packable, lambda name: params[name].shape):
         tensors = [params[n].data for n in group]
         weights = pack_side_by_side(tensors) if len(group) > 1 else [pack(tensors[0])]
