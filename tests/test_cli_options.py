@@ -23,8 +23,11 @@ def run_cli(*args, stdin=""):
     )
 
 
+USAGE = ("unknown option", "unexpected argument", "is given twice", "is required")  # usage errors exit 2, as argparse's
+
+
 def assert_one_line_error(result, message):
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == (2 if any(usage in message for usage in USAGE) else 1), result.stderr
     assert "Traceback" not in result.stderr
     assert "loaded" not in result.stderr  # refused before the model was loaded
     lines = result.stderr.strip().splitlines()
