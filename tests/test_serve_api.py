@@ -535,7 +535,7 @@ def test_serve_options_are_checked_before_loading(capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "error: --max-rows 0 must be an integer >= 1"
     assert commands.main(["serve", "--admit-every", "0"]) == 1
     assert capsys.readouterr().err.strip() == "error: --admit-every 0 must be an integer >= 1"
-    assert commands.main(["serve", "--max_row", "4"]) == 1
+    assert commands.main(["serve", "--max_row", "4"]) == 2  # a usage error
     assert "did you mean --max-rows?" in capsys.readouterr().err
 
 
