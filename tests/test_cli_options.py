@@ -58,6 +58,7 @@ def assert_one_line_error(result, message):
         (["perplexity", "tiny-mistral", "--text", "no-such.txt"], "--text no-such.txt: cannot read it (No such file"),
         (["perplexity", "--text", "README.md", "--context", "1"], "--context=1 must be an integer >= 2"),
         (["perplexity", "--text", "README.md", "--quantize", "int3"], "--quantize 'int3': expected one of"),
+        (["serve", "--reuse-slack", "-1"], "--reuse-slack -1 must be an integer >= 0"),
     ],
 )
 def test_bad_options_are_refused_before_loading(args, message):

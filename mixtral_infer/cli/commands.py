@@ -681,6 +681,7 @@ def serve(
     admit_every: int = None,
     pin_cpus: bool = False,
     no_prefix_reuse: bool = False,
+    reuse_slack: int = 256,
 ) -> None:
     """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
 
@@ -706,12 +707,13 @@ def serve(
         admit_every: waiting prompts join the running batch every K steps (1: every step, the lowest time to first token); default 1, or 6 where decode steps run compiled and the steps that read prompts do not (auto and compiled on cpu).
         pin_cpus: run the engine's process on all but one of the CPUs this server may use, and the server's own process (HTTP, JSON) on that one, so that neither interrupts the other.
         no_prefix_reuse: read every prompt whole; by default a request that continues what a cache row holds (a chat's next turn, a shared system prompt) starts after it.
+        reuse_slack: positions each windowed layer of a row keeps after its window moves past them (counted in the rows' memory), so that a regenerated answer or an edited last message of up to that many tokens steps back instead of reading the whole conversation again; 0 turns it off.
     """
     check_decode(decode)
     check_quantize(quantize)
     from mixtral_infer.serve.options import check_serve_options
 
-    check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every)
+    check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every, reuse_slack)
     check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
     from mixtral_infer.checkpoint.loading import declared_max_len, open_checkpoint
     from mixtral_infer.serve.server import DEFAULT_MAX_MODEL_LEN, run_server
@@ -732,6 +734,7 @@ def serve(
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
         prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=None if admit_every is None else int(admit_every),
         shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus), prefix_reuse=not no_prefix_reuse,
+        reuse_slack=int(reuse_slack),
     )  # fmt: skip
 
 

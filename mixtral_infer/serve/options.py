@@ -9,7 +9,7 @@ from mixtral_infer.generation.settings import as_int
 
 def check_serve_options(
     port: object, max_rows: object, memory_fraction: object, max_queue: object, prefill_tokens: object,
-    max_model_len: object, shutdown_timeout: object, admit_every: object = None,
+    max_model_len: object, shutdown_timeout: object, admit_every: object = None, reuse_slack: object = 0,
 ) -> None:
     """Every option of ``serve``, checked before the model is loaded."""
     if as_int(port) is None or not 0 <= as_int(port) < 65536:
@@ -17,7 +17,7 @@ def check_serve_options(
     for name, value, least in (("max_rows", max_rows, 1), ("max_model_len", max_model_len, 1), ("admit_every", admit_every, 1)):
         if value is not None and (as_int(value) is None or as_int(value) < least):
             raise GenerationError(f"--{name.replace('_', '-')} {value!r} must be an integer >= {least}")
-    for name, value, least in (("max_queue", max_queue, 0), ("prefill_tokens", prefill_tokens, 1)):
+    for name, value, least in (("max_queue", max_queue, 0), ("prefill_tokens", prefill_tokens, 1), ("reuse_slack", reuse_slack, 0)):
         if as_int(value) is None or as_int(value) < least:
             raise GenerationError(f"--{name.replace('_', '-')} {value!r} must be an integer >= {least}")
     if memory_fraction is not None and (

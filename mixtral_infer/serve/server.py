@@ -113,6 +113,7 @@ def run_server(
     shutdown_timeout: float = 30.0,
     pin_cpus: bool = False,
     prefix_reuse: bool = True,
+    reuse_slack: int = 0,
     log: Callable[[str], None] = log_to_stderr,
 ) -> None:
     """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on.
@@ -132,10 +133,13 @@ def run_server(
         log("--pin-cpus: this process may use one CPU only (or the system cannot pin): nothing pinned")
     engine = EngineProcess(
         load,
-        plan=dict(prefill_tokens=prefill_tokens, max_rows=max_rows, memory_fraction=memory_fraction, max_model_len=max_model_len),
+        plan=dict(
+            prefill_tokens=prefill_tokens, max_rows=max_rows, memory_fraction=memory_fraction, max_model_len=max_model_len,
+            slack=reuse_slack if prefix_reuse else 0,
+        ),
         engine=dict(
             prefill_tokens=prefill_tokens, max_model_len=max_model_len, decode=decode, admit_every=admit_every,
-            prefix_reuse=prefix_reuse,
+            prefix_reuse=prefix_reuse, slack=reuse_slack if prefix_reuse else 0,
         ),
         max_queue=max_queue, engine_cpus=cpus[1] if cpus is not None else None,
     )
@@ -147,7 +151,9 @@ def run_server(
         if prefix_reuse:
             log(
                 f"prefix reuse: on, all {engine.rows} rows keep what they hold until a request needs the row "
-                f"({size(engine.row_bytes)} a row, already counted in the rows: nothing more); --no-prefix-reuse turns it off"
+                f"({size(engine.row_bytes)} a row, already counted in the rows: nothing more); a row steps back up to "
+                f"{reuse_slack} tokens (--reuse-slack) for a regenerated answer or an edited last message; "
+                "--no-prefix-reuse turns it off"
             )
         else:
             log("prefix reuse: off (--no-prefix-reuse), every prompt is read whole")
