@@ -356,8 +356,8 @@ def test_parallel_options_without_torchrun_are_a_clear_error():
 def test_decode_static_prints_what_decode_eager_prints():
     """The fast decode step behind the command line: the same sampled text, demo and a conversation
     (in float32: in the shipped models' bfloat16 the two paths round differently)."""
-    eager = run("demo", "--max-tokens", "40", "--decode", "eager", "--dtype", "float32")
-    static = run("demo", "--max-tokens", "40", "--decode", "static", "--dtype", "float32")
+    eager = run("demo", "--max-tokens", "16", "--decode", "eager", "--dtype", "float32")
+    static = run("demo", "--max-tokens", "16", "--decode", "static", "--dtype", "float32")
     assert eager.returncode == 0 and static.returncode == 0, static.stderr
     assert static.stdout == eager.stdout
     turns = "Who art thou?\nSay more.\n"
