@@ -192,13 +192,13 @@ def engine_answers(model, tokenizer, requests, rows=8, decode="eager"):
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
-def test_fifty_schema_requests_beside_free_ones_in_one_engine(tiny_engine_model, tokenizer, decode):
-    """The shipped model knows no JSON: 50 sampled requests with a JSON schema all return text that
+def test_thirty_schema_requests_beside_free_ones_in_one_engine(tiny_engine_model, tokenizer, decode):
+    """The shipped model knows no JSON: 30 sampled requests with a JSON schema all return text that
     parses and validates; the unconstrained requests among them get exactly their tokens alone."""
     from mixtral_infer.serve.engine import RequestSettings
 
     rng = random.Random(5)
-    prompts = [tokenizer.encode(f"Psalm {i}: the LORD is") for i in range(60)]
+    prompts = [tokenizer.encode(f"Psalm {i}: the LORD is") for i in range(36)]
     constrained = RequestSettings(max_tokens=300, temperature=0.9, constraint=Constraint("json_schema", SCHEMA))
     requests = []
     for i, prompt in enumerate(prompts):
@@ -215,7 +215,7 @@ def test_fifty_schema_requests_beside_free_ones_in_one_engine(tiny_engine_model,
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), SCHEMA)
         parsed += 1
-    assert parsed == 50
+    assert parsed == 30
 
 
 def test_penalties_bias_and_min_tokens_in_the_engine(tiny_engine_model, tokenizer):
