@@ -46,10 +46,10 @@ def test_generate_ends_a_row_where_the_server_would(llm, decode):
 
 
 def test_the_server_and_generate_share_one_stop_check():
-    from mixtral_infer.serve import engine, text
+    from mixtral_infer.generation import generate
+    from mixtral_infer.serve import engine
 
-    assert engine.StopStrings is text_stream.StopStrings is text.StopStrings
-    assert engine.TextStream is text_stream.TextStream  # AnswerText is these two, as the engine chains them
+    assert engine.AnswerText is generate.AnswerText is text_stream.AnswerText  # TextStream through StopStrings
 
 
 # ---- 8: a seed per prompt -----------------------------------------------------------------------

@@ -2,8 +2,7 @@
 
 import pytest
 
-from mixtral_infer.generation.text_stream import TextStream
-from mixtral_infer.serve.text import StopStrings
+from mixtral_infer.generation.text_stream import StopStrings, TextStream
 from mixtral_infer.tokenizer import Tokenizer
 
 TEXTS = [

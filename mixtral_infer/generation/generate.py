@@ -343,10 +343,11 @@ def generate(
     penalised = any(v != neutral for value, neutral in ((presence_penalty, 0), (frequency_penalty, 0), (repetition_penalty, 1))
                     for v in ([value] if isinstance(value, (int, float)) else value))  # fmt: skip
     if grammar_text or stop or penalised or logit_bias or min_tokens:
-        shaping = ShapingWithStops(
+        stops = [AnswerText(tokenizer, leading_space, stop) for _ in encoded_prompts] if stop else None  # the server's check
+        shaping = Shaping(
             encoded_prompts, model.args.vocab_size, model.device, eos_id, grammar=grammar_text, tokenizer=tokenizer,
             presence=presence_penalty, frequency=frequency_penalty, repetition=repetition_penalty, bias=logit_bias,
-            min_tokens=min_tokens, stop=stop, leading_space=leading_space,
+            min_tokens=min_tokens, stops=stops,
         )  # fmt: skip
     settings = DecodeSettings(sampling, generator, eos_id, max_tokens, on_token, shaping)
     if mode == "eager":
@@ -403,24 +404,6 @@ def decode_eager(
         input_ids = torch.tensor([generated[i][-1] for i in active], dtype=torch.long, device=model.device)
         logits = model(input_ids, seqlens, cache)  # (B_active, V)
         _check_finite(logits, f"at generation step {step + 1}")
-
-
-class ShapingWithStops(Shaping):
-    """``Shaping`` whose rows end at a stop string where the server's would: each row's text is an
-    ``AnswerText`` (``TextStream`` through ``StopStrings``, the server's own check). ``Shaping``'s own
-    check is left off: it read ``tokenizer.decode``, which drops the space before a continuation's
-    first word, so ``stop=[" unto"]`` never matched an answer that began with it."""
-
-    def __init__(self, prompts: Sequence[Sequence[int]], *args, stop: Sequence[str] = (), leading_space: bool = True, **kwargs):
-        super().__init__(prompts, *args, **kwargs)
-        self.answers = [AnswerText(self.tokenizer, leading_space, stop) for _ in prompts] if stop else None
-
-    def record(self, row: int, token: int) -> bool:
-        ended = super().record(row, token)
-        if self.answers is None:
-            return ended
-        self.answers[row].push(token)
-        return self.answers[row].stopped or ended
 
 
 def check_shaping(

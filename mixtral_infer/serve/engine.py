@@ -51,7 +51,7 @@ from mixtral_infer.steps.decode_step import decode_logits, finite_rows, one_line
 from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling, sample
-from mixtral_infer.generation.text_stream import StopStrings, TextStream
+from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.model.cache import SlackSlots
 from mixtral_infer.serve.prefix_reuse import (
@@ -170,8 +170,7 @@ class Request:
     first_token_at: Optional[float] = None
     cancelled: bool = False
     done: bool = False
-    detokenizer: Optional[TextStream] = None
-    stops: Optional[StopStrings] = None
+    answer: Optional[AnswerText] = None  # the generated tokens' text, cut at a stop string
     follows: Optional["Request"] = None  # another choice of the same prompt: its row is copied after the prompt
     reused: int = 0  # prompt tokens this request did not read (already in its row)
     pause_at: Optional[int] = None  # a prompt length where a waiting request copies this row (_waits_for_prefix)
@@ -331,8 +330,7 @@ class Engine:
         if settings.temperature > 0:
             seed = settings.seed if settings.seed is not None else random.randrange(2**63)
             request.generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        request.detokenizer = TextStream(self.tokenizer, settings.leading_space)
-        request.stops = StopStrings(settings.stop)
+        request.answer = AnswerText(self.tokenizer, settings.leading_space, settings.stop)
         if settings.constraint is not None:
             request.grammar = RowGrammar(grammar_of(settings.constraint), self.tokenizer)  # compiled once; its errors raised here
         request.penalties = RowPenalties.of(
@@ -878,7 +876,7 @@ class Engine:
             if request.penalties is not None:
                 request.penalties.add(token)
             request.generated.append(token)
-            text = request.stops.push(request.detokenizer.push(token))
+            text = request.answer.push(token)
             event = TokenEvent(token, text)
             if request.settings.logprobs is not None:
                 n = request.settings.logprobs
@@ -886,7 +884,7 @@ class Engine:
                 event.top_logprobs = list(zip(top_ids[index][:n], top_values[index][:n])) if n else []
             request.sink(event)
             generated += 1
-            if request.stops.stopped or (request.grammar is not None and request.grammar.done):
+            if request.answer.stopped or (request.grammar is not None and request.grammar.done):
                 self._finish(request, "stop")
             elif len(request.generated) == request.settings.max_tokens:
                 self._finish(request, "length")
@@ -933,7 +931,7 @@ class Engine:
                 state.last_used = next(self.uses)
                 if reason in ("stop", "length") and request.generated:  # the row holds the prompt, then the answer
                     state.answers.append(Answer(len(request.prompt), list(request.generated)))
-        text = "" if reason in ("cancelled", "error") else request.stops.push(request.detokenizer.finish()) + request.stops.flush()
+        text = "" if reason in ("cancelled", "error") else request.answer.finish()
         if self.metrics is not None:
             self.metrics.finished(reason, time.perf_counter() - request.arrival, len(request.prompt), len(request.generated))
         request.sink(Finished(reason, text, len(request.prompt), len(request.generated), error))

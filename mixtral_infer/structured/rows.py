@@ -9,13 +9,22 @@ holds a stop string).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 
 from mixtral_infer.structured.grammar import RowGrammar, bitmask_words, fill_bitmask
 from mixtral_infer.structured.logits import apply_bitmask, apply_penalties
 from mixtral_infer.tokenizer import Tokenizer
+
+
+class StopCheck(Protocol):
+    """A row's text as its tokens arrive, and whether it holds a stop string by now
+    (``generation.text_stream.AnswerText``, the server's own check)."""
+
+    stopped: bool
+
+    def push(self, token: int) -> str: ...
 
 
 class Shaping:
@@ -35,13 +44,13 @@ class Shaping:
         repetition: float | Sequence[float] = 1.0,
         bias: Optional[Dict[int, float]] = None,
         min_tokens: int = 0,
-        stop: Sequence[str] = (),
+        stops: Optional[Sequence[StopCheck]] = None,
     ):
         batch = len(prompts)
         self.vocab, self.device, self.eos_id, self.tokenizer = vocab, device, eos_id, tokenizer
         self.grammars: List[Optional[RowGrammar]] = [RowGrammar(grammar, tokenizer) if grammar else None for _ in prompts]
         self.words = bitmask_words(tokenizer.n_words) if grammar else bitmask_words(vocab)
-        self.stop = list(stop)
+        self.stops = stops  # one per row, or None: no stop strings
         self.generated: List[List[int]] = [[] for _ in prompts]
         self.counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device)  # (B, V)
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # (B, V)
@@ -61,7 +70,7 @@ class Shaping:
     @property
     def needs_host(self) -> bool:
         """Whether each step's token must be read before the next step (a grammar, stop strings)."""
-        return bool(self.stop) or any(g is not None for g in self.grammars)
+        return self.stops is not None or any(g is not None for g in self.grammars)
 
     def bits(self) -> torch.Tensor:
         """``(B, W)`` int32: each row's allowed next tokens (all where it has no grammar)."""
@@ -107,9 +116,9 @@ class Shaping:
         if grammar is not None:
             grammar.accept(token)
         self.generated[row].append(token)
-        if self.stop:
-            text = self.tokenizer.decode(self.generated[row])
-            if any(s in text for s in self.stop):
+        if self.stops is not None:
+            self.stops[row].push(token)
+            if self.stops[row].stopped:
                 return True
         return grammar is not None and grammar.done
 
