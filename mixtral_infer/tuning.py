@@ -39,7 +39,7 @@ class Tuning:
     fast: bool = True
 
     # Op by op, float32 products of a few rows on CPU: one ``bmm`` block of output rows per thread
-    # (``formats.linear``), for a library whose few-row product runs on one core; False: ``F.linear``.
+    # (``kernels.linear``), for a library whose few-row product runs on one core; False: ``F.linear``.
     few_row_blocks: bool = False
     # Compiled few-row products on CPU read a weight's rows in up to this many places at once, one
     # reduction each (``fast.cpu_reductions.row_sums``): more reads in flight where one stream per

@@ -15,7 +15,7 @@ from mixtral_infer.fast import cpu_column_blocks, cpu_reductions
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks, ColumnBlocksParameter, block_width, int8_blocks, to_blocks
 from mixtral_infer.formats.packing import block_long_rows, blocked_numel, unblock_long_rows
 from mixtral_infer.steps.decode_step import decode_logits
-from mixtral_infer.formats.linear import linear
+from mixtral_infer.kernels.linear import linear
 from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter
 from mixtral_infer.tuning import Tuning

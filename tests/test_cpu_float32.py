@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast import cpu_float32
-from mixtral_infer.formats.linear import linear
+from mixtral_infer.kernels.linear import linear
 from mixtral_infer.tuning import Tuning
 
 

@@ -21,7 +21,7 @@ from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.fast.cpu_packed import _MATRICES, PackedParameter, onednn_linear, onednn_packs, pack, pack_side_by_side, side_by_side, side_by_side_groups
 from mixtral_infer.formats.packing import is_packed, pack_model, packed_numel, unpack_model
 from mixtral_infer.steps.decode_step import _every_expert_one_by_one, _experts_one_by_one, decode_logits
-from mixtral_infer.formats.linear import linear, linears
+from mixtral_infer.kernels.linear import linear, linears
 from mixtral_infer.serve.sizing import weight_bytes
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import generated_loops
 
 from mixtral_infer.fast import cpu_reductions
-from mixtral_infer.formats.linear import linear
+from mixtral_infer.kernels.linear import linear
 from mixtral_infer.tuning import Tuning
 
 

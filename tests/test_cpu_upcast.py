@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mixtral_infer.fast import cpu_upcast
 from mixtral_infer.fast.cpu_packed import onednn_packs, pack
 from mixtral_infer.fast.cpu_upcast import UPCAST_ROWS, should_upcast, upcast_is_faster, upcast_linear
-from mixtral_infer.formats.linear import linear
+from mixtral_infer.kernels.linear import linear
 from mixtral_infer.quant.weights import QuantScheme, quantize
 from mixtral_infer.tuning import WIDE_DTYPES, Tuning
 
@@ -41,7 +41,7 @@ def test_linear_takes_the_chosen_path_for_plain_packed_and_int8_weights(monkeypa
     tuning = Tuning(upcast=WIDE_DTYPES if choice else frozenset())
     widened = []
     real = cpu_upcast.upcast_linear
-    for module in ("mixtral_infer.formats.linear", "mixtral_infer.quant.kernels"):
+    for module in ("mixtral_infer.kernels.linear", "mixtral_infer.quant.kernels"):
         monkeypatch.setattr(f"{module}.upcast_linear", lambda x, w, onednn=False: widened.append(x.shape[0]) or real(x, w))
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(32, 64, generator=g).to(torch.bfloat16)

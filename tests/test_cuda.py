@@ -23,7 +23,7 @@ from test_model import TOLERANCE, cached_logits, hf_logits, random_prompts
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.steps.decode_loop import step_compiler
 from mixtral_infer.steps.decode_step import decode_logits
-from mixtral_infer.formats.linear import linear
+from mixtral_infer.kernels.linear import linear
 from mixtral_infer.quant import gemlite_cuda, kernels, nf4
 from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.formats.quantizing import quantize_model

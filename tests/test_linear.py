@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixtral_infer.formats.linear import linear
+from mixtral_infer.kernels.linear import linear
 from mixtral_infer.tuning import Tuning
 
 

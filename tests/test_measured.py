@@ -12,7 +12,8 @@ import torch
 from mixtral_infer import load_model
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast import cpu_float32
-from mixtral_infer.formats import linear, measured
+from mixtral_infer.formats import measured
+from mixtral_infer.kernels import linear
 from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.formats.measured import Choice, cache_file, machine_key, machine_tuning
 from mixtral_infer.hardware import CpuInfo

@@ -15,7 +15,7 @@ from test_model import random_prompts
 from test_quant import example_scheme
 
 from mixtral_infer import generate
-from mixtral_infer.formats.linear import linear, linears
+from mixtral_infer.kernels.linear import linear, linears
 from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import joined_linear, prepare, quantized_linear
 from mixtral_infer.formats.quantizing import install, join_side_by_side, quantize_model

@@ -16,7 +16,7 @@ from mixtral_infer import generate
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.cpu_reductions import REDUCTION_ROWS
 from mixtral_infer.steps.decode_step import moe_one_token
-from mixtral_infer.formats.linear import linear
+from mixtral_infer.kernels.linear import linear
 from mixtral_infer.quant import kernels, nf4
 from mixtral_infer.quant.kernels import prepare, quantized_linear, reference_linear, uses_cpu_kernel
 from mixtral_infer.quant.model import is_quantized, is_quantized_published

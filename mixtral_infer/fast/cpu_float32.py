@@ -5,7 +5,7 @@
 (``torch.ops.mkldnn._linear_pointwise``, no copy kept). Which is faster depends on the CPU, so the
 choice is ``Tuning.onednn_float32``: measured once per machine (``onednn_is_faster``, a prompt-sized
 product both ways) and taken only with a clear margin (``MARGIN``), so a CPU where MKL is as fast
-keeps it (``formats.measured``). Products of fewer rows (decoding) keep ``formats.linear``'s paths, as do
+keeps it (``formats.measured``). Products of fewer rows (decoding) keep ``kernels.linear``'s paths, as do
 products that record gradients (oneDNN's op has no backward).
 """
 

@@ -18,7 +18,7 @@ packs the bfloat16 models it loads on CPU unless ``pack=False``.
 
 Weights that multiply the same input are packed side by side, as gpt-fast fuses ``wqkv``:
 ``wq wk wv`` as one matrix, ``w1 w3`` as one (per expert). Each keeps its own name and
-shape, as a block of rows (``PackedWeight.rows``), and ``formats.linear.linears`` multiplies
+shape, as a block of rows (``PackedWeight.rows``), and ``kernels.linear.linears`` multiplies
 the blocks of one matrix in one call: few-row products of small matrices read them slower,
 and each call has a cost of its own.
 

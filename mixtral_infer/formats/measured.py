@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_float32 import best_seconds, onednn_is_faster
 from mixtral_infer.fast.cpu_upcast import upcast_is_faster
-from mixtral_infer.formats.linear import few_row_blocks
+from mixtral_infer.kernels.linear import few_row_blocks
 from mixtral_infer.hardware import CpuInfo, cpu_info
 from mixtral_infer.tuning import WIDE_DTYPES, Tuning
 
@@ -61,7 +61,7 @@ class Choice:
 
 def few_row_blocks_are_faster() -> bool:
     """Whether one row times float32 weights too large for the cache runs at least ``BLOCKS_MARGIN``
-    times faster as one ``bmm`` block per thread (``formats.linear.few_row_blocks``) than by ``F.linear``:
+    times faster as one ``bmm`` block per thread (``kernels.linear.few_row_blocks``) than by ``F.linear``:
     4 weights of about 4096 x 1024 in turn, best of 3."""
     threads = torch.get_num_threads()
     if threads < 2:

@@ -7,7 +7,7 @@ module it replaces, so parameter names, ``state_dict()`` and ``model.to`` stay a
 ====================  ==================================  ======================================
 weight (``.weight``)   module                              forward
 ====================  ==================================  ======================================
-``nn.Parameter``       ``PlainLinear``                     ``formats.linear.linear``: few-row CPU
+``nn.Parameter``       ``PlainLinear``                     ``kernels.linear.linear``: few-row CPU
                                                            products over every core, compiled
                                                            reductions, prompts widened
 ``PackedParameter``    ``PackedLinear``                    oneDNN's packed bfloat16 product
@@ -44,7 +44,7 @@ from mixtral_infer.fast.cpu_reductions import expert_of
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
 from mixtral_infer.fast import triton_experts
 from mixtral_infer.fast.cuda_attention import cuda_attention
-from mixtral_infer.formats.linear import column_blocks_linear, linear, linears
+from mixtral_infer.kernels.linear import column_blocks_linear, linear, linears
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.transformer import Attention, FeedForward
 from mixtral_infer.quant.kernels import quantized_linear, reference_linear, triton_weight_kind
@@ -55,7 +55,7 @@ DEFAULT = Tuning()  # the kernels' tuning for a module ``use_formats`` has not s
 
 
 class PlainLinear(nn.Linear):
-    """A float weight ``(OUT, IN)``, through ``formats.linear.linear``."""
+    """A float weight ``(OUT, IN)``, through ``kernels.linear.linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.tuning)
