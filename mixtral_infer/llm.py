@@ -32,10 +32,10 @@ import torch
 
 from mixtral_infer.checkpoint.loading import load_model
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.generation.chat_template import render_messages
 from mixtral_infer.generation.generate import generate
 from mixtral_infer.generation.settings import SEED_LIMIT, check_seed, free_memory, kv_cache_bytes
 from mixtral_infer.generation.text_stream import AnswerText
-from mixtral_infer.serve.protocol import BadRequest, chat_prompt
 from mixtral_infer.tokenizer import Tokenizer
 
 MAX_BATCH = 64  # prompts run together at most: beyond, a prefill's activations grow for little gain
@@ -164,12 +164,9 @@ class LLM:
         """The assistant's answer to a conversation of ``{"role", "content"}`` dicts (system, then user
         and assistant turns alternating, ending with user), or a list of answers for a list of them."""
         params = _params(sampling_params, kwargs)
-        single = bool(messages) and isinstance(messages[0], dict)
+        single = not messages or isinstance(messages[0], dict)  # [] is one empty conversation (refused below)
         conversations = [messages] if single else list(messages)
-        try:
-            ids = [chat_prompt(self.tokenizer, conversation) for conversation in conversations]
-        except BadRequest as error:
-            raise GenerationError(error.message) from None
+        ids = [render_messages(self.tokenizer, conversation) for conversation in conversations]
         answers = self._run(ids, params, leading_space=False)
         out = [Completion(c, outputs, prompt_ids) for c, prompt_ids, outputs in zip(conversations, ids, answers)]
         return out[0] if single else out

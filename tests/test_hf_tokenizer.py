@@ -16,6 +16,7 @@ from mixtral_infer import CheckpointError, Tokenizer, generate, load_model
 from mixtral_infer.checkpoint.convert import convert
 from mixtral_infer.checkpoint.hf_tokenizer import bpe_merges, read_sentencepiece
 from mixtral_infer.generation.chat import Conversation
+from mixtral_infer.generation.chat_template import user_turn
 from mixtral_infer.shipped import SHIPPED_MODELS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +156,7 @@ def test_v3_tokenizer_formats_instruct_turns_with_control_tokens(v3_folder):
     assert tokenizer.path.name == "tokenizer.model.v3"
     assert tokenizer.version == "v3"
     question = tokenizer.encode("Who art thou?", bos=False)
-    assert tokenizer.encode_instruct("Who art thou?") == [3] + question + [4]
+    assert user_turn(tokenizer, "Who art thou?") == [3] + question + [4]
     model = load_model(v3_folder, device="cpu")
     conversation = Conversation(model, tokenizer, instruct=True, max_tokens=3)
     conversation.reply("Who art thou?")
@@ -169,7 +170,7 @@ def test_v3_tokenizer_formats_instruct_turns_with_control_tokens(v3_folder):
 def test_v1_tokenizer_formats_instruct_turns_as_text():
     tokenizer = Tokenizer.from_folder("tiny-mixtral")
     assert tokenizer.version == "v1"
-    assert tokenizer.encode_instruct("Who art thou?") == tokenizer.encode("[INST] Who art thou? [/INST]", bos=False)
+    assert user_turn(tokenizer, "Who art thou?") == tokenizer.encode("[INST] Who art thou? [/INST]", bos=False)
     tags = tokenizer.encode("[INST]", bos=False)
     assert [tokenizer.id_to_piece(i) for i in tags] == ["\u2581", "<0x5B>", "I", "N", "S", "T", "<0x5D>"]
 
@@ -201,7 +202,7 @@ def test_chat_template_gives_our_instruct_ids_for_v1_and_v3(tmp_path, converted_
         ours = Tokenizer.from_folder(source)
         theirs = auto_tokenizer(converted)
         answer = ours.encode("I am that I am.", bos=False)  # mistral-common encodes the answer alone
-        expected = [1] + ours.encode_instruct("Who art thou?") + answer + [2] + ours.encode_instruct("Say more.")
+        expected = [1] + user_turn(ours, "Who art thou?") + answer + [2] + user_turn(ours, "Say more.")
         assert chat_ids(theirs, messages) == expected, ours.version
-        assert chat_ids(theirs, messages[:1]) == [1] + ours.encode_instruct("Who art thou?")
+        assert chat_ids(theirs, messages[:1]) == [1] + user_turn(ours, "Who art thou?")
     assert expected[:2] == [1, 3]  # the v3 one starts <s> [INST]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import jsonschema
@@ -16,8 +17,7 @@ import mistral_common
 from mixtral_infer import CheckpointError, GenerationError, Tokenizer, load_model
 from mixtral_infer.checkpoint.loading import Checkpoint, save_consolidated
 from mixtral_infer.generation.text_stream import TextStream
-from mixtral_infer.serve.protocol import chat_prompt
-from mixtral_infer.serve.tools import has_tool_pieces
+from mixtral_infer.generation.chat_template import has_tool_pieces, render_messages, render_turns, user_turn
 from mixtral_infer.structured.grammar import Constraint, RowGrammar, check_constraint, fill_bitmask, ll_tokenizer
 from mixtral_infer.structured.logits import apply_bitmask
 from mixtral_infer.tokenizer import find_tokenizer
@@ -148,18 +148,21 @@ def test_streamed_text_never_splits_a_character(tekken, leading_space):
 
 def test_the_instruct_format_is_mistral_common_s(tekken, reference):
     """v3 tekken (Nemo): [INST] + text + [/INST] with no space added; the system prompt joins the
-    last user turn; and the sentencepiece v3 rule (Tokenizer.encode_chat's) gives the same ids."""
+    last user turn; and the sentencepiece v3 rule (chat_template's, for a tokenizer mistral-common does
+    not render) gives the same ids."""
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
     hi = tekken.encode("hi", bos=False)
-    assert tekken.encode_instruct("hi") == [3, *hi, 4]
+    assert user_turn(tekken, "hi") == [3, *hi, 4]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "u1"},
                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]  # fmt: skip
-    ids = chat_prompt(tekken, messages)
+    ids = render_messages(tekken, messages)
     assert ids == reference.encode_chat_completion(ChatCompletionRequest.from_openai(messages)).tokens
     enc = lambda text: tekken.encode(text, bos=False)  # noqa: E731
     assert ids == [1, 3, *enc("u1"), 4, *enc("a1"), 2, 3, *enc("Be brief.\n\nu2"), 4]
-    assert ids == Tokenizer.encode_chat(tekken, ["Be brief."], [("user", "u1"), ("assistant", "a1"), ("user", "u2")])
+    as_v3_sentencepiece = SimpleNamespace(kind="sentencepiece", chat_format="v3", version="v3", bos_id=tekken.bos_id, eos_id=tekken.eos_id,
+                                          encode=tekken.encode, control_ids=tekken.control_ids)  # fmt: skip
+    assert ids == render_turns(as_v3_sentencepiece, ["Be brief."], [("user", "u1"), ("assistant", "a1"), ("user", "u2")])
 
 
 @pytest.mark.parametrize("version", ["v7", "v11"])
@@ -168,7 +171,7 @@ def test_v7_and_later_put_the_system_prompt_first(tmp_path, version):
     tokenizer = Tokenizer(path)
     assert (tokenizer.version, tokenizer.n_words) == (version, 3000)
     enc = lambda text: tokenizer.encode(text, bos=False)  # noqa: E731
-    ids = tokenizer.encode_chat(["Be brief."], [("user", "u1"), ("assistant", "a1"), ("user", "u2")])
+    ids = render_turns(tokenizer, ["Be brief."], [("user", "u1"), ("assistant", "a1"), ("user", "u2")])
     assert ids == [1, 17, *enc("Be brief."), 18, 3, *enc("u1"), 4, *enc("a1"), 2, 3, *enc("u2"), 4]
     assert has_tool_pieces(tokenizer) == (version == "v7")  # v11 calls tools as name[ARGS]{...}: the text format
 
@@ -180,7 +183,7 @@ def test_a_conversation_with_tools_is_mistral_common_s(tekken, reference):
                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     assert has_tool_pieces(tekken)
-    ids = chat_prompt(tekken, messages, [weather])
+    ids = render_messages(tekken, messages, [weather])
     request = ChatCompletionRequest.from_openai(messages, tools=[{"type": "function", "function": weather}])
     assert ids == reference.encode_chat_completion(request).tokens and 5 in ids  # [AVAILABLE_TOOLS]
 

@@ -15,7 +15,8 @@ from conftest import random_model, tiny_args
 from mixtral_infer import Tokenizer
 from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
 from mixtral_infer.serve.protocol import BadRequest, chat_prompt, parse_chat
-from mixtral_infer.serve.tools import TOOL_PIECES, call_grammar, check_tools, has_tool_pieces, parse_calls
+from mixtral_infer.generation.chat_template import TOOL_PIECES, has_tool_pieces
+from mixtral_infer.serve.tools import call_grammar, check_tools, parse_calls
 
 WEATHER = {
     "type": "function",

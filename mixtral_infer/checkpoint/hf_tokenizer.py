@@ -23,7 +23,7 @@ The pipeline that encodes as sentencepiece does (tested against it on varied tex
   (sentencepiece itself never encodes text to a control piece);
 * post-processor: ``<s>`` prepended;
 * ``chat_template`` (in ``tokenizer_config.json``): the instruct format of
-  ``Tokenizer.encode_instruct``, so ``apply_chat_template`` gives mistral-common's ids.
+  ``generation.chat_template.user_turn``, so ``apply_chat_template`` gives mistral-common's ids.
   v1: ``<s>[INST] q [/INST] a</s>[INST] q2 [/INST]`` as text; v3:
   ``<s>[INST]q[/INST]a</s>...`` where the control tokens split the text and each part gets
   its ``▁`` prefix, giving ``[INST] ▁q [/INST] ▁a``.

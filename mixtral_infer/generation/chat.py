@@ -5,10 +5,9 @@ conversation grows, so each turn only feeds the tokens the cache has not seen
 yet (the new user turn, and the last answer token, which generation samples but
 never feeds). Without a window every turn re-reads the whole history.
 
-Instruct format (Mistral's): ``<s>[INST] question [/INST] answer</s>[INST] next [/INST]``,
-where ``[INST]`` and ``[/INST]`` are text for a v1 tokenizer and single control tokens
-for a v3 one (``Tokenizer.encode_instruct``); a ChatML fine-tune's tokenizer gives ChatML's
-``<s><|im_start|>user\\nquestion<|im_end|>\\n<|im_start|>assistant\\nanswer<|im_end|>\\n<|im_start|>user...``.
+Instruct format (Mistral's): ``<s>[INST] question [/INST] answer</s>[INST] next [/INST]``, each
+turn rendered by ``generation.chat_template`` (``conversation_turn``), the renderer ``LLM.chat``
+and the server use too, so a conversation's ids are theirs.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Callable, List, Optional
 
 from mixtral_infer.steps.decode_loop import compile_seconds
 from mixtral_infer.errors import GenerationError
+from mixtral_infer.generation.chat_template import conversation_turn
 from mixtral_infer.generation.generate import decode_mode, generate
 from mixtral_infer.generation.settings import SEED_LIMIT, check_options
 from mixtral_infer.generation.text_stream import TextStream
@@ -108,10 +108,7 @@ class Conversation:
     def _turn_tokens(self, text: str) -> List[int]:
         if not self.instruct:
             return self.tokenizer.encode(text, bos=True)
-        if not self.history and self.system:  # the first turn: the system prompt before it (chat_prompt's v1 rule)
-            text = f"{self.system}\n\n{text}"
-        tokens = self.tokenizer.encode_instruct(text, follows_answer=bool(self.history))
-        return ([self.tokenizer.bos_id] if not self.history else []) + tokens
+        return conversation_turn(self.tokenizer, text, first=not self.history, system=self.system)
 
     def reply(self, text: str, emit: Callable[[str], None] = lambda piece: None) -> Reply:
         """Answer ``text``, calling ``emit`` with each new piece of the answer."""

@@ -18,17 +18,8 @@ Several answers: ``n`` choices of each prompt, and for ``/v1/completions`` a lis
 (strings or lists of token ids). Choice ``i`` of prompt ``p`` has index ``p * n + i``, as in OpenAI
 and vLLM; the usage counts each prompt's tokens once and every choice's tokens.
 
-Chat messages become the model's instruct format (``Tokenizer.encode_chat``), as
-mistral-common renders them (tested; for a tekken tokenizer mistral-common renders them)::
-
-    [system, user u1, assistant a1, user u2]
-    v1 -> <s> [INST] system\\n\\nu1 [/INST] a1 </s> [INST] u2 [/INST]
-    v3 -> <s> [INST] u1 [/INST] a1 </s> [INST] system\\n\\nu2 [/INST]
-    v7 (tekken) -> <s>[SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]u1[/INST]a1</s>[INST]u2[/INST]
-
-and for a ChatML fine-tune's tokenizer (``Tokenizer.chat_format``), ChatML's text::
-
-    -> <s><|im_start|>system\\nsystem<|im_end|>\\n<|im_start|>user\\nu1<|im_end|>\\n...<|im_start|>assistant\\n
+Chat messages become the model's instruct format through ``generation.chat_template``, the one
+chat renderer (the ``Conversation`` and ``LLM.chat`` use it too): ``chat_prompt``.
 """
 
 from __future__ import annotations
@@ -41,17 +32,9 @@ from typing import Any, Callable, Dict, List, Optional
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.settings import SEED_LIMIT, effective_temperature
 from mixtral_infer.serve.engine import RequestSettings
-from mixtral_infer.serve.tools import (
-    ToolError,
-    call_grammar,
-    calls_text,
-    check_tools,
-    has_tool_pieces,
-    render_with_mistral_common,
-    result_text,
-    tools_text,
-)
-from mixtral_infer.structured.grammar import Constraint, check_constraint, one_line
+from mixtral_infer.generation.chat_template import ChatError, render_messages
+from mixtral_infer.serve.tools import ToolError, call_grammar, check_tools
+from mixtral_infer.structured.grammar import Constraint, check_constraint
 from mixtral_infer.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -336,57 +319,12 @@ def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) ->
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: Any, tools: Optional[List[Dict[str, Any]]] = None) -> List[int]:
-    """Token ids of a conversation in the instruct format (see the module docstring). ``tools``: the
-    functions shown to the model (``serve.tools``); a conversation with tools, tool calls or tool
-    results is rendered by mistral-common for a tokenizer with Mistral's tool pieces, else in the
-    text format."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-    uses_tools = tools is not None or any(
-        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls") not in (None, [])) for m in messages
-    )
-    if uses_tools and has_tool_pieces(tokenizer):
-        try:
-            return render_with_mistral_common(tokenizer, messages, tools)
-        except Exception as error:  # mistral-common's validation: the conversation as it cannot render it
-            raise BadRequest(f"messages: {one_line(str(error))}", "messages") from None
-    turns = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
-            raise BadRequest(f"messages[{index}] must be an object with role system, user, assistant or tool", "messages")
-        role = message["role"]
-        try:
-            if role == "tool":  # the text format: results are the user's next turn
-                text = result_text(_content(message.get("content"), index), message.get("tool_call_id"))
-                if turns and turns[-1][0] == "user" and turns[-1][1].startswith("[TOOL_RESULTS]"):
-                    turns[-1] = ("user", turns[-1][1] + "\n" + text)
-                    continue
-                role = "user"
-            elif role == "assistant" and message.get("tool_calls") not in (None, []):
-                text = calls_text(message["tool_calls"])
-            else:
-                text = _content(message.get("content"), index)
-        except ToolError as error:
-            raise BadRequest(f"messages[{index}]: {error}", "messages") from None
-        turns.append((role, text))
-    system = [text for role, text in turns if role == "system"]
-    if any(role == "system" for role, _ in turns[len(system) :]):
-        raise BadRequest("system messages must come first", "messages")
-    turns = turns[len(system) :]
-    roles = [role for role, _ in turns]
-    if roles[::2] != ["user"] * len(roles[::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]) or roles[-1:] != ["user"]:
-        raise BadRequest("after any system messages, messages must alternate user, assistant, ... and end with user", "messages")
-    if tools is not None:  # the text format: the tool list before the last user turn
-        turns[-1] = ("user", tools_text(tools) + "\n\n" + turns[-1][1])
-    return tokenizer.encode_chat(system, turns)
-
-
-def _content(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", "messages")
+    """Token ids of a conversation (``generation.chat_template.render_messages``); what cannot be
+    rendered is a 400 on ``messages``. ``tools``: the functions shown to the model (``serve.tools``)."""
+    try:
+        return render_messages(tokenizer, messages, tools)
+    except ChatError as error:
+        raise BadRequest(str(error), "messages") from None
 
 
 def _chat_max_tokens(body: Dict[str, Any]) -> Optional[int]:

@@ -1,17 +1,13 @@
 """Tool calling as Mistral's instruct models do it.
 
-**v3 tokenizers** (Mistral 7B v0.3, and the tekken files of v3 and v7: ``[AVAILABLE_TOOLS]``,
-``[TOOL_CALLS]``, ``[TOOL_RESULTS]`` and their closing pieces are control pieces): a conversation
-with tools is rendered by mistral-common, the library Mistral maintains
-(``MistralTokenizer.encode_chat_completion``), from the same tokenizer file. The model calls tools
-by writing ``[TOOL_CALLS]`` and then a JSON list::
+A conversation with tools is rendered by ``generation.chat_template`` (mistral-common for a
+tokenizer with Mistral's tool pieces: v3, and the tekken files of v3 and v7; the documented text
+format otherwise); this module checks the tools a request gives and reads the calls the model
+writes. With the pieces, the model calls tools by writing ``[TOOL_CALLS]`` and then a JSON list::
 
     [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]</s>
 
-**Other tokenizers** (v1, ChatML) have no such pieces; the same layout is written as text (the
-documented text format): the tool list as ``[AVAILABLE_TOOLS] [...] [/AVAILABLE_TOOLS]`` before the
-last user turn, a call as the text ``[TOOL_CALLS] [...]``, a result as
-``[TOOL_RESULTS] {"content": ..., "call_id": ...} [/TOOL_RESULTS]`` in the user turn that follows.
+and without them (v1, ChatML) the same as text: ``[TOOL_CALLS] [...]``.
 
 ``tool_choice``: ``none`` (no tools shown), ``auto`` (the model may call; its answer is read as
 calls when it starts with ``[TOOL_CALLS]``), ``required`` or a named function: enforced by a grammar
@@ -27,29 +23,16 @@ import secrets
 import string
 from typing import Any, Dict, List, Optional, Tuple
 
+from mixtral_infer.generation.chat_template import TOOL_CALLS, has_tool_pieces
 from mixtral_infer.structured.grammar import Constraint
 from mixtral_infer.tokenizer import Tokenizer
 
-TOOL_PIECES = ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
-TOOL_CALLS = "[TOOL_CALLS]"
-TOOL_VERSIONS = ("v3", "v7")  # the instruct formats whose calls are [TOOL_CALLS] and a JSON list
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_ID_CHARS = string.ascii_letters + string.digits
 
 
 class ToolError(ValueError):
     """A tool list, tool choice or tool message that cannot be used: the message says what to fix."""
-
-
-def has_tool_pieces(tokenizer: Tokenizer) -> bool:
-    """Whether the tokenizer has Mistral's tool control pieces and mistral-common renders them in
-    the layout read here (a v3 sentencepiece model's; a v3 or v7 tekken file's: v11 and later
-    write ``[TOOL_CALLS]name[ARGS]{...}``, and are given tools in the text format)."""
-    return (
-        tokenizer.version in TOOL_VERSIONS
-        and tokenizer.kind in ("sentencepiece", "tekken")
-        and tokenizer.control_ids(*TOOL_PIECES) is not None
-    )
 
 
 def check_tools(tools: Any, tool_choice: Any) -> Tuple[List[Dict[str, Any]], Any]:
@@ -164,45 +147,3 @@ def complete_calls(body: str) -> Optional[List[Any]]:
 def call_id() -> str:
     """A call's id: 9 letters and digits, as Mistral's models write them."""
     return "".join(secrets.choice(CALL_ID_CHARS) for _ in range(9))
-
-
-# ---- rendering a conversation ------------------------------------------------------------------
-
-
-def mistral_common_tokenizer(tokenizer: Tokenizer):
-    """mistral-common's ``MistralTokenizer`` over the same file (``Tokenizer.mistral_common``)."""
-    return tokenizer.mistral_common()
-
-
-def render_with_mistral_common(tokenizer: Tokenizer, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]]) -> List[int]:
-    """Token ids of an OpenAI conversation (with tool calls and results) as mistral-common renders it."""
-    from mistral_common.protocol.instruct.request import ChatCompletionRequest
-
-    openai_tools = None if tools is None else [{"type": "function", "function": f} for f in tools]
-    request = ChatCompletionRequest.from_openai(messages, tools=openai_tools)
-    return list(mistral_common_tokenizer(tokenizer).encode_chat_completion(request).tokens)
-
-
-def tools_text(functions: List[Dict[str, Any]]) -> str:
-    """The text format's tool list (module docstring)."""
-    listed = [{"type": "function", "function": f} for f in functions]
-    return f"[AVAILABLE_TOOLS] {json.dumps(listed, ensure_ascii=False)} [/AVAILABLE_TOOLS]"
-
-
-def calls_text(tool_calls: List[Dict[str, Any]]) -> str:
-    """An assistant's calls in the text format: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}]``."""
-    calls = []
-    for call in tool_calls:
-        function = call.get("function") or {}
-        arguments = function.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            raise ToolError(f"a tool call's arguments must be JSON text, got {arguments!r:.60}") from None
-        calls.append({"name": function.get("name"), "arguments": arguments, "id": call.get("id")})
-    return f"{TOOL_CALLS} {json.dumps(calls, ensure_ascii=False)}"
-
-
-def result_text(content: str, call: Optional[str]) -> str:
-    """A tool's result in the text format."""
-    return f'[TOOL_RESULTS] {json.dumps({"content": content, "call_id": call}, ensure_ascii=False)} [/TOOL_RESULTS]'

@@ -22,7 +22,6 @@ from mixtral_infer.tokenizer.base import (
     TOKENIZER_CONFIG,
     TOKENIZER_FILES,
     Tokenizer,
-    chatml,
     find_tokenizer,
     token_list,
 )
@@ -40,7 +39,6 @@ __all__ = [
     "TOKENIZER_CONFIG",
     "TOKENIZER_FILES",
     "Tokenizer",
-    "chatml",
     "find_tokenizer",
     "read_added_tokens",
     "token_list",

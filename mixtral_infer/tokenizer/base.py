@@ -9,8 +9,9 @@
 - ``bos_id``, ``eos_id``, ``n_words``, ``version`` (the instruct format), ``chat_format``;
 - per token: ``id_to_piece``, ``token_bytes`` (what it writes in a text), ``byte_value``,
   ``is_control`` (BOS, EOS, ``[INST]``: no text encodes to them, decoding leaves them out);
-- ``control_ids(*pieces)``; ``encode_instruct(text)`` (one user turn) and ``encode_chat`` (a
-  conversation), rendered by mistral-common where it reads the file (``mistral_common()``).
+- ``control_ids(*pieces)``, ``chatml_ids()`` and ``mistral_common()`` (mistral-common's tokenizer
+  over the same file, where it reads it): what ``generation.chat_template``, the one chat
+  renderer, needs to write a conversation in the tokenizer's format.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 from mixtral_infer.errors import CheckpointError, GenerationError, as_int
 from mixtral_infer.json_file import read_object
@@ -33,16 +34,6 @@ BEGIN_INST, END_INST = "[INST]", "[/INST]"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML's
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # read before TOKENIZER_CONFIG, as transformers does
-
-Turn = Tuple[str, str]  # (role, text): role "user" or "assistant"
-
-
-def chatml(messages: Sequence[Turn], generation_prompt: bool = True) -> str:
-    """The ChatML text of ``(role, content)`` messages, as the common ChatML chat template renders
-    it: each ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, then ``<|im_start|>assistant\\n``."""
-    text = "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in messages)
-    return text + (f"{IM_START}assistant\n" if generation_prompt else "")
-
 
 def find_tokenizer(folder: str | Path) -> Optional[Path]:
     """The tokenizer file of a model folder (the first of ``TOKENIZER_FILES`` there), or None."""
@@ -190,71 +181,20 @@ class Tokenizer:
         """The byte a byte token stands for (sentencepiece's ``<0x0A>``), else None."""
         return None
 
-    def _chatml_ids(self) -> Optional[List[int]]:
-        """The ids of ChatML's ``<|im_start|>`` and ``<|im_end|>`` when both are tokens, else None."""
+    def chatml_ids(self) -> Optional[List[int]]:
+        """The ids of ChatML's ``<|im_start|>`` and ``<|im_end|>`` when both are tokens (a ChatML
+        fine-tune's added tokens), else None."""
         return None
 
     @property
     def chat_format(self) -> str:
         """"chatml" for a ChatML fine-tune's tokens (``<|im_start|>``, ``<|im_end|>``), else ``version``."""
-        return "chatml" if self._chatml_ids() is not None else self.version
+        return "chatml" if self.chatml_ids() is not None else self.version
 
     def mistral_common(self):
         """mistral-common's ``MistralTokenizer`` over the same file, where it reads it (tekken, and a
-        v3 sentencepiece model), else None: conversations with tools are rendered by it."""
+        v3 sentencepiece model), else None: ``generation.chat_template`` renders conversations with it."""
         return None
-
-    def _encode_chatml(self, text: str) -> List[int]:
-        """ChatML text: the markers become their ids, each stretch between is encoded on its own
-        (as transformers encodes the template's text)."""
-        start, end = self._chatml_ids()
-        ids: List[int] = []
-        for k, part in enumerate(re.split(f"({re.escape(IM_START)}|{re.escape(IM_END)})", text)):
-            if k % 2:
-                ids.append(start if part == IM_START else end)
-            elif part:
-                ids += self.encode(part, bos=False)
-        return ids
-
-    def encode_instruct(self, text: str, follows_answer: bool = False) -> List[int]:
-        """One user turn, without BOS, in this tokenizer's chat format (``follows_answer``: a turn
-        after an answer, which ChatML starts on a new line).
-
-        v1: the text ``[INST] {text} [/INST]``; v3: ``[INST]``, the pieces of ``text``, ``[/INST]``;
-        chatml: the text ``<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n``.
-        """
-        if self.chat_format == "chatml":
-            return self._encode_chatml(("\n" if follows_answer else "") + chatml([("user", text)]))
-        instruct = self.control_ids(BEGIN_INST, END_INST)
-        if instruct is None:
-            return self.encode(f"{BEGIN_INST} {text} {END_INST}", bos=False)
-        begin, end = instruct
-        return [begin] + self.encode(text, bos=False) + [end]
-
-    def encode_chat(self, system: Sequence[str], turns: Sequence[Turn]) -> List[int]:
-        """BOS and a conversation: ``system`` texts, then ``turns`` alternating user and assistant
-        and ending with a user turn, as mistral-common renders them::
-
-            [system, user u1, assistant a1, user u2]
-            v1 -> <s> [INST] system\\n\\nu1 [/INST] a1 </s> [INST] u2 [/INST]
-            v3 -> <s> [INST] u1 [/INST] a1 </s> [INST] system\\n\\nu2 [/INST]
-            chatml -> <s><|im_start|>system\\nsystem<|im_end|>\\n<|im_start|>user\\nu1<|im_end|>\\n...
-
-        (tekken: mistral-common renders it, e.g. v7's ``[SYSTEM_PROMPT]system[/SYSTEM_PROMPT]`` first.)
-        """
-        if self.chat_format == "chatml":  # the template's text (as transformers renders and encodes it)
-            return [self.bos_id] + self._encode_chatml(chatml([("system", text) for text in system] + list(turns)))
-        ids = [self.bos_id]
-        # The system prompt joins the first user turn (v1), or the last one (v3), as mistral-common renders them.
-        with_system = 0 if self.version == "v1" else len(turns) - 1
-        for index, (role, text) in enumerate(turns):
-            if role == "user":
-                if index == with_system and system:
-                    text = "\n\n".join(list(system) + [text])
-                ids += self.encode_instruct(text)
-            else:
-                ids += self.encode(text, bos=False) + [self.eos_id]
-        return ids
 
     def _outside(self, ids: List[int]) -> GenerationError:
         """The error for the first id of ``ids`` outside the vocabulary."""

@@ -124,7 +124,7 @@ class JsonTokenizer(Tokenizer):
     def is_control(self, token_id: int) -> bool:
         return token_id in self._special
 
-    def _chatml_ids(self) -> Optional[List[int]]:
+    def chatml_ids(self) -> Optional[List[int]]:
         ids = [self._added.get(IM_START), self._added.get(IM_END)]
         return None if None in ids else ids
 

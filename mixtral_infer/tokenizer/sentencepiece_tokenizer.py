@@ -19,7 +19,7 @@ piece between is encoded on its own; decoding leaves special ones out, as transf
 
 **ChatML.** A tokenizer that adds ``<|im_start|>`` and ``<|im_end|>`` is a ChatML fine-tune's
 (``chat_format``): a turn is ``<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n``, the
-answer ends at ``<|im_end|>``, the next turn starts with ``\\n`` (``chatml``: the common ChatML
+answer ends at ``<|im_end|>``, the next turn starts with ``\\n`` (``generation.chat_template.chatml``: the common ChatML
 chat template's text, which transformers renders). Other fine-tunes' own templates are not run:
 the instruct format is then Mistral's.
 """
@@ -161,7 +161,7 @@ class SentencePieceTokenizer(Tokenizer):
         ids = self.encode("\n" + text, bos=False)
         return ids[len(newline) :] if ids[: len(newline)] == newline else ids
 
-    def _chatml_ids(self) -> Optional[List[int]]:
+    def chatml_ids(self) -> Optional[List[int]]:
         if IM_START in self._by_content and IM_END in self._by_content:
             return [self._by_content[IM_START], self._by_content[IM_END]]
         return None

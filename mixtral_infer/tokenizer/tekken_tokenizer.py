@@ -15,7 +15,7 @@ token that decodes as ``" unto"`` at the start of a decode too. A character of s
 may be split over tokens (``😀`` is ``\\xf0\\x9f`` + ``\\x98`` + ``\\x80``); a decode that ends in
 part of one ends in U+FFFD, which ``TextStream`` holds back.
 
-The instruct format is the file's ``config.version``, rendered by mistral-common: v3 (Nemo):
+The instruct format is the file's ``config.version``, rendered by mistral-common (``generation.chat_template``): v3 (Nemo):
 ``<s>[INST]u1[/INST]a1</s>[INST]system\\n\\nu2[/INST]``; v7 (Small 3): ``<s>[SYSTEM_PROMPT]system
 [/SYSTEM_PROMPT][INST]u1[/INST]...``; v11 and later call tools as ``[TOOL_CALLS]name[ARGS]{...}``.
 
@@ -29,11 +29,11 @@ import base64
 import binascii
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from mixtral_infer.errors import CheckpointError
 from mixtral_infer.json_file import read_object
-from mixtral_infer.tokenizer.base import Tokenizer, Turn, token_list
+from mixtral_infer.tokenizer.base import Tokenizer, token_list
 
 # The special tokens of tekken files that list none (before v11), as mistral-common defines them
 # (Tekkenizer.DEPRECATED_SPECIAL_TOKENS); the rest up to default_num_special_tokens are fillers.
@@ -223,21 +223,3 @@ class TekkenTokenizer(Tokenizer):
 
     def mistral_common(self):
         return self._mistral
-
-    def encode_instruct(self, text: str, follows_answer: bool = False) -> List[int]:
-        """One user turn, without BOS, as mistral-common renders a user message in this version
-        (``[INST]{text}[/INST]``: no space added)."""
-        from mistral_common.protocol.instruct.messages import UserMessage
-
-        tokens, _, _ = self._mistral.instruct_tokenizer.encode_user_message(
-            UserMessage(content=text), available_tools=None, is_last=True, is_first=not follows_answer
-        )
-        return list(tokens)
-
-    def encode_chat(self, system: Sequence[str], turns: Sequence[Turn]) -> List[int]:
-        """BOS and the conversation as mistral-common renders it for this version (``Tokenizer.encode_chat``)."""
-        from mistral_common.protocol.instruct.request import ChatCompletionRequest
-
-        messages = [{"role": "system", "content": text} for text in system]
-        messages += [{"role": role, "content": text} for role, text in turns]
-        return list(self._mistral.encode_chat_completion(ChatCompletionRequest.from_openai(messages)).tokens)
