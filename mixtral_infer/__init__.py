@@ -15,7 +15,7 @@ from mixtral_infer.errors import CheckpointError, ConfigError, GenerationError, 
 
 _LAZY = {  # name -> the module that defines it
     "LLM": "mixtral_infer.llm",
-    "SamplingParams": "mixtral_infer.llm",
+    "SamplingParams": "mixtral_infer.generation.sampling_params",
     "Completion": "mixtral_infer.llm",
     "Conversation": "mixtral_infer.generation.chat",
     "perplexity": "mixtral_infer.generation.perplexity",
@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from mixtral_infer.checkpoint.loading import load_model, save_model
     from mixtral_infer.generation.chat import Conversation
     from mixtral_infer.generation.perplexity import perplexity
-    from mixtral_infer.llm import LLM, Completion, SamplingParams
+    from mixtral_infer.generation.sampling_params import SamplingParams
+    from mixtral_infer.llm import LLM, Completion
     from mixtral_infer.generation.generate import generate
     from mixtral_infer.generation.settings import forward
     from mixtral_infer.model.cache import (

@@ -25,7 +25,7 @@ research scripts: ``load_model``, ``generate``, ``forward``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -34,37 +34,13 @@ from mixtral_infer.checkpoint.loading import load_model
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.chat_template import render_messages
 from mixtral_infer.generation.generate import generate
-from mixtral_infer.generation.settings import SEED_LIMIT, check_seed, free_memory, kv_cache_bytes
+from mixtral_infer.generation.sampling_params import SEED_LIMIT, SamplingParams, check_seed
+from mixtral_infer.generation.settings import free_memory, kv_cache_bytes
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.tokenizer import Tokenizer
 
 MAX_BATCH = 64  # prompts run together at most: beyond, a prefill's activations grow for little gain
 CACHE_SHARE = 0.5  # of the free memory, for one batch's cache
-
-
-@dataclass
-class SamplingParams:
-    """How to choose tokens, as vLLM's ``SamplingParams`` (its defaults: temperature 1, 16 tokens).
-    ``n``: answers per prompt, all sampled after one reading of it; with a seed, answer ``i`` samples
-    with ``seed + i`` (as the server's ``n``), so the answers differ and each is the one that seed gives."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Optional[int] = None
-    seed: Optional[int] = None  # each prompt samples with its own generator: its text is the same in any batch
-    stop: Sequence[str] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: Optional[Dict[int, float]] = None
-    min_tokens: int = 0
-    json_schema: Optional[Union[dict, str]] = None  # what the text must be (one of these four)
-    regex: Optional[str] = None
-    choices: Optional[Sequence[str]] = None
-    grammar: Optional[str] = None  # Lark
-    n: int = 1  # answers per prompt (last: the fields before it keep their positions)
 
 
 @dataclass
@@ -193,17 +169,14 @@ class LLM:
         longest = max(len(p) for p in ids) + params.max_tokens
         batch = self._batch_size(len(rows), longest)
         batch -= batch % n if n <= batch else 0
-        eos = None if params.ignore_eos else self.tokenizer.eos_id
-        extra = {name: getattr(params, name) for name in ("stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                                          "logit_bias", "min_tokens", "json_schema", "regex", "choices", "grammar")}  # fmt: skip
-        needs_tokenizer = params.stop or any(extra[k] is not None for k in ("json_schema", "regex", "choices", "grammar"))
+        needs_tokenizer = params.stop or params.constraint is not None
         results = []
         for start in range(0, len(rows), batch):
             part = rows[start : start + batch]
+            row_params = replace(params, n=1, seed=None if seeds is None else seeds[start : start + batch])
             generated, logprobs = generate(
-                part, self.model, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k, seed=None if seeds is None else seeds[start : start + batch], eos_id=eos, prompt_logprobs=False,
-                tokenizer=self.tokenizer if needs_tokenizer else None, leading_space=leading_space, **extra,
+                part, self.model, row_params, eos_id=self.tokenizer.eos_id, prompt_logprobs=False,
+                tokenizer=self.tokenizer if needs_tokenizer else None, leading_space=leading_space,
             )  # fmt: skip
             for row, (tokens, lps) in enumerate(zip(generated, logprobs), start):
                 answer = AnswerText.of(self.tokenizer, tokens, leading_space, params.stop)
@@ -223,15 +196,10 @@ class LLM:
 
 
 def _params(params: Optional[SamplingParams], overrides: Dict[str, Any]) -> SamplingParams:
+    """``params`` (or the defaults) with the keyword arguments over it, checked before any work."""
     params = params if params is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
         raise GenerationError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    known = {f.name for f in fields(SamplingParams)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise GenerationError(f"unknown sampling setting(s) {unknown}: SamplingParams has {sorted(known)}")
-    params = replace(params, **overrides)
-    if not isinstance(params.n, int) or isinstance(params.n, bool) or params.n < 1:
-        raise GenerationError(f"n={params.n!r} must be an integer >= 1 (answers per prompt)")
-    check_seed(params.seed)  # before answer i's seed + i could wrap a bad one round
-    return params
+    params = params.updated(overrides)
+    check_seed(params.seed)  # one integer: answer i's seed + i (before it could wrap a bad one round)
+    return params.check()

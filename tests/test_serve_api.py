@@ -158,7 +158,7 @@ def test_chat_through_the_openai_client_equals_the_conversation(server, referenc
     again = client.chat.completions.create(model="tiny-mixtral", messages=history, max_tokens=4, temperature=0)
     conversation = Conversation(model, tokenizer, instruct=True, max_tokens=8, temperature=0.0)
     conversation.reply(question)
-    conversation.settings["max_tokens"] = 4
+    conversation.params.max_tokens = 4
     assert again.choices[0].message.content == conversation.reply("And who shall stand?").text
 
 

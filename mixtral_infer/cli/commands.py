@@ -35,12 +35,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from mixtral_infer.devices import DTYPE_NAMES
 from mixtral_infer.errors import GenerationError, MixtralInferError
 from mixtral_infer.hub import is_hub_name
 from mixtral_infer.shipped import DEFAULT_MODEL_NAME, SHIPPED_MODELS, is_shipped, resolve_model_folder, shipped_models
+
+if TYPE_CHECKING:
+    from mixtral_infer.generation.sampling_params import SamplingParams
 
 DEFAULT_MODEL = SHIPPED_MODELS / DEFAULT_MODEL_NAME
 USAGE_EXIT = 2  # a command line that is not one (an unknown command or option): argparse's code
@@ -115,18 +118,21 @@ def check_options(
     dtype: object,
     tensor_parallel: object,
     num_pipeline_ranks: object,
-) -> None:
-    """Every option of demo / interactive, checked before the model is loaded (fire passes strings as they came)."""
-    from mixtral_infer.generation.settings import as_int
-    from mixtral_infer.generation.settings import check_options as check_generation_options
+) -> "SamplingParams":
+    """Every option of demo / interactive, checked before the model is loaded (fire passes strings as
+    they came); the sampling settings, as the object ``generate`` and the ``Conversation`` take."""
+    from mixtral_infer.generation.sampling_params import SamplingParams
+    from mixtral_infer.generation.settings import as_int, check_chunk_size
 
-    check_generation_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).check()
+    check_chunk_size(chunk_size)
     for name, value in (("tensor_parallel", tensor_parallel), ("num_pipeline_ranks", num_pipeline_ranks)):
         if as_int(value) is None or as_int(value) < 1:
             raise GenerationError(f"--{name} {value!r} must be an integer >= 1")
     if device is not None:
         parse_device(device)
     parse_dtype(dtype)
+    return params
 
 
 class ProgressBar:
@@ -343,7 +349,7 @@ def demo(
     """
     check_decode(decode)
     check_quantize(quantize)
-    check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
+    params = check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
     if not isinstance(json, bool):
         raise UsageError(f"--json takes no value (got {json!r})")
     prompts = prompt_list(prompt, prompt_file)
@@ -356,17 +362,7 @@ def demo(
     encoded = [tokenizer.encode(text, bos=True) for text in prompts]
     start = time.perf_counter()
     generated, _ = generate(
-        encoded,
-        model,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        chunk_size=chunk_size,
-        eos_id=tokenizer.eos_id,
-        seed=seed,
-        prompt_logprobs=False,
-        decode=decode,
+        encoded, model, params, chunk_size=chunk_size, eos_id=tokenizer.eos_id, prompt_logprobs=False, decode=decode
     )
     compiling = compile_seconds(model)  # the step was built in this run: its time is not the tokens'
     elapsed = time.perf_counter() - start - compiling
@@ -437,7 +433,7 @@ def interactive(
         if not isinstance(system, str) or not system.strip():
             raise GenerationError(f"--system {system!r}: give the system prompt's text")
         instruct = True
-    check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
+    params = check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
     terminal = sys.stdin.isatty()
     if instruct and is_shipped(model_folder(model_path)):
         print(
@@ -452,17 +448,7 @@ def interactive(
     )
     main_process = is_main_process()
     conversation = Conversation(
-        model,
-        tokenizer,
-        instruct=instruct,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        chunk_size=chunk_size,
-        seed=seed,
-        decode=decode,
-        system=system,
+        model, tokenizer, params, instruct=instruct, chunk_size=chunk_size, decode=decode, system=system
     )
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # undecodable bytes become U+FFFD, not a crash

@@ -13,18 +13,22 @@ and the server use too, so a conversation's ids are theirs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, List, Optional
 
 from mixtral_infer.steps.decode_loop import compile_seconds
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.chat_template import conversation_turn
-from mixtral_infer.generation.generate import decode_mode, generate
-from mixtral_infer.generation.settings import SEED_LIMIT, check_options
+from mixtral_infer.generation.generate import decode_mode, generate, sampling_params
+from mixtral_infer.generation.sampling_params import SEED_LIMIT, SamplingParams, check_seed
+from mixtral_infer.generation.settings import check_chunk_size
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.tokenizer import Tokenizer
+
+
+CONVERSATION = SamplingParams(max_tokens=100, temperature=0.0)  # a Conversation's defaults: greedy, 100 tokens
 
 
 @dataclass
@@ -57,8 +61,11 @@ class Conversation:
     the cache, so the next turn reads only its new tokens (module docstring).
 
     >>> chat = Conversation(model, tokenizer, instruct=True, max_tokens=12, temperature=0)  # doctest: +SKIP
+    >>> chat = Conversation(model, tokenizer, SamplingParams(max_tokens=12, temperature=0), instruct=True)  # doctest: +SKIP
     >>> chat.reply("Who made the heaven and the earth?").text                             # doctest: +SKIP
 
+    ``params`` (or its fields as keyword arguments): how to choose tokens (``SamplingParams``; here
+    greedy and 100 tokens unless given); with a seed, turn t samples with ``seed + t``.
     ``instruct``: wrap each turn in the model's instruct format (else each reply continues the text).
     ``system``: a system prompt, put before the first user turn (as v1 models and mistral-common's v1
     rendering place it: the conversation is kept in the cache, so it stays where the first turn put it).
@@ -69,27 +76,24 @@ class Conversation:
         self,
         model: Transformer,
         tokenizer: Tokenizer,
+        params: Optional[SamplingParams] = None,
         *,
         instruct: bool = False,
-        max_tokens: int = 100,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: Optional[int] = None,
         chunk_size: Optional[int] = None,
-        seed: Optional[int] = None,
         decode: str = "auto",
         system: Optional[str] = None,
+        **sampling: Any,
     ):
-        check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed)  # not at the first reply
+        params = sampling_params(params, sampling, CONVERSATION)
+        check_seed(params.seed)  # one integer: turn t draws with seed + t
+        self.params = params.check()  # not at the first reply
+        check_chunk_size(chunk_size)
         if system is not None and (not isinstance(system, str) or not instruct):
             raise GenerationError("system= is a text, and needs instruct=True (a system prompt is part of the instruct format)")
         self.system = system
         decode_mode(decode, model)
         self.model, self.tokenizer, self.instruct = model, tokenizer, instruct
-        self.settings = dict(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, chunk_size=chunk_size, decode=decode
-        )
-        self.seed = seed
+        self.chunk_size, self.decode = chunk_size, decode
         self.turns = 0
         self.history: List[int] = []
         self.cache: Optional[RotatingBufferCache] = None
@@ -126,7 +130,7 @@ class Conversation:
             seen, cache = 0, None
         prompt = self.history[seen:] + turn
         stream = TextStream(self.tokenizer, leading_space=not self.instruct)
-        seed = None if self.seed is None else (self.seed + self.turns) % SEED_LIMIT  # turn t draws with seed + t
+        seed = None if self.params.seed is None else (self.params.seed + self.turns) % SEED_LIMIT  # turn t draws with seed + t
         self.turns += 1
         ended_by_eos = False
         start, compiled_before = time.perf_counter(), compile_seconds(self.model)
@@ -143,14 +147,15 @@ class Conversation:
             generated, _ = generate(
                 [prompt],
                 self.model,
+                replace(self.params, seed=seed),
                 eos_id=self.tokenizer.eos_id,
-                seed=seed,
                 cache=cache,
                 on_token=on_token,
                 prompt_logprobs=False,
-                **self.settings,
+                chunk_size=self.chunk_size,
+                decode=self.decode,
             )
-            ended_by_eos = len(generated[0]) < self.settings["max_tokens"]
+            ended_by_eos = len(generated[0]) < self.params.max_tokens
             rest = stream.finish()
             if rest:
                 emit(rest)

@@ -8,7 +8,7 @@ Each sequence then decodes until its own EOS; the loop ends when all have.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -16,23 +16,22 @@ from mixtral_infer.errors import GenerationError
 from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
-from mixtral_infer.sampling import Generators, Sampling, draw_uniform, sample, token_logprobs
+from mixtral_infer.sampling import Generators, draw_uniform, sample, token_logprobs
 from mixtral_infer.generation.shared_prefix import (
     copy_repeated_rows,
     read_shared_prefix,
     repeated_prompts,
     shared_prefix_length,
 )
+from mixtral_infer.generation.sampling_params import SamplingParams
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
     as_int,
-    check_seed,
     check_cache_capacity,
     check_cache_matches,
+    check_chunk_size,
     check_new_cache,
-    check_options,
-    effective_temperature,
     forward,
     token_ids,
 )
@@ -54,26 +53,39 @@ def default_chunk_size(batch: int) -> int:
     return max(1, PREFILL_TOKENS // batch)
 
 
+GREEDY = SamplingParams(temperature=0.0)  # generate's defaults: greedy (max_tokens has none: it is asked for)
+
+
+def sampling_params(params: Optional[SamplingParams], given: dict, defaults: SamplingParams = GREEDY) -> SamplingParams:
+    """The settings to run: ``params`` (else ``defaults``), with the fields given as keyword
+    arguments over it (``generate(..., max_tokens=8, temperature=0.7)``, as before there was an object)."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise GenerationError(f"params must be a SamplingParams, got {type(params).__name__}")
+    unknown = sorted(set(given) - set(SamplingParams.names()))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}: the sampling settings are {SamplingParams.names()}")
+    return (defaults if params is None else params).updated(given)
+
+
 def check_settings(
     encoded_prompts: Sequence[Sequence[int]],
     model: Transformer,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: Optional[int],
+    params: SamplingParams,
     chunk_size: Optional[int],
     max_batch_size: int,
-    seed: Union[None, int, Sequence[int]] = None,
     eos_id: Optional[int] = None,
     on_token: Optional[TokenCallback] = None,
-) -> List[List[int]]:
-    """Raise GenerationError, before any work, on settings out of range; the prompts as lists of ints.
+) -> Tuple[List[List[int]], SamplingParams]:
+    """Raise GenerationError, before any work, on settings out of range; the prompts as lists of ints,
+    and the settings checked (``SamplingParams.check``).
 
     Token ids may be any integers (numpy's, 0-d torch tensors); they come back as Python ints.
     The prompts may be a list of lists, of tensors or arrays, or a ``(B, T)`` tensor or array.
     """
-    per_prompt = isinstance(seed, (list, tuple))
-    check_options(max_tokens, temperature, top_p, top_k, chunk_size, None if per_prompt else seed)
+    params.check()  # the per-prompt lists are matched to the prompts below
+    check_chunk_size(chunk_size)
+    if params.n != 1:
+        raise GenerationError(f"n={params.n!r}: generate gives one answer per prompt; give a prompt n times (LLM.generate does)")
     if isinstance(encoded_prompts, (str, bytes, set, frozenset, dict)) or not hasattr(encoded_prompts, "__len__"):
         raise GenerationError(
             f"encoded_prompts={encoded_prompts!r:.40}: pass a list of prompts, each a list of token ids "
@@ -101,18 +113,14 @@ def check_settings(
         if max_batch_size != model.args.max_batch_size:  # the limit is a cache's: generate(cache=...)
             larger = "make the cache for more, model.make_cache(batch)"
         raise GenerationError(f"{len(prompts)} prompts exceed max_batch_size={max_batch_size}: pass fewer prompts or {larger}")
-    if per_prompt:
-        if len(seed) != len(prompts):
-            raise GenerationError(f"seed={seed!r:.40} must be one integer, or a list of one per prompt ({len(prompts)})")
-        for index, value in enumerate(seed):
-            check_seed(value, f"seed[{index}]")
+    params = params.check(len(prompts), model.args.vocab_size)
     if on_token is not None and not callable(on_token):
         raise GenerationError(f"on_token={on_token!r:.40} must be a function on_token(prompt_index, token), or None")
     eos = None if eos_id is None else as_int(eos_id)
     if eos_id is not None and (eos is None or not 0 <= eos < model.args.vocab_size):
         vocab = model.args.vocab_size
         raise GenerationError(f"eos_id={eos_id!r} must be a token id in [0, {vocab}), or None for no end token")
-    return prompts
+    return prompts, params
 
 
 def _check_finite(logits: torch.Tensor, where: str) -> None:
@@ -218,32 +226,24 @@ def decode_mode(decode: str, model: Transformer) -> str:
 def generate(
     encoded_prompts: Sequence[Sequence[int]],
     model: Transformer,
+    params: Optional[SamplingParams] = None,
     *,
-    max_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: Optional[int] = None,
     chunk_size: Optional[int] = None,
     eos_id: Optional[int] = None,
-    seed: Union[None, int, Sequence[int]] = None,
     cache: Optional[RotatingBufferCache] = None,
     on_token: Optional[TokenCallback] = None,
     prompt_logprobs: bool = True,
     decode: str = "auto",
-    stop: Sequence[str] = (),
-    presence_penalty: float | Sequence[float] = 0.0,
-    frequency_penalty: float | Sequence[float] = 0.0,
-    repetition_penalty: float | Sequence[float] = 1.0,
-    logit_bias: Optional[Dict[int, float]] = None,
-    min_tokens: int = 0,
-    json_schema: Optional[Union[dict, str]] = None,
-    regex: Optional[str] = None,
-    choices: Optional[Sequence[str]] = None,
-    grammar: Optional[str] = None,
     tokenizer: Optional[Tokenizer] = None,
     leading_space: bool = True,
+    **sampling: Any,
 ) -> Tuple[List[List[int]], List[List[float]]]:
-    """Continue each prompt by up to ``max_tokens`` tokens.
+    """Continue each prompt by up to ``params.max_tokens`` tokens.
+
+    ``params``: how to choose tokens (``SamplingParams``); its fields may be given as keyword
+    arguments instead, or over it (``generate(prompts, model, max_tokens=8, temperature=0.7)``); here the
+    temperature is 0 (greedy) unless given, and ``max_tokens`` must be. ``ignore_eos``: no row ends
+    at ``eos_id``.
 
     Returns ``(generated, logprobs)``: ``generated[i]`` are prompt i's new tokens
     (EOS not included); ``logprobs[i]`` the log-probability of every prompt token
@@ -266,12 +266,12 @@ def generate(
     with ``generated[i][-1]`` (as ``generation.chat.Conversation`` does).
     ``on_token(i, token)`` is called as each token of prompt i is chosen (streaming).
 
-    ``seed``: each prompt samples from a generator of its own, seeded with it (as the server's
+    ``params.seed``: each prompt samples from a generator of its own, seeded with it (as the server's
     requests and vLLM's), so a prompt's tokens are those it gets alone, in any batch; a list gives
     each prompt its seed. None: one unseeded generator for the batch.
 
-    What the answers must be, and how tokens are chosen (as the server takes them; each needs
-    ``tokenizer`` where it is about text): ``json_schema`` (a dict or its JSON text), ``regex``,
+    What the answers must be, and how tokens are chosen (``params``' fields, as the server takes them;
+    each needs ``tokenizer`` where it is about text): ``json_schema`` (a dict or its JSON text), ``regex``,
     ``choices`` (a list of strings) or ``grammar`` (Lark): the text of every answer follows it
     (``structured.grammar``, llguidance), and a row ends when it is complete. ``stop``: strings
     that end a row once its text holds one (its tokens up to the one that completed it are
@@ -287,20 +287,16 @@ def generate(
     runs that step through ``torch.compile`` (on CUDA as a CUDA graph; on CPU built by
     AOTInductor, ``steps/cpu_aot_step.py``); ``auto``: compiled on CUDA, eager on CPU.
     """
+    if params is None and "max_tokens" not in sampling:
+        raise TypeError("generate() needs max_tokens= (or params=SamplingParams(max_tokens=...))")
+    params = sampling_params(params, sampling)
     if cache is not None:
         check_cache_matches(cache, model)  # made for this model (its batch limit is read next)
     max_batch_size = cache.max_batch_size if cache is not None else model.args.max_batch_size
-    encoded_prompts = check_settings(
-        encoded_prompts, model, max_tokens, temperature, top_p, top_k, chunk_size, max_batch_size, seed, eos_id,
-        on_token,
-    )
-    eos_id = None if eos_id is None else int(eos_id)
-    max_tokens, temperature = int(max_tokens), effective_temperature(temperature)
-    top_k, chunk_size = (None if v is None else int(v) for v in (top_k, chunk_size))
-    grammar_text = check_shaping(
-        model, tokenizer, max_tokens, len(encoded_prompts), stop, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens,
-        json_schema, regex, choices, grammar,
-    )
+    encoded_prompts, params = check_settings(encoded_prompts, model, params, chunk_size, max_batch_size, eos_id, on_token)
+    eos_id = None if eos_id is None or params.ignore_eos else int(eos_id)
+    max_tokens, chunk_size = params.max_tokens, None if chunk_size is None else int(chunk_size)
+    grammar_text = check_shaping(params, tokenizer)
     mode = decode_mode(decode, model)
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
@@ -319,8 +315,8 @@ def generate(
         if not cache.tokens_seen:
             cache.start_sequences(batch)
     chunk_size = chunk_size or default_chunk_size(batch)
-    generator = row_generators(seed, batch, model)
-    sampling = Sampling.uniform_settings(batch, model.args.vocab_size, temperature, top_p, top_k, model.device)
+    generator = row_generators(params.seed, batch, model)
+    sampling = params.to_sampling(batch, model.args.vocab_size, model.device)
 
     shared = shared_prefix_length(encoded_prompts) if fresh else 0
     if shared:  # read once into row 0, copied into the others (generation.shared_prefix)
@@ -340,14 +336,13 @@ def generate(
     if max_tokens == 0:
         return generated, logprobs
     shaping = None
-    penalised = any(v != neutral for value, neutral in ((presence_penalty, 0), (frequency_penalty, 0), (repetition_penalty, 1))
-                    for v in ([value] if isinstance(value, (int, float)) else value))  # fmt: skip
-    if grammar_text or stop or penalised or logit_bias or min_tokens:
+    if params.shaped:
+        stop = params.stop
         stops = [AnswerText(tokenizer, leading_space, stop) for _ in encoded_prompts] if stop else None  # the server's check
         shaping = Shaping(
             encoded_prompts, model.args.vocab_size, model.device, eos_id, grammar=grammar_text, tokenizer=tokenizer,
-            presence=presence_penalty, frequency=frequency_penalty, repetition=repetition_penalty, bias=logit_bias,
-            min_tokens=min_tokens, stops=stops,
+            presence=params.presence_penalty, frequency=params.frequency_penalty, repetition=params.repetition_penalty,
+            bias=params.logit_bias, min_tokens=params.min_tokens, stops=stops,
         )  # fmt: skip
     settings = DecodeSettings(sampling, generator, eos_id, max_tokens, on_token, shaping)
     if mode == "eager":
@@ -406,49 +401,14 @@ def decode_eager(
         _check_finite(logits, f"at generation step {step + 1}")
 
 
-def check_shaping(
-    model: Transformer,
-    tokenizer: Optional[Tokenizer],
-    max_tokens: int,
-    batch: int,
-    stop: Sequence[str],
-    presence_penalty: float | Sequence[float],
-    frequency_penalty: float | Sequence[float],
-    repetition_penalty: float | Sequence[float],
-    logit_bias: Optional[Dict[int, float]],
-    min_tokens: int,
-    json_schema: Optional[Union[dict, str]],
-    regex: Optional[str],
-    choices: Optional[Sequence[str]],
-    grammar: Optional[str],
-) -> Optional[str]:
-    """``generate``'s structured-output and penalty settings checked before any work: a
-    ``GenerationError`` of one line naming the setting; the compiled grammar, if one was asked for."""
-    given = {name: value for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices),
-                                             ("grammar", grammar)) if value is not None}  # fmt: skip
-    if len(given) > 1:
-        raise GenerationError(f"give one of {', '.join(given)}: each says what the answers must be")
-    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
-        raise GenerationError(f"stop={stop!r} must be a list of non-empty strings")
-    if (given or stop) and tokenizer is None:
-        raise GenerationError(f"{next(iter(given), 'stop')} is about text: pass tokenizer= as well")
-    for name, value, low, high in (("presence_penalty", presence_penalty, -2, 2), ("frequency_penalty", frequency_penalty, -2, 2),
-                                   ("repetition_penalty", repetition_penalty, 1e-6, 10)):  # fmt: skip
-        values = [value] if isinstance(value, (int, float)) else list(value) if isinstance(value, (list, tuple)) else None
-        if values is None or (len(values) != 1 and len(values) != batch) or (not isinstance(value, (int, float)) and len(values) != batch):
-            raise GenerationError(f"{name}={value!r} must be a number, or a list of one per prompt ({batch})")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high for v in values):
-            raise GenerationError(f"{name}={value!r} must be a number in [{low:g}, {high:g}] (or a list of them)")
-    if as_int(min_tokens) is None or not 0 <= as_int(min_tokens) <= max_tokens:
-        raise GenerationError(f"min_tokens={min_tokens!r} must be an integer in [0, max_tokens={max_tokens}]")
-    for token, bias in (logit_bias or {}).items():
-        if as_int(token) is None or not 0 <= as_int(token) < model.args.vocab_size or isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise GenerationError(f"logit_bias {{{token!r}: {bias!r}}}: keys must be token ids in [0, {model.args.vocab_size}), values numbers")
-    if not given:
-        return None
-    (name, value), = given.items()
-    kind = {"json_schema": "json_schema", "regex": "regex", "choices": "choice", "grammar": "lark"}[name]
-    return check_constraint(Constraint(kind, value), tokenizer)
+def check_shaping(params: SamplingParams, tokenizer: Optional[Tokenizer]) -> Optional[str]:
+    """What of ``params`` is about text needs ``tokenizer``; the compiled grammar of what the answers
+    must be, if anything (a ``GenerationError`` of one line naming the field if it cannot be)."""
+    constraint = params.constraint
+    if (constraint or params.stop) and tokenizer is None:
+        name = next((name for name in ("json_schema", "regex", "choices", "grammar") if getattr(params, name) is not None), "stop")
+        raise GenerationError(f"{name} is about text: pass tokenizer= as well")
+    return None if constraint is None else check_constraint(Constraint(*constraint), tokenizer)
 
 
 def row_generators(seed: Union[None, int, Sequence[int]], batch: int, model: Transformer) -> Generators:

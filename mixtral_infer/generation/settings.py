@@ -1,18 +1,23 @@
-"""Checks of what a caller asks for, made before any work: generation options, a cache's capacity, memory.
+"""Checks of what a caller asks for, made before any work: prompts, a cache's capacity, memory.
 
-Each raises GenerationError with one line naming the value and what was expected.
-``generate`` and the command line run them first, so a bad setting costs nothing:
-the command line checks its options before it even loads the model, or imports torch
-(which alone takes 1.5-3.5 s on a 2-core machine), so this module imports it only where needed.
+Each raises GenerationError with one line naming the value and what was expected. The sampling
+settings check themselves (``sampling_params.SamplingParams.check``). ``generate`` and the command
+line run the checks first, so a bad setting costs nothing: the command line checks its options
+before it even loads the model, or imports torch, so this module imports it only where needed.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from mixtral_infer.errors import GenerationError, as_int  # noqa: F401 (as_int: imported from here too)
+from mixtral_infer.generation.sampling_params import (  # noqa: F401 (imported from here too)
+    FLOAT32_MAX,
+    GREEDY_BELOW,
+    SEED_LIMIT,
+    check_seed,
+    effective_temperature,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -21,51 +26,13 @@ if TYPE_CHECKING:
     from mixtral_infer.model.parallel import Parallel
     from mixtral_infer.model.transformer import ModelArgs, Transformer
 
-# A temperature this small samples the most probable token whatever the logits (for
-# float32 logits below 1e8 in size, softmax(logits / T) is one-hot), while dividing by
-# it can overflow to inf and make NaN probabilities. So it is run as greedy, the limit.
-GREEDY_BELOW = 1e-30
-FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, without importing torch
-SEED_LIMIT = 2**63  # seeds go through int64 tensors (shared across ranks)
 DECODE_MODES = ("auto", "eager", "static", "compiled")  # generate(decode=...), --decode
 
 
-def _is_number(value: object) -> bool:
-    """A real number of any kind (numpy's ``float32`` too), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def check_options(
-    max_tokens: object,
-    temperature: object,
-    top_p: object,
-    top_k: object,
-    chunk_size: object,
-    seed: object = None,
-) -> None:
-    """Raise GenerationError on an option out of range or of the wrong type (strings from a command line too)."""
-    tokens = as_int(max_tokens)
-    if tokens is None or tokens < 0:
-        raise GenerationError(f"max_tokens={max_tokens!r} must be an integer >= 0")
-    if not _is_number(temperature):
-        raise GenerationError(f"temperature={temperature!r} must be a number >= 0 (0 means greedy)")
-    if not temperature >= 0:
-        raise GenerationError(f"temperature={temperature!r} must be >= 0 (0 means greedy)")
-    if not _is_number(top_p):
-        raise GenerationError(f"top_p={top_p!r} must be a number in (0, 1]")
-    if not 0 < top_p <= 1:
-        raise GenerationError(f"top_p={top_p!r} must be in (0, 1]")
-    if top_k is not None and (as_int(top_k) is None or as_int(top_k) < 1):
-        raise GenerationError(f"top_k={top_k!r} must be an integer >= 1 (or None for no limit)")
+def check_chunk_size(chunk_size: object) -> None:
+    """Prompt tokens per prefill chunk: None (the default), or an integer >= 1."""
     if chunk_size is not None and (as_int(chunk_size) is None or as_int(chunk_size) < 1):
         raise GenerationError(f"chunk_size={chunk_size!r} must be an integer >= 1")
-    check_seed(seed)
-
-
-def check_seed(seed: object, name: str = "seed") -> None:
-    """A seed: None, or an integer in [0, 2**63); GenerationError naming it otherwise."""
-    if seed is not None and (as_int(seed) is None or not 0 <= as_int(seed) < SEED_LIMIT):
-        raise GenerationError(f"{name}={seed!r} must be an integer in [0, 2**63) (or None for a random one)")
 
 
 def check_context(context: object, label: str = "context") -> Optional[int]:
@@ -74,15 +41,6 @@ def check_context(context: object, label: str = "context") -> Optional[int]:
     if context is not None and (as_int(context) is None or as_int(context) < 2):
         raise GenerationError(f"{label}={context!r} must be an integer >= 2 (a BOS and one token to score)")
     return None if context is None else as_int(context)
-
-
-def effective_temperature(temperature: float) -> float:
-    """0 (greedy) for temperatures below ``GREEDY_BELOW``, which sample the top token anyway; inf
-    (uniform, the other limit) for those past float32's largest number (3.4e38), in which the
-    sampling runs and which they would overflow."""
-    if temperature < GREEDY_BELOW:
-        return 0.0
-    return math.inf if temperature > FLOAT32_MAX else float(temperature)
 
 
 def token_ids(prompt: Sequence[object], index: int | str, vocab_size: int) -> List[int]:

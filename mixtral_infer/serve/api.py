@@ -34,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.generation.settings import SEED_LIMIT
+from mixtral_infer.generation.sampling_params import SEED_LIMIT
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.serve.engine import Engine, Event, Finished, QueueFull, RequestSettings, ShuttingDown, TokenEvent
 from mixtral_infer.serve.metrics import ServeMetrics

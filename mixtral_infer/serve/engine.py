@@ -50,7 +50,8 @@ from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.steps.decode_step import decode_logits, finite_rows, one_line, supports_static_decode
 from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
-from mixtral_infer.sampling import Sampling, sample
+from mixtral_infer.generation.sampling_params import SamplingParams, rows_sampling
+from mixtral_infer.sampling import sample
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.model.cache import SlackSlots
@@ -95,24 +96,17 @@ class ShuttingDown(GenerationError):
 
 
 @dataclass
-class RequestSettings:
-    """What one request asks for (already checked by ``protocol``)."""
+class RequestSettings(SamplingParams):
+    """What one request asks for (already checked by ``protocol``): the sampling settings
+    (``SamplingParams``: here greedy unless a temperature is given, ``max_tokens`` always given;
+    ``ignore_eos``: EOS is a token like any other, for benchmarks; the penalties, ``structured.logits``;
+    ``min_tokens``: EOS held back until then), and what the engine needs beside them."""
 
     max_tokens: int
     temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: Optional[int] = None
-    seed: Optional[int] = None
-    stop: Sequence[str] = ()
     logprobs: Optional[int] = None  # None: none; n: the chosen token's and the n most likely
-    ignore_eos: bool = False  # True: EOS is a token like any other (for benchmarks)
     leading_space: bool = True  # a completion's text keeps the space before its first word
-    constraint: Optional[Constraint] = None  # what the text must be (structured.grammar)
-    presence_penalty: float = 0.0  # structured.logits: OpenAI's, over the generated tokens
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # transformers', over the prompt's and the generated tokens
-    logit_bias: Optional[Dict[int, float]] = None  # added to these tokens' logits
-    min_tokens: int = 0  # EOS is held back until this many tokens are generated
+    constraint: Optional[Constraint] = None  # what the text must be (structured.grammar), as compiled
 
 
 @dataclass
@@ -975,18 +969,12 @@ def sample_rows(
     groups: Dict[bool, List[int]] = {False: [], True: []}  # filtered -> rows
     for index, s in enumerate(settings):
         if s.temperature > 0:
-            groups[(s.top_k is not None and s.top_k < vocab) or s.top_p < 1.0].append(index)
+            groups[s.filtered(vocab)].append(index)
     for filtered, rows in groups.items():
         if not rows:
             continue
         device = logits.device
-        sampling = Sampling(
-            temperature=torch.tensor([settings[i].temperature for i in rows], dtype=torch.float32, device=device),
-            top_p=torch.tensor([settings[i].top_p for i in rows], dtype=torch.float32, device=device),
-            top_k=torch.tensor([min(settings[i].top_k or vocab, vocab) for i in rows], dtype=torch.long, device=device),
-            greedy=False,
-            filtered=filtered,
-        )
+        sampling = rows_sampling([settings[i] for i in rows], vocab, device, filtered)
         uniform = torch.cat([torch.rand(1, generator=generators[i], device=device) for i in rows])  # (N_g,)
         index = torch.tensor(rows, device=device)
         tokens[index] = sample(logits[index], sampling, uniform)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.generation.settings import SEED_LIMIT, effective_temperature
+from mixtral_infer.generation.sampling_params import SEED_LIMIT, effective_temperature
 from mixtral_infer.serve.engine import RequestSettings
 from mixtral_infer.generation.chat_template import ChatError, render_messages
 from mixtral_infer.serve.tools import ToolError, call_grammar, check_tools
