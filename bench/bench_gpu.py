@@ -103,7 +103,7 @@ from mixtral_infer.checkpoint.loading import build_model  # noqa: E402
 from mixtral_infer.formats.modules import tuning_of, use_formats  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size, prefill  # noqa: E402
 from mixtral_infer.model.moe import MoeLayer  # noqa: E402
-from mixtral_infer.steps.decode_step import plain_int8  # noqa: E402
+from mixtral_infer.kernels.moe.gathered import plain_int8  # noqa: E402
 from mixtral_infer.quant import gemlite_cuda  # noqa: E402
 from mixtral_infer.formats.quantizing import quantize_model  # noqa: E402
 

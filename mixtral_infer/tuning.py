@@ -46,7 +46,7 @@ class Tuning:
     # core does not fill the memory's bandwidth, fewer where more places read slower.
     streams: int = 8
     # The same for a Mixtral's chosen experts, whose products inductor fuses into shared loops
-    # (``steps.decode_step._experts_one_by_one``); None: ``streams``.
+    # (``kernels.moe.one_by_one.experts_one_by_one``); None: ``streams``.
     expert_streams: Optional[int] = None
     # Prompt-sized float32 products on CPU by oneDNN instead of MKL (``fast.cpu_float32``).
     onednn_float32: bool = False
@@ -59,7 +59,7 @@ class Tuning:
     # On CPU the compiled step is built by AOTInductor (``steps.cpu_aot_step``); False: torch.compile.
     ahead_of_time: bool = True
     # Plain experts of at least this many weights a matrix go one by one on CPU, each product a
-    # reduction (``decode_step.moe_one_token``); smaller ones stay one gathered product.
+    # reduction (``kernels.moe.strategy``); smaller ones stay one gathered product.
     one_by_one_min_weights: int = 1 << 20
     # On CPU the chosen experts are read while the assignments ``B * k`` are at most this many times
     # the experts ``E``, every expert on every row beyond (0: only while ``B * k < E``): quantized
@@ -68,23 +68,20 @@ class Tuning:
     chosen_up_to_plain: int = 2
     chosen_up_to_bfloat16: int = 1
     # Where every expert would run on every row (``B * k >= E``), plain bfloat16 experts run as one grouped
-    # product per projection instead (``decode_step._grouped_experts``, ``torch._grouped_mm``): each
-    # expert's weights read once and only its rows computed. Off until measured on a GPU
-    # (``bench/bench_gpu.py --grouped-experts``). On CPU with ``ahead_of_time``, torch 2.13's
-    # AOTInductor cannot call the grouped product: set ``ahead_of_time=False`` with it there.
+    # product per projection instead (``kernels.moe.grouped``, ``torch._grouped_mm``): each
+    # expert's weights read once and only its rows computed. On CPU with ``ahead_of_time``, torch
+    # 2.13's AOTInductor cannot call the grouped product: set ``ahead_of_time=False`` with it there.
     grouped_experts: bool = False
     # The chosen int8 experts of a decode step (``B * k < E``) read as one gathered product per
-    # projection, dequantized where they are read (``decode_step._gathered_int8_experts``: compiled,
-    # the gather, the scales and the product are one reduction over the int8 rows), instead of one
-    # quantized kernel per chosen expert on a gathered copy of its weights. Off until measured on a
-    # GPU (``bench/bench_gpu.py --gathered-int8-experts``); needs the experts' plain int8 values.
+    # projection, dequantized where they are read (``kernels.moe.gathered``: compiled, the gather,
+    # the scales and the product are one reduction over the int8 rows), instead of one quantized
+    # kernel per chosen expert on a gathered copy of its weights; needs the experts' plain int8 values.
     gathered_int8_experts: bool = False
     # Mixtral's experts (decode steps and prompt chunks) through two Triton kernels
-    # (``fast.triton_experts``): the chosen experts' plain, int8 or int4 weights read once, in place,
-    # dequantized where they are read; a matrix-vector product per assignment while ``B * k < E``, a
-    # grouped product over the assignments sorted by expert beyond. On CUDA (on CPU under Triton's
-    # interpreter, for the tests).
-    # Off until measured on a GPU (``bench/bench_gpu.py --triton-experts``); ahead of the two above.
+    # (``kernels.moe.triton_mixture``, ``fast.triton_experts``): the chosen experts' plain, int8 or
+    # int4 weights read once, in place, dequantized where they are read; a matrix-vector product per
+    # assignment while ``B * k < E``, a grouped product over the assignments sorted by expert beyond.
+    # On CUDA (on CPU under Triton's interpreter, for the tests); ahead of the two above.
     triton_experts: bool = False
     # Quantized int8 and int4 products of at most ``TRITON_DENSE_ROWS`` rows (decoding) through the same
     # kernels, the weight as one expert (``fast.triton_experts.dense_rows``), ahead of GemLite and

@@ -20,7 +20,8 @@ from mixtral_infer import generate, load_model
 from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.fast.cpu_packed import _MATRICES, PackedParameter, onednn_linear, onednn_packs, pack, pack_side_by_side, side_by_side, side_by_side_groups
 from mixtral_infer.formats.packing import is_packed, pack_model, packed_numel, unpack_model
-from mixtral_infer.steps.decode_step import _every_expert_one_by_one, _experts_one_by_one, decode_logits
+from mixtral_infer.kernels.moe.one_by_one import every_expert_one_by_one, experts_one_by_one
+from mixtral_infer.steps.decode_step import decode_logits
 from mixtral_infer.kernels.linear import linear, linears
 from mixtral_infer.serve.sizing import weight_bytes
 
@@ -153,8 +154,8 @@ def test_the_static_moe_step_equals_its_plain_loop(models):
     x = torch.randn(3, plain.args.dim).to(PACKS)  # (B, D)
     moe_plain, moe_packed = plain.layers["1"].feed_forward, packed.layers["1"].feed_forward
     experts, weights = moe_plain.route(x)
-    for form in (_experts_one_by_one, _every_expert_one_by_one):  # the chosen experts, or every expert
-        got, expected = form(moe_packed, x, experts, weights), form(moe_plain, x, experts, weights)
+    for form in (experts_one_by_one, every_expert_one_by_one):  # the chosen experts, or every expert
+        got, expected = form(moe_packed, x, experts, weights, moe_packed.tuning), form(moe_plain, x, experts, weights, moe_plain.tuning)
         torch.testing.assert_close(got, expected, atol=0 if PACKS == torch.bfloat16 else 1e-5, rtol=0 if PACKS == torch.bfloat16 else 1e-5)
 
 

@@ -21,17 +21,16 @@ from mixtral_infer.steps import decode_step
 from mixtral_infer.steps.decode_loop import compile_seconds, step_compiler
 from mixtral_infer.steps.decode_step import (
     StepCompiler,
-    _every_expert_batched,
-    _every_expert_one_by_one,
-    _experts_one_by_one,
-    _gathered_experts,
     decode_logits,
     make_decode_step,
-    moe_one_token,
     one_query_attention,
     slot_bucket,
     slots_and_visibility,
 )
+from mixtral_infer.kernels.moe import moe_one_token, one_by_one
+from mixtral_infer.kernels.moe.every_expert import every_expert_batched
+from mixtral_infer.kernels.moe.gathered import gathered_experts
+from mixtral_infer.kernels.moe.one_by_one import every_expert_one_by_one, experts_one_by_one
 from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.sampling import Sampling
@@ -430,19 +429,21 @@ def test_moe_one_token_equals_the_grouped_layer(batch):
         expected = layer(x)
         torch.testing.assert_close(moe_one_token(layer, x), expected, atol=1e-5, rtol=1e-5)
         experts, weights = layer.route(x)
-        for form in (_gathered_experts, _experts_one_by_one, _every_expert_batched, _every_expert_one_by_one):
+        one_by_one_forms = (functools.partial(experts_one_by_one, tuning=layer.tuning),
+                            functools.partial(every_expert_one_by_one, tuning=layer.tuning))  # fmt: skip
+        for form in (gathered_experts, every_expert_batched, *one_by_one_forms):
             torch.testing.assert_close(form(layer, x, experts, weights), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_chosen_experts_take_the_tuning_for_experts(monkeypatch):
-    """``_experts_one_by_one`` runs each chosen expert with the tuning for the experts
+    """``experts_one_by_one`` runs each chosen expert with the tuning for the experts
     (``Tuning.for_experts``: compiled, their products read in ``expert_streams`` places), and the
     tuning it was given is left as it was."""
     model = random_model(tiny_args(moe=True), seed=25)
     layer = model.layers["0"].feed_forward
     x = torch.randn(2, model.args.dim, generator=torch.Generator().manual_seed(2))  # (B, D)
     tuning = Tuning(streams=2, expert_streams=1)
-    seen, expert = [], decode_step.expert
+    seen, expert = [], one_by_one.expert
 
     def noting_expert(moe, e, rows, tuning):
         seen.append(tuning)
@@ -451,19 +452,19 @@ def test_the_chosen_experts_take_the_tuning_for_experts(monkeypatch):
     with torch.no_grad():
         expected = layer(x)
         experts, weights = layer.route(x)
-        monkeypatch.setattr(decode_step, "expert", noting_expert)
-        out = _experts_one_by_one(layer, x, experts, weights, tuning)
+        monkeypatch.setattr(one_by_one, "expert", noting_expert)
+        out = experts_one_by_one(layer, x, experts, weights, tuning)
     assert [t.streams for t in seen] == [1] * 4 and tuning.streams == 2  # B * A = 4 chosen experts
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("form", [_gathered_experts, _every_expert_batched], ids=["gathered", "every-expert"])
+@pytest.mark.parametrize("form", [gathered_experts, every_expert_batched], ids=["gathered", "every-expert"])
 def test_batched_expert_products_give_each_expert_its_own_rows(form):
     """The batched forms multiply each expert by its own copy of the rows: one bmm a matrix (then one
     that mixes the experts' outputs), a batch entry per expert, ``(E, B, I)`` for every expert on B
     rows, ``(B * A, 1, I)`` for each row's A chosen ones. Shared rows left to einsum's broadcast
     made one product of all the experts' rows side by side, ``(1, B, E * I)``, which ran 46x slower
-    in bfloat16 on CPU (``_expert_products``)."""
+    in bfloat16 on CPU (``expert_products``)."""
     model = random_model(tiny_args(moe=True), seed=25).to(torch.bfloat16)
     layer = model.layers["0"].feed_forward
     x = torch.randn(3, model.args.dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # (B, D)
@@ -480,7 +481,7 @@ def test_batched_expert_products_give_each_expert_its_own_rows(form):
     with torch.no_grad(), Products():
         out = form(layer, x, experts, weights)
     E, I, D = layer.w1.shape[0], model.args.hidden_dim, model.args.dim  # noqa: N806
-    batches = {_every_expert_batched: (E, 3), _gathered_experts: (3 * 2, 1)}[form]
+    batches = {every_expert_batched: (E, 3), gathered_experts: (3 * 2, 1)}[form]
     assert products[:3] == [(*batches, I), (*batches, I), (*batches, D)]  # w1, w3, w2; then the mixing
     with torch.no_grad():
         torch.testing.assert_close(out, layer(x), atol=0.02, rtol=0.02)

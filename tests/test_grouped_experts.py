@@ -1,4 +1,4 @@
-"""The chosen experts as one grouped product per projection (``decode_step._grouped_experts``):
+"""The chosen experts as one grouped product per projection (``kernels.moe.grouped``):
 equal to the reference mixture of experts, in fixed shapes that compile whole (``fullgraph``)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from conftest import random_model, tiny_args
 from mixtral_infer import generate
 from mixtral_infer.formats.modules import use_formats
 from mixtral_infer.model.moe import MoeLayer
-from mixtral_infer.steps.decode_step import _grouped_experts, moe_one_token
+from mixtral_infer.kernels.moe import moe_one_token
+from mixtral_infer.kernels.moe.gathered import gathered_int8_experts, plain_int8
+from mixtral_infer.kernels.moe.grouped import grouped_experts
 from mixtral_infer.tuning import Tuning
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,7 +40,7 @@ def test_grouped_experts_equal_the_readable_loop(batch):
     x = torch.randn(batch, moe.w1.shape[2], generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16)
     with torch.no_grad():
         experts, weights = moe.route(x)
-        got = _grouped_experts(moe, x, experts, weights).float()
+        got = grouped_experts(moe, x, experts, weights).float()
         expected = reference(moe, x, experts, weights)
     assert torch.allclose(got, expected, atol=0.05, rtol=0.02), (got - expected).abs().max()  # bfloat16 intermediates
 
@@ -54,7 +56,7 @@ def test_docstring_example_offsets():
     x = torch.randn(2, 64).to(torch.bfloat16)
     weights = torch.tensor([[0.7, 0.3], [0.6, 0.4]], dtype=torch.bfloat16)
     with torch.no_grad():
-        got = _grouped_experts(moe, x, experts, weights).float()
+        got = grouped_experts(moe, x, experts, weights).float()
     assert torch.allclose(got, reference(moe, x, experts, weights), atol=0.05, rtol=0.02)
 
 
@@ -62,9 +64,9 @@ def test_grouped_experts_compile_whole_and_moe_one_token_takes_them():
     """fullgraph=True: no data-dependent shape, no host sync (what a CUDA graph needs)."""
     moe = bfloat16_moe(4)
     x = torch.randn(8, moe.w1.shape[2], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    step = torch.compile(lambda x: _grouped_experts(moe, x, *moe.route(x)), fullgraph=True, dynamic=False)
+    step = torch.compile(lambda x: grouped_experts(moe, x, *moe.route(x)), fullgraph=True, dynamic=False)
     with torch.no_grad():
-        eager = _grouped_experts(moe, x, *moe.route(x))
+        eager = grouped_experts(moe, x, *moe.route(x))
         assert torch.allclose(step(x).float(), eager.float(), atol=0.05, rtol=0.02)
         assert torch.equal(moe_one_token(moe, x, Tuning(grouped_experts=True)), eager)  # B * k >= E: the grouped path
         assert torch.allclose(MoeLayer.forward(moe, x).float(), eager.float(), atol=0.05, rtol=0.02)
@@ -94,7 +96,6 @@ def int8_moe_model(batch: int = 1):
 def test_gathered_int8_experts_equal_each_chosen_expert_dequantized():
     """Batch 1, top-2 of 4 (B * k < E): the chosen experts' int8 rows, scaled where they are read, give
     what each expert's dequantized weight gives; moe_one_token takes this path with the tuning's flag."""
-    from mixtral_infer.steps.decode_step import _gathered_int8_experts, plain_int8
 
     moe = int8_moe_model().layers["0"].feed_forward
     assert plain_int8(moe)
@@ -107,10 +108,10 @@ def test_gathered_int8_experts_equal_each_chosen_expert_dequantized():
                 moe.w2[int(e)].dequantize())
             for e, w in zip(experts[0], weights[0])
         )  # fmt: skip
-        got = _gathered_int8_experts(moe, x, experts, weights)
+        got = gathered_int8_experts(moe, x, experts, weights)
         assert torch.allclose(got, expected, atol=1e-5)
         assert torch.allclose(moe_one_token(moe, x, Tuning(gathered_int8_experts=True)), expected, atol=1e-5)
-        step = torch.compile(lambda x: _gathered_int8_experts(moe, x, *moe.route(x)), fullgraph=True, dynamic=False)
+        step = torch.compile(lambda x: gathered_int8_experts(moe, x, *moe.route(x)), fullgraph=True, dynamic=False)
         assert torch.allclose(step(x), expected, atol=1e-5)
 
 

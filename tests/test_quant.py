@@ -339,7 +339,7 @@ def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as
     model's experts), large bfloat16 ones up to batch 2 (4 = E, ``Tuning.chosen_up_to_bfloat16``),
     small plain ones are gathered at batch 1 only. With the field at 0, every expert from batch 2
     on. Each form equals the grouped layer."""
-    from mixtral_infer.steps import decode_step
+    from mixtral_infer.kernels.moe import strategy
 
     model = random_model(tiny_args(moe=True), seed=25)
     quantized = scheme.startswith("int")
@@ -348,12 +348,12 @@ def test_chosen_experts_go_one_by_one_up_to_twice_or_once_as_many_assignments_as
     model = model.to(dtypes.get(scheme, torch.float32))
     layer = (quantize_model(model, scheme) if quantized else model).layers["0"].feed_forward
     tuning = Tuning(one_by_one_min_weights=0) if scheme.startswith("plain-large") else Tuning()
-    forms, letters = [], {"_experts_one_by_one": "c", "_gathered_experts": "g", "_every_expert_one_by_one": "v",
-                          "_every_expert_batched": "v"}  # fmt: skip
+    forms, letters = [], {"experts_one_by_one": "c", "gathered_experts": "g", "every_expert_one_by_one": "v",
+                          "every_expert_batched": "v"}  # fmt: skip
     for name, letter in letters.items():
-        form = getattr(decode_step, name)
-        monkeypatch.setattr(decode_step, name, lambda *a, form=form, letter=letter: forms.append(letter) or form(*a))
-    field = decode_step.chosen_up_to_field(layer, tuning)
+        form = getattr(strategy, name)
+        monkeypatch.setattr(strategy, name, lambda *a, form=form, letter=letter: forms.append(letter) or form(*a))
+    field = strategy.chosen_up_to_field(layer, tuning)
     assert field == {"plain-large-bfloat16": "chosen_up_to_bfloat16", "plain-small": None}.get(
         scheme, "chosen_up_to_quantized" if quantized else "chosen_up_to_plain"
     )

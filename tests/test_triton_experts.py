@@ -18,11 +18,11 @@ from conftest import random_model, tiny_args
 
 from mixtral_infer import generate
 from mixtral_infer.fast import triton_experts as te
-from mixtral_infer.formats.modules import triton_kind, use_formats
+from mixtral_infer.formats.modules import use_formats
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.quant.scheme import QuantScheme
 from mixtral_infer.quant.weights import quantize
-from mixtral_infer.steps.decode_step import moe_one_token
+from mixtral_infer.kernels.moe import moe_one_token, triton_kind
 from mixtral_infer.tuning import Tuning
 
 pytestmark = [

@@ -35,7 +35,7 @@ fastest depends on the machine: on some more places read slower.
 **The chosen experts.** A Mixtral's chosen experts read the same row, and inductor fuses their loops:
 the w1 and w3 of both experts in one loop, 4 weights in ``k`` places each. So the experts' products
 take their own number of places (``Tuning.expert_streams``, passed down by
-``decode_step._experts_one_by_one``).
+``kernels.moe.one_by_one``).
 
 **Small weights in fewer places.** Each place is a sum per row of ``x`` in the loop inductor writes
 and compiles, and a weight that sits in the cache gains nothing from being read in several: places

@@ -40,18 +40,15 @@ from mixtral_infer.fast.batched_attention import batched_attention
 from mixtral_infer.fast.cache_gather import gathered_kv
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight, packed_linear
-from mixtral_infer.fast.cpu_reductions import expert_of
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
-from mixtral_infer.fast import triton_experts
 from mixtral_infer.fast.cuda_attention import cuda_attention
 from mixtral_infer.kernels.linear import column_blocks_linear, linear, linears
+from mixtral_infer.kernels.moe import FastMoeLayer, ReferenceQuantizedMoeLayer, moe_class  # noqa: F401 (where tests and docs find them)
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.transformer import Attention, FeedForward
-from mixtral_infer.quant.kernels import quantized_linear, reference_linear, triton_weight_kind
+from mixtral_infer.quant.kernels import quantized_linear, reference_linear
 from mixtral_infer.quant.weights import QuantizedWeight
 from mixtral_infer.tuning import Tuning
-
-DEFAULT = Tuning()  # the kernels' tuning for a module ``use_formats`` has not seen
 
 
 class PlainLinear(nn.Linear):
@@ -114,76 +111,6 @@ class FastFeedForward(FeedForward):
         return self.parallel.all_reduce(self.w2(F.silu(gate) * up))
 
 
-class FastMoeLayer(MoeLayer):
-    """Each expert through its weights' kernels, read where they lie (``expert_of``); or with
-    ``Tuning.triton_experts`` every token's chosen experts in two Triton launches (``triton_mixture``)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
-        kind = triton_experts_kind(self, x, self.__dict__.get("tuning", DEFAULT))
-        if kind is not None:
-            return triton_mixture(self, x, *self.route(x), kind)  # (all the experts are here: nothing to reduce)
-        return super().forward(x)
-
-    def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return expert(self, e, x, self.tuning)
-
-
-def expert(moe: MoeLayer, e: int | torch.Tensor, x: torch.Tensor, tuning: Optional[Tuning] = None) -> torch.Tensor:
-    """Expert ``e`` of ``moe`` on x ``(N, D)`` through its weights' kernels (``e`` a 0-d tensor in
-    compiled steps, read in place: ``expert_of``), as ``tuning`` says (None: the layer's own):
-    ``(N, D)``."""
-    tuning = tuning if tuning is not None else moe.__dict__.get("tuning", DEFAULT)
-    gate, up = linears(x, expert_of(moe.w1, e), expert_of(moe.w3, e), tuning=tuning)  # (N, I) each
-    return linear(F.silu(gate) * up, expert_of(moe.w2, e), tuning)
-
-
-def triton_kind(moe: MoeLayer, x: torch.Tensor) -> Optional[int]:
-    """The kind of weight ``fast.triton_experts`` reads these experts as (``PLAIN``, ``INT8``, ``INT4``),
-    or None where its kernels do not take them: weights packed for a CPU kernel, in another dtype than
-    x, or quantized weights it does not take (``quant.kernels.triton_weight_kind``); a rank's share of
-    the experts (expert parallelism)."""
-    weights = (moe.w1, moe.w2, moe.w3)
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or len(moe.local_experts) != moe.args.num_experts:
-        return None
-    if all(isinstance(w, torch.Tensor) and w.dtype == x.dtype for w in weights):  # (packed layouts are not tensors)
-        return triton_experts.PLAIN
-    if not all(isinstance(w, QuantizedWeight) and w.scheme == moe.w1.scheme for w in weights):
-        return None
-    kind = triton_weight_kind(moe.w1)
-    return kind if all(triton_weight_kind(w) == kind for w in weights) else None
-
-
-def triton_experts_kind(moe: MoeLayer, x: torch.Tensor, tuning: Tuning) -> Optional[int]:
-    """``triton_kind`` where ``tuning`` sends these experts through the Triton kernels and they run on
-    x's device, else None."""
-    if not tuning.triton_experts or not triton_experts.runs_kernels(x.device):
-        return None
-    return triton_kind(moe, x)
-
-
-def triton_mixture(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, kind: int
-) -> torch.Tensor:
-    """Each row of ``x (B, D)`` through its chosen ``experts (B, A)``, mixed by ``weights (B, A)``, in
-    two Triton launches (``fast.triton_experts.mixture``), the weights read as ``kind``: ``(B, D)``."""
-
-    def parts(w) -> tuple:  # (weight, scales) as the kernels take them
-        return (w, None) if kind == triton_experts.PLAIN else (w.values, w.scales)
-
-    return triton_experts.mixture(x, experts, weights, *parts(moe.w1), *parts(moe.w3), *parts(moe.w2), kind)
-
-
-class ReferenceQuantizedMoeLayer(MoeLayer):
-    """Quantized experts, read the readable way: each expert dequantized, then ``F.linear``."""
-
-    def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        def weight(stacked: QuantizedWeight) -> torch.Tensor:
-            return stacked[e].dequantize(x.dtype)
-
-        hidden = F.silu(F.linear(x, weight(self.w1))) * F.linear(x, weight(self.w3))
-        return F.linear(hidden, weight(self.w2))
-
-
 def linear_class(weight: object, fast: bool) -> type:
     """The module for a linear layer holding ``weight``."""
     if isinstance(weight, QuantizedWeight):
@@ -198,9 +125,7 @@ def linear_class(weight: object, fast: bool) -> type:
 def block_class(module: nn.Module, fast: bool) -> Optional[type]:
     """The module for an attention, feed-forward or MoE block, or None for any other module."""
     if isinstance(module, MoeLayer):
-        if fast:
-            return FastMoeLayer
-        return ReferenceQuantizedMoeLayer if isinstance(module.w1, QuantizedWeight) else MoeLayer
+        return moe_class(module, fast)
     if isinstance(module, Attention):
         return FastAttention if fast else Attention
     if isinstance(module, FeedForward):
@@ -221,6 +146,8 @@ def use_formats(model: nn.Module, tuning: Optional[Tuning] = None) -> nn.Module:
             module.__class__ = wanted
         if wanted is not None:
             module.__dict__["tuning"] = tuning
+        if isinstance(module, FastMoeLayer):
+            module.swapped_in(tuning)  # its strategy, for these weights and this tuning
     return model
 
 

@@ -40,7 +40,6 @@ the places reductions read in) is a ``Tuning``: passed in, by default the model'
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import time
 from dataclasses import replace
@@ -51,18 +50,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
-from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
-from mixtral_infer.fast.cpu_packed import PackedWeight
-from mixtral_infer.fast.cpu_reductions import materialized
 from mixtral_infer.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.structured.rows import shaped_logits
 from mixtral_infer.model.attention import one_query_sdpa
 from mixtral_infer.model.cache import RotatingBufferCache, layer_cache_sizes
-from mixtral_infer.formats.modules import expert, triton_experts_kind, triton_mixture, tuning_of
+from mixtral_infer.formats.modules import tuning_of
+from mixtral_infer.kernels.moe import moe_one_token
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.rope import rotary_angles
 from mixtral_infer.model.transformer import Transformer, TransformerBlock
-from mixtral_infer.quant.weights import QuantizedWeight
 from mixtral_infer.tuning import Tuning
 
 StepOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -145,203 +141,6 @@ def one_query_attention(
     weights = torch.softmax(scores, dim=1)  # over the slots
     out = (weights[..., None] * values.float()[:, :, :, None, :]).sum(1)  # (B, H_kv, G, Dh)
     return out.reshape(batch, n_heads, head_dim).to(xq.dtype)
-
-
-def chosen_up_to_field(moe: MoeLayer, tuning: Tuning) -> Optional[str]:
-    """The field of ``tuning`` that says how far these experts go one by one on CPU (``moe_one_token``):
-    ``"chosen_up_to_quantized"``; ``"chosen_up_to_bfloat16"`` or ``"chosen_up_to_plain"`` (float32,
-    float16) for plain experts of at least ``tuning.one_by_one_min_weights`` weights each; None for
-    smaller plain experts and oneDNN-packed ones (read gathered / every expert)."""
-    if isinstance(moe.w1, QuantizedWeight):
-        return "chosen_up_to_quantized"
-    if isinstance(moe.w1, PackedWeight) or math.prod(moe.w1.shape[1:]) < tuning.one_by_one_min_weights:
-        return None
-    return "chosen_up_to_bfloat16" if moe.w1.dtype == torch.bfloat16 else "chosen_up_to_plain"
-
-
-def moe_one_token(moe: MoeLayer, x: torch.Tensor, tuning: Optional[Tuning] = None) -> torch.Tensor:
-    """The mixture of experts on one token per row, x ``(B, D)``, with shapes fixed by B; as ``tuning``
-    says (None: the layer's own, ``formats.modules.tuning_of``).
-
-    Decoding is bound by reading weights. With ``B * k < E`` assignments only the chosen experts
-    are read (batch 1, top-2 of 8: two experts); with ``B * k >= E`` nearly every expert is needed
-    anyway (batch 8, top-2 of 8: 7.2 on average), so every expert runs on every row and a routing
-    matrix, zero where a row did not choose the expert, mixes them: each expert's weights are
-    read once, as a grouped matmul would. Both are one batched product of plain stacked experts
-    (``_gathered_experts``, ``_every_expert_batched``), or loops of fixed length over 2-D weights
-    through ``linear()`` for quantized or packed experts, whose kernels take one 2-D weight at a
-    time (``_experts_one_by_one``, ``_every_expert_one_by_one``).
-
-    The chosen experts go one by one on CPU too, where an expert's matrix holds at least
-    ``tuning.one_by_one_min_weights`` weights. Compiled, both forms read the experts where they
-    lie (the index fused into the loops' loads), but one by one each product is
-    ``cpu_reductions.rows_as_reductions``, whose loop reads a weight in several places at once from
-    a row widened once, where inductor writes the gathered product as one loop over all chosen
-    experts' rows, read in one place per core. The step takes longer to compile. Small experts stay
-    gathered: where the weights sit in the cache, the step's time is its kernels' count. Every
-    expert on every row stays one batched product on CPU: as products of a few rows one by one, the
-    step compiles for many minutes. On CUDA the compiled gather is one reduction too.
-
-    How far the chosen experts are read beyond ``B * k < E`` is the tuning's, by the experts' kind
-    (``chosen_up_to_field``): while ``B * k <= up_to * E``. At ``B * k = E`` both forms read E
-    expert matrices, one row each or B rows each; one row a product costs less arithmetic, and
-    every expert on a few rows is one batched product that may run far under the bandwidth
-    (float32, float16), while the chosen ones' products read near it. Large plain bfloat16 experts
-    (whose batched product may run on matrix units) stop sooner by default.
-    """
-    tuning = tuning if tuning is not None else tuning_of(moe)
-    x = materialized(x)  # compiled on CPU: in memory, not recomputed for each row of the experts (fast.cpu_reductions)
-    experts, weights = moe.route(x)  # (B, A), (B, A)
-    kind = triton_experts_kind(moe, x, tuning)
-    if kind is not None:
-        return triton_mixture(moe, x, experts, weights, kind)
-    batch, k = experts.shape
-    n_experts = moe.w1.shape[0]
-    two_d = isinstance(moe.w1, (QuantizedWeight, PackedWeight))  # kernels that take one 2-D weight at a time
-    on_cpu = x.device.type == "cpu"
-    large = math.prod(moe.w1.shape[1:]) >= tuning.one_by_one_min_weights  # (I, D): one expert's matrix
-    one_by_one = two_d or (on_cpu and large)
-    # the chosen experts are read while B * k <= up_to * E (and always while B * k < E)
-    field = chosen_up_to_field(moe, tuning) if on_cpu else None
-    up_to = getattr(tuning, field) if field is not None else 0
-    if batch * k < n_experts or batch * k <= up_to * n_experts:
-        if tuning.gathered_int8_experts and plain_int8(moe):
-            return _gathered_int8_experts(moe, x, experts, weights)
-        if one_by_one:
-            return _experts_one_by_one(moe, x, experts, weights, tuning)
-        return _gathered_experts(moe, x, experts, weights)
-    if two_d:
-        return _every_expert_one_by_one(moe, x, experts, weights, tuning)
-    if tuning.grouped_experts and not isinstance(moe.w1, ColumnBlocks) and moe.w1.dtype == x.dtype == torch.bfloat16:
-        return _grouped_experts(moe, x, experts, weights)
-    return _every_expert_batched(moe, x, experts, weights)
-
-
-def _gathered_experts(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """Each row ``x (B, D)`` through its chosen ``experts (B, A)``, gathered into one batched product,
-    mixed by ``weights (B, A)``: ``(B, D)``."""
-    return _mixed_gathered(x, moe.w1[experts], moe.w3[experts], moe.w2[experts], weights)
-
-
-def _mixed_gathered(
-    x: torch.Tensor,  # (B, D)
-    w1: torch.Tensor,  # (B, A, I, D) each row's chosen experts
-    w3: torch.Tensor,  # (B, A, I, D)
-    w2: torch.Tensor,  # (B, A, D, I)
-    weights: torch.Tensor,  # (B, A)
-) -> torch.Tensor:
-    """The SwiGLU of each row through its own gathered experts, mixed by ``weights``: ``(B, D)``."""
-    rows = x[:, None, None, :]  # (B, 1, 1, D): each row against its own A experts
-    hidden = F.silu(_expert_products(rows, w1)) * _expert_products(rows, w3)  # (B, A, 1, I)
-    out = _expert_products(hidden, w2)[:, :, 0]  # (B, A, D)
-    return torch.einsum("bkd,bk->bd", out, weights)
-
-
-def _every_expert_batched(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """Every expert on every row of ``x (B, D)`` as one batched product, mixed by the routing matrix."""
-    mix = _routing_matrix(experts, weights, moe.w1.shape[0])  # (B, E)
-    hidden = F.silu(_expert_products(x[None], moe.w1)) * _expert_products(x[None], moe.w3)  # (E, B, I)
-    out = _expert_products(hidden, moe.w2)  # (E, B, D)
-    return torch.einsum("ebd,be->bd", out, mix)
-
-
-def plain_int8(moe: MoeLayer) -> bool:
-    """Whether the experts are int8 weights (weight-only) with their plain values at hand."""
-    return all(
-        isinstance(w, QuantizedWeight) and w.scheme.name == "int8" and w.scheme.activations is None
-        and w.values is not None and w.expert is None
-        for w in (moe.w1, moe.w2, moe.w3)
-    )  # fmt: skip
-
-
-def _gathered_int8_experts(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """``_gathered_experts`` for int8 experts: each row's chosen experts' int8 rows gathered, scaled by
-    their rows' scales and multiplied, ``(B, D)``. Compiled, the gather, the conversion, the scales
-    and the product fuse into one reduction that reads each chosen expert's int8 bytes once (the
-    index read on the device); uncompiled it makes the dequantized copies, correct but slow."""
-
-    def dequantized(w: QuantizedWeight) -> torch.Tensor:  # (B, A, OUT, IN) in x's dtype
-        return w.values[experts].to(x.dtype) * w.scales[experts][..., None].to(x.dtype)
-
-    return _mixed_gathered(x, dequantized(moe.w1), dequantized(moe.w3), dequantized(moe.w2), weights)
-
-
-def _grouped_experts(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """Each row of ``x (B, D)`` through its chosen ``experts (B, A)`` as one grouped product per
-    projection (``torch._grouped_mm``, CUTLASS's grouped GEMM on CUDA): the B * A assignments sorted
-    by expert, each expert's rows ending at ``offsets[e]``, so each expert's weights are read once and
-    only its own rows are computed. Everything stays on the device in fixed shapes (the offsets by
-    ``scatter_add`` and ``cumsum``, not ``bincount``, whose size follows the data): no host sync, safe
-    in a CUDA graph. bfloat16 only (the grouped GEMM's, on CUDA and when compiled). Example, B = 2,
-    A = 2, E = 4, experts ``[[2, 0], [2, 3]]``: assignments sorted
-    ``[1, 0, 2, 3]`` (by expert 0, 2, 2, 3), counts ``[1, 0, 2, 1]``, offsets ``[1, 1, 3, 4]``."""
-    batch, k = experts.shape
-    n_experts = moe.w1.shape[0]
-    flat = experts.reshape(-1)  # (B*A,)
-    order = torch.argsort(flat, stable=True)  # (B*A,) assignments grouped by expert
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # (E,) where each expert's rows end
-    token = order // k  # (B*A,) the row of each sorted assignment
-    rows = x[token]  # (B*A, D)
-    gate = torch._grouped_mm(rows, moe.w1.transpose(1, 2), offs=offsets)  # (B*A, I)
-    up = torch._grouped_mm(rows, moe.w3.transpose(1, 2), offs=offsets)  # (B*A, I)
-    out = torch._grouped_mm(F.silu(gate) * up, moe.w2.transpose(1, 2), offs=offsets)  # (B*A, D)
-    mixed = out * weights.reshape(-1)[order, None]  # (B*A, D)
-    return torch.zeros_like(x).index_add(0, token, mixed)  # (B, D)
-
-
-def _expert_products(rows: torch.Tensor, weight: torch.Tensor | ColumnBlocks) -> torch.Tensor:
-    """``rows (..., N, IN)`` times ``weight (..., OUT, IN)``, each leading index its own expert:
-    ``(..., N, OUT)``. Rows that several experts share (size-1 leading dimensions of ``rows``) are
-    copied out to each expert first: einsum folds a broadcast dimension into the product's outputs,
-    one product of all the experts side by side, which in bfloat16 on CPU runs many times slower.
-    A weight in column blocks ``(..., n, OUT, B)``
-    (``fast.cpu_column_blocks``) is multiplied block by block, summed."""
-    rows = rows.expand(*weight.shape[:-2], *rows.shape[-2:]).contiguous()  # (..., N, IN): a copy per expert
-    if isinstance(weight, ColumnBlocks):
-        parts = rows.unflatten(-1, (weight.blocks.shape[-3], -1))  # (..., N, n, B)
-        return torch.einsum("...xnj,...ndj->...nxd", parts, weight.blocks).sum(-3)
-    return torch.einsum("...xi,...di->...xd", rows, weight)
-
-
-def _experts_one_by_one(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, tuning: Optional[Tuning] = None
-) -> torch.Tensor:
-    """``_gathered_experts`` as a loop of fixed length: the B * A chosen experts, one row each, each
-    expert's 2-D weight through ``linear()`` (``formats.modules.expert``; ``e`` a 0-d tensor, read in
-    place). Compiled on CPU, inductor fuses the experts' reductions into shared loops, so their
-    products read in the tuning's places for the experts (``Tuning.for_experts``; ``cpu_reductions``,
-    "The chosen experts")."""
-    batch, k = experts.shape
-    tuning = (tuning if tuning is not None else tuning_of(moe)).for_experts()
-    out = [
-        sum(expert(moe, experts[b, j], x[b : b + 1], tuning) * weights[b, j] for j in range(k))  # (1, D)
-        for b in range(batch)
-    ]
-    return torch.cat(out)  # (B, D)
-
-
-def _every_expert_one_by_one(
-    moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, tuning: Optional[Tuning] = None
-) -> torch.Tensor:
-    """``_every_expert_batched`` as a loop over the E experts, each on every row of ``x (B, D)``."""
-    tuning = tuning if tuning is not None else tuning_of(moe)
-    mix = _routing_matrix(experts, weights, moe.w1.shape[0])  # (B, E)
-    return sum(expert(moe, e, x, tuning) * mix[:, e : e + 1] for e in range(moe.w1.shape[0]))
-
-
-def _routing_matrix(experts: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """``(B, E)``: row b's mixing weight for expert e where b chose e (``experts (B, A)``), else 0."""
-    mix = torch.zeros(experts.shape[0], n_experts, dtype=weights.dtype, device=weights.device)
-    return mix.scatter(1, experts, weights)
 
 
 def slots_and_visibility(positions: torch.Tensor, n_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,71 @@
+"""The MoE modules swapped in for the reference ``MoeLayer`` (``formats.modules.use_formats``):
+``FastMoeLayer`` runs each expert through its weights' kernels and keeps the ``MoeStrategy`` chosen
+for its weights and tuning when it was swapped in; ``ReferenceQuantizedMoeLayer`` reads quantized
+experts the readable way (``Tuning(fast=False)``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mixtral_infer.kernels.moe.one_by_one import expert
+from mixtral_infer.kernels.moe.strategy import MoeStrategy
+from mixtral_infer.kernels.moe.triton_mixture import triton_experts_kind, triton_mixture
+from mixtral_infer.model.moe import MoeLayer
+from mixtral_infer.quant.weights import QuantizedWeight
+from mixtral_infer.tuning import Tuning
+
+
+class FastMoeLayer(MoeLayer):
+    """Each expert through its weights' kernels, read where they lie (``expert``); or with
+    ``Tuning.triton_experts`` every token's chosen experts in two Triton launches (``triton_mixture``).
+    ``swapped_in`` gives it its tuning and strategy; ``decode_rows`` runs rows of one token each."""
+
+    tuning: Tuning
+    strategy: MoeStrategy
+
+    def swapped_in(self, tuning: Tuning) -> None:
+        """Follow ``tuning``: choose the strategy for the weights as they are now (again after a
+        weight is replaced, which swaps the layer in again, or cast, ``_apply``)."""
+        self.tuning = tuning
+        self.strategy = MoeStrategy.choose(self, tuning)
+
+    def _apply(self, fn, *args, **kwargs):
+        """``model.to(...)`` and the like: the weights' dtype may change, and with it the strategy."""
+        module = super()._apply(fn, *args, **kwargs)
+        if "tuning" in self.__dict__:
+            self.swapped_in(self.tuning)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (T, D)
+        kind = triton_experts_kind(self, x) if self.strategy.triton else None
+        if kind is not None:
+            return triton_mixture(self, x, *self.route(x), kind)  # (all the experts are here: nothing to reduce)
+        return super().forward(x)
+
+    def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return expert(self, e, x, self.tuning)
+
+    def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The mixture on rows of one token each, x ``(B, D)``, in fixed shapes (``MoeStrategy``): ``(B, D)``."""
+        return self.strategy.decode_rows(self, x)
+
+
+class ReferenceQuantizedMoeLayer(MoeLayer):
+    """Quantized experts, read the readable way: each expert dequantized, then ``F.linear``."""
+
+    def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        def weight(stacked: QuantizedWeight) -> torch.Tensor:
+            return stacked[e].dequantize(x.dtype)
+
+        hidden = F.silu(F.linear(x, weight(self.w1))) * F.linear(x, weight(self.w3))
+        return F.linear(hidden, weight(self.w2))
+
+
+def moe_class(module: MoeLayer, fast: bool) -> type:
+    """The module for a MoE layer: ``FastMoeLayer``, or the reference (quantized experts read by
+    ``ReferenceQuantizedMoeLayer``) for ``Tuning(fast=False)``."""
+    if fast:
+        return FastMoeLayer
+    return ReferenceQuantizedMoeLayer if isinstance(module.w1, QuantizedWeight) else MoeLayer
+
