@@ -7,7 +7,7 @@ import torch
 from conftest import PACKS, WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
-import mixtral_infer.steps.decode_step as decode_step
+import mixtral_infer.steps.compiler as compiler
 from mixtral_infer import Tokenizer, generate
 from mixtral_infer.steps.cpu_aot_step import (
     CPU_INDUCTOR_OPTIONS,
@@ -20,7 +20,8 @@ from mixtral_infer.steps.cpu_aot_step import (
 from mixtral_infer.formats.packing import pack_model
 from mixtral_infer.steps.decode_loop import step_compiler
 from mixtral_infer.formats.quantizing import quantize_model
-from mixtral_infer.serve.engine import CpuDecodeStep, Engine, RequestSettings, TokenEvent
+from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
+from mixtral_infer.steps.compiler import DECODE_LOGITS
 from mixtral_infer.tuning import Tuning
 
 SAMPLED = dict(temperature=0.9, top_k=20, top_p=0.9, seed=5)
@@ -139,7 +140,7 @@ def test_inductor_s_one_value_constants_are_handed_over_and_copies_of_weights_re
 
     model = random_model(tiny_args(moe=False, max_batch_size=1), seed=45).to(torch.bfloat16)
     quantize_model(model, "w8a8")
-    monkeypatch.setattr(decode_step, "builds_ahead_of_time", lambda model: True)  # tried, not skipped
+    monkeypatch.setattr(compiler, "builds_ahead_of_time", lambda model: True)  # tried, not skipped
     messages = []
     step_compiler(model).announce = messages.append
     tokens, _ = generate(prompts, model, decode="compiled", max_tokens=3)
@@ -250,8 +251,14 @@ def engine_for(model, decode="compiled", tuning=WRITTEN_OUT):
     return Engine(model, Tokenizer.from_folder("tiny-mixtral"), rows=2, prefill_tokens=8, decode=decode, tuning=tuning)
 
 
+def decode_step_of(engine):
+    """The decode step ``engine``'s compiler has built (one: a step built for weights since replaced is dropped)."""
+    (step,) = [step for key, step in engine.compiler.steps.items() if key[0] == DECODE_LOGITS.name]
+    return step
+
+
 def test_the_serving_engine_s_cpu_decode_step_is_built_ahead_of_time():
-    """The engine's compiled decode step on CPU (``CpuDecodeStep``) is the AOT step: 3 requests on
+    """The engine's compiled decode step on CPU (``steps.compiler``) is the AOT step: 3 requests on
     2 rows, decoding 2x past the window, get the tokens and log-probabilities torch.compile's step
     gives, bit for bit; a second engine reuses the build; a weight replaced between requests makes
     it build again (it would read the old one), and the requests then get what the static step
@@ -260,19 +267,19 @@ def test_the_serving_engine_s_cpu_decode_step_is_built_ahead_of_time():
     prompts = random_prompts([5, 11, 3], model.args.vocab_size, seed=13)
     engine = engine_for(model)
     ahead = served(engine, prompts)
-    step = engine._steps["decode"]
-    assert isinstance(step, CpuDecodeStep) and isinstance(step.built, AotStep)
-    first = step.built
+    first = decode_step_of(engine)
+    assert isinstance(first, AotStep)
     second = engine_for(model)  # a new engine on the same model and rows: the step is kept with the model
-    assert served(second, prompts) == ahead and second._steps["decode"].built is first
+    assert served(second, prompts) == ahead and decode_step_of(second) is first
 
     other = engine_for(model, tuning=Tuning(regions=False, ahead_of_time=False))
     assert served(other, prompts) == ahead
-    assert not isinstance(other._steps["decode"].built, AotStep)
+    assert not isinstance(decode_step_of(other), AotStep)
 
     model.output.weight = torch.nn.Parameter(-model.output.weight.detach())
     again = served(engine, prompts)
-    assert step.built is not first and isinstance(step.built, AotStep) and step.built.current()
+    step = decode_step_of(engine)
+    assert step is not first and isinstance(step, AotStep) and step.current()
     tokens = [[token for token, _ in pairs] for pairs in again]
     assert tokens == [[token for token, _ in pairs] for pairs in served(engine_for(model, "static"), prompts)]
     assert tokens != [[token for token, _ in pairs] for pairs in ahead]

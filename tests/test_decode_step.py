@@ -17,16 +17,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.utils import run_and_get_code
 
 from mixtral_infer import GenerationError, generate
-from mixtral_infer.steps import decode_step
+from mixtral_infer.steps import compiler, decode_step
 from mixtral_infer.steps.decode_loop import compile_seconds, step_compiler
-from mixtral_infer.steps.decode_step import (
-    StepCompiler,
-    decode_logits,
-    make_decode_step,
-    one_query_attention,
-    slot_bucket,
-    slots_and_visibility,
-)
+from mixtral_infer.steps.compiler import StepCompiler, slot_bucket
+from mixtral_infer.steps.decode_step import decode_logits, make_decode_step, one_query_attention, slots_and_visibility
 from mixtral_infer.kernels.moe import moe_one_token, one_by_one
 from mixtral_infer.kernels.moe.every_expert import every_expert_batched
 from mixtral_infer.kernels.moe.gathered import gathered_experts
@@ -146,8 +140,8 @@ def test_a_model_whose_weights_changed_builds_its_steps_again(change, monkeypatc
     so. Steps run uncompiled here (the same step, without the compile's minutes; such a step reads
     the weights when called, so the copy is the case where the tokens part; the quantized model's
     shows in the announcement: a compiled one would be captured again)."""
-    monkeypatch.setattr(decode_step, "compiled", lambda step, device: step)
-    monkeypatch.setattr(decode_step, "built_ahead_of_time", lambda *args: None)
+    monkeypatch.setattr(compiler, "compiled", lambda step, device: step)
+    monkeypatch.setattr(compiler, "built_ahead_of_time", lambda *args: None)
     model = random_model(tiny_args(moe=False, max_batch_size=3), seed=31)
     prompts = random_prompts([2 * WINDOW + 1, 3], model.args.vocab_size, seed=7)
     before = generate(prompts, model, max_tokens=WINDOW, decode="compiled")

@@ -160,7 +160,7 @@ def test_each_request_gets_its_solo_tokens(tiny, mixed_solo, decode, monkeypatch
     uncompiled = decode == "auto-uncompiled"
     if uncompiled:
         no_cpp_compiler(monkeypatch)
-        monkeypatch.delitem(model.__dict__, "_engine_decode_steps", raising=False)  # the steps built above
+        monkeypatch.delitem(model.__dict__, "_built_steps", raising=False)  # the steps built above
     decode = "compiled" if compile_prompts else "auto" if uncompiled else decode
     engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode=decode, compile_prompts=compile_prompts)
     choices = []
@@ -513,10 +513,10 @@ def test_an_engine_whose_regions_fail_to_compile_writes_blocks_out(tiny, monkeyp
         raise RuntimeError("no regions here")
 
     monkeypatch.setattr(decode_step, "block_region", failing_region)  # the pass the mixed step shares
-    # the warm-up test's rows and chunk: its decode step's build is kept with the model (CpuDecodeStep)
+    # the warm-up test's rows and chunk: its decode step's build is kept with the model (compiler.built_steps)
     engine = Engine(model, tokenizer, rows=3, prefill_tokens=7, decode="compiled", compile_prompts=True)
     settings = RequestSettings(max_tokens=6, temperature=0)
     prompt = tokenizer.encode(PROMPTS[1])
     assert served_alone(engine, prompt, settings) == solo(model, tokenizer, prompt, settings)[0]
     warnings = [line for line in capsys.readouterr().err.splitlines() if "as a region failed" in line]
-    assert len(warnings) == 1 and warnings[0].endswith("writing blocks out") and engine._blocks_written_out
+    assert len(warnings) == 1 and warnings[0].endswith("writing blocks out") and engine.compiler.written_out

@@ -14,7 +14,7 @@ import torch
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.formats.modules import tuning_of
-from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, decode_static, step_compiler
+from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, compiled_step, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
 from mixtral_infer.sampling import Generators, draw_uniform, sample, token_logprobs
 from mixtral_infer.generation.shared_prefix import (
@@ -349,7 +349,7 @@ def generate(
         decode_eager(model, cache, logits, settings, generated, logprobs)
     else:
         shaped = shaping is not None
-        step = step_compiler(model).step(cache, batch, sampling, eos_id, shaped) if mode == "compiled" else None
+        step = compiled_step(model, cache, batch, sampling, eos_id, shaped) if mode == "compiled" else None
         decode_static(model, cache, logits, settings, generated, logprobs, step)
     return generated, logprobs
 

@@ -37,18 +37,17 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.formats.modules import tuning_of
-from mixtral_infer.steps import decode_step as static_step
-from mixtral_infer.steps.cpu_aot_step import AotStep
+from mixtral_infer.steps.compiler import DECODE_LOGITS, MIXED, StepCompiler, one_line
 from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked
-from mixtral_infer.steps.decode_step import decode_logits, finite_rows, one_line, supports_static_decode
-from mixtral_infer.steps.mixed_step import mixed_logits, pack_chunk
+from mixtral_infer.steps.decode_step import finite_rows, supports_static_decode
+from mixtral_infer.steps.mixed_step import pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.sampling_params import SamplingParams, rows_sampling
 from mixtral_infer.sampling import sample
@@ -178,8 +177,8 @@ class Engine:
 
     ``decode``: how a step in which every row decodes one token runs, as in ``generate``:
     ``eager`` (``Transformer.forward``), ``static`` (``decode_logits`` of the static decode
-    step, op by op), ``compiled`` (that step through ``torch.compile``, a CUDA graph on CUDA;
-    on CPU built by AOTInductor where it can be, ``CpuDecodeStep``),
+    step, op by op), ``compiled`` (that step built by ``steps.compiler``: a CUDA graph on CUDA,
+    on CPU built by AOTInductor where it can be),
     ``auto`` (compiled on CUDA and CPU; on CPU, per step, the compiled step or the eager pass,
     whichever reads less: ``_static_step_is_cheaper``). All give the same tokens. Unlike
     ``generate``'s ``auto``, which decodes eagerly on CPU because a compilation there costs more
@@ -275,8 +274,9 @@ class Engine:
         self.draining = False
         self.stopped = False
         self.thread: Optional[threading.Thread] = None
-        self._steps: Dict[object, Callable[..., torch.Tensor]] = {}  # "decode" or a chunk size -> its step
-        self._blocks_written_out = False  # compiled steps without regions (decode_step.in_regions): they failed
+        # Builds, keeps and falls back the compiled steps; says why it fell back, as a warning.
+        self.compiler = StepCompiler(model, announce=lambda message: None, tuning=self.tuning, warn=warn)
+        self._steps: Dict[object, Callable[..., torch.Tensor]] = {}  # "decode" or ("mixed", size) -> its step
         self._step_calls: Dict[object, int] = collections.Counter()
         # Steps that read prompts run mixed_logits wherever decode-only steps run the static step;
         # compiled (compile_prompts), for a few padded chunk sizes; see the class docstring.
@@ -429,10 +429,8 @@ class Engine:
             self.queue = collections.deque(r for r in self.queue if not r.cancelled)
         for request in cancelled:
             self._finish(request, "cancelled")
-        if not self.running:  # idle until now: the model's weights may have been replaced meanwhile
-            for built in self._steps.values():
-                if isinstance(built, CpuDecodeStep):
-                    built.check_weights = True
+        if not self.running:  # idle until now: the weights may have been replaced, so the steps are looked up again
+            self._steps.clear()
         with self.lock:
             if self._admit_now():
                 self._admit_waiting()
@@ -691,7 +689,7 @@ class Engine:
         mixed = chunk is not None
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = self._make_step(mixed)
+            step = self._steps[key] = self._make_step(key, mixed)
         compiled = self._compiles(mixed)
         if device.type == "cuda" and compiled:
             torch.compiler.cudagraph_mark_step_begin()
@@ -703,35 +701,17 @@ class Engine:
         with guards_checked(not compiled or self._step_calls[key] <= GUARDED_STEPS):
             try:
                 return step(*inputs, *([chunk] if chunk is not None else []))
-            except Exception as error:  # a first call compiles: it fails before the step writes anything
-                first = compiled and self._step_calls[key] == 1
-                regions = self.tuning.regions and not self._blocks_written_out and not isinstance(step, CpuDecodeStep)
-                if first and regions:  # torch.compile's step (CpuDecodeStep builds with AOTInductor, no regions)
-                    self._regions_failed(error)  # a torch whose regions cannot take the step
-                elif first and self.may_fall_back:
-                    self._compile_failed(error)
-                else:
+            except Exception as error:  # a first call builds (steps.compiler): it fails before the step writes anything
+                if not (compiled and self._step_calls[key] == 1 and self.may_fall_back):
                     raise
+                self._compile_failed(error)
         return self._call_step(key, tokens, positions, alive, chunk)
 
-    def _regions_failed(self, error: Exception) -> None:
-        """Compiling a step with each block as a region failed (``decode_step.in_regions``; a torch
-        whose regions cannot take it): say so in one line and compile the steps with every block
-        written out, as ``generate``'s step compiler does."""
-        print(f"warning: {static_step.regions_failed(error)}", file=sys.stderr, flush=True)
-        self._blocks_written_out = True
-        self._steps.clear()
-        self._step_calls.clear()
-
     def _compile_failed(self, error: Exception) -> None:
-        """``decode="auto"``: compiling a step failed (on CPU, most often for want of a C++
-        compiler). Say so in one line and go on with the uncompiled steps, as ``eager`` with the
-        per-step choice off CUDA: the same tokens, more slowly."""
-        print(
-            f"warning: could not compile the decode step ({one_line(error)}); "
-            "serving with the uncompiled steps",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+        """``decode="auto"``: compiling a step failed, after the step compiler's own fall-backs (on
+        CPU, most often for want of a C++ compiler). Say so in one line and go on with the uncompiled
+        steps, as ``eager`` with the per-step choice off CUDA: the same tokens, more slowly."""
+        warn(f"could not compile the decode step ({one_line(error)}); serving with the uncompiled steps")
         self.mode, self.may_fall_back = "eager", False
         self._set_prompt_steps(False)
         if not self.admit_every_given:
@@ -799,34 +779,21 @@ class Engine:
         """Whether the decode step (or, ``mixed``, the step that reads prompts) runs compiled."""
         return self.mode == "compiled" and (self.compile_prompts or not mixed)
 
-    def _make_step(self, mixed: bool):
-        model = self.model
+    def _make_step(self, key, mixed: bool) -> Callable[..., torch.Tensor]:
+        """The step of ``key`` (``_call_step``): the decode step's logits (``DECODE_LOGITS``) or the mixed
+        step's (``MIXED``), from the step compiler where it compiles, else the plain function."""
         compiled = self._compiles(mixed)
         # Uncompiled, the experts run grouped (decode_logits' grouped_moe), as in the eager pass: every
         # expert on every token is the slower on CPU; so for decode-only steps chosen per step by auto
         # (mode eager), and for the steps that read prompts unless they compile.
         grouped_moe = self.mode == "eager" or (mixed and not compiled)
-
-        tuning = replace(self.tuning, regions=False) if self._blocks_written_out else self.tuning
-
-        def decode_step(cache_k, cache_v, tokens, positions, alive):
-            return decode_logits(model, cache_k, cache_v, tokens, positions, alive, grouped_moe, tuning)
-
-        def mixed_step(cache_k, cache_v, tokens, positions, alive, chunk):
-            return mixed_logits(model, cache_k, cache_v, tokens, positions, alive, chunk, grouped_moe, tuning)
-
-        step = mixed_step if mixed else decode_step
+        kind = MIXED if mixed else DECODE_LOGITS
         if not compiled:
-            return step
-        if not supports_static_decode(model):  # pragma: no cover - decode_mode refuses it first
+            return kind.make(self.model, self.tuning, grouped_moe)
+        if not supports_static_decode(self.model):  # pragma: no cover - decode_mode refuses it first
             raise GenerationError("the static decode step needs the whole model in one process")
-        cuda = self.cache.device.type == "cuda"
-        if cuda:
-            for buffer in (*self.cache.layer_keys, *self.cache.layer_values):  # what the steps take
-                torch._dynamo.mark_static_address(buffer)
-        if cuda or mixed:
-            return static_step.compiled(step, self.cache.device)
-        return CpuDecodeStep(model, step, grouped_moe, tuning)
+        shape = (self.rows, key[1], self.max_segments) if mixed else (self.rows,)  # the chunk's tokens and segments
+        return self.compiler.step(kind, self.cache, (grouped_moe,), shape)
 
     def _choose(self, sampled: List[Request], logits: torch.Tensor) -> None:
         """Sample every row's next token, then hand each to its request.
@@ -981,61 +948,7 @@ def sample_rows(
     return tokens
 
 
-class CpuDecodeStep:
-    """The engine's compiled decode step on CPU, as ``generate``'s: built on its first call by
-    AOTInductor (``static_step.built_ahead_of_time``: the kernels torch.compile would make, called
-    from C++ without dynamo's Python: docs/performance.md, "AOTInductor on CPU"), by torch.compile
-    where it cannot be. What it builds is kept with the model (``built_steps``), so a new engine on
-    the same model and rows reuses it without exporting it again (AOTInductor's builds are kept on
-    disk, ``cpu_aot_step.BuildCache``, but finding one takes an export of the step).
 
-    The library reads the weights the model held when it was built; whether they are still the
-    model's (``AotStep.current``) is checked on the first call and when the engine starts work
-    after being idle (``check_weights``), and a step whose weights were replaced is built again.
-    Not at every step: the check finds every weight by its place, a noticeable part of a step. So
-    replace weights while no request runs (an edit in place is read at once)."""
-
-    def __init__(self, model: Transformer, step: Callable[..., torch.Tensor], grouped_moe: bool, tuning: Tuning):
-        self.model, self.step, self.grouped_moe, self.tuning = model, step, grouped_moe, tuning
-        self.built: Optional[Callable[..., torch.Tensor]] = None
-        self.check_weights = True
-
-    def __call__(self, *args) -> torch.Tensor:
-        if self.built is None:
-            # the cache's layers (keys, then values), tokens, positions, alive
-            shapes = tuple((arg.shape, arg.dtype) for arg in torch.utils._pytree.tree_leaves(args))
-            self.key = (shapes, self.grouped_moe, self.tuning)
-            self.built = built_steps(self.model).get(self.key)
-        if self.check_weights and isinstance(self.built, AotStep) and not self.built.current():
-            self.built = None  # the weights it reads were replaced: built again
-        self.check_weights = False
-        if self.built is None:
-            built = self._build(args)
-            outputs = built(*args)  # torch.compile's step compiles here: one that fails is not kept
-            self.built = built_steps(self.model)[self.key] = built
-            return outputs
-        return self.built(*args)
-
-    def _build(self, args) -> Callable[..., torch.Tensor]:
-        def warn(message: str) -> None:
-            print(f"warning: {message}", file=sys.stderr, flush=True)
-
-        built = static_step.built_ahead_of_time(self.model, self.step, args, warn, self.tuning)
-        return built or static_step.compiled(self.step, torch.device("cpu"))
-
-
-class BuiltSteps(dict):
-    """Built steps by their arguments' shapes; a copy of the model they are kept with starts with
-    none (they read the weights of the model they were built for)."""
-
-    def __deepcopy__(self, memo) -> "BuiltSteps":
-        return BuiltSteps()
-
-    def __reduce__(self):
-        return (BuiltSteps, ())
-
-
-def built_steps(model: Transformer) -> Dict[tuple, Callable[..., torch.Tensor]]:
-    """The CPU decode steps engines on ``model`` have built (``CpuDecodeStep``), by their
-    arguments' shapes: kept with the model, as ``generate`` keeps its steps (``step_compiler``)."""
-    return model.__dict__.setdefault("_engine_decode_steps", BuiltSteps())
+def warn(message: str) -> None:
+    """A warning line on the server's terminal: why a step fell back (``steps.compiler``, ``Engine._compile_failed``)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)

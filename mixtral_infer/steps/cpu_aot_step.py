@@ -100,11 +100,11 @@ def inductor_configs() -> Dict[str, object]:
 
 
 class AotStep:
-    """``decode_one_token`` (a step of ``model``, ``decode_step.make_decode_step``) built by
-    AOTInductor for the shapes of ``args``, its first call's arguments, or loaded from the build
-    cache (``loaded``: whether it was).
+    """A decode step of ``model`` (``decode_step.make_decode_step``'s, or ``decode_logits`` bound to it:
+    ``compiler.StepKind``) built by AOTInductor for the shapes of ``args``, its first call's
+    arguments, or loaded from the build cache (``loaded``: whether it was).
 
-    Called as ``decode_one_token`` is: ``step(cache_k, cache_v, tokens, positions, alive, uniform,
+    Called as the step is, e.g. ``step(cache_k, cache_v, tokens, positions, alive, uniform,
     temperature, top_p, top_k)``, the cache as its layers' buffers (``RotatingBufferCache.layer_keys``);
     writes the cache in place, returns fresh output tensors."""
 

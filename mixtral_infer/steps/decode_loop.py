@@ -20,14 +20,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.steps.decode_step import (
-    NOT_FINITE,
-    StepCompiler,
-    StepOutputs,
-    choose_tokens,
-    emitted_tokens,
-    make_decode_step,
-)
+from mixtral_infer.steps.compiler import DECODE, StepCompiler
+from mixtral_infer.steps.decode_step import NOT_FINITE, StepOutputs, choose_tokens, emitted_tokens, make_decode_step
 from mixtral_infer.sampling import Sampling, draw_uniform, token_logprobs
 from mixtral_infer.structured.rows import Shaping
 from mixtral_infer.model.cache import RotatingBufferCache
@@ -61,11 +55,21 @@ class DecodeSettings:
 
 
 def step_compiler(model: Transformer) -> StepCompiler:
-    """The model's compiled decode steps, made on first use and kept with the model."""
+    """``generate``'s step compiler for ``model``, made on first use and kept with the model: its
+    compiled decode steps and the cache they decode into (``StepCompiler.cache_for``)."""
     compiler = model.__dict__.get("_step_compiler")
     if compiler is None:
         compiler = model.__dict__["_step_compiler"] = StepCompiler(model)
     return compiler
+
+
+def compiled_step(
+    model: Transformer, cache: RotatingBufferCache, batch: int, sampling: Sampling, eos_id: Optional[int], shaped: bool
+) -> Callable[..., StepOutputs]:
+    """The compiled ``decode_one_token`` for ``batch`` rows of ``cache`` and this sampling (built on its
+    first call); ``shaped``: the step that takes the rows' logits changes (``make_decode_step``)."""
+    options = (sampling.greedy, sampling.filtered, eos_id, shaped)
+    return step_compiler(model).step(DECODE, cache, options, shape=(batch,))
 
 
 def compile_seconds(model: Transformer) -> float:

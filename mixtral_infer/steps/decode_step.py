@@ -30,30 +30,23 @@ positions ``[4, 5, 6, 3]``, the last 4. A row at position 1 writes slot 1 and se
 
 ``decode_one_token`` compiles with ``torch.compile(fullgraph=True)``: there is nothing in it
 to break the graph, and each block is a region compiled once for all layers (``in_regions``).
-On CUDA ``StepCompiler`` also replays it as a CUDA graph.
+``steps.compiler`` builds it (on CUDA replayed as a CUDA graph, on CPU by AOTInductor).
 
-How the step is built and which forms it takes (regions, AOTInductor on CPU, the experts' forms,
-the places reductions read in) is a ``Tuning``: passed in, by default the model's
-(``formats.modules.tuning_of``). Its fields are read when the step is traced.
+Which forms the step takes (regions, the experts' forms, the places reductions read in) is a
+``Tuning``: passed in, by default the model's (``formats.modules.tuning_of``). Its fields are read
+when the step is traced.
 """
 
 from __future__ import annotations
 
-import copy
-import sys
-import time
-from dataclasses import replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
 from mixtral_infer.sampling import Sampling, sample, token_logprobs
 from mixtral_infer.structured.rows import shaped_logits
 from mixtral_infer.model.attention import one_query_sdpa
-from mixtral_infer.model.cache import RotatingBufferCache, layer_cache_sizes
 from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.kernels.moe import moe_one_token
 from mixtral_infer.model.moe import MoeLayer
@@ -76,8 +69,7 @@ def layer_buffers(buffers: torch.Tensor | Sequence[torch.Tensor]) -> Sequence[to
     A compiled step takes the L views as its inputs, made outside it (``RotatingBufferCache.
     layer_keys``), and writes each in place (``write_slots``). Views made inside a compiled step are
     views of one graph input, and a write through one of them is traced as a write into a copy of
-    the whole input (``select_scatter``): every layer's write would copy the whole cache (8 layers
-    is far slower than the write in place)."""
+    the whole input (``select_scatter``): every layer's write would copy the whole cache."""
     return buffers.unbind(0) if isinstance(buffers, torch.Tensor) else buffers
 
 
@@ -272,7 +264,7 @@ def in_regions(regions: bool = True) -> bool:
     Not under ``torch.export`` (the CPU step built ahead of time, ``cpu_aot_step``), whose build
     regions do not shorten and whose export they lengthen: that build is kept on disk instead. Op
     by op, regions are the plain functions. A step whose regions fail to compile (an older torch) is
-    compiled with every block written out (``StepCompiler``)."""
+    compiled with every block written out (``steps.compiler``)."""
     return regions and torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
@@ -384,177 +376,3 @@ def make_decode_step(
 
     return decode_one_token
 
-
-class StepCompiler:
-    """Compiled decode steps of one model, one per (batch, slots, sampling) shape, and the
-    cache they decode into.
-
-    ``torch.compile(fullgraph=True, dynamic=False)``: one graph per shape, no guard on data.
-    On CPU AOTInductor builds the same graph into a library called without Python
-    (``cpu_aot_step``; torch.compile where it cannot, as for w8a8 weights); the step is
-    built anew when one of the weights it reads has been replaced (``AotStep.current``).
-    On CUDA the graph is also captured as a CUDA graph (``triton.cudagraphs``) and the
-    matrix-vector products are generated as reductions tuned by coordinate descent (what
-    reads the weights at the bandwidth; gpt-fast does the same). A CUDA graph writes the
-    cache at the addresses it was captured with, so the cache is marked static and kept:
-    the next ``generate`` call of the same shape reuses its buffers (``cache_for``), as a
-    static cache does in transformers.
-
-    ``tuning``: how the steps are built (``Tuning``); None: the model's when a step is built
-    (``formats.modules.tuning_of``). A step is kept per tuning too.
-    """
-
-    def __init__(
-        self, model: Transformer, announce: Optional[Callable[[str], None]] = None, tuning: Optional[Tuning] = None
-    ):
-        self.model = model
-        self.announce = announce if announce is not None else lambda message: print(message, file=sys.stderr)
-        self.tuning = tuning
-        self.steps: Dict[tuple, Callable[..., StepOutputs]] = {}
-        self.cache: Optional[RotatingBufferCache] = None
-        self.compile_seconds = 0.0  # spent building steps so far: what a tokens/s figure should leave out
-
-    def __deepcopy__(self, memo) -> "StepCompiler":
-        """A copy builds its own steps: these read the weights of the model they were built for
-        (a deep copy of a model that keeps its compiler, ``step_compiler``, gets an empty one)."""
-        return StepCompiler(copy.deepcopy(self.model, memo), self.announce, self.tuning)
-
-    def __reduce__(self):
-        return (type(None), ())  # pickled with a model (torch.save), it comes back as None: no steps
-
-    def cache_for(self, batch: int, max_seqlen: int) -> RotatingBufferCache:
-        """A cache of ``batch`` rows for sequences of up to ``max_seqlen`` tokens, reused when it fits.
-
-        The number of slots is rounded up to a power of two (at least 128, at most the window),
-        so a few shapes cover every call: each shape is one compilation, and decoding over a
-        buffer at most twice the sequence reads at most twice the keys it needs.
-        """
-        slots = slot_bucket(max_seqlen, None)  # each windowed layer's buffer is capped at its window
-        cache = self.cache
-        sizes = tuple(layer_cache_sizes(self.model.layer_windows, slots))
-        wanted = (batch, sizes, self.model.dtype, self.model.device)  # a model cast or moved since: a new one
-        if cache is None or buffer_shape(cache) != wanted:
-            self.cache = cache = None  # free the old buffers before making the new ones
-            cache = self.model.make_cache(batch, max_seqlen=slots)
-            self.cache = cache
-        cache.start_sequences(batch)
-        return cache
-
-    def step(self, cache: RotatingBufferCache, batch: int, sampling: Sampling, eos_id: Optional[int], shaped: bool = False):
-        """The compiled ``decode_one_token`` for this shape (compiled on its first call); ``shaped``:
-        the step that takes the rows' logits changes (``make_decode_step``)."""
-        if cache.device.type == "cuda":
-            # The graph writes the cache in place at the addresses it was captured with (a cache
-            # at other addresses is captured anew, not compiled anew).
-            for buffer in (*cache.layer_keys, *cache.layer_values):
-                torch._dynamo.mark_static_address(buffer)
-        tuning = self.tuning if self.tuning is not None else tuning_of(self.model)
-        key = (batch, *buffer_shape(cache), sampling.greedy, sampling.filtered, eos_id, shaped, tuning, weights_key(self.model))
-        for stale in [k for k in self.steps if k[:-1] == key[:-1] and k[-1] != key[-1]]:
-            del self.steps[stale]  # built for weights since replaced (quantized, unpacked): it would read them
-        built = self.steps.get(key)
-        if isinstance(built, AotStep) and not built.current():
-            built = None  # a weight was replaced since it was built: it would read the old one
-        if built is not None:
-            return built
-        self.steps.pop(key, None)
-
-        def first_call(*args):
-            """Build the step for these arguments' shapes, saying so on the terminal."""
-            if key in self.steps:
-                return self.steps[key](*args)
-            self.announce(f"compiling the decode step for batch {batch}, {slots_text(cache)} cache slots (once per shape)...")
-            start = time.perf_counter()
-            step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, tuning, shaped)
-            on_cpu = cache.device.type == "cpu"
-            built = built_ahead_of_time(self.model, step, args, self.announce, tuning) if on_cpu else None
-            if built is None:
-                built = compiled(step, cache.device)
-            self.steps[key] = built
-            with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
-                try:
-                    outputs = built(*args)  # torch.compile's step compiles here
-                except Exception as reason:  # before the step ran: nothing written
-                    if isinstance(built, AotStep) or not tuning.regions:
-                        raise
-                    # A torch whose regions cannot take this step (an older one): every block
-                    # written out.
-                    self.announce(regions_failed(reason))
-                    written_out = replace(tuning, regions=False)
-                    step = make_decode_step(self.model, sampling.greedy, sampling.filtered, eos_id, written_out, shaped)
-                    built = self.steps[key] = compiled(step, cache.device)
-                    outputs = built(*args)
-            seconds = time.perf_counter() - start
-            self.compile_seconds += seconds
-            kept = isinstance(built, AotStep) and built.loaded  # built by an earlier run (cpu_aot_step.BuildCache)
-            self.announce(f"compiled in {seconds:.1f}s" + (" (kept from an earlier build)" if kept else ""))
-            return outputs
-
-        return first_call
-
-
-def weights_key(model: nn.Module) -> tuple:
-    """What a built step assumes of ``model``'s weights: the objects that hold them. Replacing a
-    weight (``quantize_model``, ``unpack_model``, a new ``nn.Parameter``) changes it; editing one in
-    place (which a step reads at once) does not."""
-    return tuple(id(module) for module in model.modules()) + tuple(id(param) for param in model.parameters())
-
-
-def compiled(step: Callable[..., StepOutputs], device: torch.device) -> Callable[..., StepOutputs]:
-    """``step`` through ``torch.compile`` for ``device``: on CUDA replayed as a CUDA graph, its
-    products tuned by coordinate descent; on CPU with the package's inductor options."""
-    cuda = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
-    options = cuda if device.type == "cuda" else CPU_INDUCTOR_OPTIONS
-    return torch.compile(step, fullgraph=True, dynamic=False, options=options)
-
-
-def regions_failed(reason: Exception) -> str:
-    """The line said when a step with each block as a region fails to compile (``StepCompiler``, the
-    serving engine), before it is compiled with every block written out."""
-    return f"compiling each block as a region failed ({one_line(reason)}); writing blocks out"
-
-
-def one_line(reason: Exception) -> str:
-    """An exception as one short line: its type and the first line of its message."""
-    first_line = (str(reason).strip().splitlines() or [""])[0][:200]
-    return f"{type(reason).__name__}: {first_line}"
-
-
-def buffer_shape(cache: RotatingBufferCache) -> tuple:
-    """``(rows, each layer's slots, dtype, device)`` of a cache's buffers: what a step compiled for it assumes."""
-    return cache.max_batch_size, tuple(cache.layer_sizes), cache.dtype, cache.device
-
-
-def slots_text(cache: RotatingBufferCache) -> str:
-    """A cache's slots per sequence, each kind's: ``"128"``, or ``"512/128"`` (full-attention and windowed layers)."""
-    return "/".join(str(kind.size) for kind in cache.kinds)
-
-
-def built_ahead_of_time(
-    model: Transformer,
-    step: Callable,
-    args: Sequence,
-    announce: Callable[[str], None],
-    tuning: Optional[Tuning] = None,
-) -> Optional[AotStep]:
-    """``step`` (a fixed-shape step of ``model`` on CPU) built by AOTInductor for the shapes of
-    ``args`` (``cpu_aot_step``), or None where it is not: switched off (``tuning.ahead_of_time``;
-    None: the model's tuning), a model whose step it does not build, or a build that failed, which
-    ``announce`` is told in a line. The caller then compiles ``step`` with torch.compile."""
-    tuning = tuning if tuning is not None else tuning_of(model)
-    if not tuning.ahead_of_time or not builds_ahead_of_time(model):
-        return None
-    try:
-        return AotStep(model, step, args)
-    except Exception as reason:  # NotAheadOfTime, or an op export or AOTInductor cannot take
-        announce(f"AOTInductor cannot build this step ({one_line(reason)}); using torch.compile")
-        return None
-
-
-def slot_bucket(max_seqlen: int, window: Optional[int]) -> int:
-    """Cache slots for sequences of up to ``max_seqlen`` tokens: the next power of two (at least
-    128), capped at the sliding window. ``slot_bucket(300, 4096) == 512``, ``slot_bucket(5000, 4096) == 4096``."""
-    slots = 128
-    while slots < max_seqlen:
-        slots *= 2
-    return min(slots, window) if window is not None else slots
