@@ -43,3 +43,29 @@ def test_experts_nobody_chose_are_skipped():
     chosen = sorted(layer.route(x)[0][0].tolist())
     assert sorted(e for e, _ in calls) == chosen
     assert all(n == 1 for _, n in calls)
+
+
+def test_the_strategy_docstring_example(monkeypatch):
+    """``kernels.moe.strategy``'s example: 4 experts, top-2, large plain float32 experts on CPU
+    (``chosen_up_to_plain = 2``): batches 1 to 4 read the chosen experts one by one, batch 5 every
+    expert; the strategy is chosen once, when the layer is swapped in, and equals the reference."""
+    from conftest import random_model, tiny_args
+
+    from mixtral_infer.formats.modules import use_formats
+    from mixtral_infer.kernels.moe import MoeStrategy, moe_one_token, strategy
+    from mixtral_infer.tuning import Tuning
+
+    tuning = Tuning(one_by_one_min_weights=0)
+    layer = use_formats(random_model(tiny_args(moe=True), seed=25), tuning).layers["0"].feed_forward
+    assert layer.strategy == MoeStrategy.choose(layer, tuning) and layer.strategy.tuning is tuning
+    assert (layer.strategy.up_to, layer.strategy.large, layer.strategy.two_d) == (2, True, False)
+    forms = []
+    for name, letter in {"experts_one_by_one": "c", "every_expert_batched": "v"}.items():
+        form = getattr(strategy, name)
+        monkeypatch.setattr(strategy, name, lambda *a, form=form, letter=letter: forms.append(letter) or form(*a))
+    for batch in (1, 2, 3, 4, 5):
+        x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            torch.testing.assert_close(layer.decode_rows(x), MoeLayer.forward(layer, x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(moe_one_token(layer, x, tuning), layer.decode_rows(x), atol=0, rtol=0)
+    assert "".join(forms) == "ccc" * 4 + "vvv"  # three calls a batch: decode_rows twice, moe_one_token
