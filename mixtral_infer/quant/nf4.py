@@ -108,6 +108,15 @@ def nibbles(values: torch.Tensor) -> torch.Tensor:
     return torch.stack([values & 15, values >> 4], dim=-1).flatten(-2)
 
 
+def dequantized(codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``(..., OUT, IN)`` that ``codes (..., OUT, IN)`` and ``scales (..., OUT, IN/G)``
+    stand for: each code's value times its group's scale, in float32, rounded once to ``dtype``
+    (``QuantizedWeight.dequantize``'s nf4 numbers)."""
+    values = code_values(codes.device)[codes.long()]  # (..., OUT, IN)
+    groups = scales.to(torch.float32).repeat_interleave(group_size, dim=-1)  # (..., OUT, IN)
+    return (values * groups).to(dtype)
+
+
 def kernel_layout(values: torch.Tensor) -> torch.Tensor:
     """Plain bytes ``(..., OUT, IN/2)`` in the order bitsandbytes' CPU kernel reads them (OUT a
     multiple of 32): for each block of 32 rows and each pair of inputs ``2i, 2i + 1``, 32 bytes;
@@ -212,10 +221,7 @@ def _nf4_cuda_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gr
     the GPU), the reference's product: the weight dequantized, then ``F.linear``."""
     rows, out_features = x.shape[0], packed.shape[0]
     if x.device.type != "cuda" or cuda_kernel() is None:
-        from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme  # (weights imports this module)
-
-        weight = QuantizedWeight(QuantScheme("nf4", group_size), None, scales, x.shape[1], packed=(packed, scales))
-        return torch.nn.functional.linear(x, weight.dequantize(x.dtype))  # integers() reads the CUDA layout
+        return torch.nn.functional.linear(x, dequantized(nibbles(cuda_layout(packed)), scales, group_size, x.dtype))
     x = x.contiguous()
     out = x.new_empty(rows, out_features)
     stream = torch.cuda.current_stream(x.device).cuda_stream
