@@ -25,11 +25,16 @@ from mixtral_infer.tokenizer.base import (
     find_tokenizer,
     token_list,
 )
-from mixtral_infer.tokenizer.sentencepiece_tokenizer import ADDED_TOKEN_FILES, AddedToken, read_added_tokens
+from mixtral_infer.tokenizer.json_tokenizer import JsonTokenizer
+from mixtral_infer.tokenizer.sentencepiece_tokenizer import ADDED_TOKEN_FILES, AddedToken, SentencePieceTokenizer, read_added_tokens
+from mixtral_infer.tokenizer.tekken_tokenizer import TekkenTokenizer
 
 __all__ = [
     "ADDED_TOKEN_FILES",
     "AddedToken",
+    "JsonTokenizer",
+    "SentencePieceTokenizer",
+    "TekkenTokenizer",
     "BEGIN_INST",
     "END_INST",
     "IM_END",

@@ -43,20 +43,19 @@ def find_tokenizer(folder: str | Path) -> Optional[Path]:
     return None
 
 
+# The back-ends in the order they are asked whether they read a file (``Tokenizer.reads``); each
+# registers itself when its class is defined, and ``tokenizer/__init__`` imports them all.
+BACKENDS: List[type] = []
+
+
 def backend_for(path: Path) -> type:
-    """The ``Tokenizer`` subclass that reads ``path``, by its name: ``tokenizer.json``,
-    ``*tekken*.json`` (mistral-common's test), else a sentencepiece model."""
-    if path.name == "tokenizer.json":
-        from mixtral_infer.tokenizer.json_tokenizer import JsonTokenizer
-
-        return JsonTokenizer
-    if path.suffix == ".json" and "tekken" in path.name:
-        from mixtral_infer.tokenizer.tekken_tokenizer import TekkenTokenizer
-
-        return TekkenTokenizer
-    from mixtral_infer.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
-
-    return SentencePieceTokenizer
+    """The ``Tokenizer`` subclass that reads ``path``: the first of ``BACKENDS`` whose ``reads``
+    says yes (``tokenizer.json``; ``*tekken*.json``, mistral-common's test), else sentencepiece's,
+    whose ``reads`` takes any other file."""
+    for backend in BACKENDS:
+        if backend.reads(path):
+            return backend
+    raise CheckpointError(f"{path}: no tokenizer back-end reads this file (import mixtral_infer.tokenizer first)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +82,19 @@ class Tokenizer:
 
     kind = ""  # "sentencepiece", "tekken", "tokenizer.json"
     path: Path
+    # Where a back-end sits in BACKENDS: the lower asked first (sentencepiece, reading any file, last).
+    order = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.kind and "kind" in cls.__dict__:  # a back-end, not a subclass written over one
+            BACKENDS.append(cls)
+            BACKENDS.sort(key=lambda backend: backend.order)
+
+    @classmethod
+    def reads(cls, path: Path) -> bool:
+        """Whether this back-end reads the file at ``path`` (by its name)."""
+        raise NotImplementedError
 
     def __new__(cls, model_path: str | Path):
         if not cls.kind:  # Tokenizer, or a subclass written for any file: joined with the file's back-end

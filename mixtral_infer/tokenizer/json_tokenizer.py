@@ -46,6 +46,11 @@ class JsonTokenizer(Tokenizer):
     """A ``tokenizer.json`` read by Hugging Face's tokenizers (module docstring)."""
 
     kind = "tokenizer.json"
+    order = 0
+
+    @classmethod
+    def reads(cls, path: Path) -> bool:
+        return path.name == "tokenizer.json"
 
     def __init__(self, model_path: str | Path):
         from tokenizers import Tokenizer as HfTokenizer

@@ -81,6 +81,11 @@ class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece model and a fine-tune's added tokens (module docstring)."""
 
     kind = "sentencepiece"
+    order = 2
+
+    @classmethod
+    def reads(cls, path: Path) -> bool:
+        return True  # any other file: a sentencepiece model (its reader says which it is not)
 
     def __init__(self, model_path: str | Path):
         path = Path(model_path)

@@ -154,6 +154,11 @@ class TekkenTokenizer(Tokenizer):
     """A ``tekken.json`` read by mistral-common (module docstring)."""
 
     kind = "tekken"
+    order = 1
+
+    @classmethod
+    def reads(cls, path: Path) -> bool:
+        return path.suffix == ".json" and "tekken" in path.name
 
     def __init__(self, model_path: str | Path):
         from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
