@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mixtral_infer.sampling import Sampling, sample, sample_next, token_logprobs
-from mixtral_infer.generation.settings import effective_temperature
+from mixtral_infer.generation.sampling_params import effective_temperature
 
 
 def settings(batch, vocab, temperature, top_p=1.0, top_k=None):

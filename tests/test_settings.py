@@ -13,7 +13,9 @@ import torch
 from conftest import WINDOW, random_model, tiny_args
 
 from mixtral_infer import GenerationError, generate
-from mixtral_infer.generation.settings import GREEDY_BELOW, as_int, kv_cache_bytes
+from mixtral_infer.errors import as_int
+from mixtral_infer.generation.sampling_params import GREEDY_BELOW
+from mixtral_infer.generation.settings import kv_cache_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -122,7 +122,8 @@ def check_options(
     """Every option of demo / interactive, checked before the model is loaded (fire passes strings as
     they came); the sampling settings, as the object ``generate`` and the ``Conversation`` take."""
     from mixtral_infer.generation.sampling_params import SamplingParams
-    from mixtral_infer.generation.settings import as_int, check_chunk_size
+    from mixtral_infer.errors import as_int
+    from mixtral_infer.generation.settings import check_chunk_size
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed).check()
     check_chunk_size(chunk_size)

@@ -12,7 +12,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from mixtral_infer.errors import GenerationError
+from mixtral_infer.errors import GenerationError, as_int
 from mixtral_infer.formats.modules import tuning_of
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, compiled_step, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
@@ -27,7 +27,6 @@ from mixtral_infer.generation.sampling_params import SamplingParams
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
-    as_int,
     check_cache_capacity,
     check_cache_matches,
     check_chunk_size,

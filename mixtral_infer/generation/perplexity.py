@@ -21,9 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
-from mixtral_infer.errors import GenerationError
+from mixtral_infer.errors import GenerationError, as_int
 from mixtral_infer.generation.generate import generate
-from mixtral_infer.generation.settings import as_int, check_cache_fits, check_context, kv_cache_bytes, token_ids
+from mixtral_infer.generation.settings import check_cache_fits, check_context, kv_cache_bytes, token_ids
 from mixtral_infer.model.transformer import Transformer
 
 DEFAULT_CONTEXT = 4096  # tokens a segment for a model without a sliding window (BOS included)

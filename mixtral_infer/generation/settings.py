@@ -10,14 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from mixtral_infer.errors import GenerationError, as_int  # noqa: F401 (as_int: imported from here too)
-from mixtral_infer.generation.sampling_params import (  # noqa: F401 (imported from here too)
-    FLOAT32_MAX,
-    GREEDY_BELOW,
-    SEED_LIMIT,
-    check_seed,
-    effective_temperature,
-)
+from mixtral_infer.errors import GenerationError, as_int
 
 if TYPE_CHECKING:
     import torch

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from mixtral_infer.errors import GenerationError
-from mixtral_infer.generation.settings import as_int
+from mixtral_infer.errors import as_int
 
 
 def check_serve_options(
