@@ -104,7 +104,7 @@ from mixtral_infer.formats.modules import tuning_of, use_formats  # noqa: E402
 from mixtral_infer.generation.generate import default_chunk_size, prefill  # noqa: E402
 from mixtral_infer.model.moe import MoeLayer  # noqa: E402
 from mixtral_infer.kernels.moe.gathered import plain_int8  # noqa: E402
-from mixtral_infer.quant import gemlite_cuda  # noqa: E402
+from mixtral_infer.kernels.linear import gemlite as gemlite_cuda  # noqa: E402
 from mixtral_infer.formats.quantizing import quantize_model  # noqa: E402
 
 SHAPES = {
@@ -400,7 +400,7 @@ def bench_transformers_decode(hf, prompts, ours_tokens: list, repeats: int, hf_c
             log(f"  b{batch} transformers_compiled failed: {row['transformers_compiled_error']}")
 
 
-GEMLITE = "-gemlite"  # a scheme's suffix: its dense weights through GemLite (quant/gemlite_cuda.py)
+GEMLITE = "-gemlite"  # a scheme's suffix: its dense weights through GemLite (kernels/linear/gemlite.py)
 FLOAT32 = "-f32"  # after GEMLITE: GemLite's outputs in float32, converted by the compiled step (Tuning.gemlite_float32_outputs)
 
 

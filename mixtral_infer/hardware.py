@@ -6,7 +6,7 @@ Decisions that depend on it:
   name and usable cores, with torch's version);
 * ``checkpoint.compute_dtype``: whether a bfloat16 or float16 checkpoint computes in its own
   dtype (the CPU has native arithmetic for it) or in float32;
-* ``quant.int8_activations``: how many levels int8 activations get (8-bit dot products that
+* ``kernels.linear.w8a8``: how many levels int8 activations get (8-bit dot products that
   cannot overflow, VNNI, or 7-bit ones).
 
 Linux: ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``). macOS: ``sysctl``. Elsewhere the

@@ -84,12 +84,14 @@ class Tuning:
     # On CUDA (on CPU under Triton's interpreter, for the tests); ahead of the two above.
     triton_experts: bool = False
     # Quantized int8 and int4 products of at most ``TRITON_DENSE_ROWS`` rows (decoding) through the same
-    # kernels, the weight as one expert (``fast.triton_experts.dense_rows``), ahead of GemLite and
-    # PyTorch's kernels. Off until measured on a GPU (``bench/bench_gpu.py --triton-dense``).
+    # kernels, the weight as one expert (``kernels.linear.triton``), ahead of GemLite and PyTorch's
+    # kernels. Off by default; docs/performance.md says where it was measured, and how
+    # (``bench/bench_gpu.py --triton-dense``).
     triton_dense: bool = False
 
     # GemLite (CUDA) asked for float32 outputs, converted by the compiled step where they are read
-    # (``quant.gemlite_cuda``, "Outputs"); read when weights are packed for it.
+    # (``kernels.linear.gemlite``, "Outputs"); read when weights are packed for it. Off by default
+    # (docs/performance.md, GemLite).
     gemlite_float32_outputs: bool = False
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from conftest import hf_model, ours_from_hf, tiny_args
 from safetensors.torch import load_file, save_file
 
+from mixtral_infer.kernels.linear import nf4 as nf4_linear
 from mixtral_infer import load_model
 from mixtral_infer.checkpoint import bnb_4bit
 from mixtral_infer.checkpoint.convert import convert
@@ -25,7 +26,6 @@ from mixtral_infer.checkpoint.hf_format import (
 from mixtral_infer.checkpoint.loading import internal_to_published
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.parallel import Parallel
-from mixtral_infer.quant import kernels
 from mixtral_infer.quant.model import model_scheme
 from mixtral_infer.quant.weights import QuantizedWeight
 
@@ -156,7 +156,7 @@ def test_a_bitsandbytes_folder_decodes_in_bfloat16_through_the_nf4_kernels(tmp_p
     model = load_model(tmp_path / "bnb", max_batch_size=2)
     assert model.dtype == torch.bfloat16
     wq = model.layers["0"].attention.wq.weight
-    assert kernels.nf4_layout(wq) == ("cpu" if bnb_4bit.nf4.kernel() is not None else None)
+    assert nf4_linear.nf4_layout(wq) == ("cpu" if bnb_4bit.nf4.kernel() is not None else None)
     prompts = random_prompts([5, 9], args.vocab_size, seed=1)
     eager = generate(prompts, model, max_tokens=6, decode="eager")[0]
     assert generate(prompts, model, max_tokens=6, decode="static")[0] == eager

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import generated_loops, random_model, tiny_args
 
+from mixtral_infer.kernels.linear import int8
 from mixtral_infer import load_model
 from mixtral_infer.checkpoint.loading import save_consolidated
 from mixtral_infer.errors import ConfigError
@@ -263,7 +264,7 @@ def test_compiled_int8_products_of_many_rows_multiply_block_by_block():
     from torch._inductor.utils import run_and_get_code
 
     from mixtral_infer.fast.cpu_reductions import REDUCTION_ROWS
-    from mixtral_infer.quant.kernels import quantized_linear
+    from mixtral_infer.kernels.linear import linear
     from mixtral_infer.quant.weights import QuantScheme, quantize
 
     g = torch.Generator().manual_seed(9)
@@ -272,9 +273,9 @@ def test_compiled_int8_products_of_many_rows_multiply_block_by_block():
     blocked.packed, blocked.values = (to_blocks(blocked.values, 48).blocks, blocked.scales), None
     x = torch.randn(REDUCTION_ROWS[torch.int8] + 4, 96, generator=g).to(torch.bfloat16)
     torch._dynamo.reset()
-    got, (code,) = run_and_get_code(torch.compile(lambda x: quantized_linear(x, blocked), fullgraph=True), x)
+    got, (code,) = run_and_get_code(torch.compile(lambda x: linear(x, blocked), fullgraph=True), x)
     assert code.count("_weight_int8pack_mm") >= 2 and "(40, 96)" not in code
-    torch.testing.assert_close(got, quantized_linear(x, plain), atol=0.15, rtol=0.02)
+    torch.testing.assert_close(got, linear(x, plain), atol=0.15, rtol=0.02)
 
 
 def test_load_model_stores_long_rows_in_blocks(tmp_path, short_blocks):

@@ -41,7 +41,7 @@ def test_linear_takes_the_chosen_path_for_plain_packed_and_int8_weights(monkeypa
     tuning = Tuning(upcast=WIDE_DTYPES if choice else frozenset())
     widened = []
     real = cpu_upcast.upcast_linear
-    for module in ("mixtral_infer.kernels.linear", "mixtral_infer.quant.kernels"):
+    for module in ("mixtral_infer.kernels.linear.plain", "mixtral_infer.kernels.linear.packed_bf16", "mixtral_infer.kernels.linear.int8"):
         monkeypatch.setattr(f"{module}.upcast_linear", lambda x, w, onednn=False: widened.append(x.shape[0]) or real(x, w))
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(32, 64, generator=g).to(torch.bfloat16)

@@ -20,12 +20,14 @@ from conftest import WINDOW, random_model, tiny_args
 from test_decode_step import SAMPLINGS, assert_same, compiled_code, eos_that_stops_some
 from test_model import TOLERANCE, cached_logits, hf_logits, random_prompts
 
+from mixtral_infer.kernels.linear import int4, nf4 as nf4_linear
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.steps.decode_loop import step_compiler
 from mixtral_infer.steps.decode_step import decode_logits
 from mixtral_infer.kernels.linear import linear
-from mixtral_infer.quant import gemlite_cuda, kernels, nf4
-from mixtral_infer.quant.kernels import prepare
+from mixtral_infer.kernels.linear import gemlite as gemlite_cuda
+from mixtral_infer.quant import nf4
+from mixtral_infer.kernels.linear import prepare_weight
 from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantScheme, quantize
 from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
@@ -148,15 +150,15 @@ def test_the_cuda_nf4_kernel_equals_the_dequantize_reference(rows, group):
     g = torch.Generator().manual_seed(rows)
     weight = quantize(torch.randn(2, 256, 512, generator=g).to(CUDA), QuantScheme("nf4", group), torch.bfloat16)
     reference = weight.dequantize()  # (2, 256, 512) float32
-    prepare(weight)
-    assert kernels.nf4_layout(weight) == "cuda" and weight.values is None
+    prepare_weight(weight)
+    assert nf4_linear.nf4_layout(weight) == "cuda" and weight.values is None
     x = torch.randn(rows, 512, generator=g).to(CUDA, torch.bfloat16)
     for expert in range(2):
         got = linear(x, weight[expert]).float()
         expected = x.float() @ reference[expert].T
         assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
-    many = torch.randn(kernels.CUDA_NF4_KERNEL_ROWS, 512, generator=g).to(CUDA, torch.bfloat16)
-    assert torch.equal(linear(many, weight[0]), kernels.reference_linear(many, weight[0]))
+    many = torch.randn(nf4_linear.CUDA_NF4_KERNEL_ROWS, 512, generator=g).to(CUDA, torch.bfloat16)
+    assert torch.equal(linear(many, weight[0]), reference_linear(many, weight[0]))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "int4-128"])
@@ -173,7 +175,7 @@ def test_gemlites_products_equal_the_dequantize_reference(scheme, rows):
         weight = quantize(torch.randn(out_features, in_features, generator=g, device=CUDA), QuantScheme.parse(scheme),
                           torch.bfloat16)  # fmt: skip
         reference = weight.dequantize()
-        prepare(weight)
+        prepare_weight(weight)
         assert weight.gemlite is not None
         for x in (torch.randn(rows, in_features, generator=g, device=CUDA), torch.randn(gemlite_cuda.ROWS, in_features,
                   generator=g, device=CUDA)):  # fmt: skip
@@ -201,9 +203,9 @@ def test_quantized_cuda_decoding_scores_its_tokens_as_its_dequantized_model(moe,
     if gemlite:
         assert quantized.layers["0"].attention.wq.weight.gemlite is not None
     elif scheme == "int4":
-        assert kernels.int4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"
+        assert int4.int4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"
     if scheme.startswith("nf4"):
-        assert kernels.nf4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"
+        assert nf4_linear.nf4_layout(quantized.layers["0"].attention.wq.weight) == "cuda"
     with torch.no_grad():
         for name, module in quantized.named_modules():
             if isinstance(module, QuantizedParameter):
@@ -226,7 +228,7 @@ def test_a_bitsandbytes_folder_decodes_on_cuda_as_its_float32_model_on_cpu(tmp_p
     _, args, state = hub_state(True, seed=6)
     write_bnb_folder(tmp_path / "bnb", state, args, blocksize=64)
     model = load_model(tmp_path / "bnb", device=CUDA, max_batch_size=3)
-    assert kernels.nf4_layout(model.layers["0"].attention.wq.weight) == "cuda"
+    assert nf4_linear.nf4_layout(model.layers["0"].attention.wq.weight) == "cuda"
     reference = load_model(tmp_path / "bnb", dtype=torch.float32, max_batch_size=3).to(CUDA)
     prompts = random_prompts([5, 2 * WINDOW + 1, 3], args.vocab_size, seed=6)
     for mode in ("eager", "compiled"):

@@ -13,18 +13,18 @@ from conftest import PACKS, random_model, tiny_args
 from torch import nn
 
 from mixtral_infer.fast.cpu_column_blocks import MAX_BLOCK
-from mixtral_infer.formats.modules import (
+from mixtral_infer.formats.modules import FastAttention, FastFeedForward, FastMoeLayer, ReferenceQuantizedMoeLayer, use_formats
+from mixtral_infer.kernels.linear import (
     ColumnBlocksLinear,
-    FastAttention,
-    FastFeedForward,
-    FastMoeLayer,
-    PackedLinear,
+    Int4Linear,
+    Int8Linear,
+    Nf4Linear,
+    PackedBf16Linear,
     PlainLinear,
-    QuantizedLinear,
-    ReferenceQuantizedLinear,
-    ReferenceQuantizedMoeLayer,
-    use_formats,
+    ReferenceLinear,
+    W8a8Linear,
 )
+from mixtral_infer.kernels.linear import w8a8
 from mixtral_infer.formats.packing import block_long_rows, pack_model, unpack_model
 from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.model.moe import MoeLayer
@@ -60,11 +60,12 @@ def stood_for(model: nn.Module, scheme: str | None, dtype: torch.dtype) -> dict:
 
 FORMATS = {  # how a model gets the format, its scheme, the dtype it computes in, the module its wq becomes
     "plain float32": (lambda m: m, None, torch.float32, PlainLinear),
-    "oneDNN packed": (lambda m: pack_model(m, dtypes=(PACKS,)), None, PACKS, PackedLinear),  # bfloat16 with AVX-512
-    "int8": (lambda m: quantize_model(m, "int8"), "int8", torch.bfloat16, QuantizedLinear),
-    "int4": (lambda m: quantize_model(m, "int4"), "int4", torch.bfloat16, QuantizedLinear),
-    "nf4": (lambda m: quantize_model(m, "nf4"), "nf4", torch.bfloat16, QuantizedLinear),
-    "w8a8": (lambda m: quantize_model(m, "w8a8"), "w8a8", torch.bfloat16, QuantizedLinear),
+    "oneDNN packed": (lambda m: pack_model(m, dtypes=(PACKS,)), None, PACKS, PackedBf16Linear),  # bfloat16 with AVX-512
+    "int8": (lambda m: quantize_model(m, "int8"), "int8", torch.bfloat16, Int8Linear),
+    "int4": (lambda m: quantize_model(m, "int4"), "int4", torch.bfloat16, Int4Linear),
+    "nf4": (lambda m: quantize_model(m, "nf4"), "nf4", torch.bfloat16, Nf4Linear),
+    # without fbgemm (a PyTorch not built for x86) w8a8 weights stay int8 weights, multiplied weight-only
+    "w8a8": (lambda m: quantize_model(m, "w8a8"), "w8a8", torch.bfloat16, W8a8Linear if w8a8.available() else Int8Linear),
 }
 
 
@@ -107,7 +108,7 @@ def test_the_reference_keeps_the_models_own_modules_and_reads_quantized_weights_
     assert type(model.layers["0"].feed_forward) is MoeLayer
     quantize_model(model, "int4")
     use_formats(model, Tuning(fast=False))
-    assert type(model.layers["0"].attention.wq) is ReferenceQuantizedLinear
+    assert type(model.layers["0"].attention.wq) is ReferenceLinear
     moe = model.layers["0"].feed_forward
     assert type(moe) is ReferenceQuantizedMoeLayer
     x = torch.randn(3, model.args.dim, generator=torch.Generator().manual_seed(0))
@@ -124,7 +125,7 @@ def test_swapping_back_restores_the_reference_and_keeps_every_name():
     model = random_model(tiny_args(moe=True), seed=5).to(PACKS)
     names = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     pack_model(model, dtypes=(PACKS,))
-    assert type(model.layers["0"].attention.wq) is PackedLinear
+    assert type(model.layers["0"].attention.wq) is PackedBf16Linear
     packed = model.state_dict()
     assert set(packed) == set(names) and all(torch.equal(packed[n], names[n]) for n in names)
     unpack_model(model)

@@ -1,6 +1,6 @@
 """GemLite's CUDA products (``quant/gemlite_cuda.py``) as far as a CPU can check them: the weights
 handed to GemLite stand, in its format ``(W_q - zeros) * scales``, for exactly the weight the
-reference multiplies by; which weights it takes; which products ``quantized_linear`` sends to it;
+reference multiplies by; which weights it takes; which products ``linear`` sends to it;
 that serving counts its layout. Its kernels themselves run in ``tests/test_cuda.py`` on a GPU."""
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import torch
 from conftest import WINDOW, random_model, tiny_args
 
 from mixtral_infer import generate
+from mixtral_infer.formats.modules import use_formats
+from mixtral_infer.kernels.linear import int4, linear, reference_linear
 from mixtral_infer.steps.decode_loop import step_compiler
-from mixtral_infer.quant import gemlite_cuda, kernels
+from mixtral_infer.kernels.linear import gemlite as gemlite_cuda
 from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 from mixtral_infer.serve.sizing import weight_bytes
@@ -68,11 +70,11 @@ def test_no_gemlite_without_cuda_so_cpu_weights_keep_their_layouts():
     model = quantize_model(random_model(tiny_args(moe=False)).to(torch.bfloat16), "int4")
     held = [m for m in model.modules() if isinstance(m, QuantizedParameter)]
     assert held and all(m.gemlite is None for m in held)
-    assert kernels.int4_layout(held[0]) == "cpu"
+    assert int4.int4_layout(held[0]) == "cpu"
 
 
 class StandIn:
-    """A GemLite product's place, on CPU: what ``quantized_linear`` hands it is recorded, and the
+    """A GemLite product's place, on CPU: what ``linear`` hands it is recorded, and the
     reference's product returned, so the routing can be checked where GemLite cannot run."""
 
     def __init__(self, weight: QuantizedWeight):
@@ -86,7 +88,7 @@ class StandIn:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(tuple(x.shape))
-        return kernels.reference_linear(x, self.weight)
+        return reference_linear(x, self.weight)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -96,10 +98,10 @@ def test_quantized_linear_hands_gemlite_fewer_than_its_rows_in_its_dtype(scheme)
     weight.gemlite = StandIn(weight)
     for rows in (1, 4, gemlite_cuda.ROWS - 1):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
-        assert torch.equal(kernels.quantized_linear(x, weight), kernels.reference_linear(x, weight))
+        assert torch.equal(linear(x, weight), reference_linear(x, weight))
     assert weight.gemlite.calls == [(1, 96), (4, 96), (gemlite_cuda.ROWS - 1, 96)]
-    kernels.quantized_linear(torch.randn(gemlite_cuda.ROWS, 96, dtype=torch.bfloat16), weight)  # a prompt chunk
-    kernels.quantized_linear(torch.randn(1, 96), weight)  # float32 activations: the reference
+    linear(torch.randn(gemlite_cuda.ROWS, 96, dtype=torch.bfloat16), weight)  # a prompt chunk
+    linear(torch.randn(1, 96), weight)  # float32 activations: the reference
     assert len(weight.gemlite.calls) == 3
 
 
@@ -179,7 +181,7 @@ def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(m
     from test_model import random_prompts  # noqa: PLC0415 (its fixtures stay out of this module)
 
     if scheme == "int4":
-        monkeypatch.setattr("mixtral_infer.quant.model.prepare", lambda weight, **options: weight)
+        monkeypatch.setattr("mixtral_infer.formats.quantizing.prepare_weight", lambda weight, *options: weight)
     plain = quantize_model(random_model(tiny_args(moe=moe, max_batch_size=2), seed=31).to(torch.bfloat16), scheme)
     with_gemlite = copy.deepcopy(plain)
     step_compiler(with_gemlite).tuning = Tuning(ahead_of_time=False)  # torch.compile, as on a GPU
@@ -189,6 +191,8 @@ def test_decoding_through_gemlites_op_compiles_and_decodes_as_pytorchs_kernels(m
             W_q, scales, zeros, _, group_size = gemlite_cuda.arguments(module)
             module.gemlite = gemlite_cuda.GemliteProduct((W_q, scales), (zeros or 0, group_size), float32_out=True)
             taken.append(name)
+    use_formats(with_gemlite)  # the weights GemLite packed: its back-end (kernels.linear's table)
+    assert type(with_gemlite.layers["0"].attention.wq).__name__ == "GemliteLinear"
     assert ("layers.0.feed_forward.w1.weight" in taken) == (not moe) and "layers.0.attention.wq.weight" in taken
     assert not any("experts" in name or name.endswith("feed_forward.w1") for name in taken)
     # Prompts whose sampled tokens meet no near tie: the compiled step's products round otherwise than
@@ -218,7 +222,7 @@ def test_a_gemlite_product_gives_the_activations_dtype_either_way(float32_out):
     product = gemlite_cuda.GemliteProduct((W_q, scales), (zeros, group_size), float32_out=float32_out)
     x = torch.randn(3, 96, dtype=torch.bfloat16)
     got = product(x)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, kernels.reference_linear(x, weight))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, reference_linear(x, weight))
     traced = torch.compile(lambda v: torch.ops.mixtral_infer.gemlite_mm(v, [W_q, scales], [zeros, group_size]),
                            backend="eager", fullgraph=True)(x)  # fmt: skip
     assert traced.dtype == torch.float32 and torch.equal(traced.to(torch.bfloat16), got)

@@ -12,9 +12,10 @@ from mixtral_infer import generate, load_model
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.steps.decode_step import moe_one_token
 from mixtral_infer.hardware import CpuInfo
-from mixtral_infer.quant import int8_activations
-from mixtral_infer.quant.int8_activations import int8_activations_linear, reference_linear
-from mixtral_infer.quant.kernels import DEQUANTIZE_ROWS, quantized_linear, quantized_linears
+from mixtral_infer.kernels.linear import w8a8 as int8_activations
+from mixtral_infer.kernels.linear.w8a8 import int8_activations_linear, reference_linear
+from mixtral_infer.kernels.linear.quantized_common import DEQUANTIZE_ROWS
+from mixtral_infer.kernels.linear import linear, linears
 from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 from mixtral_infer.serve.sizing import weight_bytes
@@ -66,7 +67,7 @@ def test_kernel_equals_the_reference_for_every_expert(rows):
         expected = reference_linear(x, stacked.integers()[e], stacked.scales[e], LEVELS)
         for expert in (stacked[e], stacked[torch.tensor(e)]):
             torch.testing.assert_close(int8_activations_linear(x, expert.prepacked), expected, atol=1e-5, rtol=1e-5)
-            bfloat16 = quantized_linear(x.bfloat16(), expert)
+            bfloat16 = linear(x.bfloat16(), expert)
             # bfloat16 inputs: the float32 product of the same inputs, rounded (the reference may round a tie otherwise)
             float32 = int8_activations_linear(x.bfloat16().float(), expert.prepacked)
             torch.testing.assert_close(bfloat16.float(), float32, rtol=2**-8, atol=1e-5)
@@ -110,10 +111,10 @@ def test_prompt_sized_products_quantize_their_activations_too():
     weight = w8a8_weight((32, 64), seed=6)
     x = torch.randn(DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(7))
     expected = reference_linear(x, weight.integers(), weight.scales, LEVELS)
-    torch.testing.assert_close(quantized_linear(x, weight), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x, weight), expected, atol=1e-5, rtol=1e-5)
     bfloat16 = x.bfloat16()  # the same product, its result rounded to bfloat16
     float32 = int8_activations_linear(bfloat16.float(), weight.prepacked)
-    torch.testing.assert_close(quantized_linear(bfloat16, weight).float(), float32, rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(linear(bfloat16, weight).float(), float32, rtol=2**-8, atol=1e-5)
 
 
 def test_a_w8a8_model_holds_its_integers_in_fbgemm_and_counts_them():
@@ -161,9 +162,9 @@ def test_weights_packed_side_by_side_multiply_as_one_by_one():
     for group in ([attention.wq.weight, attention.wk.weight, attention.wv.weight], [experts.w1[1], experts.w3[1]]):
         assert len({w.prepacked.handle for w in group}) == 1 and all(w.prepacked.rows is not None for w in group)
         alone = [packed(QuantizedWeight(W8A8, w.integers(), w.scales, w.in_features)) for w in group]
-        together = quantized_linears(x, group)
+        together = linears(x, *group)
         for w, a, out in zip(group, alone, together):
-            assert torch.equal(out, quantized_linear(x, a)) and torch.equal(quantized_linear(x, w), out)
+            assert torch.equal(out, linear(x, a)) and torch.equal(linear(x, w), out)
     assert experts.w2.prepacked.rows is None and model.output.weight.prepacked.rows is None  # alone
 
 

@@ -57,7 +57,7 @@ def test_the_strategy_docstring_example(monkeypatch):
 
     tuning = Tuning(one_by_one_min_weights=0)
     layer = use_formats(random_model(tiny_args(moe=True), seed=25), tuning).layers["0"].feed_forward
-    assert layer.strategy == MoeStrategy.choose(layer, tuning) and layer.strategy.tuning is tuning
+    assert layer.strategy == MoeStrategy.choose(layer, tuning) and layer.strategy.tuning == tuning
     assert (layer.strategy.up_to, layer.strategy.large, layer.strategy.two_d) == (2, True, False)
     forms = []
     for name, letter in {"experts_one_by_one": "c", "every_expert_batched": "v"}.items():

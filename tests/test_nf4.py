@@ -14,11 +14,14 @@ from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 from test_quant import example_scheme
 
+from mixtral_infer.kernels.linear import nf4 as nf4_linear
 from mixtral_infer import generate
 from mixtral_infer.kernels.linear import linear, linears
-from mixtral_infer.quant import kernels, nf4
-from mixtral_infer.quant.kernels import joined_linear, prepare, quantized_linear
-from mixtral_infer.formats.quantizing import install, join_side_by_side, quantize_model
+from mixtral_infer.quant import nf4
+from mixtral_infer.kernels.linear.nf4 import joined_linear
+from mixtral_infer.kernels.linear import prepare_weight, reference_linear
+from mixtral_infer.formats.quantizing import install, quantize_model
+from mixtral_infer.kernels.linear.nf4 import join_side_by_side
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
 from mixtral_infer.serve.sizing import held_bytes, weight_bytes
 
@@ -101,7 +104,7 @@ def test_the_kernel_equals_the_dequantize_reference(rows, group):
     g = torch.Generator().manual_seed(rows)
     weight = quantize(torch.randn(2, 96, 256, generator=g), QuantScheme("nf4", group), torch.bfloat16)
     reference = weight.dequantize()  # (2, 96, 256)
-    prepare(weight)
+    prepare_weight(weight)
     assert weight.values is None and weight.packed[0].shape == (2, 96, 128)
     assert torch.equal(weight.dequantize(), reference)  # read back from the kernel's layout
     x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
@@ -109,7 +112,7 @@ def test_the_kernel_equals_the_dequantize_reference(rows, group):
         got = linear(x, weight[expert]).float()
         expected = x.float() @ reference[expert].T
         assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
-        assert torch.equal(quantized_linear(x, weight[torch.tensor(expert)]), linear(x, weight[expert]))
+        assert torch.equal(linear(x, weight[torch.tensor(expert)]), linear(x, weight[expert]))
 
 
 @needs_kernel
@@ -117,19 +120,19 @@ def test_prompts_dequantize_to_the_reference_s_numbers_and_other_dtypes_take_the
     """From ``NF4_DEQUANTIZE_ROWS`` rows on the weight is dequantized from the kernel's layout
     (``dequantize_nf4_kernel_layout``: ``dequantize``'s numbers bit for bit, here in three blocks of
     conversion), then ``F.linear``: the reference path's product exactly; float32 takes the reference."""
-    weight = prepare(quantize(torch.randn(640, 128), NF4_32, torch.bfloat16))
+    weight = prepare_weight(quantize(torch.randn(640, 128), NF4_32, torch.bfloat16))
     for dtype in (torch.bfloat16, torch.float32):
-        assert torch.equal(kernels.dequantize_nf4_kernel_layout(weight, dtype), weight.dequantize(dtype))
+        assert torch.equal(nf4_linear.dequantize_nf4_kernel_layout(weight, dtype), weight.dequantize(dtype))
     calls = []
     monkeypatch.setattr(nf4, "_nf4_mm", lambda *a: calls.append(1))  # the op's function, were it called
-    for x in (torch.randn(kernels.NF4_DEQUANTIZE_ROWS, 128).bfloat16(), torch.randn(3, 128)):
-        assert torch.equal(linear(x, weight), kernels.reference_linear(x, weight))
+    for x in (torch.randn(nf4_linear.NF4_DEQUANTIZE_ROWS, 128).bfloat16(), torch.randn(3, 128)):
+        assert torch.equal(linear(x, weight), reference_linear(x, weight))
     assert calls == []
 
 
 def test_without_the_kernel_nf4_keeps_its_plain_layout_and_the_reference_path(monkeypatch):
     monkeypatch.setattr(nf4, "kernel", lambda: None)
-    weight = prepare(quantize(torch.randn(64, 128), NF4_32, torch.bfloat16))
+    weight = prepare_weight(quantize(torch.randn(64, 128), NF4_32, torch.bfloat16))
     assert weight.packed is None and weight.values is not None
     x = torch.randn(2, 128).bfloat16()
     torch.testing.assert_close(linear(x, weight), torch.nn.functional.linear(x, weight.dequantize(torch.bfloat16)))
@@ -197,9 +200,9 @@ def test_the_cuda_layout_is_bitsandbytes_format_read_back_by_its_own_reader(grou
     g = torch.Generator().manual_seed(group)
     weight = quantize(torch.randn(2, 96, 512, generator=g), QuantScheme("nf4", group), torch.bfloat16)
     codes, reference = weight.integers(), weight.dequantize(torch.bfloat16)  # (2, 96, 512)
-    kernels.with_cuda_nf4_layout(weight)
+    nf4_linear.with_cuda_nf4_layout(weight)
     packed, scales = weight.packed
-    assert weight.values is None and kernels.nf4_layout(weight) == "cuda" and scales.dtype == torch.float32
+    assert weight.values is None and nf4_linear.nf4_layout(weight) == "cuda" and scales.dtype == torch.float32
     assert torch.equal(weight.integers(), codes) and torch.equal(weight.dequantize(torch.bfloat16), reference)
     read = bitsandbytes_cpu_reader()
     for expert in range(2):
@@ -221,14 +224,14 @@ def test_the_cuda_layout_off_a_gpu_takes_the_reference_and_is_never_joined(monke
     for name, module in list(moved.named_modules()):
         if isinstance(module, QuantizedParameter):
             weight = QuantizedWeight(module.scheme, module.values.clone(), module.scales, module.in_features)
-            install(moved, name, kernels.with_cuda_nf4_layout(weight))
+            install(moved, name, nf4_linear.with_cuda_nf4_layout(weight))
     monkeypatch.undo()  # the CPU kernel back, where this CPU has it
     join_side_by_side(moved)
     wq = moved.layers["0"].attention.wq.weight
-    assert kernels.nf4_layout(wq) == "cuda" and wq.values is None and wq.joined_rows is None
+    assert nf4_linear.nf4_layout(wq) == "cuda" and wq.values is None and wq.joined_rows is None
     x = torch.randn(3, wq.in_features).bfloat16()  # the op itself, off the GPU: the reference's product
     product = torch.ops.mixtral_infer.nf4_cuda_mm(x, *wq.packed, wq.scheme.group_size)
-    assert torch.equal(product, kernels.reference_linear(x, plain.layers["0"].attention.wq.weight))
+    assert torch.equal(product, reference_linear(x, plain.layers["0"].attention.wq.weight))
     prompts = random_prompts([5, WINDOW + 2], 128, seed=2)
     expected = generate(prompts, plain, max_tokens=WINDOW, decode="eager")
     assert generate(prompts, moved, max_tokens=WINDOW, decode="eager") == expected

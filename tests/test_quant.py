@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from conftest import WINDOW, random_model, tiny_args
 from test_model import random_prompts
 
+from mixtral_infer.kernels.linear import int4, int8, quantized_common
 from mixtral_infer import generate
 from mixtral_infer.errors import ConfigError
 from mixtral_infer.fast.cpu_reductions import REDUCTION_ROWS
 from mixtral_infer.steps.decode_step import moe_one_token
-from mixtral_infer.kernels.linear import linear
-from mixtral_infer.quant import kernels, nf4
-from mixtral_infer.quant.kernels import prepare, quantized_linear, reference_linear, uses_cpu_kernel
+from mixtral_infer.quant import nf4
+from mixtral_infer.kernels.linear import prepare_weight, linear, reference_linear
+from mixtral_infer.kernels.linear.quantized_common import uses_cpu_kernel
 from mixtral_infer.quant.model import is_quantized, is_quantized_published
 from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, quantize
@@ -73,7 +74,7 @@ def test_kernel_equals_the_dequantize_reference(scheme, rows):
     """bfloat16 activations take PyTorch's kernel; it equals dequantize-then-matmul in float32 up to
     bfloat16 rounding of the result (a layout mistake would be off by the whole value)."""
     g = torch.Generator().manual_seed(rows)
-    weight = prepare(quantize(torch.randn(2, 96, 256, generator=g), SCHEMES[scheme], torch.bfloat16), keep_values=True)
+    weight = prepare_weight(quantize(torch.randn(2, 96, 256, generator=g), SCHEMES[scheme], torch.bfloat16), keep_values=True)
     x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
     for expert in range(2):
         assert uses_cpu_kernel(x, weight[expert])
@@ -87,15 +88,15 @@ def test_int8_prefill_chunks_dequantize_then_multiply(upcast, monkeypatch):
     """From DEQUANTIZE_ROWS rows on, CPU int8 skips its kernel (slower there) for dequantize + F.linear:
     where 16-bit products are the faster (Tuning.upcast, fast.cpu_upcast), exactly the reference's product."""
     tuning = Tuning(upcast=frozenset({torch.bfloat16}) if upcast else frozenset())
-    weight = prepare(quantize(torch.randn(64, 128), SCHEMES["int8"], torch.bfloat16))
+    weight = prepare_weight(quantize(torch.randn(64, 128), SCHEMES["int8"], torch.bfloat16))
     calls = []
     kernel = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
-    for rows in (kernels.DEQUANTIZE_ROWS - 1, kernels.DEQUANTIZE_ROWS):
+    for rows in (quantized_common.DEQUANTIZE_ROWS - 1, quantized_common.DEQUANTIZE_ROWS):
         x = torch.randn(rows, 128).to(torch.bfloat16)
-        got, expected = quantized_linear(x, weight, tuning), reference_linear(x, weight)
+        got, expected = linear(x, weight, tuning), reference_linear(x, weight)
         assert (got.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()
-    assert calls == [kernels.DEQUANTIZE_ROWS - 1]
+    assert calls == [quantized_common.DEQUANTIZE_ROWS - 1]
     assert upcast or torch.equal(got, expected)
 
 
@@ -105,8 +106,8 @@ def test_fast_int8_dequantizing_is_the_reference_bit_for_bit(dtype):
     for stacked experts and where a bfloat16 scale is not a float16 number."""
     w = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(4)) * torch.logspace(-6, 2, 3)[:, None, None]
     weight = quantize(w, SCHEMES["int8"], torch.bfloat16)  # (E, OUT, IN)
-    assert torch.equal(kernels.dequantize_int8(weight, dtype), weight.dequantize(dtype))
-    assert torch.equal(kernels.dequantize_int8(weight[1], dtype), weight.dequantize(dtype)[1])
+    assert torch.equal(int8.dequantize_int8(weight, dtype), weight.dequantize(dtype))
+    assert torch.equal(int8.dequantize_int8(weight[1], dtype), weight.dequantize(dtype)[1])
 
 
 @pytest.mark.parametrize("rows", [64, 128, 192])
@@ -115,15 +116,15 @@ def test_the_int4_kernel_layout_reads_back_as_the_weight(rows, dtype):
     """Where this CPU's int4 layout is the documented one (the probe, ``int4_cpu_layout_reads_back``),
     it reads back as the weight; where it is not (AVX2 builds lay blocks out otherwise), the probe says
     so and a prompt's product keeps the kernel, equal to the reference."""
-    weight = prepare(quantize(torch.randn(rows, 96), INT4, torch.bfloat16), keep_values=True)
+    weight = prepare_weight(quantize(torch.randn(rows, 96), INT4, torch.bfloat16), keep_values=True)
     nibbles = torch.stack([weight.values & 15, weight.values >> 4], dim=-1).flatten(-2)  # (OUT, IN)
-    documented = torch.equal(weight.packed[0].view(torch.uint8), kernels.documented_int4_layout(nibbles))
-    assert kernels.int4_cpu_layout_reads_back() == documented
+    documented = torch.equal(weight.packed[0].view(torch.uint8), int4.documented_int4_layout(nibbles))
+    assert int4.int4_cpu_layout_reads_back() == documented
     if documented:
-        assert torch.equal(kernels.dequantize_int4_kernel_layout(weight, dtype), weight.dequantize(dtype))
+        assert torch.equal(int4.dequantize_int4_kernel_layout(weight, dtype), weight.dequantize(dtype))
     else:
-        x = torch.randn(kernels.DEQUANTIZE_ROWS, 96, dtype=torch.bfloat16)
-        got = quantized_linear(x, weight, Tuning()).float()
+        x = torch.randn(quantized_common.DEQUANTIZE_ROWS, 96, dtype=torch.bfloat16)
+        got = linear(x, weight, Tuning()).float()
         torch.testing.assert_close(got, F.linear(x.float(), weight.dequantize(torch.float32)), atol=0.05, rtol=0.02)
 
 
@@ -134,14 +135,14 @@ def test_int4_prefill_reads_its_layout_back_where_float32_is_faster(monkeypatch)
     calls = []
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a[1].shape[0]) or kernel(*a))
-    x = torch.randn(kernels.INT4_DEQUANTIZE_ROWS, 64).to(torch.bfloat16)
+    x = torch.randn(int4.INT4_DEQUANTIZE_ROWS, 64).to(torch.bfloat16)
     for out_features in (128, 80):
-        weight = prepare(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
-        got, expected = quantized_linear(x, weight, tuning).float(), reference_linear(x, weight).float()
+        weight = prepare_weight(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
+        got, expected = linear(x, weight, tuning).float(), reference_linear(x, weight).float()
         assert (got - expected).abs().max() <= 2**-7 * expected.abs().max()
-        quantized_linear(x[:4], weight, tuning)  # decoding-sized: the kernel
+        linear(x[:4], weight, tuning)  # decoding-sized: the kernel
     # where the probe finds another layout (AVX2), prompts keep the kernel too
-    assert calls == ([128, 80, 80] if kernels.int4_cpu_layout_reads_back() else [128, 128, 80, 80])
+    assert calls == ([128, 80, 80] if int4.int4_cpu_layout_reads_back() else [128, 128, 80, 80])
 
 
 def test_int4_prefill_reads_its_layout_back_into_16_bits_where_those_are_faster(monkeypatch):
@@ -153,26 +154,26 @@ def test_int4_prefill_reads_its_layout_back_into_16_bits_where_those_are_faster(
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
     counted = lambda *a: calls.append(a[1].shape[0]) or kernel(*a)  # noqa: E731
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", counted)
-    x = torch.randn(kernels.DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x = torch.randn(quantized_common.DEQUANTIZE_ROWS, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for out_features in (128, 80):
-        weight = prepare(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
-        got, expected = quantized_linear(x, weight, tuning), reference_linear(x, weight)
-        if out_features == 128 and kernels.int4_cpu_layout_reads_back():
+        weight = prepare_weight(quantize(torch.randn(out_features, 64), INT4, torch.bfloat16), keep_values=True)
+        got, expected = linear(x, weight, tuning), reference_linear(x, weight)
+        if out_features == 128 and int4.int4_cpu_layout_reads_back():
             assert torch.equal(got, expected)  # the same bfloat16 weight, the same product
         else:  # the kernel: its own rounding
             assert (got.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()
-        quantized_linear(x[:-1], weight, tuning)  # one row fewer: the kernel
-    assert calls == ([128, 80, 80] if kernels.int4_cpu_layout_reads_back() else [128, 128, 80, 80])
+        linear(x[:-1], weight, tuning)  # one row fewer: the kernel
+    assert calls == ([128, 80, 80] if int4.int4_cpu_layout_reads_back() else [128, 128, 80, 80])
 
 
 def test_tinygemm_bytes_worked_example():
-    """The plain layout's input 2j moves to the high nibble (kernels.tinygemm_bytes' docstring)."""
+    """The plain layout's input 2j moves to the high nibble (int4.tinygemm_bytes' docstring)."""
     plain = torch.tensor([[95, 137]], dtype=torch.uint8)  # inputs [15, 5, 9, 8] (test_int4_worked_example)
-    assert kernels.tinygemm_bytes(plain).tolist() == [[245, 152]]  # 15 << 4 | 5, 9 << 4 | 8
+    assert int4.tinygemm_bytes(plain).tolist() == [[245, 152]]  # 15 << 4 | 5, 9 << 4 | 8
 
 
 def test_cuda_inner_k_tiles():
-    assert [kernels.cuda_inner_k_tiles(n) for n in (4096, 14336, 256, 64, 96, 40)] == [2, 2, 2, 2, 2, None]
+    assert [int4.cuda_inner_k_tiles(n) for n in (4096, 14336, 256, 64, 96, 40)] == [2, 2, 2, 2, 2, None]
 
 
 def test_tinygemm_layout_hands_cuda_the_weight_with_input_2j_high():
@@ -186,7 +187,7 @@ def test_tinygemm_layout_hands_cuda_the_weight_with_input_2j_high():
         handed.append((matrix.clone(), tiles))
         return torch.zeros(matrix.shape[0] // 8, matrix.shape[1] * 2 // (16 * tiles), 32, tiles // 2, dtype=torch.int32)
 
-    packed, scales_and_zeros = kernels.tinygemm_layout(weight, convert)
+    packed, scales_and_zeros = int4.tinygemm_layout(weight, convert)
     assert packed.shape == (2, 8, 8, 32, 1) and packed.dtype == torch.int32  # (OUT/8, IN/(16 tiles), 32, tiles/2)
     assert scales_and_zeros.shape == (2, 256 // 32, 64, 2) and scales_and_zeros.dtype == torch.bfloat16
     for expert, (matrix, tiles) in enumerate(handed):
@@ -194,7 +195,7 @@ def test_tinygemm_layout_hands_cuda_the_weight_with_input_2j_high():
         n = torch.stack([matrix >> 4, matrix & 15], dim=-1).flatten(-2).float()  # (OUT, IN): 2j high, 2j + 1 low
         scale, zero = scales_and_zeros[expert].float().transpose(0, 1).repeat_interleave(32, dim=1).unbind(-1)  # (OUT, IN)
         torch.testing.assert_close((n - 8) * scale + zero, weight[expert].dequantize(), rtol=0, atol=0)
-    assert kernels.int4_layout(QuantizedWeight(INT4, weight.values, weight.scales, 256, (packed, scales_and_zeros))) == "cuda"
+    assert int4.int4_layout(QuantizedWeight(INT4, weight.values, weight.scales, 256, (packed, scales_and_zeros))) == "cuda"
 
 
 def test_a_layout_made_for_the_other_device_is_not_read():
@@ -202,19 +203,19 @@ def test_a_layout_made_for_the_other_device_is_not_read():
     holding tinygemm's int32 tiles (and its plain values) take the reference path, not the CPU kernel."""
     weight = quantize(torch.randn(64, 128), INT4, torch.bfloat16)
     tiles = torch.zeros(8, 1, 32, 4, dtype=torch.int32)  # tinygemm's shape for (64, 128); never read
-    moved = QuantizedWeight(INT4, weight.values, weight.scales, 128, (tiles, kernels._scales_and_zeros(weight)))
-    assert kernels.int4_layout(moved) == "cuda" and kernels.int4_layout(prepare(weight, keep_values=True)) == "cpu"
+    moved = QuantizedWeight(INT4, weight.values, weight.scales, 128, (tiles, int4._scales_and_zeros(weight)))
+    assert int4.int4_layout(moved) == "cuda" and int4.int4_layout(prepare_weight(weight, keep_values=True)) == "cpu"
     x = torch.randn(3, 128).to(torch.bfloat16)
-    torch.testing.assert_close(quantized_linear(x, moved), reference_linear(x, weight))
+    torch.testing.assert_close(linear(x, moved), reference_linear(x, weight))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="tinygemm (_weight_int4pack_mm) runs on CUDA only; no GPU here")
 def test_cuda_int4_kernel_equals_the_dequantize_reference():
     """On CUDA, int4 bfloat16 weights get tinygemm's layout; few rows take its kernel, many dequantize."""
     g = torch.Generator().manual_seed(5)
-    weight = prepare(quantize(torch.randn(2, 96, 256, generator=g).cuda(), INT4, torch.bfloat16))
-    assert kernels.int4_layout(weight) == "cuda" and weight.values is not None
-    for rows in (1, 8, kernels.CUDA_INT4_DEQUANTIZE_ROWS + 1):
+    weight = prepare_weight(quantize(torch.randn(2, 96, 256, generator=g).cuda(), INT4, torch.bfloat16))
+    assert int4.int4_layout(weight) == "cuda" and weight.values is not None
+    for rows in (1, 8, int4.CUDA_INT4_DEQUANTIZE_ROWS + 1):
         x = torch.randn(rows, 256, generator=g).to("cuda", torch.bfloat16)
         for expert in (1, torch.tensor(1, device="cuda")):  # views, and compiled code's gathered copy
             got = linear(x, weight[expert]).float()
@@ -223,10 +224,10 @@ def test_cuda_int4_kernel_equals_the_dequantize_reference():
 
 
 def test_float32_activations_take_the_reference_path():
-    weight = prepare(quantize(torch.randn(32, 64), INT4, torch.float32))
+    weight = prepare_weight(quantize(torch.randn(32, 64), INT4, torch.float32))
     x = torch.randn(3, 64)
     assert weight.packed is None and not uses_cpu_kernel(x, weight)
-    torch.testing.assert_close(quantized_linear(x, weight), x @ weight.dequantize().T)
+    torch.testing.assert_close(linear(x, weight), x @ weight.dequantize().T)
     torch.testing.assert_close(reference_linear(x, weight), x @ weight.dequantize().T)
 
 
@@ -387,12 +388,12 @@ def test_quantized_step_compiles_and_equals_eager():
 def test_an_expert_picked_by_a_tensor_is_read_in_place_on_cpu(scheme):
     """``w[tensor(e)]`` keeps the stacked tensors and the index (no copy of the expert's weights);
     the kernel's op multiplies by expert e's views: the same numbers as ``w[e]``, exactly."""
-    stacked = prepare(quantize(torch.randn(4, 64, 96), QuantScheme.parse(scheme), torch.bfloat16))  # (E, OUT, IN)
+    stacked = prepare_weight(quantize(torch.randn(4, 64, 96), QuantScheme.parse(scheme), torch.bfloat16))  # (E, OUT, IN)
     x = torch.randn(2, 96).bfloat16()
     for e in range(4):
         lazy = stacked[torch.tensor(e)]
         assert lazy.expert is not None and lazy.scales is stacked.scales and lazy.shape == (64, 96)
-        assert torch.equal(quantized_linear(x, lazy), quantized_linear(x, stacked[e]))
+        assert torch.equal(linear(x, lazy), linear(x, stacked[e]))
         assert torch.equal(lazy.resolved().scales, stacked[e].scales)
     with pytest.raises(IndexError, match="already one expert"):
         stacked[torch.tensor(1)][0]
@@ -429,10 +430,10 @@ def test_compiled_int8_products_of_few_rows_are_reductions(rows):
     from torch._inductor.utils import run_and_get_code
 
     g = torch.Generator().manual_seed(rows)
-    weight = prepare(quantize(torch.randn(64, 128, generator=g), INT8, torch.bfloat16))
+    weight = prepare_weight(quantize(torch.randn(64, 128, generator=g), INT8, torch.bfloat16))
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
     torch._dynamo.reset()
-    got, codes = run_and_get_code(torch.compile(quantized_linear, fullgraph=True, dynamic=False), x, weight)
+    got, codes = run_and_get_code(torch.compile(linear, fullgraph=True, dynamic=False), x, weight)
     expected = (F.linear(x.float(), weight.values.float()) * weight.scales.float()).bfloat16()
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=2**-7)
     assert ("_weight_int8pack_mm" in "\n".join(codes)) == (rows > REDUCTION_ROWS[torch.int8])

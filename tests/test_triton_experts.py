@@ -265,7 +265,8 @@ def test_the_decode_steps_with_the_kernels_give_the_eager_tokens(scheme, decode,
 @pytest.mark.parametrize("scheme", [QuantScheme("int8"), QuantScheme("int4", group_size=32)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])  # a matrix-vector product per row below 4 rows, blocks from 4
 def test_a_dense_quantized_weight_read_as_one_expert_equals_its_dequantized_product(scheme, rows):
-    from mixtral_infer.quant.kernels import reference_linear, triton_dense_kind
+    from mixtral_infer.kernels.linear import reference_linear
+    from mixtral_infer.kernels.linear.triton import triton_dense_kind
 
     g = torch.Generator().manual_seed(rows)
     weight = quantize((torch.randn(80, 2 * te.ROWS_BLOCK_K + 64, generator=g) * 0.1).to(DEVICE), scheme, torch.bfloat16)

@@ -39,10 +39,11 @@ from mixtral_infer.checkpoint.hf_format import check_hf_shape, hf_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.model.transformer import ModelArgs
 from mixtral_infer.quant import nf4
-from mixtral_infer.quant.kernels import prepare
+from mixtral_infer.kernels.linear import prepare_weight
 from mixtral_infer.quant.model import check_finite_scales
 from mixtral_infer.quant.scheme import DEFAULT_GROUP_SIZES, INT4_GROUP_SIZES, QuantScheme
 from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight
+from mixtral_infer.tuning import Tuning
 
 STATE = "quant_state.bitsandbytes__nf4"
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", STATE)  # beside X.weight, as X.weight.PART
@@ -207,8 +208,8 @@ def _absmax(parts: Dict[str, torch.Tensor], state: dict, blocks: int, where: str
 
 
 def placed(tensors: Iterator[Tuple[str, torch.Tensor | QuantizedWeight]], quantized, dtype: torch.dtype,
-           device: torch.device) -> Iterator[Tuple[str, torch.Tensor | QuantizedWeight]]:  # fmt: skip
-    """Published pairs with each nf4 weight on ``device`` in the layout of its kernel, scales in
+           device: torch.device, tuning: Tuning = Tuning()) -> Iterator[Tuple[str, torch.Tensor | QuantizedWeight]]:  # fmt: skip
+    """Published pairs with each nf4 weight on ``device`` in the layout of its back-end under ``tuning``, scales in
     ``dtype``; one this package keeps in floats (``quantized(name)`` false: a router) dequantized."""
     for name, tensor in tensors:
         if not isinstance(tensor, QuantizedWeight):
@@ -217,4 +218,5 @@ def placed(tensors: Iterator[Tuple[str, torch.Tensor | QuantizedWeight]], quanti
             yield name, tensor.dequantize(torch.float32)
         else:
             scales = tensor.scales.to(device=device, dtype=dtype)
-            yield name, prepare(QuantizedWeight(tensor.scheme, tensor.values.to(device), scales, tensor.in_features))
+            weight = QuantizedWeight(tensor.scheme, tensor.values.to(device), scales, tensor.in_features)
+            yield name, prepare_weight(weight, tuning)

@@ -58,18 +58,15 @@ from mixtral_infer.checkpoint.safetensors_reader import (
 from mixtral_infer.checkpoint.weight_shapes import check_published_shape
 from mixtral_infer.devices import checked_device, checked_dtype, default_device
 from mixtral_infer.errors import CheckpointError, ConfigError, as_int
-from mixtral_infer.formats.packing import block_long_rows
-from mixtral_infer.formats.packing import pack_model
-from mixtral_infer.formats.modules import use_formats
+from mixtral_infer.formats.modules import prepare_and_swap
 from mixtral_infer.formats.measured import machine_tuning
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.json_file import read_object
 from mixtral_infer.checkpoint.shares import Selection, select_share
 from mixtral_infer.model.parallel import Parallel
 from mixtral_infer.model.transformer import ModelArgs, Transformer
-from mixtral_infer.quant import int8_activations
 from mixtral_infer.quant.model import check_quantizable, is_quantized_published
-from mixtral_infer.formats.quantizing import install, join_side_by_side
+from mixtral_infer.formats.quantizing import install
 from mixtral_infer.quant.weights import QuantizedWeight, QuantScheme
 from mixtral_infer.shipped import resolve_model_folder
 from mixtral_infer.tokenizer import find_tokenizer
@@ -379,7 +376,7 @@ def build_model(
     parallel: Parallel = Parallel(),
     quantize: Optional[QuantScheme] = None,
     stored: Optional[QuantScheme] = None,
-    kernel_layouts: bool = True,
+    tuning: Tuning = Tuning(),
 ) -> Transformer:
     """A model on ``device`` in ``dtype`` (default float32, bfloat16 on CUDA) from published (name, tensor) pairs.
 
@@ -388,8 +385,9 @@ def build_model(
     ``quantize``: quantize the weights (``quant.model``) as they are read, each expert on
     its own, so the peak is the quantized model plus one float tensor and one layer's
     quantized experts. ``stored``: the tensors are a quantized folder's (``convert --quantize``).
-    ``kernel_layouts``: quantized weights in their kernels' layouts (False: the plain layout the
-    reference reads). The model's modules are the reference's (``formats.modules.use_formats`` swaps).
+    ``tuning``: quantized weights in the layouts of the back-ends that read them under it
+    (``kernels.linear.prepare_weight``; ``Tuning(fast=False)``: the plain layout the reference reads).
+    The model's modules are the reference's (``formats.modules.prepare_and_swap`` swaps).
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -399,9 +397,9 @@ def build_model(
         raise ConfigError(f"{source}: the weights are stored quantized as {stored.label} already; "
                           "load without quantize= (--quantize)")  # fmt: skip
     if quantize is not None:
-        tensors = quantize_published(tensors, quantize, dtype, device, kernel_layouts)
+        tensors = quantize_published(tensors, quantize, dtype, device, tuning)
     elif stored is not None:
-        tensors = from_stored(tensors, stored, dtype, device, str(source), kernel_layouts)
+        tensors = from_stored(tensors, stored, dtype, device, str(source), tuning)
     seen = set()
     for name, tensor in _stack_experts(tensors, args, parallel, str(source)):
         if name in seen:
@@ -428,7 +426,7 @@ def check_finite(name: str, stored: torch.Tensor, placed: torch.Tensor, source: 
     past ``placed``'s range (float16's 65504). A NaN weight does not always reach the logits' check:
     bfloat16 attention on CPU drops a NaN key's scores, decoding garbage that looks fine. Checked by
     the smallest and largest value (``aminmax`` carries NaN through): one reduction at the speed of
-    reading, 4 ms for 14336 x 4096 in bfloat16, where ``isfinite(...).all()`` writes a mask first (227)."""
+    reading, where ``isfinite(...).all()`` writes a mask first (docs/performance.md, section 13)."""
     if placed.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(placed))).all()):
         return
     if placed.dtype != stored.dtype and bool(torch.isfinite(stored).all()):
@@ -474,11 +472,11 @@ def load_model(
     ``quantize``: ``"int8"``, ``"int4"`` (groups of 32 inputs), ``"int4-128"`` or ``"nf4"`` (4-bit
     NormalFloat, groups of 64; ``quant/nf4.py``): weight-only quantization while loading
     (``quant/``); ``"w8a8"``: int8 weights, and on CPU int8 activations
-    too (``quant/int8_activations.py``); without ``dtype`` the model then computes in
+    too (``kernels/linear/w8a8.py``); without ``dtype`` the model then computes in
     bfloat16, the dtype of the CPU kernels. A folder written by ``convert --quantize``
     loads quantized without it.
     ``pack``: a bfloat16 model on CPU keeps its matrices in oneDNN's layout, which the
-    eager loop decodes 1.3x faster (``fast.cpu_packed``); ``pack="columns"``, for compiled
+    eager loop decodes faster (``kernels.linear.packed_bf16``); ``pack="columns"``, for compiled
     decoding, which reads plain 16-bit weights faster still (``fast.cpu_reductions``), keeps
     them plain but for rows longer than 2048 (at Mistral 7B's widths, every matrix), stored in blocks of columns
     (``fast.cpu_column_blocks``; the CLI's ``--decode compiled`` loads so); ``pack=False`` keeps
@@ -526,20 +524,13 @@ def load_model(
     select = None if parallel == Parallel() else lambda name: select_share(parallel, name, checkpoint.args)
     if select is not None and stored is not None:
         select = stored_select(select, stored)  # a quantized folder's integers and scales
+    tuning = tuning if tuning is not None else machine_tuning(fast)  # measured once per machine, before any weight is read
     tensors = checkpoint.published_tensors(progress, select)
     if checkpoint.bitsandbytes is not None:
-        tensors = bnb_4bit.placed(tensors, is_quantized_published, dtype, device)
-    tuning = tuning if tuning is not None else machine_tuning(fast)  # measured once per machine, before any weight is read
+        tensors = bnb_4bit.placed(tensors, is_quantized_published, dtype, device, tuning)
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored,
-                        kernel_layouts=tuning.fast)  # fmt: skip
-    if tuning.fast:
-        join_side_by_side(model)  # nf4 on CPU: wq wk wv, and w1 w3, one kernel call each
-        int8_activations.pack_model(model)  # w8a8 on CPU: for fbgemm, wq wk wv and w1 w3 side by side
-        if pack == "columns":
-            model = block_long_rows(model)
-        elif pack:
-            model = pack_model(model)
-    return use_formats(model, tuning)
+                        tuning)  # fmt: skip
+    return prepare_and_swap(model, tuning, pack)  # the back-ends' layouts for weights that go together, then their modules
 
 
 # ---------------------------------------------------------------- writing

@@ -27,7 +27,7 @@ from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.checkpoint.shares import Selection
 from mixtral_infer.model.transformer import ModelArgs
-from mixtral_infer.quant.kernels import prepare
+from mixtral_infer.kernels.linear import prepare_weight
 from mixtral_infer.quant.model import (
     check_stored_scales,
     is_quantized_published,
@@ -37,6 +37,7 @@ from mixtral_infer.quant.model import (
 )
 from mixtral_infer.quant.model import weight_name as weight_name_of  # weight_name is a local name here
 from mixtral_infer.quant.weights import SCALE_DTYPE, QuantizedWeight, QuantScheme, quantize
+from mixtral_infer.tuning import Tuning
 
 PARAMS_KEY = "quantization"
 METADATA_KEY = "quantization"  # in the safetensors file's __metadata__: the scheme's params, as JSON
@@ -45,12 +46,13 @@ Tensors = Iterator[Tuple[str, torch.Tensor]]
 
 
 def quantize_published(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
-                       kernel_layout: bool = True) -> Iterator:  # fmt: skip
+                       tuning: Tuning = Tuning()) -> Iterator:  # fmt: skip
     """Published (name, float tensor) -> (name, QuantizedWeight) for the weights that are quantized,
-    in the layout of ``device``'s kernel, scales in ``dtype``; other tensors pass unchanged."""
+    in the layout of the back-end that reads them under ``tuning`` (``prepare_weight``), scales in
+    ``dtype``; other tensors pass unchanged."""
     for name, tensor in tensors:
         if is_quantized_published(name):
-            weight = quantize_tensor(tensor, scheme, dtype, device, name, kernel_layout)
+            weight = prepare_weight(quantize_tensor(tensor, scheme, dtype, device, name), tuning)
             del tensor
             release_freed_memory()
             yield name, weight
@@ -75,7 +77,7 @@ def to_stored(tensors: Tensors, scheme: QuantScheme) -> Tensors:
 
 
 def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, device: torch.device, source: str,
-                kernel_layout: bool = True) -> Iterator:  # fmt: skip
+                tuning: Tuning = Tuning()) -> Iterator:  # fmt: skip
     """The inverse of ``to_stored``: each ``X.weight`` with its ``X.scales`` as one QuantizedWeight."""
     waiting: Dict[str, torch.Tensor] = {}  # name -> the half of a pair that came first
     for name, tensor in tensors:
@@ -97,7 +99,7 @@ def from_stored(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype, devic
         check_stored_scales(scales_name(weight_name), scales, scheme, dtype, source)  # before the cast to dtype
         in_features = values.shape[-1] * (2 if scheme.four_bit else 1)
         weight = QuantizedWeight(scheme, values.to(device), scales.to(device=device, dtype=dtype), in_features)
-        weight = prepare(weight) if kernel_layout else weight
+        weight = prepare_weight(weight, tuning)  # the layout of the back-end that reads it
         del values, scales, tensor
         release_freed_memory()
         yield weight_name, weight

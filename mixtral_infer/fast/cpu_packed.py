@@ -60,7 +60,7 @@ class _Matrices:
 
     ``multiply(x, matrix)`` and ``plain(matrix)`` (the ``(OUT, IN)`` tensor it was packed from) say
     which library's layout the matrices are in: oneDNN's (this module) or another CPU library's
-    (``quant.int8_activations`` packs int8 weights for fbgemm the same way)."""
+    (``kernels.linear.w8a8`` packs int8 weights for fbgemm the same way)."""
 
     def __init__(
         self, matrices: List, out_features: int, multiply: Callable = onednn_linear, plain: Callable = _onednn_plain

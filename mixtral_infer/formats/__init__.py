@@ -1,7 +1,8 @@
-"""Weight formats as modules, swapped in for the reference model's after loading.
+"""Swapping the fast modules in after loading, and the weight layouts of a model in memory.
 
-``modules``: one ``nn.Module`` per kind of weight and the blocks that join products, and
-``use_formats``, the one function that swaps them in; ``linear``: the product of a float weight;
-``packing`` and ``quantizing``: putting a loaded model's weights in the layouts and formats those
-modules read; ``measured``: the choices of a ``Tuning`` that depend on the machine, measured once.
+``modules``: ``prepare_and_swap`` (what ``load_model`` calls once: the back-ends' layouts, then
+``use_formats``), ``use_formats`` (each linear layer becomes the back-end ``kernels.linear``'s table
+picks; attention, feed-forward and MoE blocks their fast classes) and those blocks; ``packing`` and
+``quantizing``: a model already in memory put in (or out of) the layouts and formats the back-ends
+read; ``measured``: the choices of a ``Tuning`` that depend on the machine, measured once.
 """

@@ -1,3 +1,4 @@
-"""Quantized weights (int8, int4, nf4, w8a8): the scheme, ``QuantizedWeight`` and quantizing,
-nf4's codes and layouts, the checkpoint-facing names and checks (``model``), and, until they move to
-``kernels.linear``, the kernels that multiply them (``kernels``, ``int8_activations``, ``gemlite_cuda``)."""
+"""Quantized weights (int8, int4, nf4, w8a8) as data: the scheme, ``QuantizedWeight`` and quantizing,
+nf4's codes, layouts and bitsandbytes' library, and the checkpoint-facing names and checks
+(``model``). The back-ends that multiply them are in ``kernels.linear`` (``int8``, ``int4``, ``nf4``,
+``w8a8``, ``gemlite``, ``triton``), one file each."""

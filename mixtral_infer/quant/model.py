@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from mixtral_infer.errors import CheckpointError, ConfigError
-from mixtral_infer.quant.kernels import prepare
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight, QuantScheme, check_scales_fit, quantize
 
 # Internal parameter names (experts stacked) and published names (one tensor per expert).
@@ -77,12 +76,10 @@ def check_quantizable(args, scheme: QuantScheme, tensor_parallel: int = 1) -> No
 
 
 def quantize_tensor(tensor: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
-                    name: str = "the weight", kernel_layout: bool = True,
-                    gemlite_float32_outputs: bool = False) -> QuantizedWeight:  # fmt: skip
-    """One weight quantized on ``device``, in the layout of that device's kernel (``kernel_layout``;
-    False: the plain layout the reference reads; ``gemlite_float32_outputs``: ``quant.kernels.prepare``'s)."""
-    weight = quantize(tensor.to(device), scheme, dtype, name)
-    return prepare(weight, gemlite_float32_outputs=gemlite_float32_outputs) if kernel_layout else weight
+                    name: str = "the weight") -> QuantizedWeight:  # fmt: skip
+    """One weight quantized on ``device``, in the plain layout (the back-end that reads it lays it out
+    for its kernels: ``kernels.linear.prepare_weight``)."""
+    return quantize(tensor.to(device), scheme, dtype, name)
 
 
 def check_finite_scales(name: str, scales: torch.Tensor, source: str,

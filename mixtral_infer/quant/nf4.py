@@ -231,7 +231,7 @@ def _nf4_cuda_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gr
 
 
 # Ops, so that compiled code calls the kernel as it calls PyTorch's own (declared with
-# torch.library.Library as quant.kernels' expert ops: the dispatcher calls the function directly).
+# torch.library.Library as kernels.linear's expert ops: the dispatcher calls the function directly).
 # nf4_expert_mm multiplies by expert ``expert`` (a 0-d tensor) of stacked weights, in place.
 _LIBRARY = torch.library.Library("mixtral_infer", "FRAGMENT")
 _LIBRARY.define("nf4_mm(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor")

@@ -16,7 +16,7 @@ FOUR_BIT = ("int4", "nf4")  # two values a byte, one scale per group of inputs
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the 4-bit kernels take
 DEFAULT_GROUP_SIZES = {"int4": 32, "nf4": 64}  # nf4: QLoRA's and bitsandbytes' default
 CHOICES = "int8, w8a8, int4, int4-<group size>, nf4 or nf4-<group size>"  # what quantize= takes, for messages
-W8A8 = "w8a8"  # int8 weights, and int8 activations in CPU products (quant.int8_activations)
+W8A8 = "w8a8"  # int8 weights, and int8 activations in CPU products (kernels.linear.w8a8)
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class QuantScheme:
 
     ``activations="int8"`` (``quantize="w8a8"``): int8 weights as ``int8``'s, multiplied on CPU
     with the activations quantized to int8 too, row by row, at run time
-    (``quant.int8_activations``); the weights, and so a folder's tensors, are ``int8``'s."""
+    (``kernels.linear.w8a8``); the weights, and so a folder's tensors, are ``int8``'s."""
 
     name: str
     group_size: Optional[int] = None

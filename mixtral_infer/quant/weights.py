@@ -3,7 +3,7 @@
 Decoding reads every weight once per token, so a weight stored in 8 or 4 bits is read
 2x or 4x faster than in bfloat16. Only the weights are quantized; activations, the
 embeddings, the norms and the MoE router stay in the model's dtype (except with ``w8a8``:
-int8 weights whose CPU products quantize their activations too, ``quant/int8_activations.py``).
+int8 weights whose CPU products quantize their activations too, ``kernels/linear/w8a8.py``).
 
 Three schemes, all symmetric (zero maps to zero):
 
@@ -23,8 +23,9 @@ Worked example, int4, G = 4, one row ``w = [0.7, -0.35, 0.1, 0.0]``: scale = 0.7
 (bfloat16 0.10009765625), ``n - 8 = round(w / scale) = [7, -3, 1, 0]``, ``n = [15, 5, 9, 8]``,
 bytes ``[15 | 5 << 4, 9 | 8 << 4] = [95, 137]``; dequantized ``[0.7007, -0.3003, 0.1001, 0.0]``.
 
-The matrix products are PyTorch's weight-only kernels (``quant/kernels.py`` says which
-and why); ``QuantizedWeight.dequantize`` is the readable reference they are tested against.
+The matrix products are the weight back-ends of ``kernels/linear/`` (``int8.py``, ``int4.py``,
+``nf4.py``... say which kernels and why); ``QuantizedWeight.dequantize`` is the readable reference
+they are tested against.
 """
 
 from __future__ import annotations
@@ -51,23 +52,23 @@ class QuantizedWeight:
     of the activations. Leading dimensions are stacked experts: ``weight[e]`` is expert e
     (views for an int ``e``), a plain object that compiled code can make.
 
-    A kernel may want its own layout (``quant.kernels.prepare``): it is kept in ``packed``
+    A kernel may want its own layout (its back-end's ``prepare``, ``kernels.linear.prepare_weight``): it is kept in ``packed``
     (not saved), and ``values`` may then be dropped to save memory (``values is None``).
 
     ``expert``: on CPU, ``weight[e]`` for a 0-d tensor ``e`` (compiled code's expert index)
     keeps the stacked tensors and ``expert = e`` instead of gathering a copy of one expert:
-    the CPU kernels' ops read ``e`` and multiply by that expert's views (``quant.kernels``).
+    the CPU kernels' ops read ``e`` and multiply by that expert's views (``kernels.linear``).
     ``resolved()`` gives the gathered weight, which everything else uses.
     """
 
     expert: Optional[torch.Tensor] = None  # see the docstring; QuantizedParameter never has one
-    prepacked = None  # w8a8 on CPU: a fast.cpu_packed.PackedWeight in fbgemm's layout (quant.int8_activations)
-    # nf4 weights joined side by side (quant.model.join_side_by_side): on the group's first weight,
+    prepacked = None  # w8a8 on CPU: a fast.cpu_packed.PackedWeight in fbgemm's layout (kernels.linear.w8a8)
+    # nf4 weights joined side by side (kernels.linear.nf4.join_side_by_side): on the group's first weight,
     # ``joined = (bytes, scales)`` of all its weights in the kernel's layout; on each weight,
     # ``joined_rows = (start, stop, total)``, its rows among them (its own ``packed`` is a view).
     joined: Optional[tuple] = None
     joined_rows: Optional[tuple] = None
-    # int8/int4 on CUDA where GemLite is installed: a quant.gemlite_cuda.GemliteProduct (its packed layer)
+    # int8/int4 on CUDA where GemLite is installed: a kernels.linear.gemlite.GemliteProduct (its packed layer)
     gemlite = None
 
     def __init__(self, scheme: QuantScheme, values: Optional[torch.Tensor], scales: torch.Tensor, in_features: int,

@@ -36,7 +36,7 @@ from mixtral_infer.generation.settings import (
     proc_kb_field,
 )
 from mixtral_infer.model.transformer import Transformer
-from mixtral_infer.quant import gemlite_cuda
+from mixtral_infer.kernels.linear import gemlite as gemlite_cuda
 from mixtral_infer.quant.weights import QuantizedParameter
 
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -109,7 +109,7 @@ def measure_step_peak(model: Transformer, n_tokens: int, slots: int) -> Optional
 def weight_bytes(model: Transformer) -> int:
     """Bytes the model's weights take: parameters, buffers (quantized weights' integers and scales),
     matrices packed for oneDNN (``fast.cpu_packed``), w8a8's int8 matrices packed for fbgemm and
-    GemLite's int4 words on CUDA (``quant.gemlite_cuda``). Tensors that are views of one another
+    GemLite's int4 words on CUDA (``kernels.linear.gemlite``). Tensors that are views of one another
     (nf4 weights joined side by side: each weight's bytes a view of its group's) count once."""
     plain = held_bytes([*model.parameters(), *model.buffers()])
     quantized = [m for m in model.modules() if isinstance(m, QuantizedParameter)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mixtral_infer.fast.cpu_reductions import expert_of
+from mixtral_infer.kernels.linear import backend_for
 from mixtral_infer.kernels.moe.one_by_one import expert
 from mixtral_infer.kernels.moe.strategy import MoeStrategy
 from mixtral_infer.kernels.moe.triton_mixture import triton_experts_kind, triton_mixture
@@ -29,11 +31,13 @@ class FastMoeLayer(MoeLayer):
         weight is replaced, which swaps the layer in again, or cast, ``_apply``)."""
         self.tuning = tuning
         self.strategy = MoeStrategy.choose(self, tuning)
+        # The back-end that reads one expert's matrix of each stacked weight (``kernels.linear``'s table)
+        self.expert_backends = {name: backend_for(expert_of(getattr(self, name), 0), tuning) for name in ("w1", "w2", "w3")}
 
     def _apply(self, fn, *args, **kwargs):
         """``model.to(...)`` and the like: the weights' dtype may change, and with it the strategy."""
         module = super()._apply(fn, *args, **kwargs)
-        if "tuning" in self.__dict__:
+        if hasattr(self, "tuning"):  # swapped in already
             self.swapped_in(self.tuning)
         return module
 

@@ -1,5 +1,5 @@
 """One by one: experts as loops of fixed length over their 2-D weights, each product through
-``kernels.linear`` (whose back-ends, quantized or packed, take one 2-D weight at a time); the chosen
+``kernels.linear``' back-ends (which, quantized or packed, take one 2-D weight at a time); the chosen
 experts one row each, or every expert on every row."""
 
 from __future__ import annotations
@@ -8,17 +8,20 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_reductions import expert_of
-from mixtral_infer.kernels.linear import linear, linears
+from mixtral_infer.kernels.linear import backend_for
 from mixtral_infer.kernels.moe.every_expert import routing_matrix
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.tuning import Tuning
 
 
 def expert(moe: MoeLayer, e: int | torch.Tensor, x: torch.Tensor, tuning: Tuning) -> torch.Tensor:
-    """Expert ``e`` of ``moe`` on x ``(N, D)`` through its weights' kernels (``e`` a 0-d tensor in
-    compiled steps, read in place: ``expert_of``), as ``tuning`` says: ``(N, D)``."""
-    gate, up = linears(x, expert_of(moe.w1, e), expert_of(moe.w3, e), tuning=tuning)  # (N, I) each
-    return linear(F.silu(gate) * up, expert_of(moe.w2, e), tuning)
+    """Expert ``e`` of ``moe`` on x ``(N, D)`` through its weights' back-ends (chosen when the layer was
+    swapped in, ``FastMoeLayer.expert_backends``; ``e`` a 0-d tensor in compiled steps, read in place:
+    ``expert_of``), as ``tuning`` says: ``(N, D)``."""
+    w1, w3, w2 = expert_of(moe.w1, e), expert_of(moe.w3, e), expert_of(moe.w2, e)
+    backends = getattr(moe, "expert_backends", None) or {"w1": backend_for(w1, tuning), "w2": backend_for(w2, tuning)}
+    gate, up = backends["w1"].products(x, (w1, w3), tuning)  # (N, I) each
+    return backends["w2"].product(F.silu(gate) * up, w2, tuning)
 
 
 def experts_one_by_one(

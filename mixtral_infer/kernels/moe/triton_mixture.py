@@ -9,14 +9,14 @@ import torch
 
 from mixtral_infer.fast import triton_experts
 from mixtral_infer.model.moe import MoeLayer
-from mixtral_infer.quant.kernels import triton_weight_kind
+from mixtral_infer.kernels.linear.triton import triton_weight_kind
 from mixtral_infer.quant.weights import QuantizedWeight
 
 
 def triton_kind(moe: MoeLayer, x: torch.Tensor) -> Optional[int]:
     """The kind of weight ``fast.triton_experts`` reads these experts as (``PLAIN``, ``INT8``, ``INT4``),
     or None where its kernels do not take them: weights packed for a CPU kernel, in another dtype than
-    x, or quantized weights it does not take (``quant.kernels.triton_weight_kind``); a rank's share of
+    x, or quantized weights it does not take (``kernels.linear.triton.triton_weight_kind``); a rank's share of
     the experts (expert parallelism)."""
     weights = (moe.w1, moe.w2, moe.w3)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or len(moe.local_experts) != moe.args.num_experts:

@@ -40,8 +40,8 @@ instead, converted by ``GemliteProduct`` to the activations' dtype through
 product of more rows) it otherwise converts its output in a kernel of its own after the product,
 which a compiled step cannot fuse; ours is a graph op, done by the kernel that reads the product
 (rotary embedding, the SwiGLU product, the residual add). The same rounding, once; int8 at 1-2 rows
-writes its output's dtype directly either way. It is off by default: it has not been timed on a GPU
-(``bench_gpu.py``'s ``-gemlite`` and ``-gemlite-f32`` schemes compare the two ways). The tuned
+writes its output's dtype directly either way. It is off by default (``bench_gpu.py``'s ``-gemlite`` and
+``-gemlite-f32`` schemes compare the two ways; docs/performance.md keeps what they measured). The tuned
 configurations are the same: GemLite keys them by input type and bits, not output.
 
 Tuning: GemLite autotunes each shape on first use, unless its cached configurations for the GPU
@@ -64,7 +64,12 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend
+from mixtral_infer.kernels.linear.int4 import Int4Linear
+from mixtral_infer.kernels.linear.int8 import Int8Linear
 from mixtral_infer.quant import nf4
+from mixtral_infer.quant.weights import QuantizedWeight
+from mixtral_infer.tuning import Tuning
 
 ROWS = 64  # GemLite's own limit for its matrix-vector and split-K kernels (its GEMM from there on)
 MIN_INPUTS = 32  # GemLite's: inputs a multiple of this (and of the group size)
@@ -235,7 +240,7 @@ def product(weight, float32_outputs: bool = False) -> GemliteProduct:
 
 
 def usable(x: torch.Tensor, weight) -> bool:
-    """Whether ``quantized_linear`` multiplies ``x`` by ``weight``'s GemLite product: it has one, on
+    """Whether ``GemliteLinear`` multiplies ``x`` by ``weight``'s GemLite product: it has one, on
     ``x``'s device, in ``x``'s dtype, for fewer than ``ROWS`` rows."""
     made = weight.gemlite
     return made is not None and x.device == made.device and x.dtype == weight.dtype and x.shape[0] < ROWS
@@ -250,3 +255,29 @@ def held_bytes(weights: List) -> int:
         if made is not None and weight.scheme.name == "int4":
             total += made.tensors[0].numel() * made.tensors[0].element_size()
     return total
+
+
+class GemliteLinear(LinearBackend):
+    """An int8 or int4 weight that GemLite packed at load (``weight.gemlite``, ``product``) (module
+    docstring); chunks it does not take (``usable``) go to the weight's own back-end."""
+
+    @classmethod
+    def reads(cls, weight: object) -> bool:
+        return isinstance(weight, QuantizedWeight) and weight.gemlite is not None
+
+    @classmethod
+    def prepare(cls, weight: object, tuning: Tuning, keep_values: bool = False) -> bool:
+        """GemLite's packed layer, on a GPU where GemLite is installed, for the weights it supports
+        (their plain values kept for prompts); its outputs float32 with ``Tuning.gemlite_float32_outputs``."""
+        if not isinstance(weight, QuantizedWeight) or weight.device.type != "cuda" or not supports(weight):
+            return False
+        if library() is None:
+            return False
+        weight.gemlite = product_or_none(weight, tuning.gemlite_float32_outputs)
+        return weight.gemlite is not None
+
+    @staticmethod
+    def product(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
+        if usable(x, weight):
+            return weight.gemlite(x)
+        return (Int8Linear if weight.scheme.name == "int8" else Int4Linear).product(x, weight, tuning)

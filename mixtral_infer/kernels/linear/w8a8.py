@@ -25,9 +25,8 @@ and ``[1, 1]`` (scale 0.02): ``max|x| = 0.5``, ``q = round(127 * [1, -0.5]) = [1
 63 * 0.02] * 0.5 / 127 = [0.017559, 0.004961]`` (the float product gives ``[0.0175, 0.0050]``).
 
 Every CPU product goes through fbgemm, prompts too: with many rows its integer product is
-compute-bound, and faster than a float32 one (2048 rows: 29 against 49 ms), where int8's
-dequantizing would first unpack fbgemm's matrices (20 ms for 3584 x 1024). The readable
-reference is ``reference_linear``.
+compute-bound, and faster than a float32 one, where int8's dequantizing would first unpack fbgemm's
+matrices (docs/performance.md, section 6). The readable reference is ``reference_linear``.
 
 Packed like ``fast.cpu_packed``'s bfloat16 weights, in a ``PackedWeight`` whose table entry
 calls fbgemm: ``QuantizedWeight.prepacked`` holds it (the plain integers are dropped; ``dense()``
@@ -39,16 +38,18 @@ from __future__ import annotations
 import contextlib
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixtral_infer.fast.cpu_packed import PackedWeight, _Matrices, packed_linear, side_by_side_groups
+from mixtral_infer.fast.cpu_packed import PackedWeight, _Matrices, packed_linear, side_by_side, side_by_side_groups
 from mixtral_infer.hardware import cpu_info
+from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant.weights import QuantizedWeight
+from mixtral_infer.tuning import Tuning
 
 
 def available() -> bool:
@@ -133,7 +134,7 @@ def _pack_weights(weights: List[QuantizedWeight]) -> None:
 
     Several weights that multiply the same input (``wq wk wv``, ``w1 w3``) become one matrix of their
     rows stacked, each weight a block of rows, as ``fast.cpu_packed`` packs bfloat16 ones:
-    ``quant.kernels.quantized_linears`` multiplies them in one product: fbgemm's calls cost more
+    ``W8a8Linear.products`` multiplies them in one product: fbgemm's calls cost more
     for small matrices than their arithmetic (docs/performance.md, "w8a8: int8 activations through fbgemm")."""
     first = weights[0]
     shape = torch.Size((*first.shape[:-2], sum(w.shape[-2] for w in weights), first.shape[-1]))
@@ -150,6 +151,34 @@ def _pack_weights(weights: List[QuantizedWeight]) -> None:
         weight.prepacked = whole if len(weights) == 1 else PackedWeight(whole.owner, weight.shape, torch.int8, rows=(start, stop))
         weight.values = None
         start = stop
+
+
+class W8a8Linear(LinearBackend):
+    """int8 weights packed for fbgemm at load (``QuantizedWeight.prepacked``), on CPU: every product,
+    of any float dtype (fbgemm takes float32; bfloat16 converts) and any number of rows (prompts too:
+    fbgemm's integer product is faster than float32's there) (module docstring)."""
+
+    devices = ("cpu",)
+
+    @classmethod
+    def reads(cls, weight: object) -> bool:
+        return isinstance(weight, QuantizedWeight) and weight.prepacked is not None
+
+    @classmethod
+    def prepare_model(cls, model: nn.Module, tuning: Tuning, pack: bool | str) -> None:
+        pack_model(model)
+
+    @staticmethod
+    def product(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
+        return int8_activations_linear(x, weight.prepacked)
+
+    @classmethod
+    def products(cls, x: torch.Tensor, weights: Sequence, tuning: Tuning = DEFAULT) -> List[torch.Tensor]:
+        """Weights packed side by side (``pack_weights``): one product of the group, split."""
+        whole = side_by_side([w.prepacked for w in weights])
+        if whole is None:
+            return [cls.product(x, weight, tuning) for weight in weights]
+        return list(int8_activations_linear(x, whole).split([w.shape[-2] for w in weights], dim=-1))
 
 
 def pack_model(model: nn.Module) -> nn.Module:
@@ -171,7 +200,7 @@ def pack_model(model: nn.Module) -> nn.Module:
         _pack_weights(group)
         release_freed_memory()  # the integers replaced
 
-    # fbgemm packs on one core: a group per thread packs 2x faster on 2 cores (mixtral-bench: 4.6 s alone)
+    # fbgemm packs on one core: a group per thread packs the groups on every core (docs/performance.md, section 13)
     with _packing(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         list(pool.map(pack_group, groups))
     return model
