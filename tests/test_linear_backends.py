@@ -125,7 +125,7 @@ class TransposedLinear(LinearBackend):
 def test_a_new_back_end_is_its_file_and_one_line_of_the_table(monkeypatch, moe):
     """Loading's one call (``prepare_and_swap``) lays the weights out and swaps the new back-end in
     from the table alone; the model's logits are the plain model's."""
-    monkeypatch.setattr(backends, "BACKENDS", (TransposedLinear, *backends.BACKENDS))  # the one line
+    monkeypatch.setattr(backends, "BACKENDS", (backends.BACKENDS[0], TransposedLinear, *backends.BACKENDS[1:]))  # the one line
     plain = random_model(tiny_args(moe=moe), seed=3)
     tokens = torch.tensor([1, 5, 9, 2, 7])
     expected = plain(tokens, [5])
@@ -133,3 +133,23 @@ def test_a_new_back_end_is_its_file_and_one_line_of_the_table(monkeypatch, moe):
     assert type(model.layers["0"].attention.wq) is TransposedLinear
     assert isinstance(model.layers["0"].attention.wq.weight, TransposedWeight)
     torch.testing.assert_close(model(tokens, [5]), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_one_weight_of_a_joined_group_replaced_is_read_by_its_own_back_end():
+    """wq made plain again in a packed model: wk and wv stay packed, each read by its own back-end."""
+    from mixtral_infer.formats.modules import replace_parameter
+    from mixtral_infer.formats.packing import pack_model
+
+    plain = random_model(tiny_args(moe=False), seed=6).to(PACKS)
+    tokens = torch.tensor([3, 1, 4, 1, 5])
+    expected = plain(tokens, [5])
+    model = pack_model(random_model(tiny_args(moe=False), seed=6).to(PACKS), dtypes=(PACKS,))
+    wq = model.layers["0"].attention.wq
+    replace_parameter(model, "layers.0.attention.wq.weight", nn.Parameter(wq.weight.dense(), requires_grad=False))
+    assert type(model.layers["0"].attention.wq) is PlainLinear and type(model.layers["0"].attention.wk) is PackedBf16Linear
+    tolerance = 1e-5 if PACKS == torch.float32 else 2e-2
+    torch.testing.assert_close(model(tokens, [5]), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_blocks_of_columns_are_read_on_any_device_they_were_moved_to():
+    assert backend_for(to_blocks(torch.randn(64, 128, device="meta"), 32), FAST) is ColumnBlocksLinear

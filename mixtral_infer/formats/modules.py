@@ -27,7 +27,7 @@ from torch import nn
 from mixtral_infer.fast.batched_attention import batched_attention
 from mixtral_infer.fast.cache_gather import gathered_kv
 from mixtral_infer.fast.cuda_attention import cuda_attention
-from mixtral_infer.kernels.linear import backend_for, prepare_model, put_weight
+from mixtral_infer.kernels.linear import LinearBackend, backend_for, prepare_model, put_weight
 from mixtral_infer.kernels.moe import FastMoeLayer, ReferenceQuantizedMoeLayer, moe_class  # noqa: F401 (where tests and docs find them)
 from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.model.transformer import Attention, FeedForward
@@ -38,6 +38,8 @@ class FastAttention(Attention):
     """``wq wk wv`` in one product where they are joined side by side; CUDA's attention kernels."""
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not type(self.wq) is type(self.wk) is type(self.wv):  # one replaced since: each by its own back-end
+            return self.wq(x), self.wk(x), self.wv(x)
         xq, xk, xv = type(self.wq).products(x, (self.wq.weight, self.wk.weight, self.wv.weight), self.tuning)
         return xq, xk, xv
 
@@ -52,7 +54,10 @@ class FastFeedForward(FeedForward):
     """``w1 w3`` in one product where they are joined side by side."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = type(self.w1).products(x, (self.w1.weight, self.w3.weight), self.tuning)  # (T, I) each
+        if type(self.w1) is type(self.w3):
+            gate, up = type(self.w1).products(x, (self.w1.weight, self.w3.weight), self.tuning)  # (T, I) each
+        else:  # one replaced since: each by its own back-end
+            gate, up = self.w1(x), self.w3(x)
         return self.parallel.all_reduce(self.w2(F.silu(gate) * up))
 
 
@@ -97,7 +102,10 @@ def prepare_and_swap(model: nn.Module, tuning: Tuning, pack: bool | str = True) 
 def tuning_of(model: nn.Module) -> Tuning:
     """The tuning ``use_formats`` gave ``model``, or ``Tuning.default()`` for a model it has not seen."""
     tuning = getattr(model, "tuning", None)
-    return tuning if isinstance(tuning, Tuning) else Tuning.default()
+    if isinstance(tuning, Tuning):
+        return tuning
+    swapped = (LinearBackend, FastMoeLayer, FastAttention, FastFeedForward)  # a part swapped on its own
+    return next((module.tuning for module in model.modules() if isinstance(module, swapped)), Tuning.default())
 
 
 def replace_parameter(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:

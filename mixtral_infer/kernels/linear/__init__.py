@@ -18,7 +18,7 @@ back-end (file)     weights                                     devices       wh
 ``int8``            int8 (column blocks on CPU, compiled)       any
 ``int4``            int4 (the device's kernel layout)           any
 ``packed_bf16``     bfloat16 in oneDNN's layout                 CPU           ``load_model(pack=True)``
-``column_blocks``   float, long rows in blocks of columns       CPU           ``pack="columns"``
+``column_blocks``   float, long rows in blocks of columns       any           ``pack="columns"``
 ``plain``           a float ``nn.Parameter``                    any
 ==================  ==========================================  ============  =====================
 
@@ -28,7 +28,7 @@ Adding a back-end is a new file here with its ``LinearBackend`` subclass and one
 Loading prepares weights through the same table: ``prepare_weight`` as each weight is read (kernel
 layouts written over the plain bytes, so the peak stays one weight), ``prepare_model`` once the
 model is built (weights that go together, side by side). ``linear`` and ``linears`` multiply by a
-bare weight (one expert of stacked weights, in the MoE strategies) through its back-end.
+bare weight through its back-end (the MoE layers choose their experts' once, when swapped in).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def prepare_weight(weight, tuning: Tuning = DEFAULT, keep_values: bool = False):
     """Lay out one weight as it is read, in place, for the first back-end of the table that lays it
     out (``LinearBackend.prepare``; the reference keeps the plain layout); returns it."""
     for backend in BACKENDS:
-        if backend.prepare(weight, tuning, keep_values):
+        if backend.wanted(tuning) and backend.prepare(weight, tuning, keep_values):
             break
     return weight
 
@@ -86,8 +86,8 @@ def prepare_weight(weight, tuning: Tuning = DEFAULT, keep_values: bool = False):
 def prepare_model(model: nn.Module, tuning: Tuning, pack: bool | str = True) -> nn.Module:
     """Lay out a loaded model's weights that go together, in place, as each back-end wants
     (``LinearBackend.prepare_model``); nothing for the reference. ``pack``: ``load_model``'s."""
-    if tuning.fast:
-        for backend in BACKENDS:
+    for backend in BACKENDS:
+        if backend.wanted(tuning):
             backend.prepare_model(model, tuning, pack)
     return model
 

@@ -28,7 +28,8 @@ from mixtral_infer.tuning import Tuning
 class ColumnBlocksLinear(LinearBackend):
     """A weight in blocks of columns (``fast.cpu_column_blocks.ColumnBlocks``) (module docstring)."""
 
-    devices = ("cpu",)
+    # Laid out on CPU only; a model moved elsewhere keeps the blocks, multiplied by the plain weight.
+    devices = None
 
     @classmethod
     def reads(cls, weight: object) -> bool:

@@ -47,6 +47,7 @@ from torch import nn
 from mixtral_infer.fast.cpu_packed import PackedWeight, _Matrices, packed_linear, side_by_side, side_by_side_groups
 from mixtral_infer.hardware import cpu_info
 from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend
+from mixtral_infer.kernels.linear.int8 import Int8Linear
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.quant.weights import QuantizedWeight
 from mixtral_infer.tuning import Tuning
@@ -170,13 +171,15 @@ class W8a8Linear(LinearBackend):
 
     @staticmethod
     def product(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
+        if x.device.type != "cpu":  # a model moved off the CPU: fbgemm's matrices stay there, int8's kernels read them back
+            return Int8Linear.product(x, weight, tuning)
         return int8_activations_linear(x, weight.prepacked)
 
     @classmethod
     def products(cls, x: torch.Tensor, weights: Sequence, tuning: Tuning = DEFAULT) -> List[torch.Tensor]:
         """Weights packed side by side (``pack_weights``): one product of the group, split."""
         whole = side_by_side([w.prepacked for w in weights])
-        if whole is None:
+        if whole is None or x.device.type != "cpu":
             return [cls.product(x, weight, tuning) for weight in weights]
         return list(int8_activations_linear(x, whole).split([w.shape[-2] for w in weights], dim=-1))
 
