@@ -153,3 +153,38 @@ def test_one_weight_of_a_joined_group_replaced_is_read_by_its_own_back_end():
 
 def test_blocks_of_columns_are_read_on_any_device_they_were_moved_to():
     assert backend_for(to_blocks(torch.randn(64, 128, device="meta"), 32), FAST) is ColumnBlocksLinear
+
+
+@pytest.mark.skipif(not w8a8.available(), reason="fbgemm (x86 PyTorch builds) is not in this PyTorch")
+def test_w8a8_weights_on_a_model_moved_off_the_cpu_take_int8s_path():
+    """fbgemm's matrices stay on the CPU; rows from elsewhere (meta here, as a GPU's would) go to int8's
+    back-end, which reads the integers back: the shape of the reference's product, no fbgemm call."""
+    weight = quantized("w8a8")
+    w8a8.pack_weights([weight])
+    x = torch.randn(2, 128, device="meta", dtype=torch.bfloat16)
+    assert W8a8Linear.product(x, weight).shape == (2, 64)
+    assert [out.shape for out in W8a8Linear.products(x, [weight])] == [(2, 64)]
+
+
+def test_only_the_back_ends_the_tuning_wants_lay_weights_out(monkeypatch):
+    class Unwanted(PlainLinear):
+        @classmethod
+        def wanted(cls, tuning: Tuning) -> bool:
+            return False
+
+        @classmethod
+        def prepare_model(cls, model, tuning, pack):
+            raise AssertionError("laid out by a back-end the tuning does not want")
+
+    monkeypatch.setattr(backends, "BACKENDS", (Unwanted, *backends.BACKENDS))
+    backends.prepare_model(random_model(tiny_args(moe=False), seed=1), FAST)
+
+
+def test_the_tuning_of_a_model_swapped_part_by_part_is_the_parts():
+    from mixtral_infer.formats.modules import tuning_of
+
+    tuning = Tuning(streams=5)
+    model = random_model(tiny_args(moe=False), seed=1)
+    del model.tuning
+    use_formats(model.layers["0"], tuning)
+    assert tuning_of(model) is tuning  # found on the first part swapped, not Tuning.default()
