@@ -111,6 +111,31 @@ def sample(logits: torch.Tensor, sampling: Sampling, uniform: Optional[torch.Ten
     return torch.where(sampling.temperature == 0, greedy, sampled)
 
 
+def token_distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The probabilities ``sample`` draws each row's token from, ``(B, V)`` float32 in vocabulary
+    order: softmax at the row's temperature, cut to its top-k / top-p and normalised; one-hot at
+    argmax for a greedy row. Speculative decoding accepts a guess with these (``generation.speculative``).
+
+    >>> settings = Sampling.uniform_settings(1, 4, temperature=1.0, top_k=2)
+    >>> [round(p, 3) for p in token_distribution(torch.tensor([[0.0, 1.0, 0.5, 0.0]]), settings)[0].tolist()]
+    [0.0, 0.622, 0.378, 0.0]
+    """
+    logits = logits.float()
+    greedy = torch.nn.functional.one_hot(torch.argmax(logits, dim=-1), logits.shape[-1]).float()  # (B, V)
+    if sampling.greedy:
+        return greedy
+    temperature = sampling.temperature.clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # (B, 1)
+    probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature, dim=-1)  # (B, V)
+    if sampling.filtered:  # the cut ``sample`` makes, in sorted order, put back in vocabulary order
+        ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        mass_before = torch.cumsum(ranked, dim=-1) - ranked
+        keep = (rank < sampling.top_k[:, None]) & (mass_before < sampling.top_p[:, None]) | (rank == 0)
+        probs = torch.zeros_like(probs).scatter(1, order, ranked * keep)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.where((sampling.temperature == 0)[:, None], greedy, probs)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(token) of each row under the model (before temperature): ``(B,)``."""
     return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]

@@ -24,6 +24,9 @@ from mixtral_infer.generation.shared_prefix import (
     shared_prefix_length,
 )
 from mixtral_infer.generation.sampling_params import SamplingParams
+from mixtral_infer.generation.speculative import Piece, check_speculation, decode_speculative
+from mixtral_infer.steps.compiler import VERIFY
+from mixtral_infer.steps.mixed_step import pack_chunk, verify_logits
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
@@ -235,6 +238,8 @@ def generate(
     decode: str = "auto",
     tokenizer: Optional[Tokenizer] = None,
     leading_space: bool = True,
+    draft: object = None,
+    speculative_tokens: Optional[int] = None,
     **sampling: Any,
 ) -> Tuple[List[List[int]], List[List[float]]]:
     """Continue each prompt by up to ``params.max_tokens`` tokens.
@@ -285,6 +290,13 @@ def generate(
     runs the fixed-shape step of ``mixtral_infer.steps.decode_step`` op by op; ``compiled``
     runs that step through ``torch.compile`` (on CUDA as a CUDA graph; on CPU built by
     AOTInductor, ``steps/cpu_aot_step.py``); ``auto``: compiled on CUDA, eager on CPU.
+
+    ``draft``: speculative decoding (``generation.speculative``), the same tokens (greedy) or the same
+    distribution (sampling) in fewer passes: ``"ngram"`` (prompt lookup), a smaller model of the same
+    tokenizer (``load_model``; a ``DraftModel`` of it keeps its cache between calls), or a proposer.
+    ``speculative_tokens``: the most guesses a row checks per pass (4). Each pass checks them with
+    ``Transformer.forward`` (``eager``) or the mixed step's verify step (``static``, ``compiled``). What
+    it gained is added to the proposer's ``stats`` (``SpeculativeStats``).
     """
     if params is None and "max_tokens" not in sampling:
         raise TypeError("generate() needs max_tokens= (or params=SamplingParams(max_tokens=...))")
@@ -297,6 +309,7 @@ def generate(
     max_tokens, chunk_size = params.max_tokens, None if chunk_size is None else int(chunk_size)
     grammar_text = check_shaping(params, tokenizer)
     mode = decode_mode(decode, model)
+    speculation = check_speculation(draft, speculative_tokens)
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
     if cache is not None and cache.tokens_seen and len(cache.tokens_seen) != batch:
@@ -344,7 +357,13 @@ def generate(
             bias=params.logit_bias, min_tokens=params.min_tokens, stops=stops,
         )  # fmt: skip
     settings = DecodeSettings(sampling, generator, eos_id, max_tokens, on_token, shaping)
-    if mode == "eager":
+    if speculation is not None:
+        k = speculation.tokens
+        check_verify_fits(cache, k, mode)
+        speculation.proposer.begin(model, batch, longest + max_tokens, k, continuing=not fresh)
+        verify = verify_eager(model) if mode == "eager" else verify_static(model, k, batch, compiled=mode == "compiled")
+        decode_speculative(model, cache, logits, settings, generated, logprobs, encoded_prompts, speculation, verify)
+    elif mode == "eager":
         decode_eager(model, cache, logits, settings, generated, logprobs)
     else:
         shaped = shaping is not None
@@ -398,6 +417,50 @@ def decode_eager(
         input_ids = torch.tensor([generated[i][-1] for i in active], dtype=torch.long, device=model.device)
         logits = model(input_ids, seqlens, cache)  # (B_active, V)
         _check_finite(logits, f"at generation step {step + 1}")
+
+
+def verify_eager(model: Transformer):
+    """The verify pass as ``Transformer.forward`` (the readable path): logits after every fed token."""
+
+    def verify(cache: RotatingBufferCache, pieces: List[Piece]) -> torch.Tensor:
+        seqlens = [0] * len(cache.tokens_seen)
+        for row, _, tokens in pieces:
+            seqlens[row] = len(tokens)
+        input_ids = torch.tensor([t for _, _, tokens in pieces for t in tokens], dtype=torch.long, device=model.device)
+        return model(input_ids, seqlens, cache)  # (T, V)
+
+    return verify
+
+
+def verify_static(model: Transformer, k: int, batch: int, compiled: bool):
+    """The verify pass as the mixed step's verify step (``steps.mixed_step.verify_logits``), every row a
+    segment padded to ``batch * (k + 1)`` tokens; built by the step compiler (``compiled``) or run op by op."""
+    size = batch * (k + 1)
+
+    def verify(cache: RotatingBufferCache, pieces: List[Piece]) -> torch.Tensor:
+        device = model.device
+        chunk = pack_chunk(pieces, size, batch, device)
+        seen = cache.tokens_seen + [0] * (cache.max_batch_size - len(cache.tokens_seen))
+        positions = torch.tensor(seen, dtype=torch.long, device=device)  # (R,)
+        if compiled:
+            step = step_compiler(model).step(VERIFY, cache, (False,), shape=(cache.max_batch_size, size, batch))
+            out = step(cache.layer_keys, cache.layer_values, positions, chunk)
+        else:
+            out = verify_logits(model, cache.layer_keys, cache.layer_values, positions, chunk, grouped_moe=True)
+        for row, _, tokens in pieces:
+            cache.tokens_seen[row] += len(tokens)
+        return out[: sum(len(tokens) for _, _, tokens in pieces)]  # (T, V)
+
+    return verify
+
+
+def check_verify_fits(cache: RotatingBufferCache, k: int, mode: str) -> None:
+    """The static verify step writes a row's k + 1 tokens into its buffers in one go: they must fit the
+    smallest (``Transformer.forward`` keeps what a longer chunk pushes out itself)."""
+    smallest = min(cache.layer_sizes)
+    if mode != "eager" and k + 1 > smallest:
+        raise GenerationError(f"speculative_tokens={k}: the static verify step checks at most {smallest - 1} "
+                              f"guesses in a cache of {smallest} slots; use fewer, or decode='eager'")  # fmt: skip
 
 
 def check_shaping(params: SamplingParams, tokenizer: Optional[Tokenizer]) -> Optional[str]:

@@ -571,6 +571,35 @@ class RotatingBufferCache:
         self.tokens_seen = [seen + n for seen, n in zip(self.tokens_seen, chunk_lengths)]
 
 
+def can_cut_back(seen: int, length: int, slots: int, window: Optional[int], saved: int = 0) -> bool:
+    """Whether a row of ``slots`` slots that has seen ``seen`` tokens, and keeps ``saved`` positions it
+    pushed out beside them (slack, ``SlackSlots``), still holds the state of its first ``length``
+    tokens: the window before ``length``, positions ``max(0, length - W) .. length - 1``, must be among
+    those it holds, ``max(0, seen - slots) - saved .. seen - 1``. ``window`` None: no window (every
+    position is read). The one rule of stepping a row back, for serving's prefix reuse
+    (``serve.prefix_reuse``, which has the worked table) and speculative decoding's rejected guesses
+    (``generation.speculative``): k guesses rejected after the row wrapped need k saved positions.
+
+    >>> [can_cut_back(5, m, 4, 4) for m in (3, 4, 5)]
+    [False, False, True]
+    >>> [can_cut_back(4, m, 4, 4) for m in (0, 3, 4)]
+    [True, True, True]
+    >>> [can_cut_back(7, m, 4, 4, saved=2) for m in (4, 5, 7)]
+    [False, True, True]
+
+    Speculation, W = S = 4, slack k = 3: a row at 10 tokens checks 3 guesses (feeds 4 tokens, seen 14,
+    saved 3): all rejected, it steps back to 11; exactly k back is the most, k + 1 is refused.
+
+    >>> [can_cut_back(14, m, 4, 4, saved=3) for m in (11, 10)]
+    [True, False]
+    """
+    if not 0 <= length <= seen:
+        return False
+    window = slots if window is None else window
+    return max(0, length - window) >= max(0, seen - slots) - saved
+
+
+
 class SlackSlots:
     """A few slots beside each row's windowed buffers that keep the positions the buffer pushed out
     last, so that a row which has wrapped can be cut back up to ``slack`` tokens (``cut_back``):
@@ -652,10 +681,19 @@ class SlackSlots:
         picked = flat_from.index_select(1, torch.tensor(source, dtype=torch.long, device=device))
         flat_to.index_copy_(1, torch.tensor(target, dtype=torch.long, device=device), picked)
 
+    def can_cut_back(self, row: int, length: int) -> bool:
+        """Whether ``cut_back(row, length)`` can be done: every kind of layer still holds the window
+        before ``length`` (``can_cut_back``)."""
+        seen = self.cache.tokens_seen[row]
+        return all(
+            can_cut_back(seen, length, kind.size, kind.window, self.saved[row][index])
+            for index, kind in enumerate(self.cache.kinds)
+        )
+
     def cut_back(self, row: int, length: int) -> None:
         """Make ``row`` hold the state of its first ``length`` tokens: the positions of its window that
         its buffers pushed out come back from the slack; ``cache.tokens_seen[row]`` becomes ``length``.
-        GenerationError where they are no longer kept (``serve.prefix_reuse.can_cut_back`` says which)."""
+        GenerationError where they are no longer kept (``can_cut_back`` says which)."""
         seen = self.cache.tokens_seen[row]
         if not 0 <= length <= seen:
             raise GenerationError(f"cut_back({row}, {length}): row {row} has seen {seen} tokens")

@@ -84,7 +84,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Collection, List, Optional, Sequence, Tuple
 
-from mixtral_infer.model.cache import BufferKind
+from mixtral_infer.model.cache import BufferKind, can_cut_back  # noqa: F401 (the rule, used here and by speculation)
 
 # A shorter prefix is read again: reading a few tokens costs little, and a prompt read after
 # tokens already in its row takes the attention path over the cache, slower for a fresh prompt.
@@ -121,24 +121,6 @@ class Placement:
     row: int
     reused: int
     source: Optional[int] = None
-
-
-def can_cut_back(seen: int, length: int, slots: int, window: Optional[int], saved: int = 0) -> bool:
-    """Whether a row of ``slots`` slots that has seen ``seen`` tokens, and keeps ``saved`` positions it
-    pushed out beside them (slack), still holds the state of its first ``length`` tokens (module
-    docstring). ``window`` None: no window (every position is read).
-
-    >>> [can_cut_back(5, m, 4, 4) for m in (3, 4, 5)]
-    [False, False, True]
-    >>> [can_cut_back(4, m, 4, 4) for m in (0, 3, 4)]
-    [True, True, True]
-    >>> [can_cut_back(7, m, 4, 4, saved=2) for m in (4, 5, 7)]
-    [False, True, True]
-    """
-    if not 0 <= length <= seen:
-        return False
-    window = slots if window is None else window
-    return max(0, length - window) >= max(0, seen - slots) - saved
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -7,9 +7,9 @@ each made from the model, a ``Tuning`` and the facts fixed when it is built (its
 * ``DECODE``: one token a row, sampled on the device (``decode_step.make_decode_step``): ``generate``'s;
 * ``DECODE_LOGITS``: one token a row, its logits (``decode_step.decode_logits``): the engine's
   decode-only steps, which sample on the host;
-* ``MIXED``: a prompt chunk a row beside the decoding rows, their logits (``mixed_step.mixed_logits``).
-
-A step that reads k + 1 tokens a row (speculative decoding's verify step) is one more kind.
+* ``MIXED``: a prompt chunk a row beside the decoding rows, their logits (``mixed_step.mixed_logits``);
+* ``VERIFY``: k + 1 tokens a row, the logits after each (``mixed_step.verify_logits``): speculative
+  decoding's check of a proposer's guesses (``generation.speculative``), the mixed step's pass.
 
 How a step is built: on CPU, the kinds that can be are built by AOTInductor (``cpu_aot_step``: the
 kernels torch.compile makes, called from C++ without dynamo's Python), where the tuning asks for it
@@ -54,7 +54,7 @@ from mixtral_infer.model.cache import RotatingBufferCache, layer_cache_sizes
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
 from mixtral_infer.steps.decode_step import decode_logits, make_decode_step
-from mixtral_infer.steps.mixed_step import mixed_logits
+from mixtral_infer.steps.mixed_step import mixed_logits, verify_logits
 from mixtral_infer.tuning import Tuning
 
 
@@ -87,9 +87,17 @@ def _mixed(model: Transformer, tuning: Tuning, grouped_moe: bool):
     return mixed_step
 
 
+def _verify(model: Transformer, tuning: Tuning, grouped_moe: bool):
+    def verify_step(cache_k, cache_v, positions, chunk):  # logits (C, V)
+        return verify_logits(model, cache_k, cache_v, positions, chunk, grouped_moe, tuning)
+
+    return verify_step
+
+
 DECODE = StepKind("decode", _decode, ahead_of_time=True)  # options: greedy, filtered, eos_id, shaped
 DECODE_LOGITS = StepKind("decode logits", _decode_logits, ahead_of_time=True)  # options: grouped_moe
 MIXED = StepKind("mixed", _mixed, ahead_of_time=False)  # options: grouped_moe; the chunk is a dataclass
+VERIFY = StepKind("verify", _verify, ahead_of_time=False)  # options: grouped_moe; k + 1 tokens a row, every one's logits
 
 
 class StepCompiler:

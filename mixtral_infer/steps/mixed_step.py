@@ -197,6 +197,41 @@ def mixed_logits(
     Writes the alive rows' new keys and the chunk's. The cache, ``grouped_moe`` and ``tuning`` as
     in ``decode_logits``; compiled, every block is one region too (``decode_step.block``).
     """
+    h = mixed_hidden(model, cache_k, cache_v, tokens, positions, alive, chunk, grouped_moe, tuning)  # (R + C, D)
+    ends = torch.cat([torch.arange(tokens.shape[0], device=h.device), tokens.shape[0] + chunk.last])  # (R + K,)
+    return model.output(model.norm(h[ends])).float()  # (R + K, V)
+
+
+def verify_logits(
+    model: Transformer,
+    cache_k: torch.Tensor | Sequence[torch.Tensor],  # L x (R, S, H_kv, Dh)
+    cache_v: torch.Tensor | Sequence[torch.Tensor],
+    positions: torch.Tensor,  # (R,) each row's tokens seen (no row decodes: the chunk holds every token)
+    chunk: PromptChunk,
+    grouped_moe: bool = False,
+    tuning: Optional[Tuning] = None,
+) -> torch.Tensor:
+    """Float logits after every chunk token ``(C, V)``: speculative decoding's verify step. Each
+    checking row is a segment of the chunk, its last token and its k guesses (``generation.speculative``),
+    so the model checks k + 1 tokens a row in the mixed step's one pass of fixed shapes; padding
+    tokens' logits are left to the caller to ignore."""
+    alive = torch.zeros_like(positions, dtype=torch.bool)  # (R,) no row decodes alone
+    h = mixed_hidden(model, cache_k, cache_v, torch.zeros_like(positions), positions, alive, chunk, grouped_moe, tuning)
+    return model.output(model.norm(h[positions.shape[0] :])).float()  # (C, V)
+
+
+def mixed_hidden(
+    model: Transformer,
+    cache_k: torch.Tensor | Sequence[torch.Tensor],
+    cache_v: torch.Tensor | Sequence[torch.Tensor],
+    tokens: torch.Tensor,  # (R,)
+    positions: torch.Tensor,  # (R,)
+    alive: torch.Tensor,  # (R,) bool
+    chunk: PromptChunk,
+    grouped_moe: bool = False,
+    tuning: Optional[Tuning] = None,
+) -> torch.Tensor:
+    """The last block's output ``(R + C, D)`` of the decoding rows, then the chunk's tokens (``mixed_logits``)."""
     tuning = tuning if tuning is not None else tuning_of(model)
     keys, values = layer_buffers(cache_k), layer_buffers(cache_v)
     windows = model.layer_windows
@@ -214,6 +249,4 @@ def mixed_logits(
     for layer, layer_k, layer_v, window in zip(model.layers.values(), keys, values, windows):
         slots, visible, chunk_visible, writes = masks[layer_k.shape[1], window]
         h = run(layer, h, rotary, layer_k, layer_v, slots, alive, visible, grouped_moe, tuning, chunk, chunk_visible, writes)
-    ends = torch.cat([torch.arange(tokens.shape[0], device=h.device), tokens.shape[0] + chunk.last])  # (R + K,)
-    return model.output(model.norm(h[ends])).float()  # (R + K, V)
-
+    return h
