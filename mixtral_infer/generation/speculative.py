@@ -401,6 +401,29 @@ def decode_speculative(
         proposer.stats.add(speculation.stats)
 
 
+def choose_checked(
+    chosen_from: torch.Tensor,  # (N, V) the rows' logits at one checked position, shaped
+    sampling: Sampling,  # the N rows' settings
+    guesses: Sequence[Optional[int]],  # each row's guess there, None past its last
+    qs: Sequence[Optional[torch.Tensor]],  # (V,) the distribution each guess was drawn from, None: certain
+    generators: Sequence[Optional[torch.Generator]],
+) -> Tuple[List[int], List[bool]]:
+    """Each row's token at one checked position and whether it is the row's guess: a greedy row's
+    argmax (as ``sample``), a sampled row's by rejection sampling (``accept``)."""
+    greedy = chosen_from.argmax(dim=-1).tolist()
+    sampled = [False] * len(greedy) if sampling.greedy else (sampling.temperature > 0).tolist()
+    p = token_distribution(chosen_from, sampling) if any(sampled) else None  # (N, V)
+    tokens, hits = [], []
+    for n, guess in enumerate(guesses):
+        if sampled[n]:
+            token, hit = accept(p[n], guess, qs[n] if guess is not None else None, generators[n])
+        else:
+            token, hit = greedy[n], guess is not None and greedy[n] == guess
+        tokens.append(token)
+        hits.append(hit)
+    return tokens, hits
+
+
 Piece = Tuple[int, int, List[int]]  # (row, tokens it has seen, the tokens it feeds): a verify pass's part
 
 
@@ -418,20 +441,10 @@ def choose_positions(
         rows = [s.row for s in checking]
         model_logits = logits[torch.tensor([s.start + j for s in checking], device=logits.device)]  # (N, V)
         chosen_from = model_logits if shaping is None else shaping.shape(model_logits, rows)
-        row_sampling = sampling.rows(torch.tensor(rows, device=device))
-        greedy = chosen_from.argmax(dim=-1).tolist()
-        sampled = [False] * len(rows) if sampling.greedy else (row_sampling.temperature > 0).tolist()
-        p = token_distribution(chosen_from, row_sampling) if any(sampled) else None  # (N, V)
-        tokens, hits = [], []
-        for n, s in enumerate(checking):
-            guess = s.guesses[j] if j < len(s.guesses) else None
-            if sampled[n]:
-                q = s.q[j] if s.q is not None and guess is not None else None
-                token, hit = accept(p[n], guess, q, generator_of(settings.generator, s.row, len(generated)))
-            else:
-                token, hit = greedy[n], guess is not None and greedy[n] == guess
-            tokens.append(token)
-            hits.append(hit)
+        guesses = [s.guesses[j] if j < len(s.guesses) else None for s in checking]
+        qs = [s.q[j] if s.q is not None and j < len(s.guesses) else None for s in checking]
+        generators = [generator_of(settings.generator, row, len(generated)) for row in rows]
+        tokens, hits = choose_checked(chosen_from, sampling.rows(torch.tensor(rows, device=device)), guesses, qs, generators)
         token_logprob = token_logprobs(model_logits, torch.tensor(tokens, device=device)).tolist()
         emitting = [(s.row, t) for s, t in zip(checking, tokens) if eos is None or t != eos]
         if shaping is not None and emitting:

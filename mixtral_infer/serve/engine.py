@@ -49,6 +49,8 @@ from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.steps.decode_step import finite_rows, supports_static_decode
 from mixtral_infer.steps.mixed_step import pack_chunk
 from mixtral_infer.generation.generate import decode_mode
+from mixtral_infer.generation.speculative import SpeculativeStats, check_speculation, choose_checked
+from mixtral_infer.serve.speculation import SpeculationPolicy
 from mixtral_infer.generation.sampling_params import SamplingParams, rows_sampling
 from mixtral_infer.sampling import sample
 from mixtral_infer.generation.text_stream import AnswerText
@@ -106,6 +108,7 @@ class RequestSettings(SamplingParams):
     logprobs: Optional[int] = None  # None: none; n: the chosen token's and the n most likely
     leading_space: bool = True  # a completion's text keeps the space before its first word
     constraint: Optional[Constraint] = None  # what the text must be (structured.grammar), as compiled
+    speculative: bool = True  # checks guesses where the engine speculates (False: one token a step)
 
 
 @dataclass
@@ -225,6 +228,8 @@ class Engine:
         tuning: Optional[Tuning] = None,
         prefix_reuse: bool = True,
         slack: int = 0,
+        draft: object = None,
+        speculative_tokens: Optional[int] = None,
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
             raise GenerationError(f"rows={rows} and prefill_tokens={prefill_tokens} must be >= 1, max_queue={max_queue} >= 0")
@@ -257,7 +262,15 @@ class Engine:
         self.row_states = [RowState() for _ in range(rows)]  # the ids each row holds (prefix_reuse)
         # Positions each row's windowed layers pushed out last, kept so a wrapped row can step back
         # (prefix_reuse, "Cutting a row back"): a regenerated answer, an edited last message.
-        self.slack = SlackSlots(self.cache, slack if prefix_reuse else 0)
+        # Speculative decoding (draft: "ngram", a draft model or a proposer): rows step back over rejected
+        # guesses through the same slack, k at least (_speculative_step).
+        self.speculation = check_speculation(draft, speculative_tokens)
+        spare = self.speculation.tokens if self.speculation is not None else 0
+        self.slack = SlackSlots(self.cache, max(slack if prefix_reuse else 0, spare))
+        self.policy = SpeculationPolicy()
+        if self.speculation is not None:
+            self.speculation.proposer.begin(model, rows, longest, spare, continuing=True)
+            self._ks = [self.speculation.tokens if not self.speculation.proposer.adaptive else min(2, spare)] * rows
         # A chunk longer than the smallest windowed buffer (S) pushes out positions of its own: the eager
         # pass writes them to the slack, the static steps do not (_forward, _plan).
         windowed = [kind.size for kind in self.cache.kinds if kind.window is not None]
@@ -358,7 +371,15 @@ class Engine:
                 "steps": self.steps,
                 "prefix_hits": self.prefix_hits,
                 "reused_tokens": self.reused_tokens,
+                **(self._speculation_stats() if self.speculation is not None else {}),
             }
+
+    def _speculation_stats(self) -> Dict[str, object]:
+        stats = self.speculation.stats
+        return {
+            "speculative_steps": stats.steps, "guesses": stats.proposed, "accepted": stats.accepted,
+            "acceptance_rate": round(stats.acceptance_rate, 4), "tokens_per_step": round(stats.tokens_per_step, 4),
+        }  # fmt: skip
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -439,11 +460,20 @@ class Engine:
             return False
 
         decode_only = all(r.next_token is not None for r in self.running)
+        started = time.perf_counter()
+        if decode_only and self.speculation is not None and self.policy.wanted(len(self.running)):
+            rows, gained = len(self.running), self._speculative_step()
+            self.policy.record_speculative(rows, time.perf_counter() - started, gained)
+            self.steps += 1
+            self._gauges()
+            return True
         seqlens, chunks, sampled = self._plan()
         logits = self._forward(seqlens, chunks, sampled, decode_only)
         self.steps += 1
         if sampled:
             self._choose(sampled, logits)
+        if decode_only and self.speculation is not None:
+            self.policy.record_plain(len(sampled), time.perf_counter() - started)
         self._gauges()
         return True
 
@@ -636,6 +666,76 @@ class Engine:
                 sampled.append(request)
         return seqlens, chunks, sampled
 
+    def _speculative_step(self) -> float:
+        """A step where every row decodes and the proposer guesses (``generation.speculative``): each row
+        feeds its last token and its guesses (none for a request that opted out, or with no room left),
+        one pass checks them all, and each row's tokens are chosen position by position through
+        ``_choose``, which applies the row's grammar, penalties and stop strings after the tokens chosen
+        before; each row is then cut back to the tokens whose logits were read. The tokens a row gained
+        on average."""
+        speculation, device = self.speculation, self.model.device
+        running = sorted(self.running, key=lambda r: r.row)  # the flat pass is in row order
+        rows = [r.row for r in running]
+        texts = [self.row_states[r.row].ids + [r.next_token] for r in running]
+        room = []
+        for r in running:
+            left = r.settings.max_tokens - len(r.generated) - 1  # the last token comes from the last checked position
+            if self.max_model_len is not None:
+                left = min(left, self.max_model_len - self.cache.tokens_seen[r.row] - 1)
+            room.append(max(0, min(self._ks[r.row], left)) if r.settings.speculative else 0)
+        settings = [RequestSettings(max_tokens=1)] * self.rows  # the proposer reads its rows' sampling settings
+        generators: List[Optional[torch.Generator]] = [None] * self.rows
+        for r in running:
+            settings[r.row], generators[r.row] = r.settings, r.generator
+        sampling = rows_sampling(settings, self._vocab, device, True)
+        guesses, qs = speculation.proposer.propose(rows, texts, room, sampling, generators)
+        seqlens = [0] * self.rows
+        fed = {}
+        for r, g in zip(running, guesses):
+            fed[r.row] = [r.next_token] + list(g)
+            seqlens[r.row] = len(fed[r.row])
+        seen = list(self.cache.tokens_seen)
+        self.slack.save(seqlens)  # before the pass writes over them
+        input_ids = torch.tensor([t for row in rows for t in fed[row]], dtype=torch.long, device=device)  # (T,)
+        out = self.model(input_ids, seqlens, self.cache)  # (T, V) after every fed token
+        for row in rows:
+            self.row_states[row].ids.extend(fed[row])
+        starts = dict(zip(rows, itertools.accumulate([seqlens[row] for row in rows], initial=0)))
+        read = {row: 0 for row in rows}  # positions whose logits were read: the tokens each row keeps fed
+        gained = {row: 0 for row in rows}
+        accepted = {row: 0 for row in rows}
+        checking, j = running, 0
+        while checking:
+            logits = out[torch.tensor([starts[r.row] + j for r in checking], device=out.device)]  # (N, V)
+            checks = {}
+            for r, g, q in zip(running, guesses, qs):
+                guess = g[j] if j < len(g) else None
+                checks[id(r)] = (guess, q[j] if q is not None and guess is not None else None)
+            before = {r.row: len(r.generated) for r in checking}
+            going = self._choose(checking, logits, checks)
+            for r in checking:
+                read[r.row] = j + 1
+                grew = len(r.generated) > before[r.row]
+                gained[r.row] += grew
+                accepted[r.row] += grew and r.generated[-1] == checks[id(r)][0]
+            checking, j = going, j + 1
+        for r, g in zip(running, guesses):
+            row = r.row
+            if self.cache.tokens_seen[row] >= seen[row] + read[row]:  # not cleared (non-finite logits)
+                self.slack.cut_back(row, seen[row] + read[row])  # the guesses after the last one read are forgotten
+                del self.row_states[row].ids[seen[row] + read[row] :]
+            if speculation.proposer.adaptive and g:
+                self._ks[row] = min(speculation.tokens, self._ks[row] + 2) if accepted[row] == len(g) else max(1, self._ks[row] - 1)
+        stats = SpeculativeStats(
+            steps=1, row_steps=len(running), proposed=sum(len(g) for g in guesses), accepted=sum(accepted.values()),
+            emitted=sum(gained.values()),
+        )  # fmt: skip
+        speculation.stats.add(stats)
+        speculation.proposer.stats.add(stats)
+        if self.metrics is not None:
+            self.metrics.speculated(stats.proposed, stats.accepted, stats.emitted, stats.row_steps)
+        return stats.emitted / max(1, len(running))
+
     def _decode_only(self, sampled: List[Request]) -> torch.Tensor:
         """Every running row feeds one token: the static decode step over all R rows."""
         device = self.model.device
@@ -795,12 +895,17 @@ class Engine:
         shape = (self.rows, key[1], self.max_segments) if mixed else (self.rows,)  # the chunk's tokens and segments
         return self.compiler.step(kind, self.cache, (grouped_moe,), shape)
 
-    def _choose(self, sampled: List[Request], logits: torch.Tensor) -> None:
+    def _choose(self, sampled: List[Request], logits: torch.Tensor, checks: Optional[Dict[int, tuple]] = None) -> List[Request]:
         """Sample every row's next token, then hand each to its request.
 
         A request whose logits hold NaN or inf ends with an error, and its row of the cache is
         cleared; the other rows go on (their logits do not depend on it). The grammar masks are
-        computed first, on the host, while a CUDA device still runs the step."""
+        computed first, on the host, while a CUDA device still runs the step.
+
+        ``checks``: at a position a verify pass checked (``_speculative_step``), each request's
+        ``(guess, q)`` (by ``id``; guess None past its last): the token is chosen as
+        ``generation.speculative.choose_checked`` says. The requests whose token was their guess and
+        that go on, in order (none without ``checks``)."""
         masks = {id(r): fill_bitmask([r.grammar], self.tokenizer.n_words)[0] for r in sampled if r.grammar is not None}
         finite = finite_rows(logits)  # (N,)
         if not finite.all():
@@ -811,9 +916,17 @@ class Engine:
             keep = [i for i, ok in enumerate(finite) if ok]
             sampled, logits = [sampled[i] for i in keep], logits[torch.tensor(keep, device=logits.device)]
             if not sampled:
-                return
+                return []
         sampled, logits = self._take_followers(sampled, logits)
-        tokens = sample_rows(self._shaped(sampled, logits, masks), [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
+        shaped = self._shaped(sampled, logits, masks)
+        hits = [False] * len(sampled)
+        if checks is None:
+            tokens = sample_rows(shaped, [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
+        else:
+            guesses, qs = zip(*(checks[id(r)] for r in sampled))
+            row_sampling = rows_sampling([r.settings for r in sampled], self._vocab, shaped.device, True)
+            chosen, hits = choose_checked(shaped, row_sampling, guesses, qs, [r.generator for r in sampled])
+            tokens = torch.tensor(chosen, dtype=torch.long, device=logits.device)
         chosen, top = None, None
         if any(r.settings.logprobs is not None for r in sampled):  # else skip a softmax over (N, V)
             log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
@@ -824,6 +937,7 @@ class Engine:
         top_ids = top.indices.tolist() if top is not None else None
         now = time.perf_counter()
         generated = 0
+        going = []
         for index, (request, token) in enumerate(zip(sampled, tokens.tolist())):
             if request.first_token_at is None:
                 request.first_token_at = now
@@ -851,8 +965,11 @@ class Engine:
                 self._finish(request, "length")
             else:
                 request.next_token = token
+                if hits[index]:
+                    going.append(request)
         if self.metrics is not None:
             self.metrics.generated_tokens(generated)
+        return going
 
     def _shaped(self, sampled: List[Request], logits: torch.Tensor, masks: Dict[int, torch.Tensor]) -> torch.Tensor:
         """The logits the rows sample from: each row's grammar mask (``masks``, by request, computed

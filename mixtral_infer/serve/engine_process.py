@@ -215,7 +215,7 @@ class RecordedMetrics:
     """Stands for ``ServeMetrics`` in the engine process: each call the engine makes is
     recorded as ``(name, args)`` and replayed in the server process."""
 
-    ENGINE_CALLS = frozenset({"queue_waited", "prompt_read", "first_token", "generated_tokens", "finished", "gauges"})
+    ENGINE_CALLS = frozenset({"queue_waited", "prompt_read", "first_token", "generated_tokens", "finished", "gauges", "speculated"})
 
     def __init__(self):
         self.calls: List[Tuple[str, tuple]] = []

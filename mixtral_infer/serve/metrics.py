@@ -52,6 +52,25 @@ class ServeMetrics:
         self.queue_wait = Histogram(
             prefix + "queue_wait_seconds", "From arrival to taking a cache row", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.draft_tokens = Counter(
+            prefix + "speculative_draft_tokens", "Guesses checked by speculative decoding's verify passes", registry=r
+        )
+        self.accepted_tokens = Counter(
+            prefix + "speculative_accepted_tokens", "Guesses the model accepted (tokens gained)", registry=r
+        )
+        self.verify_row_steps = Counter(
+            prefix + "speculative_row_steps", "Rows checked by verify passes, one per row and pass", registry=r
+        )
+        self.verify_tokens = Counter(
+            prefix + "speculative_emitted_tokens", "Tokens the verify passes chose (accepted guesses, and one per row)", registry=r
+        )
+        self.acceptance_rate = Gauge(
+            prefix + "speculative_acceptance_rate", "Accepted over checked guesses, since the server started", registry=r
+        )
+        self.tokens_per_step = Gauge(
+            prefix + "speculative_tokens_per_step", "Tokens a row gains per verify pass, since the server started", registry=r
+        )
+        self._speculation = [0, 0, 0, 0]  # the counters above, summed here: guesses, accepted, emitted, row steps
         self._recent: Deque[Tuple[float, int]] = collections.deque()  # (time, tokens) of the last RATE_WINDOW s
         self._recent_total = 0  # the sum of their tokens, kept as they come and go
         self._lock = threading.Lock()
@@ -89,6 +108,16 @@ class ServeMetrics:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW:
             self._recent_total -= self._recent.popleft()[1]
         self.tokens_per_second.set(self._recent_total / RATE_WINDOW)
+
+    def speculated(self, proposed: int, accepted: int, emitted: int, row_steps: int) -> None:
+        """One verify pass: its guesses, those accepted, the tokens chosen and the rows it checked."""
+        self.draft_tokens.inc(proposed)
+        self.accepted_tokens.inc(accepted)
+        self.verify_tokens.inc(emitted)
+        self.verify_row_steps.inc(row_steps)
+        totals = self._speculation = [a + b for a, b in zip(self._speculation, (proposed, accepted, emitted, row_steps))]
+        self.acceptance_rate.set(totals[1] / totals[0] if totals[0] else 0.0)
+        self.tokens_per_step.set(totals[2] / totals[3] if totals[3] else 0.0)
 
     def finished(self, reason: str, latency: float, prompt_tokens: int, completion_tokens: int) -> None:
         self.requests.labels(finish_reason=reason).inc()

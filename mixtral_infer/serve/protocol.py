@@ -8,7 +8,8 @@ Fields of OpenAI's API that change nothing here are accepted (``user``, ``store`
 those this server cannot honour (``echo``, ``best_of`` other than ``n``, ``suffix``, the deprecated
 ``functions``: ``CANNOT_HONOUR``) are refused, not ignored. Extensions, as vLLM has them: ``top_k``,
 ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, and ``guided_json``, ``guided_regex``,
-``guided_choice``, ``guided_grammar``.
+``guided_choice``, ``guided_grammar``; and ``speculative`` (false: this request decodes one token a
+step where the server speculates, ``--draft-model`` / ``--speculative-ngram``).
 
 Structured output: ``response_format`` (``json_object``; ``json_schema`` with its ``schema``, always
 enforced, ``strict`` or not) or one ``guided_*`` field becomes a ``Constraint``, compiled here so
@@ -64,7 +65,7 @@ GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_ch
 SAMPLING_FIELDS = frozenset({
     "model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format", "tools", "tool_choice",
-    "top_k", "ignore_eos", "repetition_penalty", "min_tokens", *(name for name, _ in GUIDED),
+    "top_k", "ignore_eos", "repetition_penalty", "min_tokens", "speculative", *(name for name, _ in GUIDED),
 })  # fmt: skip
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "best_of", "echo", "suffix"}
 CHAT_FIELDS = SAMPLING_FIELDS | {
@@ -200,7 +201,11 @@ def _settings(body: Dict[str, Any], max_tokens: Optional[int], logprobs: Optiona
     min_tokens = _get(body, "min_tokens", 0)
     if not _is_int(min_tokens) or min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
         raise BadRequest(f"min_tokens={min_tokens!r} must be an integer in [0, max_tokens]", "min_tokens")
+    speculative = _get(body, "speculative", True)
+    if not isinstance(speculative, bool):
+        raise BadRequest(f"speculative={speculative!r} must be true or false", "speculative")
     return RequestSettings(
+        speculative=speculative,
         max_tokens=max_tokens or 0,
         temperature=effective_temperature(float(temperature)),
         top_p=float(top_p),
