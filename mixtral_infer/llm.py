@@ -16,6 +16,12 @@ EOS, a stop string or a complete structured answer; ``"length"``: ``max_tokens``
 of ``{"role", "content"}`` dicts (or a list of conversations) in the model's instruct format.
 ``score`` gives a text's log-likelihood per token.
 
+Speculative decoding: ``LLM(model, draft_model="tiny-mistral")`` (a smaller model of the same
+tokenizer) or ``LLM(model, speculative_ngram=True)`` (prompt lookup), ``speculative_tokens`` guesses
+a step at most (``generation.speculative``): the same answers (greedy) or the same distribution
+(sampling), in fewer passes where guesses are right; each ``Completion``'s ``metrics`` says what it
+gained in its batch (``speculative_steps``, ``guesses``, ``accepted``, ``acceptance_rate``, ``tokens_per_step``).
+
 Batches of any size: prompts are run in batches as large as half the free memory holds for
 their caches (at most ``max_batch``, 64 by default); no batch size is declared at load time. A
 prompt's ``n`` answers share one reading of it (``generation.shared_prefix``). The layer below, for
@@ -36,6 +42,7 @@ from mixtral_infer.generation.chat_template import render_messages
 from mixtral_infer.generation.generate import generate
 from mixtral_infer.generation.sampling_params import SEED_LIMIT, SamplingParams, check_seed
 from mixtral_infer.generation.settings import free_memory, kv_cache_bytes
+from mixtral_infer.generation.speculative import DraftModel, SpeculativeStats, check_speculation
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.tokenizer import Tokenizer
 
@@ -66,6 +73,7 @@ class Completion:
     prompt: Union[str, List[int], List[Dict[str, Any]]]
     outputs: List[CompletionOutput]
     prompt_token_ids: List[int] = field(default_factory=list)
+    metrics: Dict[str, float] = field(default_factory=dict)  # speculative decoding's gain in the batch it ran in
 
     @property
     def text(self) -> str:
@@ -105,18 +113,33 @@ class LLM:
 
     ``model``: a shipped model's name (``tiny-mixtral``), a Mistral or Hugging Face folder, or a hub
     name (``mistralai/Mistral-7B-v0.1``) already in the Hugging Face cache. ``device``, ``dtype``,
-    ``quantize``: as ``load_model``. ``max_batch``: prompts run together at most.
+    ``quantize``: as ``load_model``. ``max_batch``: prompts run together at most. ``draft_model``
+    (a model as ``model``, loaded alike, unquantized) or ``speculative_ngram``: speculative decoding
+    (module docstring), ``speculative_tokens`` guesses a step at most (4).
     """
 
     def __init__(
         self, model: str = "tiny-mixtral", *, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-        quantize: Optional[str] = None, max_batch: int = MAX_BATCH,
+        quantize: Optional[str] = None, max_batch: int = MAX_BATCH, draft_model: Optional[str] = None,
+        speculative_ngram: bool = False, speculative_tokens: Optional[int] = None,
     ):  # fmt: skip
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise GenerationError(f"max_batch={max_batch!r} must be an integer >= 1")
+        if draft_model is not None and speculative_ngram:
+            raise GenerationError("give draft_model or speculative_ngram=True, not both")
+        if draft_model is None and not speculative_ngram and speculative_tokens is not None:
+            raise GenerationError("speculative_tokens needs draft_model= or speculative_ngram=True")
+        self.speculation = check_speculation("ngram", speculative_tokens) if speculative_ngram else None
         self.model = load_model(model, max_batch_size=max_batch, device=device, dtype=dtype, quantize=quantize)
         self.tokenizer = Tokenizer.from_folder(model)
+        if draft_model is not None:
+            drafter = load_model(draft_model, max_batch_size=max_batch, device=device, dtype=self.model.dtype)
+            if Tokenizer.from_folder(draft_model).n_words != self.tokenizer.n_words:
+                raise GenerationError(f"draft_model={draft_model!r} has another tokenizer than {model!r}: a draft must share it")
+            self.speculation = check_speculation(DraftModel(drafter), speculative_tokens)
+            self.speculation.proposer.check_matches(self.model)
         self.max_batch = max_batch
+        self._metrics: List[Dict[str, float]] = []  # per prompt of the last _run: its batch's speculation
 
     def generate(
         self, prompts: Union[str, Sequence[Union[str, Sequence[int]]]], sampling_params: Optional[SamplingParams] = None,
@@ -131,7 +154,7 @@ class LLM:
             raise GenerationError("prompts must be a string or a non-empty list of strings (or of token-id lists)")
         ids = [self.tokenizer.encode(p, bos=True) if isinstance(p, str) else list(p) for p in prompts]
         answers = self._run(ids, params, leading_space=True)
-        return [Completion(p, outputs, prompt_ids) for p, prompt_ids, outputs in zip(prompts, ids, answers)]
+        return [Completion(p, outputs, prompt_ids, m) for p, prompt_ids, outputs, m in zip(prompts, ids, answers, self._metrics)]
 
     def chat(
         self, messages: Union[List[Dict[str, Any]], List[List[Dict[str, Any]]]], sampling_params: Optional[SamplingParams] = None,
@@ -144,7 +167,7 @@ class LLM:
         conversations = [messages] if single else list(messages)
         ids = [render_messages(self.tokenizer, conversation) for conversation in conversations]
         answers = self._run(ids, params, leading_space=False)
-        out = [Completion(c, outputs, prompt_ids) for c, prompt_ids, outputs in zip(conversations, ids, answers)]
+        out = [Completion(c, outputs, prompt_ids, m) for c, prompt_ids, outputs, m in zip(conversations, ids, answers, self._metrics)]
         return out[0] if single else out
 
     def score(self, text: Union[str, Sequence[int]]) -> TextScore:
@@ -170,18 +193,21 @@ class LLM:
         batch = self._batch_size(len(rows), longest)
         batch -= batch % n if n <= batch else 0
         needs_tokenizer = params.stop or params.constraint is not None
-        results = []
+        results, metrics = [], []
         for start in range(0, len(rows), batch):
             part = rows[start : start + batch]
             row_params = replace(params, n=1, seed=None if seeds is None else seeds[start : start + batch])
+            before = self.speculation.stats.copy() if self.speculation is not None else None
             generated, logprobs = generate(
                 part, self.model, row_params, eos_id=self.tokenizer.eos_id, prompt_logprobs=False,
-                tokenizer=self.tokenizer if needs_tokenizer else None, leading_space=leading_space,
+                tokenizer=self.tokenizer if needs_tokenizer else None, leading_space=leading_space, draft=self.speculation,
             )  # fmt: skip
+            metrics += [speculation_metrics(self.speculation.stats.since(before)) if before is not None else {}] * len(part)
             for row, (tokens, lps) in enumerate(zip(generated, logprobs), start):
                 answer = AnswerText.of(self.tokenizer, tokens, leading_space, params.stop)
                 stopped = len(tokens) < params.max_tokens or answer.stopped
                 results.append(CompletionOutput(row % n, answer.text, tokens, lps, "stop" if stopped else "length"))
+        self._metrics = [metrics[p * n] for p in range(len(ids))]  # a prompt's answers run in one batch
         return [results[p * n : (p + 1) * n] for p in range(len(ids))]
 
     def _batch_size(self, prompts: int, tokens: int) -> int:
@@ -193,6 +219,14 @@ class LLM:
         while batch > 1 and free is not None and kv_cache_bytes(model.args, batch, tokens, model.dtype, model.parallel) > CACHE_SHARE * free:
             batch //= 2
         return batch
+
+
+def speculation_metrics(stats: SpeculativeStats) -> Dict[str, float]:
+    """A ``Completion``'s ``metrics`` from what speculation gained in its batch."""
+    return {
+        "speculative_steps": stats.steps, "guesses": stats.proposed, "accepted": stats.accepted,
+        "acceptance_rate": stats.acceptance_rate, "tokens_per_step": stats.tokens_per_step,
+    }  # fmt: skip
 
 
 def _params(params: Optional[SamplingParams], overrides: Dict[str, Any]) -> SamplingParams:

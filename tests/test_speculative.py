@@ -4,6 +4,7 @@ distribution (sampling), the cache stepped back exactly after rejected guesses p
 from __future__ import annotations
 
 import doctest
+import re
 
 import pytest
 import torch
@@ -238,3 +239,50 @@ def test_compiled_verify_step_gives_plain_tokens():
     assert spec == plain
     for a, b in zip(spec_lp, plain_lp):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
+def test_front_doors_give_plain_text_and_say_what_speculation_gained(capsys, monkeypatch):
+    """demo and interactive (--draft-model, --speculative-ngram), LLM (draft_model=, speculative_ngram=)
+    and Conversation: the text of plain greedy decoding, and the stats line / metrics count the guesses."""
+    from mixtral_infer import LLM
+    from mixtral_infer.cli import commands
+
+    common = dict(max_tokens=24, temperature=0, dtype="float32", prompt=["In the beginning God created", "And God said"])
+    commands.demo(**common)
+    plain = capsys.readouterr()
+    for flags in (dict(draft_model="tiny-mistral"), dict(speculative_ngram=True, speculative_tokens=3)):
+        commands.demo(**common, **flags)
+        spec = capsys.readouterr()
+        assert spec.out == plain.out, flags
+        assert re.search(r"tokens/s\); speculation: \d+% of \d+ guesses accepted, [\d.]+ tokens per step", spec.err), spec.err
+
+    lines = iter(["In the beginning", "And God said", None])
+    monkeypatch.setattr(commands, "read_line", lambda prompt: next(lines))
+    commands.interactive(max_tokens=12, temperature=0, dtype="float32", instruct=True, draft_model="tiny-mistral")
+    stats = [line for line in capsys.readouterr().err.splitlines() if "tokens/s" in line]
+    assert len(stats) == 2 and all("guesses accepted" in line for line in stats), stats
+
+    llm = LLM("tiny-mixtral", dtype=torch.float32)
+    spec_llm = LLM("tiny-mixtral", dtype=torch.float32, speculative_ngram=True)
+    prompts = ["In the beginning God created the heaven and the earth. In the beginning", "And God said"]
+    plain_out = llm.generate(prompts, max_tokens=30, temperature=0)
+    spec_out = spec_llm.generate(prompts, max_tokens=30, temperature=0)
+    assert [o.text for o in spec_out] == [o.text for o in plain_out]
+    assert plain_out[0].metrics == {} and spec_out[0].metrics["guesses"] > 0
+    assert spec_out[0].metrics["tokens_per_step"] >= 1
+    with pytest.raises(GenerationError, match="not both"):
+        LLM("tiny-mixtral", draft_model="tiny-mistral", speculative_ngram=True)
+
+
+def test_command_line_refuses_bad_speculation_options_before_loading():
+    from mixtral_infer.cli.commands import check_speculative_options
+
+    for args, message in (
+        (("tiny-mistral", True, None), "not both"),
+        ((None, False, 3), "needs --draft-model"),
+        ((None, True, 0), "from 1 to 64"),
+        (("no/such/folder", False, None), "--draft-model"),
+        ((None, True, None, 2), "whole model in one process"),
+    ):
+        with pytest.raises(GenerationError, match=message):
+            check_speculative_options(*args)

@@ -136,6 +136,57 @@ def check_options(
     return params
 
 
+MAX_SPECULATIVE_TOKENS = 64  # generation.speculative's, without importing torch here
+
+
+def check_speculative_options(
+    draft_model: object, speculative_ngram: object, speculative_tokens: object, tensor_parallel: object = 1,
+    num_pipeline_ranks: object = 1,
+) -> None:
+    """``--draft-model``, ``--speculative-ngram`` and ``--speculative-tokens``, checked before any model is loaded."""
+    from mixtral_infer.errors import as_int
+
+    if not isinstance(speculative_ngram, bool):
+        raise UsageError(f"--speculative-ngram takes no value (got {speculative_ngram!r})")
+    if draft_model is not None and speculative_ngram:
+        raise GenerationError("give --draft-model or --speculative-ngram, not both")
+    speculating = draft_model is not None or speculative_ngram
+    if speculative_tokens is not None:
+        if not speculating:
+            raise GenerationError("--speculative-tokens needs --draft-model PATH or --speculative-ngram")
+        k = as_int(speculative_tokens)
+        if k is None or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise GenerationError(f"--speculative-tokens {speculative_tokens!r} must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}")
+    if speculating and as_int(tensor_parallel) * as_int(num_pipeline_ranks) > 1:
+        raise GenerationError("speculative decoding needs the whole model in one process: drop --draft-model/--speculative-ngram under torchrun")
+    if draft_model is not None:
+        if not isinstance(draft_model, str) or not draft_model:
+            raise GenerationError(f"--draft-model {draft_model!r}: give a model folder or a shipped model's name")
+        try:
+            folder = model_folder(draft_model)
+        except MixtralInferError as error:
+            raise GenerationError(f"--draft-model {error}") from None
+        if not folder.exists() and not is_hub_name(draft_model):
+            raise GenerationError(f"--draft-model {draft_model}: no such folder or shipped model")
+
+
+def load_draft(draft_model: Optional[str], speculative_ngram: bool, tokenizer, batch: int, device, dtype, max_tokens: int):
+    """``generate``'s ``draft``: ``"ngram"``, a ``DraftModel`` of the model at ``draft_model`` (loaded as
+    the model was, unquantized; its tokenizer must be the model's), or None."""
+    if speculative_ngram:
+        return "ngram"
+    if draft_model is None:
+        return None
+    from mixtral_infer.generation.speculative import DraftModel
+
+    draft, draft_tokenizer = load(draft_model, batch, device, dtype, max_tokens=max_tokens)
+    sample = "In the beginning God created the heaven and the earth."
+    if draft_tokenizer.n_words != tokenizer.n_words or draft_tokenizer.encode(sample) != tokenizer.encode(sample):
+        raise GenerationError(f"--draft-model {draft_model}: its tokenizer is not the model's ({draft_tokenizer.n_words} "
+                              f"tokens, the model's {tokenizer.n_words}); a draft must share it")  # fmt: skip
+    return DraftModel(draft)
+
+
 class ProgressBar:
     """A one-line progress bar on stderr, shown only for checkpoints with many tensors."""
 
@@ -324,6 +375,9 @@ def demo(
     quantize: str = None,
     prompt_file: str = None,
     json: bool = False,
+    draft_model: str = None,
+    speculative_ngram: bool = False,
+    speculative_tokens: int = None,
 ) -> None:
     """Complete prompts in one batch and print each with its continuation.
 
@@ -347,12 +401,16 @@ def demo(
         quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
         prompt_file: read prompts from this file, one a line (after any --prompt); - reads standard input.
         json: print one JSON object a line per completion (prompt, text, tokens, finish_reason, seconds, tokens_per_second) instead of the text.
+        draft_model: speculative decoding with this smaller model of the same tokenizer (a folder or a shipped name: tiny-mistral drafts for tiny-mixtral): it guesses tokens ahead, the model checks them in one pass; the same text (greedy) or the same distribution (sampled), faster where guesses are right.
+        speculative_ngram: speculative decoding by prompt lookup: the guesses are what followed the last tokens earlier in the prompt or answer (no second model); pays where the answer copies from the prompt.
+        speculative_tokens: guesses checked per step at most, 1 to 64 (default 4).
     """
     check_decode(decode)
     check_quantize(quantize)
     params = check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
     if not isinstance(json, bool):
         raise UsageError(f"--json takes no value (got {json!r})")
+    check_speculative_options(draft_model, speculative_ngram, speculative_tokens, tensor_parallel, num_pipeline_ranks)
     prompts = prompt_list(prompt, prompt_file)
     from mixtral_infer.steps.decode_loop import compile_seconds
     from mixtral_infer.generation.generate import generate
@@ -360,11 +418,16 @@ def demo(
     model, tokenizer = load(
         model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode
     )
+    draft = load_draft(draft_model, speculative_ngram, tokenizer, len(prompts), device, dtype, max_tokens)
     encoded = [tokenizer.encode(text, bos=True) for text in prompts]
     start = time.perf_counter()
+    from mixtral_infer.generation.speculative import check_speculation
+
+    speculation = check_speculation(draft, speculative_tokens)
     generated, _ = generate(
-        encoded, model, params, chunk_size=chunk_size, eos_id=tokenizer.eos_id, prompt_logprobs=False, decode=decode
-    )
+        encoded, model, params, chunk_size=chunk_size, eos_id=tokenizer.eos_id, prompt_logprobs=False, decode=decode,
+        draft=speculation,
+    )  # fmt: skip
     compiling = compile_seconds(model)  # the step was built in this run: its time is not the tokens'
     elapsed = time.perf_counter() - start - compiling
     if not is_main_process():
@@ -381,7 +444,8 @@ def demo(
     n_tokens = sum(len(t) for t in generated)
     before = f", after {compiling:.1f}s compiling the decode step (once)" if compiling else ""
     rate = n_tokens / max(elapsed, 1e-9)
-    print(f"{n_tokens} tokens in {elapsed:.2f}s ({rate:.1f} tokens/s){before}", file=sys.stderr)
+    gained = f"; {speculation.stats.line()}" if speculation is not None else ""
+    print(f"{n_tokens} tokens in {elapsed:.2f}s ({rate:.1f} tokens/s){before}{gained}", file=sys.stderr)
 
 
 def interactive(
@@ -400,6 +464,9 @@ def interactive(
     decode: str = "auto",
     quantize: str = None,
     system: str = None,
+    draft_model: str = None,
+    speculative_ngram: bool = False,
+    speculative_tokens: int = None,
 ) -> None:
     """A prompt loop that streams each answer.
 
@@ -425,6 +492,9 @@ def interactive(
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
         decode: how tokens after the prompt are produced, alike in result (in 16-bit dtypes compiled code rounds otherwise, so texts may part after some tokens): auto (compiled on cuda, eager elsewhere), eager, static or compiled (on cpu a bfloat16 model then keeps its weights plain, which compiled code reads faster).
         quantize: int8, int4, int4-128 or nf4 (4-bit NormalFloat, fastest on AVX512-BF16 CPUs): weight-only quantization while loading; w8a8: int8 weights, and int8 activations on CPU (faster); computes in bfloat16 unless --dtype says otherwise.
+        draft_model: speculative decoding with this smaller model of the same tokenizer (a folder or a shipped name: tiny-mistral drafts for tiny-mixtral): it guesses tokens ahead, the model checks them in one pass; the same text (greedy) or the same distribution (sampled), faster where guesses are right.
+        speculative_ngram: speculative decoding by prompt lookup: the guesses are what followed the last tokens earlier in the prompt or answer (no second model); pays where the answer copies from the prompt.
+        speculative_tokens: guesses checked per step at most, 1 to 64 (default 4).
     """
     check_decode(decode)
     check_quantize(quantize)
@@ -435,6 +505,7 @@ def interactive(
             raise GenerationError(f"--system {system!r}: give the system prompt's text")
         instruct = True
     params = check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
+    check_speculative_options(draft_model, speculative_ngram, speculative_tokens, tensor_parallel, num_pipeline_ranks)
     terminal = sys.stdin.isatty()
     if instruct and is_shipped(model_folder(model_path)):
         print(
@@ -448,9 +519,11 @@ def interactive(
         model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode
     )
     main_process = is_main_process()
+    draft = load_draft(draft_model, speculative_ngram, tokenizer, 1, device, dtype, max_tokens)
     conversation = Conversation(
-        model, tokenizer, params, instruct=instruct, chunk_size=chunk_size, decode=decode, system=system
-    )
+        model, tokenizer, params, instruct=instruct, chunk_size=chunk_size, decode=decode, system=system,
+        draft=draft, speculative_tokens=speculative_tokens,
+    )  # fmt: skip
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # undecodable bytes become U+FFFD, not a crash
     if main_process and terminal:
@@ -669,6 +742,9 @@ def serve(
     pin_cpus: bool = False,
     no_prefix_reuse: bool = False,
     reuse_slack: int = 256,
+    draft_model: str = None,
+    speculative_ngram: bool = False,
+    speculative_tokens: int = None,
 ) -> None:
     """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
 
@@ -695,12 +771,16 @@ def serve(
         pin_cpus: run the engine's process on all but one of the CPUs this server may use, and the server's own process (HTTP, JSON) on that one, so that neither interrupts the other.
         no_prefix_reuse: read every prompt whole; by default a request that continues what a cache row holds (a chat's next turn, a shared system prompt) starts after it.
         reuse_slack: positions each windowed layer of a row keeps after its window moves past them (counted in the rows' memory), so that a regenerated answer or an edited last message of up to that many tokens steps back instead of reading the whole conversation again; 0 turns it off.
+        draft_model: speculative decoding with this smaller model of the same tokenizer, loaded beside the model: at steps where every row decodes it guesses tokens ahead and the model checks them in one pass, where that gives more tokens a second (measured as the server runs, per batch size); the same text as without. A request turns it off with "speculative": false.
+        speculative_ngram: speculative decoding by prompt lookup (no second model): guesses are what followed the last tokens earlier in the request's text.
+        speculative_tokens: guesses checked per step at most, 1 to 64 (default 4); each row keeps that many positions more (counted in its memory), to step back over rejected guesses.
     """
     check_decode(decode)
     check_quantize(quantize)
     from mixtral_infer.serve.options import check_serve_options
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every, reuse_slack)
+    check_speculative_options(draft_model, speculative_ngram, speculative_tokens)
     check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
     from mixtral_infer.checkpoint.loading import declared_max_len, open_checkpoint
     from mixtral_infer.serve.server import DEFAULT_MAX_MODEL_LEN, run_server
@@ -721,7 +801,9 @@ def serve(
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
         prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=None if admit_every is None else int(admit_every),
         shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus), prefix_reuse=not no_prefix_reuse,
-        reuse_slack=int(reuse_slack),
+        reuse_slack=int(reuse_slack), speculative_ngram=speculative_ngram,
+        speculative_tokens=None if speculative_tokens is None else int(speculative_tokens),
+        draft_load=None if draft_model is None else functools.partial(load, draft_model, 1, device, dtype),
     )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from mixtral_infer.generation.chat_template import conversation_turn
 from mixtral_infer.generation.generate import decode_mode, generate, sampling_params
 from mixtral_infer.generation.sampling_params import SEED_LIMIT, SamplingParams, check_seed
 from mixtral_infer.generation.settings import check_chunk_size
+from mixtral_infer.generation.speculative import SpeculativeStats, check_speculation
 from mixtral_infer.generation.text_stream import TextStream
 from mixtral_infer.model.cache import RotatingBufferCache
 from mixtral_infer.model.transformer import Transformer
@@ -41,6 +42,7 @@ class Reply:
     first_token_seconds: Optional[float]  # time to the first token (None when there was none)
     hit_max_tokens: bool  # stopped by max_tokens, not by the model's EOS
     compile_seconds: float = 0.0  # of ``seconds``, spent building a compiled decode step (the first answer)
+    speculation: Optional[SpeculativeStats] = None  # what speculative decoding gained in this answer
 
     def stats(self) -> str:
         """``12 tokens, 35.1 tokens/s, first token after 0.08 s``. The time a compiled step took to
@@ -53,7 +55,8 @@ class Reply:
         if self.first_token_seconds is not None:
             compiling = f" ({self.compile_seconds:.1f} s compiling the decode step, once)" if self.compile_seconds else ""
             first = f", first token after {self.first_token_seconds:.2f} s{compiling}"
-        return f"{self.tokens} tokens, {rate:.1f} tokens/s{first}"
+        gained = f"; {self.speculation.line()}" if self.speculation is not None and self.speculation.steps else ""
+        return f"{self.tokens} tokens, {rate:.1f} tokens/s{first}{gained}"
 
 
 class Conversation:
@@ -69,7 +72,10 @@ class Conversation:
     ``instruct``: wrap each turn in the model's instruct format (else each reply continues the text).
     ``system``: a system prompt, put before the first user turn (as v1 models and mistral-common's v1
     rendering place it: the conversation is kept in the cache, so it stays where the first turn put it).
-    ``emit`` (of ``reply``): called with each piece of text as it comes.
+    ``emit`` (of ``reply``): called with each piece of text as it comes. ``draft``,
+    ``speculative_tokens``: speculative decoding, as ``generate`` takes them (a draft model keeps its
+    own cache of the conversation; both read the earlier turns as the row's text); each ``Reply``
+    says what it gained.
     """
 
     def __init__(
@@ -82,6 +88,8 @@ class Conversation:
         chunk_size: Optional[int] = None,
         decode: str = "auto",
         system: Optional[str] = None,
+        draft: object = None,
+        speculative_tokens: Optional[int] = None,
         **sampling: Any,
     ):
         params = sampling_params(params, sampling, CONVERSATION)
@@ -91,6 +99,7 @@ class Conversation:
         if system is not None and (not isinstance(system, str) or not instruct):
             raise GenerationError("system= is a text, and needs instruct=True (a system prompt is part of the instruct format)")
         self.system = system
+        self.speculation = check_speculation(draft, speculative_tokens)
         decode_mode(decode, model)
         self.model, self.tokenizer, self.instruct = model, tokenizer, instruct
         self.chunk_size, self.decode = chunk_size, decode
@@ -134,6 +143,10 @@ class Conversation:
         self.turns += 1
         ended_by_eos = False
         start, compiled_before = time.perf_counter(), compile_seconds(self.model)
+        speculation = self.speculation
+        if speculation is not None:
+            speculation.context = [self.history[:seen]]  # what the cache holds: the proposer reads it as the text's start
+        gained_before = speculation.stats.copy() if speculation is not None else None
         first_token: List[float] = []
 
         def on_token(_: int, token: int) -> None:
@@ -154,6 +167,7 @@ class Conversation:
                 prompt_logprobs=False,
                 chunk_size=self.chunk_size,
                 decode=self.decode,
+                draft=speculation,
             )
             ended_by_eos = len(generated[0]) < self.params.max_tokens
             rest = stream.finish()
@@ -169,4 +183,5 @@ class Conversation:
             first_token_seconds=first_token[0] if first_token else None,
             hit_max_tokens=not ended_by_eos,
             compile_seconds=compile_seconds(self.model) - compiled_before,
+            speculation=speculation.stats.since(gained_before) if speculation is not None else None,
         )

@@ -60,6 +60,7 @@ from mixtral_infer.steps.decode_loop import DecodeSettings
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # k, the most guesses a row checks per step
 DEFAULT_NGRAM = 3  # prompt lookup matches the last 3 tokens, then 2, then 1
+MAX_SPECULATIVE_TOKENS = 64
 
 
 @dataclass
@@ -84,13 +85,23 @@ class SpeculativeStats:
         return self.emitted / self.row_steps if self.row_steps else 0.0
 
     def add(self, other: "SpeculativeStats") -> None:
-        for name in ("steps", "proposed", "accepted", "emitted", "row_steps"):
+        for name in FIELDS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def since(self, before: "SpeculativeStats") -> "SpeculativeStats":
+        """What was counted after ``before`` (a copy taken then): one call's share of a running count."""
+        return SpeculativeStats(**{name: getattr(self, name) - getattr(before, name) for name in FIELDS})
+
+    def copy(self) -> "SpeculativeStats":
+        return SpeculativeStats(**{name: getattr(self, name) for name in FIELDS})
 
     def line(self) -> str:
         """``"speculation: 71% of 120 guesses accepted, 3.1 tokens per step"``: the stats line's part."""
         return (f"speculation: {self.acceptance_rate:.0%} of {self.proposed} guesses accepted, "
                 f"{self.tokens_per_step:.2f} tokens per step")  # fmt: skip
+
+
+FIELDS = ("steps", "proposed", "accepted", "emitted", "row_steps")
 
 
 def lookup(text: Sequence[int], k: int, max_ngram: int = DEFAULT_NGRAM, min_ngram: int = 1) -> List[int]:
@@ -330,22 +341,31 @@ class RowStep:
 
 @dataclass
 class Speculation:
-    """``generate``'s speculative decoding: the proposer and the most guesses a row checks per step."""
+    """Speculative decoding's settings: the proposer, the most guesses a row checks per step, and
+    (``context``) per row the tokens a cache already holds before a call's prompt, which the proposer
+    reads as the start of the row's text (a ``Conversation``'s earlier turns); ``stats``: what it
+    gained, over every call it served (the proposer's own count too)."""
 
     proposer: Proposer
     tokens: int = DEFAULT_SPECULATIVE_TOKENS
-    stats: SpeculativeStats = field(default_factory=SpeculativeStats)  # this call's
+    context: Optional[List[List[int]]] = None
+    stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
 def check_speculation(draft: object, speculative_tokens: Optional[int]) -> Optional[Speculation]:
-    """``generate``'s ``draft`` and ``speculative_tokens`` checked, as a ``Speculation`` (None: plain decoding)."""
+    """``generate``'s ``draft`` and ``speculative_tokens`` checked, as a ``Speculation`` (None: plain
+    decoding). ``draft`` may be a ``Speculation`` already (``speculative_tokens`` then changes its k)."""
     if draft is None:
         if speculative_tokens is not None:
             raise GenerationError("speculative_tokens needs draft= (a draft model, or 'ngram' for prompt lookup)")
         return None
     k = DEFAULT_SPECULATIVE_TOKENS if speculative_tokens is None else as_int(speculative_tokens)
-    if k is None or not 1 <= k <= 64:
-        raise GenerationError(f"speculative_tokens={speculative_tokens!r} must be an integer from 1 to 64")
+    if k is None or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise GenerationError(f"speculative_tokens={speculative_tokens!r} must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}")
+    if isinstance(draft, Speculation):
+        if speculative_tokens is not None:
+            draft.tokens = k
+        return draft
     return Speculation(proposer_of(draft), k)
 
 
@@ -373,7 +393,8 @@ def decode_speculative(
         # The first token, from the prompts' logits, as plain decoding chooses it.
         active = choose_positions(logits, [RowStep(row, row, []) for row in range(len(generated))], settings, generated, logprobs, device)
         while active:
-            texts = [list(prompts[row]) + generated[row] for row in active]  # each row's text, its last token unread
+            context = speculation.context
+            texts = [(context[row] if context else []) + list(prompts[row]) + generated[row] for row in active]  # last one unread
             room = [min(ks[row], settings.max_tokens - len(generated[row]) - 1) for row in active]
             guesses, q = proposer.propose(active, texts, room, settings.sampling, settings.generator)
             pieces = [(row, cache.tokens_seen[row], [generated[row][-1]] + g) for row, g in zip(active, guesses)]
@@ -391,14 +412,16 @@ def decode_speculative(
                 slack.cut_back(row, seen + step.read)  # the guesses after the last one read are forgotten
                 if proposer.adaptive:
                     ks[row] = min(k_max, ks[row] + 2) if step.accepted == len(step.guesses) else max(1, ks[row] - 1)
-            speculation.stats.add(SpeculativeStats(
+            step_stats = SpeculativeStats(
                 steps=1, row_steps=len(steps), proposed=sum(len(s.guesses) for s in steps),
                 accepted=sum(s.accepted for s in steps), emitted=sum(s.emitted for s in steps),
-            ))  # fmt: skip
+            )  # fmt: skip
+            speculation.stats.add(step_stats)
+            if proposer.stats is not speculation.stats:
+                proposer.stats.add(step_stats)
             active = [row for row in active if row in still]
     finally:
         cache.slack = previous_slack
-        proposer.stats.add(speculation.stats)
 
 
 def choose_checked(

@@ -301,6 +301,13 @@ def run_engine(
     outbox = Outbox(conn)
     try:
         model, tokenizer = load()
+        draft_load = engine_options.pop("draft_load", None)
+        if draft_load is not None:  # a draft model for speculative decoding, loaded here beside the model
+            draft, draft_tokenizer = draft_load()
+            if draft_tokenizer.n_words != tokenizer.n_words:
+                raise MixtralInferError(f"the draft model's tokenizer has {draft_tokenizer.n_words} tokens, the model's "
+                                        f"{tokenizer.n_words}: a draft must share the model's tokenizer")  # fmt: skip
+            engine_options = {**engine_options, "draft": draft}
         rows = plan_rows(model, **plan)
         engine = Engine(
             model, tokenizer, rows.rows, max_queue=sys.maxsize, metrics=outbox.metrics, after_step=outbox.flush,

@@ -33,6 +33,7 @@ except ImportError as error:  # pragma: no cover - the serve extra is part of th
 from mixtral_infer.serve.engine import Engine
 from mixtral_infer.serve.engine_process import EngineProcess, Load, split_cpus
 from mixtral_infer.serve.sizing import size
+from mixtral_infer.generation.speculative import DEFAULT_SPECULATIVE_TOKENS
 
 DEFAULT_MAX_MODEL_LEN = 32768  # serve's bound on a request of a windowed model whose folder declares none
 FINAL_WRITES_S = 10.0  # after the drain, uvicorn's bound on the last responses' writes (cancelled streams' ends)
@@ -114,12 +115,16 @@ def run_server(
     pin_cpus: bool = False,
     prefix_reuse: bool = True,
     reuse_slack: int = 0,
+    speculative_ngram: bool = False,
+    speculative_tokens: Optional[int] = None,
+    draft_load: Optional[Load] = None,
     log: Callable[[str], None] = log_to_stderr,
 ) -> None:
     """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on.
 
     ``load() -> (model, tokenizer)`` runs in the engine's own process (``engine_process``);
-    this process keeps ``tokenizer`` for the requests' text.
+    this process keeps ``tokenizer`` for the requests' text. ``draft_load`` (a draft model, loaded
+    there too) or ``speculative_ngram``: speculative decoding (``Engine``'s ``draft``).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -131,15 +136,19 @@ def run_server(
     cpus = split_cpus(sorted(os.sched_getaffinity(0))) if pin_cpus and hasattr(os, "sched_getaffinity") else None
     if pin_cpus and cpus is None:
         log("--pin-cpus: this process may use one CPU only (or the system cannot pin): nothing pinned")
+    speculating = speculative_ngram or draft_load is not None
+    k = (speculative_tokens or DEFAULT_SPECULATIVE_TOKENS) if speculating else 0
     engine = EngineProcess(
         load,
         plan=dict(
             prefill_tokens=prefill_tokens, max_rows=max_rows, memory_fraction=memory_fraction, max_model_len=max_model_len,
-            slack=reuse_slack if prefix_reuse else 0,
+            slack=max(reuse_slack if prefix_reuse else 0, k),
         ),
         engine=dict(
             prefill_tokens=prefill_tokens, max_model_len=max_model_len, decode=decode, admit_every=admit_every,
             prefix_reuse=prefix_reuse, slack=reuse_slack if prefix_reuse else 0,
+            **({"draft": "ngram", "speculative_tokens": k} if speculative_ngram else {}),
+            **({"draft_load": draft_load, "speculative_tokens": k} if draft_load is not None else {}),
         ),
         max_queue=max_queue, engine_cpus=cpus[1] if cpus is not None else None,
     )
@@ -157,6 +166,10 @@ def run_server(
             )
         else:
             log("prefix reuse: off (--no-prefix-reuse), every prompt is read whole")
+        if speculating:
+            what = "prompt lookup (--speculative-ngram)" if speculative_ngram else "a draft model (--draft-model)"
+            log(f"speculative decoding: {what}, up to {k} guesses a step, at steps where every row decodes and where it "
+                "gives more tokens a second (measured as it serves, per batch size); a request opts out with \"speculative\": false")  # fmt: skip
         sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
         address = f"http://{host}:{sock.getsockname()[1]}"
 
