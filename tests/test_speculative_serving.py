@@ -42,12 +42,14 @@ def alone(model, tokenizer, prompt, max_tokens):
     return generate([prompt], model, max_tokens=max_tokens, eos_id=tokenizer.eos_id, prompt_logprobs=False)[0][0]
 
 
-@pytest.mark.parametrize("draft", ["ngram", "model"])
-def test_requests_get_their_tokens_alone_past_the_window(models, draft):
+@pytest.mark.parametrize("draft, decode", [("ngram", "eager"), ("model", "eager"), ("ngram", "static")])
+def test_requests_get_their_tokens_alone_past_the_window(models, draft, decode):
+    """Verified by Transformer.forward (eager) or the fixed-shape verify step (static)."""
     model, draft_model, tokenizer = models
     metrics = ServeMetrics(3)
-    engine = Engine(model, tokenizer, 3, decode="eager", draft=draft_model if draft == "model" else "ngram",
+    engine = Engine(model, tokenizer, 3, decode=decode, draft=draft_model if draft == "model" else "ngram",
                     speculative_tokens=4, metrics=metrics)  # fmt: skip
+    assert engine._verifies_static() == (decode == "static")
     engine.policy.wanted = lambda rows: True  # every decode step speculates
     requests = [(p, RequestSettings(max_tokens=45, logprobs=0)) for p in prompts(tokenizer)]  # the window is 32
     got, events = serve(engine, requests)
@@ -117,3 +119,28 @@ def test_engine_turns_speculation_off_where_it_does_not_pay(models):
     policy = engine.policy
     assert not policy.pays(1)
     assert engine.stats()["speculative_steps"] < 10  # measured, then explored one step in EXPLORE_EVERY
+
+
+def test_prefix_reuse_and_n_choices_with_speculation(models):
+    """A next turn continues the row a speculating request left (its ids cut back with its cache), and
+    a second choice of a prompt (``follows``) samples from a copy of its row: each as it is alone."""
+    model, _, tokenizer = models
+    engine = Engine(model, tokenizer, 3, decode="eager", draft="ngram", slack=8)
+    engine.policy.wanted = lambda rows: True
+    first = prompts(tokenizer)[0]
+    [answer], _ = serve(engine, [(first, RequestSettings(max_tokens=40))])
+    assert engine.row_states[0].ids == first + answer[:-1] or any(s.ids == first + answer[:-1] for s in engine.row_states)
+    follow_up = first + answer + tokenizer.encode("And God said", bos=False)
+    [second], _ = serve(engine, [(follow_up, RequestSettings(max_tokens=30))])
+    assert engine.stats()["prefix_hits"] == 1 and engine.stats()["reused_tokens"] == len(first) + len(answer) - 1
+    assert second == alone(model, tokenizer, follow_up, 30)
+
+    events = {}
+    settings = [RequestSettings(max_tokens=20, temperature=0.7, seed=s) for s in (1, 2)]
+    leader = engine.submit(first, settings[0], lambda e: events.setdefault(0, []).append(e))
+    engine.submit(first, settings[1], lambda e: events.setdefault(1, []).append(e), follows=leader)
+    while engine.step():
+        pass
+    choices = [[e.token for e in events[i] if isinstance(e, TokenEvent)] for i in (0, 1)]
+    assert all(len(c) == 20 for c in choices) and choices[0] != choices[1]
+    assert all(isinstance(events[i][-1], Finished) for i in (0, 1))

@@ -24,9 +24,7 @@ from mixtral_infer.generation.shared_prefix import (
     shared_prefix_length,
 )
 from mixtral_infer.generation.sampling_params import SamplingParams
-from mixtral_infer.generation.speculative import Piece, check_speculation, decode_speculative
-from mixtral_infer.steps.compiler import VERIFY
-from mixtral_infer.steps.mixed_step import pack_chunk, verify_logits
+from mixtral_infer.generation.speculative import Piece, check_speculation, decode_speculative, static_verify
 from mixtral_infer.generation.text_stream import AnswerText
 from mixtral_infer.generation.settings import (
     DECODE_MODES,
@@ -361,7 +359,7 @@ def generate(
         k = speculation.tokens
         check_verify_fits(cache, k, mode)
         speculation.proposer.begin(model, batch, longest + max_tokens, k, continuing=not fresh)
-        verify = verify_eager(model) if mode == "eager" else verify_static(model, k, batch, compiled=mode == "compiled")
+        verify = verify_eager(model) if mode == "eager" else verify_static(model, k, compiled=mode == "compiled")
         decode_speculative(model, cache, logits, settings, generated, logprobs, encoded_prompts, speculation, verify)
     elif mode == "eager":
         decode_eager(model, cache, logits, settings, generated, logprobs)
@@ -432,24 +430,13 @@ def verify_eager(model: Transformer):
     return verify
 
 
-def verify_static(model: Transformer, k: int, batch: int, compiled: bool):
-    """The verify pass as the mixed step's verify step (``steps.mixed_step.verify_logits``), every row a
-    segment padded to ``batch * (k + 1)`` tokens; built by the step compiler (``compiled``) or run op by op."""
-    size = batch * (k + 1)
+def verify_static(model: Transformer, k: int, compiled: bool):
+    """The verify pass as the mixed step's verify step (``speculative.static_verify``), built by
+    ``generate``'s step compiler (``compiled``) or run op by op."""
 
     def verify(cache: RotatingBufferCache, pieces: List[Piece]) -> torch.Tensor:
-        device = model.device
-        chunk = pack_chunk(pieces, size, batch, device)
-        seen = cache.tokens_seen + [0] * (cache.max_batch_size - len(cache.tokens_seen))
-        positions = torch.tensor(seen, dtype=torch.long, device=device)  # (R,)
-        if compiled:
-            step = step_compiler(model).step(VERIFY, cache, (False,), shape=(cache.max_batch_size, size, batch))
-            out = step(cache.layer_keys, cache.layer_values, positions, chunk)
-        else:
-            out = verify_logits(model, cache.layer_keys, cache.layer_values, positions, chunk, grouped_moe=True)
-        for row, _, tokens in pieces:
-            cache.tokens_seen[row] += len(tokens)
-        return out[: sum(len(tokens) for _, _, tokens in pieces)]  # (T, V)
+        # Compiled, the experts run every one on every token (fixed shapes); op by op, grouped.
+        return static_verify(model, cache, pieces, k, step_compiler(model) if compiled else None, grouped_moe=not compiled)
 
     return verify
 

@@ -49,7 +49,7 @@ from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.steps.decode_step import finite_rows, supports_static_decode
 from mixtral_infer.steps.mixed_step import pack_chunk
 from mixtral_infer.generation.generate import decode_mode
-from mixtral_infer.generation.speculative import SpeculativeStats, check_speculation, choose_checked
+from mixtral_infer.generation.speculative import SpeculativeStats, check_speculation, choose_checked, static_verify
 from mixtral_infer.serve.speculation import SpeculationPolicy
 from mixtral_infer.generation.sampling_params import SamplingParams, rows_sampling
 from mixtral_infer.sampling import sample
@@ -268,6 +268,9 @@ class Engine:
         spare = self.speculation.tokens if self.speculation is not None else 0
         self.slack = SlackSlots(self.cache, max(slack if prefix_reuse else 0, spare))
         self.policy = SpeculationPolicy()
+        if self.speculation is not None and spare + 1 > min(self.cache.layer_sizes):
+            raise GenerationError(f"speculative_tokens={spare}: a row checks at most {min(self.cache.layer_sizes) - 1} "
+                                  f"guesses in buffers of {min(self.cache.layer_sizes)} slots")  # fmt: skip
         if self.speculation is not None:
             self.speculation.proposer.begin(model, rows, longest, spare, continuing=True)
             self._ks = [self.speculation.tokens if not self.speculation.proposer.adaptive else min(2, spare)] * rows
@@ -696,8 +699,13 @@ class Engine:
             seqlens[r.row] = len(fed[r.row])
         seen = list(self.cache.tokens_seen)
         self.slack.save(seqlens)  # before the pass writes over them
-        input_ids = torch.tensor([t for row in rows for t in fed[row]], dtype=torch.long, device=device)  # (T,)
-        out = self.model(input_ids, seqlens, self.cache)  # (T, V) after every fed token
+        if self._verifies_static():
+            pieces = [(row, seen[row], fed[row]) for row in rows]
+            compiler = self.compiler if self.compile_prompts else None
+            out = static_verify(self.model, self.cache, pieces, speculation.tokens, compiler, grouped_moe=compiler is None)
+        else:
+            input_ids = torch.tensor([t for row in rows for t in fed[row]], dtype=torch.long, device=device)  # (T,)
+            out = self.model(input_ids, seqlens, self.cache)  # (T, V) after every fed token
         for row in rows:
             self.row_states[row].ids.extend(fed[row])
         starts = dict(zip(rows, itertools.accumulate([seqlens[row] for row in rows], initial=0)))
@@ -735,6 +743,12 @@ class Engine:
         if self.metrics is not None:
             self.metrics.speculated(stats.proposed, stats.accepted, stats.emitted, stats.row_steps)
         return stats.emitted / max(1, len(running))
+
+    def _verifies_static(self) -> bool:
+        """Whether verify passes run the fixed-shape verify step (``speculative.static_verify``: where
+        every step is static, compiled with the prompts' steps), else ``Transformer.forward`` (eager,
+        and off CUDA where each step is chosen: the eager pass reads the few rows that speculate)."""
+        return self.mode != "eager" and not self.choose_per_step
 
     def _decode_only(self, sampled: List[Request]) -> torch.Tensor:
         """Every running row feeds one token: the static decode step over all R rows."""
@@ -872,6 +886,11 @@ class Engine:
         for size in self.chunk_sizes:
             chunk = pack_chunk([(0, 0, [0])], size, self.max_segments, self.model.device)  # writes row 0's slot 0
             self._call_step(("mixed", size), zeros, zeros.clone(), idle, chunk)
+        if self.speculation is not None and self._verifies_static():  # the verify step, its one token at row 0's slot 0
+            seen = self.cache.tokens_seen[0]
+            self.cache.tokens_seen[0] = 0
+            static_verify(self.model, self.cache, [(0, 0, [0])], self.speculation.tokens, self.compiler, grouped_moe=False)
+            self.cache.tokens_seen[0] = seen
         for buffer, slot in zip(buffers, held):
             buffer[0, 0] = slot
 

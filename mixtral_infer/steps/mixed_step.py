@@ -81,10 +81,13 @@ def pack_chunk(
     size: Optional[int] = None,
     segments: Optional[int] = None,
     device: torch.device | str = "cpu",
+    line: Optional[int] = None,
 ) -> PromptChunk:
     """The pieces packed in order, padded to ``size`` tokens and ``segments`` segments (None: no
     padding). A padding segment points at row 0 and holds no token; a padding token is segment 0's.
-    The layout's lines hold ``size`` places when padded (a fixed shape), else the longest piece.
+    The layout's lines hold ``size`` places when padded (a fixed shape), else the longest piece;
+    with ``line`` (speculative decoding's verify step: every piece holds at most k + 1 tokens), lines
+    of ``line`` places, ``size = segments * line``, each padding token in a place no piece takes.
 
     >>> chunk = pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])], size=6, segments=3)
     >>> chunk.positions.tolist(), chunk.segment.tolist(), chunk.last.tolist(), chunk.line
@@ -93,6 +96,9 @@ def pack_chunk(
     [0, 1, 2, 0, 1, 5]
     >>> pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])]).line
     3
+    >>> verify = pack_chunk([(1, 6, [11, 12, 13]), (0, 0, [21, 22])], size=9, segments=3, line=3)
+    >>> verify.segment.tolist(), verify.place.tolist()  # padding in segment 1's last place, then segment 2's
+    ([0, 0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 2, 0, 1, 2, 0, 1, 2])
     """
     tokens: List[int] = []
     positions: List[int] = []
@@ -108,12 +114,21 @@ def pack_chunk(
         place.extend(range(len(piece)))
         last.append(len(tokens) - 1)
     n_valid, n_pieces = len(tokens), len(pieces)
-    line = max(len(piece) for _, _, piece in pieces) if size is None else size
+    pad_places: List[Tuple[int, int]] = []  # (segment, place) of each padding token, with ``line``
+    if line is not None:
+        if size is None or segments is None or size != segments * line or any(len(p) > line for _, _, p in pieces):
+            raise ValueError(f"a chunk of lines of {line} places needs size = segments * line and pieces of at most {line} tokens")
+        used = [len(piece) for _, _, piece in pieces] + [0] * (segments - n_pieces)
+        pad_places = [(s, p) for s in range(segments) for p in range(used[s], line)]
+    line = line if line is not None else max(len(piece) for _, _, piece in pieces) if size is None else size
     size = n_valid if size is None else size
     segments = n_pieces if segments is None else segments
     if n_valid > size or n_pieces > segments or n_valid == 0:
         raise ValueError(f"{n_valid} tokens of {n_pieces} prompts do not fit a chunk of {size} tokens, {segments} segments")
     pad, pad_segments = size - n_valid, segments - n_pieces
+    if pad_places:
+        segment.extend(s for s, _ in pad_places)
+        place.extend(p for _, p in pad_places)
 
     def tensor(values, dtype=torch.long):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -121,8 +136,8 @@ def pack_chunk(
     return PromptChunk(
         tokens=tensor(tokens + [0] * pad),
         positions=tensor(positions + [0] * pad),
-        segment=tensor(segment + [0] * pad),
-        place=tensor(place + list(range(n_valid, size))),  # segment 0 starts at 0: a padding token's index
+        segment=tensor(segment + [0] * (size - len(segment))),
+        place=tensor(place + list(range(n_valid, size))[: size - len(place)]),  # segment 0 starts at 0: a padding token's index
         valid=tensor([True] * n_valid + [False] * pad, torch.bool),
         rows=tensor([row for row, _, _ in pieces] + [0] * pad_segments),
         starts=tensor([start for _, start, _ in pieces] + [0] * pad_segments),
