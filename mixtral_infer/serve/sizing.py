@@ -15,7 +15,11 @@ a row is ``2 * 32 * 4096 * 8 * 128 * 2`` bytes = 512 MiB; with an 80 GB GPU at f
 
 Slack (``Engine``'s ``slack``, ``model.cache.SlackSlots``): each windowed layer of a row keeps that
 many slots more, so a row costs ``slack`` more slots in them; with a slack of 512 the row above is
-``2 * 32 * (4096 + 512) * 8 * 128 * 2`` bytes = 576 MiB, and 93 rows fit.
+``2 * 32 * (4096 + 512) * 8 * 128 * 2`` bytes = 576 MiB, and 93 rows fit. Speculative decoding
+(``--draft-model``, ``--speculative-ngram``) needs a slack of at least k, the most guesses a step checks:
+the prefix reuse slack covers it where it is larger, else it costs k / W more per row (k = 4, W = 4096:
+0.1%, 0.5 MiB of the row above). A draft model's weights and its own cache (its rows, its window) are
+loaded beside the model's and are not counted in the budget: a small draft's are a few percent of them.
 """
 
 from __future__ import annotations
