@@ -358,7 +358,8 @@ def generate(
     if speculation is not None:
         k = speculation.tokens
         check_verify_fits(cache, k, mode)
-        speculation.proposer.begin(model, batch, longest + max_tokens, k, continuing=not fresh)
+        before = max((len(c) for c in speculation.context or []), default=0)  # what the proposer reads before the prompts
+        speculation.proposer.begin(model, batch, before + longest + max_tokens, k, continuing=not fresh)
         verify = verify_eager(model) if mode == "eager" else verify_static(model, k, compiled=mode == "compiled")
         decode_speculative(model, cache, logits, settings, generated, logprobs, encoded_prompts, speculation, verify)
     elif mode == "eager":

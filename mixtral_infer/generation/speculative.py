@@ -53,7 +53,7 @@ from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from mixtral_infer.errors import GenerationError, as_int
-from mixtral_infer.model.cache import RotatingBufferCache, SlackSlots
+from mixtral_infer.model.cache import RotatingBufferCache, SlackSlots, layer_cache_sizes
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.sampling import Generators, Sampling, token_distribution, token_logprobs
 from mixtral_infer.steps.compiler import VERIFY, StepCompiler
@@ -184,7 +184,7 @@ class DraftModel:
         cache = self.cache
         fits = (
             cache is not None and cache.max_batch_size == batch and self.slack.slack >= slack
-            and all(size >= needed for size, needed in zip(cache.layer_sizes, self.model.make_cache(1, max_seqlen).layer_sizes))
+            and all(size >= needed for size, needed in zip(cache.layer_sizes, layer_cache_sizes(self.model.layer_windows, max_seqlen)))
         )  # fmt: skip
         if not fits:
             self.cache = self.slack = None  # the old buffers freed first

@@ -464,18 +464,21 @@ class Engine:
 
         decode_only = all(r.next_token is not None for r in self.running)
         started = time.perf_counter()
-        if decode_only and self.speculation is not None and self.policy.wanted(len(self.running)):
+        measured = decode_only and self.speculation is not None  # a plain step's cost, beside the speculative ones'
+        if measured and self.policy.wanted(len(self.running)):
             rows, gained = len(self.running), self._speculative_step()
-            self.policy.record_speculative(rows, time.perf_counter() - started, gained)
-            self.steps += 1
-            self._gauges()
-            return True
+            if gained is not None:
+                self.policy.record_speculative(rows, time.perf_counter() - started, gained)
+                self.steps += 1
+                self._gauges()
+                return True
+            measured = False  # no row had a guess: a plain step, which asked for guesses first
         seqlens, chunks, sampled = self._plan()
         logits = self._forward(seqlens, chunks, sampled, decode_only)
         self.steps += 1
         if sampled:
             self._choose(sampled, logits)
-        if decode_only and self.speculation is not None:
+        if measured:
             self.policy.record_plain(len(sampled), time.perf_counter() - started)
         self._gauges()
         return True
@@ -669,13 +672,13 @@ class Engine:
                 sampled.append(request)
         return seqlens, chunks, sampled
 
-    def _speculative_step(self) -> float:
+    def _speculative_step(self) -> Optional[float]:
         """A step where every row decodes and the proposer guesses (``generation.speculative``): each row
         feeds its last token and its guesses (none for a request that opted out, or with no room left),
         one pass checks them all, and each row's tokens are chosen position by position through
         ``_choose``, which applies the row's grammar, penalties and stop strings after the tokens chosen
         before; each row is then cut back to the tokens whose logits were read. The tokens a row gained
-        on average."""
+        on average; None where no row had a guess (nothing done: the caller takes a plain step)."""
         speculation, device = self.speculation, self.model.device
         running = sorted(self.running, key=lambda r: r.row)  # the flat pass is in row order
         rows = [r.row for r in running]
@@ -692,6 +695,8 @@ class Engine:
             settings[r.row], generators[r.row] = r.settings, r.generator
         sampling = rows_sampling(settings, self._vocab, device, True)
         guesses, qs = speculation.proposer.propose(rows, texts, room, sampling, generators)
+        if not any(guesses):
+            return None  # nothing to check: the plain step reads the rows faster
         seqlens = [0] * self.rows
         fed = {}
         for r, g in zip(running, guesses):
