@@ -125,11 +125,13 @@ class LLM:
     ):  # fmt: skip
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise GenerationError(f"max_batch={max_batch!r} must be an integer >= 1")
+        if not isinstance(speculative_ngram, bool):
+            raise GenerationError(f"speculative_ngram={speculative_ngram!r} must be True or False")
         if draft_model is not None and speculative_ngram:
             raise GenerationError("give draft_model or speculative_ngram=True, not both")
         if draft_model is None and not speculative_ngram and speculative_tokens is not None:
             raise GenerationError("speculative_tokens needs draft_model= or speculative_ngram=True")
-        self.speculation = check_speculation("ngram", speculative_tokens) if speculative_ngram else None
+        self.speculation = check_speculation("ngram", speculative_tokens) if speculative_ngram or draft_model else None  # k checked before loading
         self.model = load_model(model, max_batch_size=max_batch, device=device, dtype=dtype, quantize=quantize)
         self.tokenizer = Tokenizer.from_folder(model)
         if draft_model is not None:

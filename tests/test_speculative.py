@@ -226,8 +226,24 @@ def test_bad_settings_are_refused_before_work():
     other = random_model(tiny_args(moe=False).__class__(**{**tiny_args(moe=False).__dict__, "vocab_size": 64}))
     with pytest.raises(GenerationError, match="the model's tokenizer"):
         generate([[1, 2]], model, max_tokens=2, draft=other)
-    with pytest.raises(GenerationError, match="static verify step checks at most"):
-        generate([[1, 2]], model, max_tokens=2, draft="ngram", speculative_tokens=WINDOW, decode="static")
+    with pytest.raises(GenerationError, match="from 1 to 64"):
+        from mixtral_infer import LLM
+
+        LLM("tiny-mixtral", draft_model="tiny-mistral", speculative_tokens=0)
+    with pytest.raises(GenerationError, match="True or False"):
+        LLM("tiny-mixtral", speculative_ngram="yes")
+
+
+@pytest.mark.parametrize("max_tokens, k", [(1, 4), (2, 4), (6, 4), (20, WINDOW), (20, 2 * WINDOW)])
+def test_static_verify_takes_as_many_guesses_as_the_cache_holds(max_tokens, k):
+    """A fresh cache holds the prompt and max_tokens, fewer slots than the window for a short call:
+    the static verify step checks fewer guesses there (it writes k + 1 tokens at once), the eager pass
+    any number; both give plain decoding's tokens."""
+    model = random_model(tiny_args())
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5]]
+    plain, _ = generate(prompts, model, max_tokens=max_tokens)
+    for decode in ("static", "eager"):
+        assert generate(prompts, model, max_tokens=max_tokens, draft="ngram", speculative_tokens=k, decode=decode)[0] == plain
 
 
 def test_compiled_verify_step_gives_plain_tokens():

@@ -356,12 +356,11 @@ def generate(
         )  # fmt: skip
     settings = DecodeSettings(sampling, generator, eos_id, max_tokens, on_token, shaping)
     if speculation is not None:
-        k = speculation.tokens
-        check_verify_fits(cache, k, mode)
+        k = verify_tokens(cache, speculation.tokens, mode)
         before = max((len(c) for c in speculation.context or []), default=0)  # what the proposer reads before the prompts
         speculation.proposer.begin(model, batch, before + longest + max_tokens, k, continuing=not fresh)
         verify = verify_eager(model) if mode == "eager" else verify_static(model, k, compiled=mode == "compiled")
-        decode_speculative(model, cache, logits, settings, generated, logprobs, encoded_prompts, speculation, verify)
+        decode_speculative(model, cache, logits, settings, generated, logprobs, encoded_prompts, speculation, verify, k)
     elif mode == "eager":
         decode_eager(model, cache, logits, settings, generated, logprobs)
     else:
@@ -442,13 +441,12 @@ def verify_static(model: Transformer, k: int, compiled: bool):
     return verify
 
 
-def check_verify_fits(cache: RotatingBufferCache, k: int, mode: str) -> None:
-    """The static verify step writes a row's k + 1 tokens into its buffers in one go: they must fit the
-    smallest (``Transformer.forward`` keeps what a longer chunk pushes out itself)."""
-    smallest = min(cache.layer_sizes)
-    if mode != "eager" and k + 1 > smallest:
-        raise GenerationError(f"speculative_tokens={k}: the static verify step checks at most {smallest - 1} "
-                              f"guesses in a cache of {smallest} slots; use fewer, or decode='eager'")  # fmt: skip
+def verify_tokens(cache: RotatingBufferCache, k: int, mode: str) -> int:
+    """The most guesses a row checks in this call: ``k``, but the static verify step writes a row's
+    k + 1 tokens into its buffers in one go, so there they must fit the smallest (a fresh cache holds
+    the prompt and ``max_tokens``, which may be fewer than the window). ``Transformer.forward`` keeps
+    what a longer chunk pushes out itself: the eager pass takes any k."""
+    return k if mode == "eager" else max(0, min(k, min(cache.layer_sizes) - 1))
 
 
 def check_shaping(params: SamplingParams, tokenizer: Optional[Tokenizer]) -> Optional[str]:

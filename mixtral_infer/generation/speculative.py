@@ -3,7 +3,7 @@ one pass, and every guess it agrees with is a token gained.
 
 A decode step reads every weight once whether it checks one token or five, so at a small batch the
 pass that feeds a row's last token and k guesses costs little more than the pass that feeds its last
-token alone (bench/speculative.py measures how much more). Two proposers:
+token alone (``bench/bench_speculative.py`` measures how much more). Two proposers:
 
 * ``PromptLookup`` (n-gram prompt lookup, as vLLM's ``ngram``, llama.cpp's ``lookup`` and transformers'
   ``prompt_lookup_num_tokens``): the row's last n tokens are looked for earlier in its text, prompt
@@ -381,16 +381,18 @@ def decode_speculative(
     prompts: Sequence[Sequence[int]],
     speculation: Speculation,
     verify: Callable[[RotatingBufferCache, List[Piece]], torch.Tensor],
+    k: Optional[int] = None,
 ) -> None:
     """The decode loop with a proposer: each step checks every running row's last token and guesses
     in one pass (``verify(cache, pieces)``: the logits after every token of the pieces, in order,
     ``(T, V)``; it counts them as seen), then chooses each row's tokens position by position (module
-    docstring). The cache ends as plain decoding leaves it: every token fed but each row's last."""
+    docstring). ``k``: the most guesses a row checks (``speculation.tokens`` if None). The cache ends
+    as plain decoding leaves it: every token fed but each row's last."""
     device = model.device
-    k_max, proposer = speculation.tokens, speculation.proposer
+    k_max, proposer = speculation.tokens if k is None else k, speculation.proposer
     ks = [min(k_max, 2) if proposer.adaptive else k_max for _ in generated]
     previous_slack = cache.slack
-    slack = SlackSlots(cache, k_max)
+    slack = SlackSlots(cache, max(k_max, 1))
     try:
         # The first token, from the prompts' logits, as plain decoding chooses it.
         active = choose_positions(logits, [RowStep(row, row, []) for row in range(len(generated))], settings, generated, logprobs, device)

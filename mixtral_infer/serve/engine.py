@@ -268,7 +268,7 @@ class Engine:
         spare = self.speculation.tokens if self.speculation is not None else 0
         self.slack = SlackSlots(self.cache, max(slack if prefix_reuse else 0, spare))
         self.policy = SpeculationPolicy()
-        if self.speculation is not None and spare + 1 > min(self.cache.layer_sizes):
+        if self.speculation is not None and self._verifies_static() and spare + 1 > min(self.cache.layer_sizes):
             raise GenerationError(f"speculative_tokens={spare}: a row checks at most {min(self.cache.layer_sizes) - 1} "
                                   f"guesses in buffers of {min(self.cache.layer_sizes)} slots")  # fmt: skip
         if self.speculation is not None:
