@@ -28,8 +28,11 @@ ratios; the absolute figures of one part are not to be compared with another run
   ``while engine.step()``). Three engines each: no draft (``plain``), ``draft="ngram"`` with the
   engine's own choice (``SpeculationPolicy``: it measures both kinds of step per batch size and
   speculates where it pays, ``policy``) and with speculation forced on every decode step
-  (``forced``). Total tokens/s from the first submit to the last token, the speculative share of
-  the decode steps (``policy.seen``), ``policy.describe()`` and the tokens against ``plain``'s.
+  (``forced``). Total tokens/s from the first submit to the last token; the decode-only steps, by
+  batch size and kind (a step counts as speculative where it ran a verify pass), so whether the
+  engine turned speculation off by itself; ``policy.describe()`` (its own measurements); and the
+  tokens against ``plain``'s. Each engine serves the workload once untimed first (steps built, the
+  policy's first measurements).
   Prefix reuse is off, so that every round reads its prompts again.
 
 Threads: ``torch.set_num_threads(--threads)`` (2). ``--quick``: a smoke test (well under a minute):
@@ -37,12 +40,17 @@ Threads: ``torch.set_num_threads(--threads)`` (2). ``--quick``: a smoke test (we
 passage, the engine at 1 and 4 rows eager only, 1 round. Its numbers mean little.
 
     .venv/bin/python bench/bench_speculative.py --out bench/results_speculative.json
+
+About 5 minutes on 2 quiet cores (the first run builds the engine's compiled decode steps, up to a
+minute more; they are kept on disk). Other processes on the CPU stall 2-thread runs at every barrier:
+the JSON's ``disturbed`` says, per part, which processes used the CPU meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -66,6 +74,7 @@ from mixtral_infer.formats.modules import prepare_and_swap, use_formats  # noqa:
 from mixtral_infer.formats.quantizing import quantize_model  # noqa: E402
 from mixtral_infer.generation.speculative import DraftModel, PromptLookup, SpeculativeStats  # noqa: E402
 from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent  # noqa: E402
+from mixtral_infer.serve.speculation import bucket  # noqa: E402
 
 PARTS = ("verify-cost", "ngram", "draft", "serve")
 STAT_FIELDS = ("steps", "proposed", "accepted", "emitted", "row_steps")
@@ -168,8 +177,12 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
 
 
 def table(title: str, header: Sequence[str], rows: List[Sequence]) -> None:
-    cells = [[str(h) for h in header]] + [[cell if isinstance(cell, str) else f"{cell:.3g}" if isinstance(cell, float) else str(cell)
-                                            for cell in row] for row in rows]  # fmt: skip
+    def text(cell) -> str:
+        if isinstance(cell, float):
+            return f"{cell:.0f}" if abs(cell) >= 100 else f"{cell:.3g}"
+        return str(cell)
+
+    cells = [[str(h) for h in header]] + [[text(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     print(f"\n{title}")
     for n, row in enumerate(cells):
@@ -363,30 +376,33 @@ def serve_prompts(tokenizer: Tokenizer, n: int) -> List[List[int]]:
 
 def serve_once(engine: Engine, prompts: List[List[int]], max_tokens: int) -> Dict[str, object]:
     """Every prompt submitted at once, then steps until none runs: tokens/s from the first submit to the
-    last step, each request's tokens, and what speculated in between."""
+    last step, each request's tokens, and the decode-only steps (every running row decoding, the queue
+    empty) by batch size (rounded up to a power of two, as ``SpeculationPolicy`` does) and kind: plain,
+    or speculative (a verify pass counted in ``engine.speculation.stats``)."""
     tokens: List[List[int]] = [[] for _ in prompts]
     spec = engine.speculation
     before = snapshot(spec.stats) if spec is not None else None
-    seen_before = dict(engine.policy.seen)
     steps_before = engine.steps
+    by_bucket: Dict[str, Dict[str, int]] = {}
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.submit(prompt, RequestSettings(max_tokens=max_tokens, ignore_eos=True),
                       lambda event, i=i: tokens[i].append(event.token) if isinstance(event, TokenEvent) else None)  # fmt: skip
-    while engine.step():
-        pass
+    while True:
+        running = len(engine.running)  # driven from this thread alone: nothing changes between here and step()
+        decode_only = running > 0 and not engine.queue and all(r.next_token is not None for r in engine.running)
+        passes = spec.stats.steps if spec is not None else 0
+        if not engine.step():
+            break
+        if decode_only:
+            kind = "speculative" if spec is not None and spec.stats.steps > passes else "plain"
+            by_bucket.setdefault(f"{bucket(running)} rows", {"plain": 0, "speculative": 0})[kind] += 1
     wall = time.perf_counter() - started
-    kinds = {"plain": 0, "speculative": 0}
-    by_bucket: Dict[str, Dict[str, int]] = {}
-    for (kind, bucket), count in engine.policy.seen.items():
-        n = count - seen_before.get((kind, bucket), 0)
-        kinds[kind] += n
-        if n:
-            by_bucket.setdefault(f"{bucket} rows", {"plain": 0, "speculative": 0})[kind] = n
-    out = {"tok_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tokens": tokens, "steps": engine.steps - steps_before}
+    out = {"tok_s": sum(map(len, tokens)) / wall, "wall_s": wall, "tokens": tokens, "engine_steps": engine.steps - steps_before,
+           "by_bucket": by_bucket, "decode_steps_plain": sum(c["plain"] for c in by_bucket.values()),
+           "decode_steps_speculative": sum(c["speculative"] for c in by_bucket.values())}  # fmt: skip
     if spec is not None:
-        out.update(decode_steps_plain=kinds["plain"], decode_steps_speculative=kinds["speculative"], by_bucket=by_bucket,
-                   stats=stats_since(spec.stats, before))  # fmt: skip
+        out["stats"] = stats_since(spec.stats, before)
     return out
 
 
@@ -416,29 +432,31 @@ def serve_part(model: Transformer, tokenizer: Tokenizer, config: dict, rounds: i
                                          "prompt_tokens": [len(p) for p in prompts]}  # fmt: skip
             for variant in variants:
                 r = runs[variant]
-                row: Dict[str, object] = {"tok_s": round(median([x["tok_s"] for x in r]), 2),
-                                          "steps": round(median([x["steps"] for x in r]), 1)}  # fmt: skip
+                plain_steps = sum(x["decode_steps_plain"] for x in r)
+                spec_steps = sum(x["decode_steps_speculative"] for x in r)
+                buckets: Dict[str, Dict[str, int]] = {}
+                for x in r:
+                    for b, counts in x["by_bucket"].items():
+                        for kind, n in counts.items():
+                            buckets.setdefault(b, {"plain": 0, "speculative": 0})[kind] += n
+                row: Dict[str, object] = {
+                    "tok_s": round(median([x["tok_s"] for x in r]), 2), "engine_steps": round(median([x["engine_steps"] for x in r]), 1),
+                    "decode_steps_plain": plain_steps, "decode_steps_speculative": spec_steps,  # over every timed round
+                    "speculative_share": round(spec_steps / max(1, plain_steps + spec_steps), 4),
+                    "by_bucket": dict(sorted(buckets.items(), key=lambda item: -int(item[0].split()[0]))),
+                }  # fmt: skip
                 if variant != "plain":
                     ratios = [x["tok_s"] / p["tok_s"] for x, p in zip(r, runs["plain"])]
                     stats = SpeculativeStats()
                     for x in r:
                         stats.add(x["stats"])
-                    plain_steps = sum(x["decode_steps_plain"] for x in r)
-                    spec_steps = sum(x["decode_steps_speculative"] for x in r)
-                    buckets: Dict[str, Dict[str, int]] = {}
-                    for x in r:
-                        for b, counts in x["by_bucket"].items():
-                            for kind, n in counts.items():
-                                buckets.setdefault(b, {"plain": 0, "speculative": 0})[kind] += n
                     diffs = [first_difference(a, b) for x in r for a, b in zip(plain_tokens, x["tokens"])]
                     wrong = [d for d in diffs if d is not None]
                     row.update(
                         ratio_to_plain=round(median(ratios), 4), ratio_min=round(min(ratios), 4), ratio_max=round(max(ratios), 4),
-                        decode_steps_plain=plain_steps, decode_steps_speculative=spec_steps,
-                        speculative_share=round(spec_steps / max(1, plain_steps + spec_steps), 4), by_bucket=buckets,
                         **stats_dict(stats), identical_to_plain=not wrong, first_difference=min(wrong) if wrong else None,
                         policy=finite(engines[variant].policy.describe()) if variant == "policy" else None,
-                        engine_stats=engines[variant].stats(),
+                        engine_stats=finite(engines[variant].stats()),
                     )  # fmt: skip
                 result[variant] = row
             out[f"{mode}/{rows}"] = result
@@ -452,17 +470,17 @@ def print_serve(result: Dict[str, object]) -> None:
         mode, requests = key.split("/")
         for variant in ("plain", "policy", "forced"):
             v = r[variant]
+            steps = [f"{v['decode_steps_speculative']}/{v['decode_steps_plain'] + v['decode_steps_speculative']}",
+                     " ".join(f"{b.split()[0]}:{c['speculative']}/{c['plain'] + c['speculative']}" for b, c in v["by_bucket"].items())]
             if variant == "plain":
-                rows.append([mode, requests, variant, v["tok_s"], "1.00x", "", "", "", "", ""])
+                rows.append([mode, requests, variant, v["tok_s"], "1.00x", "", *steps, "", "", ""])
                 continue
-            rows.append([mode, requests, variant, v["tok_s"], f"{v['ratio_to_plain']:.2f}x",
-                         f"{v['decode_steps_speculative']}/{v['decode_steps_plain'] + v['decode_steps_speculative']}",
-                         f"{v['acceptance_rate']:.0%}", f"{v['tokens_per_step']:.2f}",
-                         " ".join(f"{b.split()[0]}:{c['speculative']}/{c['plain'] + c['speculative']}" for b, c in v["by_bucket"].items()),
+            rows.append([mode, requests, variant, v["tok_s"], f"{v['ratio_to_plain']:.2f}x", f"{v['ratio_min']:.2f}-{v['ratio_max']:.2f}",
+                         *steps, f"{v['acceptance_rate']:.0%}", f"{v['tokens_per_step']:.2f}",
                          "yes" if v["identical_to_plain"] else f"NO (at {v['first_difference']})"])  # fmt: skip
     table("serve: the engine, tiny-mixtral, copy-heavy requests all at once (tokens/s from the first submit to the end)",
-          ["decode", "requests", "engine", "tok/s", "vs plain", "spec steps", "accepted", "tok/step", "spec/decode steps by batch",
-           "same tokens"], rows)  # fmt: skip
+          ["decode", "requests", "engine", "tok/s", "vs plain", "range", "spec/decode steps", "by batch (bucket:spec/all)",
+           "accepted", "tok/step", "same tokens"], rows)  # fmt: skip
     for key, r in result.items():
         policy = r["policy"]["policy"]
         if policy:
@@ -502,6 +520,7 @@ def run_part(name: str, options, config: dict, rounds: int, tokenizer: Tokenizer
                            "weights": "int8" if kind.endswith("int8") else str(model.dtype).replace("torch.", ""),
                            **verify_cost(model, config["ks"], rounds, config["prompt_len"], config["call_s"])}  # fmt: skip
             del model
+            gc.collect()  # the next model is built beside nothing
         print_verify_cost(part, config["prompt_len"])
         return part
     if "tiny-mixtral" not in shared:
