@@ -100,8 +100,8 @@ def test_policy_worked_example():
 
 
 def test_engine_turns_speculation_off_where_it_does_not_pay(models):
-    """With its costs measured as a verify pass twice a plain step and no guess ever right, the engine
-    runs plain decode steps."""
+    """With every step's cost read as a verify pass twice a plain step (the clock is the test's, not
+    the busy machine's) and no guess ever right, the engine measures both, then runs plain steps."""
     model, _, tokenizer = models
 
     class Wrong:
@@ -114,10 +114,13 @@ def test_engine_turns_speculation_off_where_it_does_not_pay(models):
             return [[1] * k for k in ks], [None] * len(rows)
 
     engine = Engine(model, tokenizer, 2, decode="eager", draft=Wrong(), speculative_tokens=3)
+    policy = engine.policy
+    plain, speculative = policy.record_plain, policy.record_speculative
+    policy.record_plain = lambda rows, seconds: plain(rows, 0.010)
+    policy.record_speculative = lambda rows, seconds, gain: speculative(rows, 0.020, gain)
     got, _ = serve(engine, [(prompts(tokenizer)[1], RequestSettings(max_tokens=60))])
     assert got[0] == alone(model, tokenizer, prompts(tokenizer)[1], 60)
-    policy = engine.policy
-    assert not policy.pays(1)
+    assert policy.gain[1] == 1.0 and not policy.pays(1)
     assert engine.stats()["speculative_steps"] < 10  # measured, then explored one step in EXPLORE_EVERY
 
 
