@@ -10,7 +10,7 @@ from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.generation.speculative import SpeculativeStats
 from mixtral_infer.serve.engine import Engine, Finished, RequestSettings, TokenEvent
 from mixtral_infer.serve.metrics import ServeMetrics
-from mixtral_infer.serve.speculation import EXPLORE_EVERY, SpeculationPolicy
+from mixtral_infer.serve.speculation import EXPLORE_FIRST, EXPLORE_MOST, SpeculationPolicy
 from mixtral_infer.structured.grammar import Constraint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,8 +94,10 @@ def test_policy_worked_example():
             policy.record_plain(rows, plain)
             policy.record_speculative(rows, speculative, 2.0)
     assert not policy.pays(16) and policy.pays(1)
-    choices = [policy.wanted(16) for _ in range(EXPLORE_EVERY)]
-    assert choices.count(True) == 1  # one step in EXPLORE_EVERY takes the other kind
+    choices = [policy.wanted(16) for _ in range(EXPLORE_FIRST + 2 * EXPLORE_FIRST + 4 * EXPLORE_FIRST)]
+    explored = [i for i, speculates in enumerate(choices) if speculates]  # the other kind, ever more rarely
+    assert explored == [EXPLORE_FIRST - 1, 3 * EXPLORE_FIRST - 1, 7 * EXPLORE_FIRST - 1]
+    assert policy.every[16] == 8 * EXPLORE_FIRST <= EXPLORE_MOST
     assert policy.wanted(9) is False  # 9 rows count as 16
 
 
@@ -121,7 +123,7 @@ def test_engine_turns_speculation_off_where_it_does_not_pay(models):
     got, _ = serve(engine, [(prompts(tokenizer)[1], RequestSettings(max_tokens=60))])
     assert got[0] == alone(model, tokenizer, prompts(tokenizer)[1], 60)
     assert policy.gain[1] == 1.0 and not policy.pays(1)
-    assert engine.stats()["speculative_steps"] < 10  # measured, then explored one step in EXPLORE_EVERY
+    assert engine.stats()["speculative_steps"] < 10  # measured, then explored after EXPLORE_FIRST steps
 
 
 def test_prefix_reuse_and_n_choices_with_speculation(models):

@@ -117,12 +117,17 @@ def lookup(text: Sequence[int], k: int, max_ngram: int = DEFAULT_NGRAM, min_ngra
     >>> lookup([1, 2, 3], k=2)
     []
     """
-    n_text = len(text)
+    ids = torch.as_tensor(list(text), dtype=torch.long)  # (N,), on the host
+    n_text = len(ids)
     for n in range(min(max_ngram, n_text - 1), min_ngram - 1, -1):
-        tail = list(text[n_text - n :])
-        for start in range(n_text - n - 1, -1, -1):  # the latest occurrence first
-            if list(text[start : start + n]) == tail:
-                return list(text[start + n : start + n + k])
+        # starts 0 .. N - n - 1 whose n tokens are the last n, compared a column at a time
+        matches = torch.ones(n_text - n, dtype=torch.bool)
+        for i in range(n):
+            matches &= ids[i : n_text - n + i] == ids[n_text - n + i]
+        found = torch.nonzero(matches)
+        if len(found):
+            start = int(found[-1])  # the latest occurrence
+            return ids[start + n : start + n + k].tolist()
     return []
 
 

@@ -8,8 +8,10 @@ depends on the machine, the model and the text, so the engine measures it as it 
 (``SpeculationPolicy``): per batch size (rounded up to a power of two), the seconds of plain decode
 steps and of speculative steps (proposals and verify pass together), and the tokens a row gains per
 speculative step. It speculates at a batch size while ``tokens per step * plain seconds > speculative
-seconds`` (more tokens a second), and, one step in ``EXPLORE_EVERY``, takes the other kind of step,
-so that both measurements stay current as the traffic changes.
+seconds`` (more tokens a second). Now and then it takes the other kind of step, so that both
+measurements stay current as the traffic changes: after ``EXPLORE_FIRST`` steps of a bucket, then
+twice as many each time the decision holds (up to ``EXPLORE_MOST``), ``EXPLORE_FIRST`` again once it
+flips; a kind that does not pay then costs a fraction of a percent of the steps.
 
 Worked example: at 16 rows a plain step takes 40 ms and a speculative one 90 ms with 2.0 tokens
 a row per step: 2.0 * 40 = 80 < 90, plain steps (25 tokens a second per row against 22); at 1 row,
@@ -21,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
-EXPLORE_EVERY = 32  # one step in this many takes the kind not chosen, to keep its cost measured
+EXPLORE_FIRST = 32  # steps of a bucket before the kind not chosen is taken once, to keep its cost measured
+EXPLORE_MOST = 1024  # the longest wait between two such steps, as a decision keeps holding
 SMOOTHING = 0.2  # the weight of each new measurement in the running averages
 UNMEASURED = float("inf")  # a kind of step taken once, not yet measured
 
@@ -42,18 +45,28 @@ class SpeculationPolicy:
     speculative: Dict[int, float] = field(default_factory=dict)  # seconds of a speculative step
     gain: Dict[int, float] = field(default_factory=dict)  # tokens a row gains per speculative step
     seen: Dict[tuple, int] = field(default_factory=dict)  # measurements taken, per (kind, bucket)
-    steps: int = 0
+    every: Dict[int, int] = field(default_factory=dict)  # steps between two of the other kind, per bucket
+    since: Dict[int, int] = field(default_factory=dict)  # steps since the last of the other kind
+    decided: Dict[int, bool] = field(default_factory=dict)  # the last decision, per bucket
 
     def wanted(self, rows: int) -> bool:
         """Whether this step, of ``rows`` decoding rows, speculates."""
         b = bucket(rows)
-        self.steps += 1
         if self.speculative.get(b, UNMEASURED) == UNMEASURED:
             return True  # measure it first
         if self.plain.get(b, UNMEASURED) == UNMEASURED:
             return False
         pays = self.pays(rows)
-        return (not pays) if self.steps % EXPLORE_EVERY == 0 else pays
+        if self.decided.get(b, pays) != pays:
+            self.every[b] = EXPLORE_FIRST  # the decision flipped: look at the other kind often again
+        self.decided[b] = pays
+        self.since[b] = self.since.get(b, 0) + 1
+        every = self.every.setdefault(b, EXPLORE_FIRST)
+        if self.since[b] < every:
+            return pays
+        self.since[b] = 0
+        self.every[b] = min(EXPLORE_MOST, 2 * every)
+        return not pays
 
     def pays(self, rows: int) -> bool:
         """Whether speculating at ``rows`` rows gives more tokens a second, as measured so far."""
