@@ -115,13 +115,15 @@ class LLM:
     name (``mistralai/Mistral-7B-v0.1``) already in the Hugging Face cache. ``device``, ``dtype``,
     ``quantize``: as ``load_model``. ``max_batch``: prompts run together at most. ``draft_model``
     (a model as ``model``, loaded alike, unquantized) or ``speculative_ngram``: speculative decoding
-    (module docstring), ``speculative_tokens`` guesses a step at most (4).
+    (module docstring), ``speculative_tokens`` guesses a step at most (4). ``lora``, ``lora_scale``: a LoRA
+    adapter merged into the model's weights as they load, as ``load_model``.
     """
 
     def __init__(
         self, model: str = "tiny-mixtral", *, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
         quantize: Optional[str] = None, max_batch: int = MAX_BATCH, draft_model: Optional[str] = None,
         speculative_ngram: bool = False, speculative_tokens: Optional[int] = None,
+        lora: Optional[str] = None, lora_scale: float = 1.0,
     ):  # fmt: skip
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise GenerationError(f"max_batch={max_batch!r} must be an integer >= 1")
@@ -132,7 +134,8 @@ class LLM:
         if draft_model is None and not speculative_ngram and speculative_tokens is not None:
             raise GenerationError("speculative_tokens needs draft_model= or speculative_ngram=True")
         self.speculation = check_speculation("ngram", speculative_tokens) if speculative_ngram or draft_model else None  # k checked before loading
-        self.model = load_model(model, max_batch_size=max_batch, device=device, dtype=dtype, quantize=quantize)
+        self.model = load_model(model, max_batch_size=max_batch, device=device, dtype=dtype, quantize=quantize,
+                                lora=lora, lora_scale=lora_scale)  # fmt: skip
         self.tokenizer = Tokenizer.from_folder(model)
         if draft_model is not None:
             drafter = load_model(draft_model, max_batch_size=max_batch, device=device, dtype=self.model.dtype)

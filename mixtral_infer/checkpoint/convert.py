@@ -40,6 +40,7 @@ from mixtral_infer.checkpoint.loading import (
     open_checkpoint,
 )
 from mixtral_infer.checkpoint.params import args_to_params
+from mixtral_infer.checkpoint.lora import merged, open_adapter
 from mixtral_infer.checkpoint.quantized import PARAMS_KEY, recorded, to_stored
 from mixtral_infer.checkpoint.safetensors_reader import read_header
 from mixtral_infer.checkpoint.safetensors_writer import (
@@ -65,6 +66,8 @@ def convert(
     notify: Callable[[str], None] = lambda message: None,
     progress: Optional[Progress] = None,
     quantize: Optional[str] = None,
+    lora: Optional[str | Path] = None,
+    lora_scale: float = 1.0,
 ) -> Path:
     """Write ``src`` to the new folder ``dst`` in format ``to`` (default: the other one).
 
@@ -76,6 +79,7 @@ def convert(
     ``max_shard_size`` (bytes, or "5GB", "500MB"): the largest Hugging Face shard.
     ``quantize`` ("int8", "w8a8", "int4", "int4-128", "nf4"): write a quantized Mistral folder (integers
     and scales, ``checkpoint/quantized.py``) that loads without quantizing again.
+    ``lora``: a LoRA adapter merged into the weights written (``checkpoint/lora.py``), times ``lora_scale``.
     """
     scheme = QuantScheme.parse(quantize)
     checkpoint = open_checkpoint(src)
@@ -94,6 +98,7 @@ def convert(
         raise CheckpointError("--quantize writes the Mistral layout (transformers cannot read these integers): use --to mistral")
     if scheme is not None:
         check_quantizable(checkpoint.args, scheme)  # before anything is written
+    adapter = open_adapter(lora, checkpoint.args, lora_scale) if lora is not None else None  # checked before anything is written
     tokenizer = find_tokenizer(checkpoint.folder)
     read = None if tokenizer is None else Tokenizer(tokenizer)  # refused (no BOS, say) before anything is written
     dst = Path(dst)
@@ -106,7 +111,10 @@ def convert(
     except OSError as error:
         raise CheckpointError(f"{dst.parent}: cannot write here ({error.strerror})") from None
     try:
-        tensors = finite(checkpoint.published_tensors(progress), dtype, str(checkpoint.folder))
+        tensors = checkpoint.published_tensors(progress)
+        if adapter is not None:
+            tensors = merged(tensors, adapter, dtype)
+        tensors = finite(tensors, dtype, str(checkpoint.folder))
         params = args_to_params(checkpoint.args)
         plan = planned_tensors(checkpoint, target, dtype)
         if scheme is not None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from mixtral_infer.checkpoint import bnb_4bit
 from mixtral_infer.checkpoint.compute_dtype import compute_dtype, stored_dtype
+from mixtral_infer.checkpoint.lora import merged, open_adapter
 from mixtral_infer.checkpoint.params import args_from_params, args_to_params, checked_args
 from mixtral_infer.checkpoint.hf_format import (
     args_from_hf_config,
@@ -457,6 +458,8 @@ def load_model(
     pack: bool | str = True,
     fast: Optional[bool] = None,
     tuning: Optional[Tuning] = None,
+    lora: Optional[str | Path] = None,
+    lora_scale: float = 1.0,
 ) -> Transformer:
     """Load a Mistral or Hugging Face model folder (format detected from its files).
 
@@ -481,6 +484,9 @@ def load_model(
     them plain but for rows longer than 2048 (at Mistral 7B's widths, every matrix), stored in blocks of columns
     (``fast.cpu_column_blocks``; the CLI's ``--decode compiled`` loads so); ``pack=False`` keeps
     plain ``nn.Parameter``s throughout: to edit weights.
+    ``lora``: a LoRA adapter (a PEFT folder, or mistral-inference's ``lora.safetensors``) merged into
+    each weight as it is read, before it is quantized or packed (``checkpoint/lora.py``); ``lora_scale``
+    multiplies the adapter's own scale. Its names and shapes are checked before any weight is read.
     No process-wide setting changes; the command line and the server keep freed blocks in the
     process for the next prompt (``mixtral_infer.memory.keep_freed_memory``).
     """
@@ -517,6 +523,12 @@ def load_model(
         )
     if scheme is not None or stored is not None:
         check_quantizable(checkpoint.args, scheme or stored, parallel.tensor_parallel)
+    adapter = None
+    if lora is not None:
+        if stored is not None or checkpoint.bitsandbytes is not None:
+            raise ConfigError(f"{checkpoint.folder}: its weights are stored quantized; merge a LoRA adapter "
+                              "into the float original (quantize= after merging)")  # fmt: skip
+        adapter = open_adapter(lora, checkpoint.args, lora_scale)  # every name and shape, before any weight is read
     dtype = dtype or default_dtype(checkpoint, device, scheme)
     tokenizer = find_tokenizer(checkpoint.folder)
     if tokenizer is not None:
@@ -526,6 +538,8 @@ def load_model(
         select = stored_select(select, stored)  # a quantized folder's integers and scales
     tuning = tuning if tuning is not None else machine_tuning(fast)  # measured once per machine, before any weight is read
     tensors = checkpoint.published_tensors(progress, select)
+    if adapter is not None:
+        tensors = merged(tensors, adapter, dtype, select)
     if checkpoint.bitsandbytes is not None:
         tensors = bnb_4bit.placed(tensors, is_quantized_published, dtype, device, tuning)
     model = build_model(checkpoint.args, tensors, checkpoint.weight_files[0].parent, device, dtype, parallel, scheme, stored,

@@ -84,10 +84,26 @@ def check_quantize(quantize: Optional[str]) -> None:
         raise type(error)(cli_spelling(str(error))) from None
 
 
+def check_lora(lora: Optional[str], lora_scale: object) -> None:
+    """``--lora``'s adapter exists and is of a format read here, ``--lora-scale`` is a number: said before any weight is read."""
+    if lora is None:
+        if lora_scale != 1.0:
+            raise UsageError(f"--lora-scale {lora_scale!r} scales an adapter: give it with --lora PATH")
+        return
+    if not isinstance(lora, str) or not lora:
+        raise UsageError(f"--lora {lora!r}: give an adapter's folder or .safetensors file")
+    from mixtral_infer.checkpoint.lora import check_adapter_path
+
+    try:
+        check_adapter_path(lora, lora_scale)
+    except MixtralInferError as error:
+        raise type(error)(cli_spelling(str(error))) from None
+
+
 def cli_spelling(message: str) -> str:
     """A library message in the command line's spelling: ``quantize='int3'`` as ``--quantize 'int3'``,
     ``quantize=`` as ``--quantize``, ``max_model_len`` as ``--max-model-len``."""
-    message = re.sub(r"\b(quantize|max_tokens|max_model_len|dtype|device|decode|temperature|top_p|top_k|seed|chunk_size)=('[^']*'|\S+)",
+    message = re.sub(r"\b(quantize|max_tokens|max_model_len|dtype|device|decode|temperature|top_p|top_k|seed|chunk_size|lora_scale)=('[^']*'|\S+)",
                      lambda m: f"--{m[1].replace('_', '-')} {m[2]}", message)  # fmt: skip
     message = re.sub(r"\b(quantize|max_model_len)=(?=\s|$|\))", lambda m: f"--{m[1].replace('_', '-')}", message)
     return re.sub(r"(?<![\w-])--([a-z]+(?:_[a-z]+)+)", lambda m: "--" + m[1].replace("_", "-"), message)  # --max_tokens
@@ -275,6 +291,8 @@ def load(
     max_tokens: int = 0,
     quantize: Optional[str] = None,
     decode: str = "auto",
+    lora: Optional[str] = None,
+    lora_scale: float = 1.0,
 ):
     """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given.
 
@@ -311,6 +329,8 @@ def load(
         parallel=parallel,
         quantize=quantize,
         pack="columns" if decode == "compiled" else True,  # compiled: plain weights, long rows in blocks
+        lora=lora,
+        lora_scale=float(lora_scale),
     )
     if torch_device.type == "cpu":
         from mixtral_infer.memory import keep_freed_memory
@@ -327,7 +347,7 @@ def load(
     attention = f", {describe_windows(model.args)}" if isinstance(model.args.sliding_window, list) else ""
     print(
         f"rank {parallel.rank}: " if parallel.world_size > 1 else "",
-        f"loaded {folder} ({n_params / 1e6:.1f}M parameters, {model.dtype}{', weights ' + scheme.label if scheme else ''}, "
+        f"loaded {folder}{f' with LoRA {lora} merged' if lora else ''} ({n_params / 1e6:.1f}M parameters, {model.dtype}{', weights ' + scheme.label if scheme else ''}, "
         f"{model.device}{attention}) "
         f"in {time.perf_counter() - start:.2f}s",
         sep="",
@@ -378,6 +398,8 @@ def demo(
     draft_model: str = None,
     speculative_ngram: bool = False,
     speculative_tokens: int = None,
+    lora: str = None,
+    lora_scale: float = 1.0,
 ) -> None:
     """Complete prompts in one batch and print each with its continuation.
 
@@ -404,9 +426,12 @@ def demo(
         draft_model: speculative decoding with this smaller model of the same tokenizer (a folder or a shipped name: tiny-mistral drafts for tiny-mixtral): it guesses tokens ahead, the model checks them in one pass; the same text (greedy) or the same distribution (sampled), faster where guesses are right.
         speculative_ngram: speculative decoding by prompt lookup: the guesses are what followed the last tokens earlier in the prompt or answer (no second model); pays where the answer copies from the prompt.
         speculative_tokens: guesses checked per step at most, 1 to 64 (default 4).
+        lora: a LoRA adapter merged into the weights as they load: a PEFT folder (adapter_config.json + adapter_model.safetensors) or mistral-inference's lora.safetensors.
+        lora_scale: multiplies the adapter's own scale (default 1.0, as trained; 0 leaves the base model).
     """
     check_decode(decode)
     check_quantize(quantize)
+    check_lora(lora, lora_scale)
     params = check_options(max_tokens, temperature, top_p, top_k, chunk_size, seed, device, dtype, tensor_parallel, num_pipeline_ranks)
     if not isinstance(json, bool):
         raise UsageError(f"--json takes no value (got {json!r})")
@@ -416,7 +441,7 @@ def demo(
     from mixtral_infer.generation.generate import generate
 
     model, tokenizer = load(
-        model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode
+        model_path, len(prompts), device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode, lora, lora_scale
     )
     draft = load_draft(draft_model, speculative_ngram, tokenizer, len(prompts), device, dtype, max_tokens)
     encoded = [tokenizer.encode(text, bos=True) for text in prompts]
@@ -467,6 +492,8 @@ def interactive(
     draft_model: str = None,
     speculative_ngram: bool = False,
     speculative_tokens: int = None,
+    lora: str = None,
+    lora_scale: float = 1.0,
 ) -> None:
     """A prompt loop that streams each answer.
 
@@ -495,9 +522,12 @@ def interactive(
         draft_model: speculative decoding with this smaller model of the same tokenizer (a folder or a shipped name: tiny-mistral drafts for tiny-mixtral): it guesses tokens ahead, the model checks them in one pass; the same text (greedy) or the same distribution (sampled), faster where guesses are right.
         speculative_ngram: speculative decoding by prompt lookup: the guesses are what followed the last tokens earlier in the prompt or answer (no second model); pays where the answer copies from the prompt.
         speculative_tokens: guesses checked per step at most, 1 to 64 (default 4).
+        lora: a LoRA adapter merged into the weights as they load: a PEFT folder (adapter_config.json + adapter_model.safetensors) or mistral-inference's lora.safetensors.
+        lora_scale: multiplies the adapter's own scale (default 1.0, as trained; 0 leaves the base model).
     """
     check_decode(decode)
     check_quantize(quantize)
+    check_lora(lora, lora_scale)
     if not isinstance(instruct, bool):
         raise UsageError(f"--instruct takes no value (got {instruct!r}): write --instruct or --noinstruct")
     if system is not None:
@@ -516,7 +546,7 @@ def interactive(
     from mixtral_infer.generation.chat import Conversation
 
     model, tokenizer = load(
-        model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode
+        model_path, 1, device, dtype, tensor_parallel, num_pipeline_ranks, max_tokens, quantize, decode, lora, lora_scale
     )
     main_process = is_main_process()
     draft = load_draft(draft_model, speculative_ngram, tokenizer, 1, device, dtype, max_tokens)
@@ -601,7 +631,8 @@ def _share_line(line: Optional[str]) -> Optional[str]:
     return shared[0]
 
 
-def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_size: str = "5GB", quantize: str = None) -> None:
+def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_size: str = "5GB", quantize: str = None,
+            *, lora: str = None, lora_scale: float = 1.0) -> None:  # fmt: skip  (options only: a 7th argument is a mistake)
     """Write the model folder SRC to the new folder DST, in the other layout.
 
     DST must not exist; it appears only once complete (written as a hidden .DST.partial-PID first).
@@ -613,8 +644,11 @@ def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_siz
         dtype: float32, bfloat16 or float16; default: as stored.
         max_shard_size: largest shard of a Hugging Face folder, e.g. 5GB or 500MB.
         quantize: int8, w8a8, int4, int4-128 or nf4: write a quantized Mistral folder (integers + scales) that loads without quantizing again.
+        lora: a LoRA adapter merged into the weights written (then quantized, with --quantize): a PEFT folder or mistral-inference's lora.safetensors.
+        lora_scale: multiplies the adapter's own scale (default 1.0, as trained).
     """
     check_quantize(quantize)
+    check_lora(lora, lora_scale)
     torch_dtype = parse_dtype(dtype)  # both refused before the conversion code (and torch) is imported
     from mixtral_infer.checkpoint.convert import convert as convert_folder
 
@@ -622,6 +656,7 @@ def convert(src: str, dst: str, to: str = None, dtype: str = None, max_shard_siz
     written = convert_folder(
         str(src), str(dst), to=to, dtype=torch_dtype, max_shard_size=str(max_shard_size),
         notify=lambda message: print(message, file=sys.stderr), quantize=quantize, progress=ProgressBar("converting"),
+        lora=lora, lora_scale=float(lora_scale),
     )
     print(f"wrote {written} in {time.perf_counter() - start:.2f}s", file=sys.stderr)
 
@@ -636,6 +671,8 @@ def perplexity(
     quantize: str = None,
     tensor_parallel: int = 1,
     num_pipeline_ranks: int = 1,
+    lora: str = None,
+    lora_scale: float = 1.0,
 ) -> None:
     """Perplexity of a text file under the model: how a quantization or a dtype changes its predictions.
 
@@ -652,8 +689,11 @@ def perplexity(
         quantize: int8, w8a8, int4, int4-128 or nf4: quantize the weights while loading, to measure what it costs.
         tensor_parallel: under torchrun, cut each layer's heads, hidden units or experts across N processes.
         num_pipeline_ranks: under torchrun, give each of N processes a contiguous slice of the layers.
+        lora: a LoRA adapter merged into the weights as they load: a PEFT folder (adapter_config.json + adapter_model.safetensors) or mistral-inference's lora.safetensors.
+        lora_scale: multiplies the adapter's own scale (default 1.0, as trained; 0 leaves the base model).
     """
     check_quantize(quantize)
+    check_lora(lora, lora_scale)
     check_options(0, 0.0, 1.0, None, chunk_size, None, device, dtype, tensor_parallel, num_pipeline_ranks)
     from mixtral_infer.generation.settings import check_context
 
@@ -673,7 +713,8 @@ def perplexity(
     if context is None and args.full_attention:
         context = DEFAULT_CONTEXT
     batch = 1 if context is None else max(1, min(64, PREFILL_TOKENS // context))  # segments read at once
-    model, tokenizer = load(model_path, batch, device, dtype, tensor_parallel, num_pipeline_ranks, 0, quantize)
+    model, tokenizer = load(model_path, batch, device, dtype, tensor_parallel, num_pipeline_ranks, 0, quantize,
+                            lora=lora, lora_scale=lora_scale)  # fmt: skip
     words = _share_line(words)
     ids = tokenizer.encode(words, bos=False)
     progress = ProgressBar("scoring")
@@ -745,6 +786,8 @@ def serve(
     draft_model: str = None,
     speculative_ngram: bool = False,
     speculative_tokens: int = None,
+    lora: str = None,
+    lora_scale: float = 1.0,
 ) -> None:
     """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
 
@@ -774,9 +817,12 @@ def serve(
         draft_model: speculative decoding with this smaller model of the same tokenizer, loaded beside the model: at steps where every row decodes it guesses tokens ahead and the model checks them in one pass, where that gives more tokens a second (measured as the server runs, per batch size); the same text as without. A request turns it off with "speculative": false.
         speculative_ngram: speculative decoding by prompt lookup (no second model): guesses are what followed the last tokens earlier in the request's text.
         speculative_tokens: guesses checked per step at most, 1 to 64 (default 4); each row keeps that many positions more (counted in its memory), to step back over rejected guesses.
+        lora: a LoRA adapter merged into the weights as they load: one adapter for the whole server (several adapters served unmerged, chosen per request, are not done yet).
+        lora_scale: multiplies the adapter's own scale (default 1.0, as trained).
     """
     check_decode(decode)
     check_quantize(quantize)
+    check_lora(lora, lora_scale)
     from mixtral_infer.serve.options import check_serve_options
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every, reuse_slack)
@@ -788,6 +834,10 @@ def serve(
 
     folder = model_folder(model_path)
     checkpoint = open_checkpoint(folder)  # the configuration and file headers: a bad folder is said before the engine starts
+    if lora is not None:  # the adapter's names and shapes against the model's, before the engine starts
+        from mixtral_infer.checkpoint.lora import open_adapter
+
+        open_adapter(lora, checkpoint.args, float(lora_scale))
     if max_model_len is None and checkpoint.args.full_attention:
         what = "no sliding window" if checkpoint.args.sliding_window is None else "full-attention layers"
         raise GenerationError(f"this model has {what}: give --max-model-len (tokens per sequence) to size its rows")
@@ -797,7 +847,7 @@ def serve(
     given = str(model_path) if model_path is not None else DEFAULT_MODEL_NAME
     name = served_model_name or (given if is_hub_name(given) and not Path(given).exists() else resolve_model_folder(given).name)
     run_server(
-        functools.partial(load, model_path, 1, device, dtype, quantize=quantize), tokenizer, model_name=str(name), host=str(host),
+        functools.partial(load, model_path, 1, device, dtype, quantize=quantize, lora=lora, lora_scale=lora_scale), tokenizer, model_name=str(name), host=str(host),
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
         prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=None if admit_every is None else int(admit_every),
         shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus), prefix_reuse=not no_prefix_reuse,
@@ -918,7 +968,7 @@ def check_arguments(argv: List[str]) -> None:
             raise UsageError(f"{command}: --{name} needs a value (--{name} VALUE)")
         given.add(name)
         skip = "=" not in arg and not is_flag
-    free = [n for n in names if n not in given]
+    free = [n for n in names if n not in given and parameters[n].kind != inspect.Parameter.KEYWORD_ONLY]  # options only: convert's --lora
     if len(positional) > len(free):
         raise UsageError(f"{command}: unexpected argument {positional[len(free)]!r} (takes {', '.join(free) or 'none'})")
     for value, name in zip(positional, free):
