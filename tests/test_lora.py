@@ -43,7 +43,9 @@ def peft_adapter(hf, folder, seed: int = 1, **config):
         for name, param in wrapped.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    wrapped.save_pretrained(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # lm_head targeted: peft saves it whole too (save_embedding_layers)
+        wrapped.save_pretrained(folder)
     return wrapped.merge_and_unload().eval()
 
 
@@ -54,12 +56,13 @@ def dense_folders(tmp_path):
     return tmp_path, hf
 
 
-@pytest.mark.parametrize("extra", [{}, {"use_rslora": True, "rank_pattern": {"q_proj": 2}, "alpha_pattern": {"v_proj": 16}}],
-                         ids=["plain", "rslora-patterns"])  # fmt: skip
+@pytest.mark.parametrize("extra", [{}, {"use_rslora": True, "rank_pattern": {"q_proj": 2}, "alpha_pattern": {"v_proj": 16}, "more": ["lm_head"]}],
+                         ids=["plain", "rslora-patterns-lm-head"])  # fmt: skip
 def test_a_peft_adapter_gives_peft_merged_logits(dense_folders, extra):
     tmp_path, hf = dense_folders
     base = logits(load_model(tmp_path / "base", device="cpu", dtype=torch.float32))
-    merged = peft_adapter(hf, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ATTENTION + DENSE, **extra)
+    more = extra.pop("more", [])
+    merged = peft_adapter(hf, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ATTENTION + DENSE + more, **extra)
     ours = logits(load_model(tmp_path / "base", device="cpu", dtype=torch.float32, lora=tmp_path / "adapter"))
     assert (ours - hf_logits(merged)).abs().max().item() <= TOLERANCE
     assert (ours - base).abs().max().item() > 0.1  # the adapter changes the logits
@@ -352,3 +355,22 @@ def test_hostile_adapter_files_are_one_line(dense_folders):
     with pytest.raises(CheckpointError, match=r"adapter_model.safetensors") as error:
         load()
     assert "\n" not in str(error.value)
+
+
+def test_a_ranks_share_gets_the_same_share_of_the_update(tmp_path):
+    """With parallelism the loader keeps part of a weight (``select``); the update is cut alike."""
+    from mixtral_infer.checkpoint.loading import open_checkpoint
+    from mixtral_infer.checkpoint.lora import merged, open_adapter
+    from mixtral_infer.checkpoint.safetensors_reader import iter_tensors
+    from mixtral_infer.checkpoint.shares import Selection
+
+    folder, reference = mistral_lora(tmp_path, tiny_args(moe=False))
+    checkpoint = open_checkpoint(tmp_path / "base")
+    cuts = {"layers.0.attention.wq.weight": Selection(rows=slice(16, 48)), "layers.1.attention.wo.weight": Selection(columns=slice(0, 32))}
+    select = lambda name: cuts.get(name, Selection())  # noqa: E731
+    adapter = open_adapter(folder, checkpoint.args)
+    ours = dict(merged(checkpoint.published_tensors(None, select), adapter, torch.float32, select))
+    expected = dict(iter_tensors(reference / "consolidated.safetensors"))
+    torch.testing.assert_close(ours["layers.0.attention.wq.weight"], expected["layers.0.attention.wq.weight"][16:48])
+    torch.testing.assert_close(ours["layers.1.attention.wo.weight"], expected["layers.1.attention.wo.weight"][:, :32])
+    torch.testing.assert_close(ours["layers.1.attention.wk.weight"], expected["layers.1.attention.wk.weight"])

@@ -35,6 +35,7 @@ import torch
 
 from mixtral_infer.checkpoint.hf_format import hf_name_to_published, hf_rows_to_published
 from mixtral_infer.checkpoint.safetensors_reader import Selector, apply_selection, iter_tensors, read_header
+from mixtral_infer.checkpoint.shares import Selection
 from mixtral_infer.checkpoint.weight_shapes import published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.json_file import read_object
@@ -48,6 +49,7 @@ MISTRAL_DEFAULT_SCALING = 2.0  # mistral-inference's load_lora(scaling=2.0)
 PEFT_PREFIX = "base_model.model."
 
 _LORA_NAME = re.compile(r"^(.+)\.lora_([AB])\.weight$")
+_BASE_NAME = re.compile(r"^(.+)\.base_layer\.weight$")  # PEFT's save_embedding_layers: the whole weight, saved along
 _REFUSED_PEFT = {  # adapter_config.json fields whose non-default values change what the merge computes
     "use_dora": "DoRA's magnitude vectors",
     "lora_bias": "LoRA biases",
@@ -76,11 +78,12 @@ class Adapter:
     path: Path  # the safetensors file
     format: str  # "peft" or "mistral"
     updates: Dict[str, Update] = field(default_factory=dict)  # published weight name -> its update
+    replaced: Dict[str, str] = field(default_factory=dict)  # published weight name -> the adapter's copy of it
 
     def factors(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, float]]:
         """Each target's (B, A, scale), B's rows in the published layout (the factors are small: all are
         read at once; each product ``B @ A``, a weight's size, only as its weight passes)."""
-        tensors = dict(iter_tensors(self.path))
+        tensors = dict(iter_tensors(self.path, lambda name: None if name in self.replaced.values() else Selection()))
         factors = {}
         for name, update in self.updates.items():
             b = tensors[update.b_name]
@@ -150,6 +153,15 @@ def open_adapter(path: str | Path, args: ModelArgs, lora_scale: float = 1.0) -> 
     adapter = Adapter(weights, kind)
     pairs: Dict[str, Dict[str, str]] = {}
     for name in shapes:
+        base = _BASE_NAME.match(name) if kind == "peft" else None
+        if base is not None:  # lm_head / embed_tokens saved whole by PEFT (a resized vocabulary): it replaces the base's
+            published = module_of(base[1])
+            expected = published_shape(published, args) if published in ("output.weight", "tok_embeddings.weight") else None
+            if expected is None or tuple(shapes[name]) != expected:
+                raise CheckpointError(f"{weights}: tensor {name} {shapes[name]} does not fit the model's "
+                                      f"{published or 'weights'} {expected}")  # fmt: skip
+            adapter.replaced[published] = name
+            continue
         match = _LORA_NAME.match(name)
         if match is None:
             raise CheckpointError(f"{weights}: unexpected tensor {name} (expected MODULE.lora_A.weight and MODULE.lora_B.weight)")
@@ -283,7 +295,15 @@ def merged(tensors: NamedTensors, adapter: Adapter, dtype: Optional[torch.dtype]
     dtype the model is loaded in), so a bfloat16 file loaded in float32 keeps the update's precision.
     ``select``: the loader's selection (a rank's share), applied to the update as it was to the weight."""
     factors = adapter.factors()
+    replaced = {}
+    if adapter.replaced:  # the adapter's own copies of whole weights (small models' lm_head, at most two)
+        wanted = {copy: name for name, copy in adapter.replaced.items()}
+        replaced = {wanted[copy]: t for copy, t in iter_tensors(adapter.path, lambda n: Selection() if n in wanted else None)}
     for name, tensor in tensors:
+        if name in replaced:
+            copy = replaced.pop(name)
+            copy = apply_selection(copy, select(name)) if select is not None else copy
+            tensor = copy.to(tensor.dtype if dtype is None else torch.promote_types(copy.dtype, dtype))
         if name in factors:
             b, a, scale = factors.pop(name)
             delta = (b.float() @ a.float()) * scale  # [out, in]
