@@ -53,6 +53,7 @@ from mixtral_infer.errors import CheckpointError
 from mixtral_infer.quant.model import check_quantizable
 from mixtral_infer.quant.weights import QuantScheme
 from mixtral_infer.tokenizer import ADDED_TOKEN_FILES, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, Tokenizer, find_tokenizer
+from mixtral_infer.tokenizer.gguf_vocab import sentencepiece_proto
 
 FORMATS = ("mistral", "hf")
 
@@ -131,8 +132,12 @@ def convert(
             written_dtype = dtype or _first_dtype(shards[0])
             config = hf_config_from_args(checkpoint.args, written_dtype)
             (partial / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        if tokenizer is not None:  # read with a fine-tune's added tokens and end token, from the files beside it
+        if tokenizer is not None and checkpoint.gguf is not None:  # its vocabulary, written as a tokenizer.model
+            (partial / TOKENIZER_FILE).write_bytes(sentencepiece_proto(tokenizer))
+            tokenizer = partial / TOKENIZER_FILE
+        elif tokenizer is not None:  # read with a fine-tune's added tokens and end token, from the files beside it
             shutil.copyfile(tokenizer, partial / tokenizer.name)
+        if tokenizer is not None:
             if read.kind == "tekken":  # Mistral's layout reads tekken.json; transformers' fast tokenizer tokenizer.json
                 if target == "hf":
                     write_hf_tekken_tokenizer(read.file, partial)
@@ -239,4 +244,6 @@ def planned_tensors(checkpoint: Checkpoint, target: str, dtype: Optional[torch.d
                 yield name, torch.empty(shape, dtype=dtype or stored, device="meta")
 
     published = hf_to_published(shapes(), checkpoint.args) if checkpoint.format == "hf" else shapes()
+    if checkpoint.gguf is not None:
+        published = checkpoint.gguf.planned(dtype)
     return list(published_to_hf(published, checkpoint.args) if target == "hf" else published)

@@ -30,6 +30,7 @@ from torch import nn
 
 from mixtral_infer.checkpoint import bnb_4bit
 from mixtral_infer.checkpoint.compute_dtype import compute_dtype, stored_dtype
+from mixtral_infer.checkpoint.gguf_file import GgufFile, is_gguf
 from mixtral_infer.checkpoint.lora import merged, open_adapter
 from mixtral_infer.checkpoint.params import args_from_params, args_to_params, checked_args
 from mixtral_infer.checkpoint.hf_format import (
@@ -175,9 +176,12 @@ class Checkpoint:
     quantization: Optional[QuantScheme] = None  # how the stored weights are quantized (convert --quantize)
     bitsandbytes: Optional[QuantScheme] = None  # nf4: a Hugging Face folder of bitsandbytes' 4-bit weights (bnb_4bit)
     tied_output: bool = False  # config.json's tie_word_embeddings: without lm_head.weight, the output is the embeddings
+    gguf: Optional[GgufFile] = None  # format "gguf": llama.cpp's file (folder and weight_files[0] are its path)
 
     def stored_dtype(self) -> Optional[torch.dtype]:
         """The floating dtype holding most of the weights, from the file headers (nothing is read)."""
+        if self.gguf is not None:
+            return self.gguf.stored_dtype()
 
         def dtypes_and_sizes(path: Path) -> Iterator[Tuple[torch.dtype, int]]:
             if path.suffix == ".safetensors":
@@ -194,6 +198,9 @@ class Checkpoint:
         """
         if self.format == "mistral":
             yield from self._raw_tensors(progress, select)
+            return
+        if self.gguf is not None:
+            yield from self.gguf.published_tensors(progress, select)
             return
         raw = self._raw_tensors(progress, _hf_file_select(select))
         if self.bitsandbytes is not None:  # each weight's packed codes and quant state as one nf4 weight
@@ -277,6 +284,9 @@ MAX_LENGTH_KEYS = ("max_seq_len", "max_position_embeddings")  # a params.json's 
 def declared_max_len(checkpoint: Checkpoint) -> Optional[int]:
     """The longest sequence the folder's configuration declares (params.json's ``max_seq_len`` or
     ``max_position_embeddings``, config.json's ``max_position_embeddings``), None where it declares none."""
+    if checkpoint.gguf is not None:
+        value = as_int(checkpoint.gguf.context_length())
+        return value if value is not None and value >= 1 else None
     path = checkpoint.folder / (PARAMS_FILE if checkpoint.format == "mistral" else HF_CONFIG_FILE)
     config = _read_json(path)
     for key in MAX_LENGTH_KEYS:
@@ -296,6 +306,9 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
     folder = resolve_model_folder(folder)
     if not folder.exists():
         raise CheckpointError(f"{folder}: model folder not found")
+    if is_gguf(folder):  # llama.cpp's single file (checkpoint/gguf_file.py)
+        gguf = GgufFile(folder)
+        return Checkpoint(folder, "gguf", gguf.args, [folder], tied_output=gguf.tied_output, gguf=gguf)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: is not a folder (give the folder holding params.json or config.json)")
     if (folder / PARAMS_FILE).is_file():

@@ -37,6 +37,8 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # read before TOKENIZER_CONFIG, 
 
 def find_tokenizer(folder: str | Path) -> Optional[Path]:
     """The tokenizer file of a model folder (the first of ``TOKENIZER_FILES`` there), or None."""
+    if str(folder).lower().endswith(".gguf") and Path(folder).is_file():  # llama.cpp's file holds its vocabulary
+        return Path(folder)
     for name in TOKENIZER_FILES:
         if (Path(folder) / name).is_file():
             return Path(folder) / name

@@ -35,6 +35,7 @@ from sentencepiece import SentencePieceProcessor
 
 from mixtral_infer.errors import CheckpointError, GenerationError
 from mixtral_infer.json_file import read_object
+from mixtral_infer.tokenizer.gguf_vocab import sentencepiece_proto
 from mixtral_infer.tokenizer.base import BEGIN_INST, END_INST, IM_END, IM_START, Tokenizer, configured_token, token_list
 
 ADDED_TOKEN_FILES = ("tokenizer.json", "added_tokens.json")  # transformers' order
@@ -92,19 +93,23 @@ class SentencePieceTokenizer(Tokenizer):
         if not path.is_file():
             raise CheckpointError(f"{path}: tokenizer file not found")
         self._model = SentencePieceProcessor()
+        gguf = path.suffix.lower() == ".gguf"  # llama.cpp's file: its vocabulary, from its metadata (gguf_vocab)
         try:
-            self._model.Load(str(path))
+            if gguf:
+                self._model.LoadFromSerializedProto(sentencepiece_proto(path))
+            else:
+                self._model.Load(str(path))
         except (OSError, RuntimeError) as error:
             raise CheckpointError(f"{path}: not a sentencepiece model ({error})") from None
         self.path = path
         self._instruct_ids = self.control_ids(BEGIN_INST, END_INST)
         self._pieces = self._model.vocab_size()
-        self.added = {token.id: token for token in read_added_tokens(path.parent, self._pieces)}
+        self.added = {} if gguf else {token.id: token for token in read_added_tokens(path.parent, self._pieces)}
         by_content = {token.content: token.id for token in self.added.values()}
         contents = sorted(by_content, key=len, reverse=True)  # the longest first, as one alternation
         self._split = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents else None
         self._by_content = by_content
-        self._eos_id = self._end_token(path.parent)
+        self._eos_id = self._model.eos_id() if gguf else self._end_token(path.parent)
         self._mistral_common = None
         for name, token in (("BOS", self._model.bos_id()), ("EOS", self._eos_id)):
             if token < 0:  # sentencepiece trained with --bos_id=-1: encode() gave [-1, ...]
@@ -174,7 +179,7 @@ class SentencePieceTokenizer(Tokenizer):
     def mistral_common(self):
         """mistral-common's ``MistralTokenizer`` over the same file, for a v3 model (made once). The
         library tells versions apart by the file's name, so a v3 file named otherwise is linked as ``.v3``."""
-        if self.version != "v3":
+        if self.version != "v3" or self.path.suffix.lower() == ".gguf":  # mistral-common reads files only
             return None
         if self._mistral_common is None:
             import tempfile

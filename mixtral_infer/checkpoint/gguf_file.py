@@ -1,0 +1,309 @@
+"""llama.cpp's ``.gguf`` files read as models, through the ``gguf`` package (llama.cpp's own reader).
+
+A GGUF file holds, in one file, the hyperparameters and the tokenizer in its metadata and the
+weights, often quantized in blocks. Mistral 7B and Mixtral 8x7B are written with architecture
+``llama``; any other architecture is refused in one line.
+
+**Hyperparameters** (``args_from_gguf``): ``llama.embedding_length`` (dim), ``block_count``,
+``feed_forward_length``, ``attention.head_count``, ``attention.head_count_kv``,
+``attention.key_length`` (else dim / heads), ``attention.layer_norm_rms_epsilon``,
+``rope.freq_base`` (else 10000, llama.cpp's default), ``expert_count`` and ``expert_used_count``
+(Mixtral), and the vocabulary size from ``llama.vocab_size`` or the tokenizer's list.
+llama.cpp's converter writes no sliding window for ``llama`` (llama.cpp attends to every earlier
+position in Mistral 7B v0.1 too); ``llama.attention.sliding_window`` is read where a file has it,
+else the model attends fully (``sliding_window=None``).
+
+**Names**: ``token_embd`` -> ``tok_embeddings``, ``blk.N.attn_q/attn_k/attn_v/attn_output`` ->
+``layers.N.attention.wq/wk/wv/wo``, ``ffn_gate/ffn_up/ffn_down`` -> ``feed_forward.w1/w3/w2``,
+``attn_norm`` / ``ffn_norm`` -> ``attention_norm`` / ``ffn_norm``, ``output_norm`` -> ``norm``,
+``output`` -> ``output``; Mixtral's stacked experts ``ffn_gate_exps/ffn_up_exps/ffn_down_exps``
+(E, I, D) / (E, D, I) -> ``feed_forward.experts.J.w1/w3/w2``, the router ``ffn_gate_inp`` ->
+``feed_forward.gate``. A file without ``output.weight`` ties the output to the embeddings, as
+llama.cpp does.
+
+**Rotary layout**: llama.cpp's converter permutes transformers' q/k rows (``permute`` in
+``convert_hf_to_gguf.py``) back to Meta's adjacent-pair layout, which llama.cpp's "normal" rope
+rotates; that is the published layout this package computes in, so GGUF's q and k rows are taken
+as they are (transformers' GGUF loader, whose rope rotates halves, undoes the permutation:
+``reverse_permute_weights``).
+
+**Weights**: ``F32``, ``F16``, ``BF16`` as stored; every other type (``Q8_0``, ``Q4_0``, the
+K-quants, ...) is dequantized by ``gguf.quants.dequantize`` to float32, then to the load dtype
+(or quantized with ``--quantize``), with one stderr line naming the types. Keeping ``Q8_0`` and
+``Q4_0`` blocks as the package's int8 / int4 weights without requantizing is not done yet.
+
+Checked before any weight is read: the architecture, the metadata, each tensor's type (the reader
+refuses unknown ones), that each tensor's bytes lie inside the file (a truncated file), that every
+tensor the model needs is there and has its shape: one line naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from mixtral_infer.checkpoint.params import checked_args
+from mixtral_infer.checkpoint.weight_shapes import published_shape
+from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.model.moe import MoeArgs
+from mixtral_infer.model.transformer import ModelArgs
+
+GGUF_SUFFIX = ".gguf"
+ARCHITECTURE = "llama"  # how llama.cpp's converter writes Mistral and Mixtral
+
+_GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"}
+_BLOCK = {
+    "attn_q": "attention.wq",
+    "attn_k": "attention.wk",
+    "attn_v": "attention.wv",
+    "attn_output": "attention.wo",
+    "attn_norm": "attention_norm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+    "ffn_gate_inp": "feed_forward.gate",
+}
+_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file (by its suffix; a folder never is)."""
+    return str(path).lower().endswith(GGUF_SUFFIX) and not Path(path).is_dir()
+
+
+def open_reader(path: Path):
+    """``gguf.GGUFReader`` over ``path``; CheckpointError in one line where it cannot be read (not a
+    GGUF file, a truncated header, a tensor type the reader does not know)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # pragma: no cover - a dependency
+        raise CheckpointError(f"{path}: reading GGUF files needs the gguf package (pip install gguf)") from None
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        return GGUFReader(path, "r")
+    except ValueError as error:
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
+        if unknown:  # the reader stops at the first such tensor, before naming it
+            raise CheckpointError(f"{path}: a tensor has unknown type {unknown[1]} (not a GGML type this gguf package reads)") from None
+        raise CheckpointError(f"{path}: not a readable GGUF file ({text})") from None
+    except (OSError, IndexError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+
+
+def field(reader, key: str, default: object = None) -> object:
+    """The value of metadata ``key`` (a number, a string or a list), ``default`` where absent."""
+    entry = reader.get_field(key)
+    if entry is None:
+        return default
+    return entry.contents()
+
+
+def args_from_gguf(reader, source: str) -> ModelArgs:
+    """ModelArgs from a GGUF file's metadata (module docstring); ConfigError naming the key."""
+    arch = field(reader, "general.architecture")
+    if arch != ARCHITECTURE:
+        raise CheckpointError(f"{source}: architecture {arch!r}, only {ARCHITECTURE!r} (Mistral, Mixtral) is read")
+
+    def number(key: str, kind: type = int, default: object = ConfigError) -> object:
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            if default is ConfigError:
+                raise ConfigError(f"{source}: metadata {arch}.{key} missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ConfigError(f"{source}: metadata {arch}.{key}={value!r} must be a {kind.__name__}")
+        return kind(value)
+
+    dim, n_heads = number("embedding_length"), number("attention.head_count")
+    if n_heads < 1:
+        raise ConfigError(f"{source}: metadata {arch}.attention.head_count={n_heads} must be positive")
+    vocab = number("vocab_size", default=None)
+    if vocab is None:
+        tokens = field(reader, "tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            raise ConfigError(f"{source}: neither {arch}.vocab_size nor tokenizer.ggml.tokens in the metadata")
+        vocab = len(tokens)
+    experts = number("expert_count", default=0)
+    moe = MoeArgs(experts, number("expert_used_count")) if experts else None
+    window = number("attention.sliding_window", default=None)
+    return checked_args(
+        dict(
+            dim=dim,
+            n_layers=number("block_count"),
+            head_dim=number("attention.key_length", default=dim // n_heads),
+            hidden_dim=number("feed_forward_length"),
+            n_heads=n_heads,
+            n_kv_heads=number("attention.head_count_kv", default=n_heads),
+            norm_eps=number("attention.layer_norm_rms_epsilon", float),
+            vocab_size=vocab,
+            rope_theta=number("rope.freq_base", float, default=10000.0),
+            sliding_window=window or None,
+            moe=moe,
+        ),
+        source,
+    )
+
+
+def published_names(name: str, args: ModelArgs) -> Optional[List[str]]:
+    """The published names a GGUF tensor holds (several for Mixtral's stacked experts), None if unknown."""
+    if name in _GLOBAL:
+        return [_GLOBAL[name]]
+    match = _BLK.match(name)
+    if match is None:
+        return None
+    layer, part = match[1], match[2]
+    if part in _BLOCK:
+        return [f"layers.{layer}.{_BLOCK[part]}.weight"]
+    if part in _EXPERTS and args.moe is not None:
+        return [f"layers.{layer}.feed_forward.experts.{j}.{_EXPERTS[part]}.weight" for j in range(args.moe.num_experts)]
+    return None
+
+
+def _expected_shape(name: str, args: ModelArgs) -> Optional[Tuple[int, ...]]:
+    names = published_names(name, args)
+    if names is None:
+        return None
+    shapes = [published_shape(n, args) for n in names]
+    if any(s is None for s in shapes):
+        return None
+    return (len(names), *shapes[0]) if _is_experts(name) else shapes[0]
+
+
+def _is_experts(name: str) -> bool:
+    """Whether GGUF tensor ``name`` stacks a layer's experts (E, ...)."""
+    match = _BLK.match(name)
+    return match is not None and match[2] in _EXPERTS
+
+
+def _numpy_shape(tensor) -> Tuple[int, ...]:
+    """A tensor's shape in numpy's (row-major) order: GGUF lists ggml's dimensions innermost first."""
+    return tuple(int(n) for n in reversed(list(tensor.shape)))
+
+
+class GgufFile:
+    """A GGUF file, opened and checked (module docstring); nothing but the metadata is read yet."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        source = str(self.path)
+        self.reader = open_reader(self.path)
+        self.args = args_from_gguf(self.reader, source)
+        size = self.path.stat().st_size
+        self.tensors = {}
+        for tensor in self.reader.tensors:
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
+                raise CheckpointError(f"{source}: truncated: tensor {tensor.name} ends at byte {end}, the file has {size}")
+            if _expected_shape(tensor.name, self.args) is None:
+                raise CheckpointError(f"{source}: unexpected tensor {tensor.name}")
+            shape, expected = _numpy_shape(tensor), _expected_shape(tensor.name, self.args)
+            if shape != expected:
+                raise CheckpointError(f"{source}: tensor {tensor.name} has shape {shape}, the model config implies {expected}")
+            self.tensors[tensor.name] = tensor
+        self.tied_output = "output.weight" not in self.tensors
+        needed = ["token_embd.weight", "output_norm.weight"]
+        per_layer = ["attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm"]
+        per_layer += ["ffn_gate_inp", *_EXPERTS] if self.args.moe is not None else ["ffn_gate", "ffn_up", "ffn_down"]
+        needed += [f"blk.{i}.{part}.weight" for i in range(self.args.n_layers) for part in per_layer]
+        missing = [name for name in needed if name not in self.tensors]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CheckpointError(f"{source}: missing tensor(s) {missing[:5]}{more}")
+
+    def context_length(self) -> object:
+        """``llama.context_length``: the longest sequence the file declares (None where absent)."""
+        return field(self.reader, f"{ARCHITECTURE}.context_length")
+
+    def dequantized_types(self) -> List[str]:
+        """The names of the stored types that are dequantized while loading (not F32, F16, BF16)."""
+        return sorted({t.tensor_type.name for t in self.tensors.values() if t.tensor_type.name not in _AS_STORED})
+
+    def stored_dtype(self) -> torch.dtype:
+        """The floating dtype holding most of the weights: F16/BF16/F32 as stored, float32 for the dequantized."""
+        counts: Dict[torch.dtype, int] = {}
+        for t in self.tensors.values():
+            dtype = _AS_STORED.get(t.tensor_type.name, torch.float32)
+            counts[dtype] = counts.get(dtype, 0) + int(t.n_elements)
+        return max(counts, key=counts.get)
+
+    def planned(self, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+        """What ``published_tensors`` yields, in order, as meta tensors (``convert``'s plan); nothing is read."""
+        for tensor in self.tensors.values():
+            stored = dtype or _AS_STORED.get(tensor.tensor_type.name, torch.float32)
+            names, shape = published_names(tensor.name, self.args), _numpy_shape(tensor)
+            if _is_experts(tensor.name):
+                for name in names:
+                    yield name, torch.empty(shape[1:], dtype=stored, device="meta")
+            else:
+                yield names[0], torch.empty(shape, dtype=stored, device="meta")
+        if self.tied_output:
+            embeddings = self.tensors["token_embd.weight"]
+            stored = dtype or _AS_STORED.get(embeddings.tensor_type.name, torch.float32)
+            yield "output.weight", torch.empty(_numpy_shape(embeddings), dtype=stored, device="meta")
+
+    def published_tensors(self, progress=None, select=None) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Every tensor under its published name, one at a time (experts unstacked); ``select`` as in
+        ``Checkpoint.published_tensors`` keeps part of a tensor or skips it."""
+        from mixtral_infer.checkpoint.safetensors_reader import apply_selection
+
+        dequantized = self.dequantized_types()
+        if dequantized:
+            print(f"{self.path}: dequantizing {', '.join(dequantized)} weights to float (kept in blocks: not yet)",
+                  file=sys.stderr)  # fmt: skip
+        total, done = len(self.tensors), 0
+        order = list(self.tensors.values())
+        for tensor in order:
+            names = published_names(tensor.name, self.args)
+            wanted = [(n, select(n) if select is not None else None) for n in names]
+            if select is not None and all(s is None for _, s in wanted):
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+                continue
+            value = _to_torch(tensor, str(self.path))
+            pairs = [(n, value[j]) for j, n in enumerate(names)] if _is_experts(tensor.name) else [(names[0], value)]
+            for (name, part), (_, selection) in zip(pairs, wanted):
+                if select is None:
+                    yield name, part
+                elif selection is not None:
+                    yield name, apply_selection(part, selection)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        if self.tied_output:  # as llama.cpp does: the output is the embeddings
+            selection = select("output.weight") if select is not None else None
+            if select is None or selection is not None:
+                value = _to_torch(self.tensors["token_embd.weight"], str(self.path))
+                yield "output.weight", value if select is None else apply_selection(value, selection)
+
+
+_AS_STORED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _to_torch(tensor, source: str) -> torch.Tensor:
+    """A tensor's values: F32/F16/BF16 as stored, any other type dequantized by ``gguf`` to float32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    shape = _numpy_shape(tensor)
+    kind = tensor.tensor_type
+    data = np.asarray(tensor.data)
+    if kind == GGMLQuantizationType.F32 or kind == GGMLQuantizationType.F16:
+        return torch.from_numpy(np.ascontiguousarray(data).reshape(shape).copy())
+    if kind == GGMLQuantizationType.BF16:
+        raw = np.ascontiguousarray(data).view(np.int16).reshape(shape).copy()
+        return torch.from_numpy(raw).view(torch.bfloat16)
+    try:
+        values = dequantize(data, kind)
+    except NotImplementedError:
+        raise CheckpointError(f"{source}: tensor {tensor.name} has type {kind.name}, which gguf cannot dequantize") from None
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))

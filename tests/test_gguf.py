@@ -1,0 +1,250 @@
+"""GGUF files (checkpoint/gguf_file.py, tokenizer/gguf_vocab.py): small files written with llama.cpp's own
+``gguf`` writer from tiny random transformers models, q/k permuted as llama.cpp's converter does."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from conftest import hf_model, tiny_args  # noqa: E402
+from mixtral_infer.checkpoint.loading import load_model, open_checkpoint  # noqa: E402
+from mixtral_infer.errors import CheckpointError  # noqa: E402
+from mixtral_infer.tokenizer import Tokenizer  # noqa: E402
+
+SHIPPED_TOKENIZER = Path(__file__).parents[1] / "mixtral_infer" / "shipped" / "tiny-mixtral" / "tokenizer.model"
+SENTENCES = ["Hello world", "  two  spaces and\ttabs\n", "Mixtral 8x7B: 46.7B parameters, 12.9B active.", "héllo ☃ 日本語"]
+Q = gguf.GGMLQuantizationType
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """``permute`` of llama.cpp's convert_hf_to_gguf.py (LlamaModel), on a transformers q/k weight."""
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def gguf_tensors(hf, args):
+    """transformers' state dict under llama.cpp's names, as its converter writes them."""
+    layer_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                   "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                   "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    state = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    out = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"],
+           "output.weight": state["lm_head.weight"]}  # fmt: skip
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        for theirs, ours in layer_names.items():
+            if p + theirs + ".weight" in state:
+                out[f"blk.{i}.{ours}.weight"] = state[p + theirs + ".weight"]
+        out[f"blk.{i}.attn_q.weight"] = llama_cpp_permute(out[f"blk.{i}.attn_q.weight"], args.n_heads)
+        out[f"blk.{i}.attn_k.weight"] = llama_cpp_permute(out[f"blk.{i}.attn_k.weight"], args.n_kv_heads)
+        if args.moe is not None:
+            experts = [k for k in state if k.startswith(p) and "experts" in k]
+            if any(k.endswith("gate_up_proj") for k in experts):  # transformers 5: fused
+                gate_up, hidden = state[p + "mlp.experts.gate_up_proj"], args.hidden_dim
+                out[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :hidden]
+                out[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, hidden:]
+                out[f"blk.{i}.ffn_down_exps.weight"] = state[p + "mlp.experts.down_proj"]
+                out[f"blk.{i}.ffn_gate_inp.weight"] = state[p + "mlp.gate.weight"]
+            else:
+                e = range(args.moe.num_experts)
+                for w, part in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
+                    out[f"blk.{i}.{part}.weight"] = np.stack([state[f"{p}block_sparse_moe.experts.{j}.{w}.weight"] for j in e])
+                out[f"blk.{i}.ffn_gate_inp.weight"] = state[p + "block_sparse_moe.gate.weight"]
+    return out
+
+
+def write_gguf(path: Path, hf, args, kind=Q.F32, arch: str = "llama") -> Path:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(SHIPPED_TOKENIZER))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(args.n_layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(args.dim)
+    writer.add_feed_forward_length(args.hidden_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_vocab_size(args.vocab_size)
+    if args.moe is not None:
+        writer.add_expert_count(args.moe.num_experts)
+        writer.add_expert_used_count(args.moe.num_experts_per_tok)
+    writer.add_tokenizer_model("llama")
+    n = sp.vocab_size()
+    types = [2 if sp.IsUnknown(i) else 3 if sp.IsControl(i) else 6 if sp.IsByte(i) else 1 for i in range(n)]
+    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    writer.add_token_scores([sp.get_score(i) for i in range(n)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    for name, value in gguf_tensors(hf, args).items():
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if value.ndim == 1 or kind == Q.F32:  # llama.cpp keeps norms in F32
+            writer.add_tensor(name, value)
+        elif kind == Q.F16:
+            writer.add_tensor(name, value.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_args(moe: bool):
+    return dataclasses.replace(tiny_args(moe=moe, sliding_window=None), vocab_size=2000, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module", params=["mistral", "mixtral"])
+def pair(request):
+    args = gguf_args(request.param == "mixtral")
+    return hf_model(args), args
+
+
+TOKENS = torch.tensor([[1, 415, 1001, 33, 1999, 7, 250, 3]])
+
+
+def hf_logits(hf) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(TOKENS).logits[0].float()
+
+
+def our_logits(path: Path, **kwargs) -> torch.Tensor:
+    model = load_model(path, device="cpu", dtype=torch.float32, **kwargs)
+    with torch.no_grad():
+        return model.forward(TOKENS[0], seqlens=[TOKENS.shape[1]]).float()
+
+
+def rounded(hf, kind):
+    """A copy of ``hf`` whose matrices went through ``kind``'s blocks (quantized, then dequantized by gguf):
+    the model a ``kind`` file holds, to compare with in float tolerance."""
+    import copy
+
+    out = copy.deepcopy(hf)
+    with torch.no_grad():
+        for param in out.parameters():
+            if param.dim() >= 2:
+                data = param.detach().float().numpy()
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, kind), kind).reshape(data.shape)))
+    return out
+
+
+@pytest.mark.parametrize("kind, tolerance", [(Q.F32, 1e-4), (Q.F16, 2e-2), (Q.Q8_0, 1e-4), (Q.Q4_0, 1e-4), (Q.Q4_K, 1e-4)])
+def test_logits_equal_the_source_model(tmp_path, pair, kind, tolerance, capsys):
+    hf, args = pair
+    if kind == Q.Q4_K and args.dim % 256:
+        pytest.skip("K-quants need rows of 256")
+    path = write_gguf(tmp_path / "model.gguf", hf, args, kind)
+    checkpoint = open_checkpoint(path)
+    assert checkpoint.format == "gguf" and checkpoint.args.vocab_size == 2000
+    assert (checkpoint.args.moe is None) == (args.moe is None) and checkpoint.args.sliding_window is None
+    source = hf if kind in (Q.F32, Q.F16) else rounded(hf, kind)
+    ours, theirs = our_logits(path), hf_logits(source)
+    assert (ours - theirs).abs().max().item() < tolerance
+    if kind not in (Q.F32, Q.F16):
+        assert f"dequantizing {kind.name} weights" in capsys.readouterr().err
+    if kind == Q.Q8_0:
+        quantized = our_logits(path, quantize="int8")  # quantize-while-loading, on the dequantized weights
+        assert (quantized - theirs).abs().max().item() < 0.5
+
+
+def test_logits_equal_transformers_gguf_loader(tmp_path, pair):
+    hf, args = pair
+    if args.moe is not None:  # checked against the source model in test_logits_equal_the_source_model
+        pytest.skip("transformers reads a 'llama' GGUF as LlamaForCausalLM, without Mixtral's experts")
+    path = write_gguf(tmp_path / "model.gguf", hf, args, Q.F32)
+    transformers = pytest.importorskip("transformers")
+    try:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, torch_dtype=torch.float32)
+    except Exception as error:  # pragma: no cover - transformers' loader and these tiny configs
+        pytest.skip(f"transformers cannot load this GGUF: {type(error).__name__}: {str(error)[:100]}")
+    assert (our_logits(path) - hf_logits(loaded)).abs().max().item() < 1e-4
+
+
+def test_tokenizer_round_trip(tmp_path, pair):
+    hf, args = pair
+    path = write_gguf(tmp_path / "model.gguf", hf, args, Q.F32)
+    ours, shipped = Tokenizer.from_folder(path), Tokenizer(SHIPPED_TOKENIZER)
+    assert ours.n_words == shipped.n_words and (ours.bos_id, ours.eos_id) == (shipped.bos_id, shipped.eos_id)
+    for text in SENTENCES:
+        ids = shipped.encode(text, bos=True)
+        assert ours.encode(text, bos=True) == ids
+        assert ours.decode(ids) == shipped.decode(ids)
+
+
+def test_convert_writes_mistral_and_hf_folders(tmp_path, pair):
+    from mixtral_infer.checkpoint.convert import convert
+
+    hf, args = pair
+    path = write_gguf(tmp_path / "model.gguf", hf, args, Q.F16)
+    expected = our_logits(path)
+    for target in ("mistral", "hf"):
+        out = convert(path, tmp_path / target, to=target)
+        assert (our_logits(out) - expected).abs().max().item() < 1e-5
+        assert Tokenizer.from_folder(out).encode(SENTENCES[2]) == Tokenizer(SHIPPED_TOKENIZER).encode(SENTENCES[2])
+
+
+def test_other_architecture_refused(tmp_path):
+    args = gguf_args(False)
+    path = write_gguf(tmp_path / "phi.gguf", hf_model(args), args, arch="phi3")
+    with pytest.raises(CheckpointError, match=r"phi\.gguf: architecture 'phi3', only 'llama'"):
+        open_checkpoint(path)
+
+
+def test_truncated_file_refused(tmp_path):
+    args = gguf_args(False)
+    path = write_gguf(tmp_path / "model.gguf", hf_model(args), args)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"model\.gguf: .*(truncated: tensor output\.weight|not a readable)") as error:
+        load_model(path, device="cpu")
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_type_refused(tmp_path):
+    args = gguf_args(False)
+    path = write_gguf(tmp_path / "model.gguf", hf_model(args), args, Q.F16)
+    reader = gguf.GGUFReader(path)
+    tensor = reader.tensors[1]
+    type_offset = tensor.field.offset + sum(p.nbytes for p in tensor.field.parts[:-2])  # the type, then the offset
+    data = bytearray(path.read_bytes())
+    data[type_offset:type_offset + 4] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.gguf: a tensor has unknown type 99 \(not a GGML type"):
+        open_checkpoint(path)
+
+
+def test_missing_tensor_and_shape_refused(tmp_path):
+    args = gguf_args(False)
+    hf = hf_model(args)
+    path = write_gguf(tmp_path / "model.gguf", hf, dataclasses.replace(args, hidden_dim=128), Q.F32)
+    with pytest.raises(CheckpointError, match=r"model\.gguf: tensor blk\.0\.ffn_gate\.weight has shape \(96, 64\)"):
+        open_checkpoint(path)
+
+
+def test_llm_and_command_line_take_a_gguf_file(tmp_path, pair):
+    import subprocess
+    import sys
+
+    from mixtral_infer.llm import LLM
+
+    hf, args = pair
+    if args.moe is not None:
+        pytest.skip("one model is enough for the front doors")
+    path = write_gguf(tmp_path / "model.gguf", hf, args, Q.Q8_0)
+    llm = LLM(str(path), dtype=torch.float32, device="cpu")
+    out = llm.generate("Hello world", max_tokens=4, temperature=0)[0]
+    assert len(out.token_ids) == 4
+    repo = Path(__file__).parents[1]
+    result = subprocess.run([sys.executable, "main.py", "demo", str(path), "--prompt", "Hello world", "--max-tokens", "4",
+                             "--quantize", "int8"], cwd=repo, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "dequantizing Q8_0 weights" in result.stderr
