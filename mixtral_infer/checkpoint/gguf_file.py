@@ -17,7 +17,8 @@ else the model attends fully (``sliding_window=None``).
 ``layers.N.attention.wq/wk/wv/wo``, ``ffn_gate/ffn_up/ffn_down`` -> ``feed_forward.w1/w3/w2``,
 ``attn_norm`` / ``ffn_norm`` -> ``attention_norm`` / ``ffn_norm``, ``output_norm`` -> ``norm``,
 ``output`` -> ``output``; Mixtral's stacked experts ``ffn_gate_exps/ffn_up_exps/ffn_down_exps``
-(E, I, D) / (E, D, I) -> ``feed_forward.experts.J.w1/w3/w2``, the router ``ffn_gate_inp`` ->
+(E, I, D) / (E, D, I) -> ``feed_forward.experts.J.w1/w3/w2`` (files converted before April 2024 hold
+one tensor per expert, ``blk.N.ffn_gate.J`` ...: read too), the router ``ffn_gate_inp`` ->
 ``feed_forward.gate``. A file without ``output.weight`` ties the output to the embeddings, as
 llama.cpp does.
 
@@ -32,8 +33,8 @@ K-quants, ...) is dequantized by ``gguf.quants.dequantize`` to float32, then to 
 (or quantized with ``--quantize``), with one stderr line naming the types. Keeping ``Q8_0`` and
 ``Q4_0`` blocks as the package's int8 / int4 weights without requantizing is not done yet.
 
-Checked before any weight is read: the architecture, the metadata, each tensor's type (the reader
-refuses unknown ones), that each tensor's bytes lie inside the file (a truncated file), that every
+Checked before any weight is read: the architecture, the metadata, each tensor's type (one the reader
+does not know is named), that each tensor's bytes lie inside the file (a truncated file), that every
 tensor the model needs is there and has its shape: one line naming the file and the tensor.
 """
 
@@ -71,6 +72,8 @@ _BLOCK = {
 }
 _EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+_ONE_EXPERT = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")  # files converted before April 2024
+_ONE_EXPERT_PART = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -88,7 +91,9 @@ def open_reader(path: Path):
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
     try:
-        return GGUFReader(path, "r")
+        return _named_types_reader(GGUFReader)(path, "r")
+    except CheckpointError as error:
+        raise CheckpointError(f"{path}: {error}") from None
     except ValueError as error:
         text = str(error).splitlines()[0] if str(error) else type(error).__name__
         unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
@@ -97,6 +102,25 @@ def open_reader(path: Path):
         raise CheckpointError(f"{path}: not a readable GGUF file ({text})") from None
     except (OSError, IndexError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+
+
+def _named_types_reader(base: type) -> type:
+    """``GGUFReader`` that names the tensor whose type it does not know: its ``_build_tensors`` (gguf 0.10
+    to 0.19) gets each tensor's info as (name length, name, dims count, dims, type, offset) first."""
+    from gguf import GGMLQuantizationType
+
+    known = {int(t) for t in GGMLQuantizationType}
+
+    class NamedTypesReader(base):
+        def _build_tensors(self, start_offs, fields):
+            for entry in fields:
+                parts = getattr(entry, "parts", None)
+                if parts is not None and len(parts) == 6 and int(parts[4][0]) not in known:
+                    name = bytes(parts[1]).decode("utf-8", "replace")
+                    raise CheckpointError(f"tensor {name} has unknown type {int(parts[4][0])} (not a GGML type this gguf package reads)")
+            return super()._build_tensors(start_offs, fields)
+
+    return NamedTypesReader
 
 
 def field(reader, key: str, default: object = None) -> object:
@@ -157,6 +181,9 @@ def published_names(name: str, args: ModelArgs) -> Optional[List[str]]:
     """The published names a GGUF tensor holds (several for Mixtral's stacked experts), None if unknown."""
     if name in _GLOBAL:
         return [_GLOBAL[name]]
+    expert = _ONE_EXPERT.match(name)
+    if expert is not None and args.moe is not None:
+        return [f"layers.{expert[1]}.feed_forward.experts.{expert[3]}.{_ONE_EXPERT_PART[expert[2]]}.weight"]
     match = _BLK.match(name)
     if match is None:
         return None
@@ -212,8 +239,12 @@ class GgufFile:
         self.tied_output = "output.weight" not in self.tensors
         needed = ["token_embd.weight", "output_norm.weight"]
         per_layer = ["attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm"]
-        per_layer += ["ffn_gate_inp", *_EXPERTS] if self.args.moe is not None else ["ffn_gate", "ffn_up", "ffn_down"]
+        per_layer += ["ffn_gate_inp"] if self.args.moe is not None else ["ffn_gate", "ffn_up", "ffn_down"]
         needed += [f"blk.{i}.{part}.weight" for i in range(self.args.n_layers) for part in per_layer]
+        for i in range(self.args.n_layers if self.args.moe is not None else 0):  # stacked experts, or one tensor each
+            stacked = [f"blk.{i}.{part}.weight" for part in _EXPERTS]
+            one_each = [f"blk.{i}.{part}.{j}.weight" for part in _ONE_EXPERT_PART for j in range(self.args.moe.num_experts)]
+            needed += stacked if stacked[0] in self.tensors or one_each[0] not in self.tensors else one_each
         missing = [name for name in needed if name not in self.tensors]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
