@@ -99,15 +99,16 @@ def open_reader(path: Path):
         unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
         if unknown:  # the reader stops at the first such tensor, before naming it
             raise CheckpointError(f"{path}: a tensor has unknown type {unknown[1]} (not a GGML type this gguf package reads)") from None
-        raise CheckpointError(f"{path}: not a readable GGUF file ({text})") from None
+        raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({text})") from None
     except (OSError, IndexError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+        raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({type(error).__name__}: {error})") from None
 
 
 def _named_types_reader(base: type) -> type:
-    """``GGUFReader`` that names the tensor whose type it does not know: its ``_build_tensors`` (gguf 0.10
-    to 0.19) gets each tensor's info as (name length, name, dims count, dims, type, offset) first."""
-    from gguf import GGMLQuantizationType
+    """``GGUFReader`` that names the tensor whose type it does not know: its private ``_build_tensors``
+    gets each tensor's info as (name length, name, dims count, dims, type, offset) first (read in gguf 0.19;
+    info of another shape is left to the reader, whose own error ``open_reader`` turns into one line)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     known = {int(t) for t in GGMLQuantizationType}
 
@@ -115,9 +116,15 @@ def _named_types_reader(base: type) -> type:
         def _build_tensors(self, start_offs, fields):
             for entry in fields:
                 parts = getattr(entry, "parts", None)
-                if parts is not None and len(parts) == 6 and int(parts[4][0]) not in known:
-                    name = bytes(parts[1]).decode("utf-8", "replace")
-                    raise CheckpointError(f"tensor {name} has unknown type {int(parts[4][0])} (not a GGML type this gguf package reads)")
+                if parts is None or len(parts) != 6:
+                    continue
+                name, kind = bytes(parts[1]).decode("utf-8", "replace"), int(parts[4][0])
+                if kind not in known:
+                    raise CheckpointError(f"tensor {name} has unknown type {kind} (not a GGML type this gguf package reads)")
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                end = int(start_offs) + int(parts[5][0]) + int(np.prod(parts[3], dtype=np.int64)) * size // block
+                if end > len(self.data):
+                    raise CheckpointError(f"truncated: tensor {name} ends at byte {end}, the file has {len(self.data)}")
             return super()._build_tensors(start_offs, fields)
 
     return NamedTypesReader
