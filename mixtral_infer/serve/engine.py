@@ -693,7 +693,7 @@ class Engine:
         generators: List[Optional[torch.Generator]] = [None] * self.rows
         for r in running:
             settings[r.row], generators[r.row] = r.settings, r.generator
-        sampling = rows_sampling(settings, self._vocab, device, True)
+        sampling = rows_sampling(settings, self._vocab, device, any(s.filtered(self._vocab) for s in settings))
         guesses, qs = speculation.proposer.propose(rows, texts, room, sampling, generators)
         if not any(guesses):
             return None  # nothing to check: the plain step reads the rows faster
@@ -948,7 +948,8 @@ class Engine:
             tokens = sample_rows(shaped, [r.settings for r in sampled], [r.generator for r in sampled])  # (N,)
         else:
             guesses, qs = zip(*(checks[id(r)] for r in sampled))
-            row_sampling = rows_sampling([r.settings for r in sampled], self._vocab, shaped.device, True)
+            filtered = any(r.settings.filtered(self._vocab) for r in sampled)
+            row_sampling = rows_sampling([r.settings for r in sampled], self._vocab, shaped.device, filtered)
             chosen, hits = choose_checked(shaped, row_sampling, guesses, qs, [r.generator for r in sampled])
             tokens = torch.tensor(chosen, dtype=torch.long, device=logits.device)
         chosen, top = None, None
