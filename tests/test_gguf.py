@@ -286,3 +286,131 @@ def test_other_hostile_files(tmp_path):
     path = write_gguf(tmp_path / "bpe.gguf", hf, args, tokenizer_model="gpt2")
     with pytest.raises(CheckpointError, match=r"bpe\.gguf: tokenizer\.ggml\.model='gpt2'; only sentencepiece"):
         load_model(path, device="cpu")
+
+
+# ---------------------------------------------------------------- Q4_0 blocks kept as int4
+
+
+def int4_weights(model):
+    """{module name: QuantizedParameter} of a loaded model."""
+    from mixtral_infer.quant.weights import QuantizedParameter
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, QuantizedParameter)}
+
+
+def test_q4_0_blocks_are_int4_bit_for_bit():
+    """The docstring's block, then random blocks (negative scales among them, as llama.cpp writes them):
+    the int4 weight dequantizes to gguf's own dequantization, bit for bit in float32."""
+    from mixtral_infer.checkpoint.gguf_file import Q4_0_SCHEME, q4_0_as_int4
+    from mixtral_infer.quant.weights import QuantizedWeight
+
+    block = np.zeros((1, 1, 18), dtype=np.uint8)
+    block[0, 0, :2] = np.frombuffer(np.float16(0.5).tobytes(), dtype=np.uint8)
+    block[0, 0, 2:] = 0x88  # every weight n = 8: zero
+    block[0, 0, 2], block[0, 0, 3] = 0x9F, 0x08
+    values, scales = q4_0_as_int4(block)
+    assert block[0, 0, :2].tolist() == [0x00, 0x38] and values[0, 0].item() == 0x8F and values[0, 8].item() & 15 == 9
+    weight = QuantizedWeight(Q4_0_SCHEME, values, scales, 32).dequantize()
+    assert weight[0, :3].tolist() == [3.5, 0.0, 0.0] and weight[0, 16].item() == 0.5
+
+    rng = np.random.default_rng(0)
+    for shape in ((3, 64), (5, 96), (2, 4, 160)):  # a stacked (E, OUT, IN) too
+        data = (rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 30.0], size=shape[:-1] + (1,))).astype(np.float32)
+        data[..., 0, :32] = 0.0  # an all-zero block: d = 0
+        raw = gguf.quants.quantize(data, Q.Q4_0)  # (..., OUT, IN/32 * 18)
+        blocks = raw.reshape(*raw.shape[:-1], -1, 18)
+        values, scales = q4_0_as_int4(blocks)
+        assert values.shape == (*shape[:-1], shape[-1] // 2) and scales.shape == (*shape[:-1], shape[-1] // 32)
+        assert bool((scales < 0).any())
+        theirs = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_0).astype(np.float32))
+        ours = QuantizedWeight(Q4_0_SCHEME, values, scales, shape[-1]).dequantize(torch.float32)
+        assert torch.equal(ours, theirs)
+
+
+def float_model_of(path: Path, dtype=torch.float32):
+    """The model of a GGUF file with every weight dequantized by gguf (the path of the other types), for
+    comparison with the one that keeps the Q4_0 blocks."""
+    from mixtral_infer.checkpoint.loading import build_model
+    from mixtral_infer.formats.modules import use_formats
+    from mixtral_infer.tuning import Tuning
+
+    checkpoint = open_checkpoint(path)
+    model = build_model(checkpoint.args, checkpoint.gguf.published_tensors(), path.parent, "cpu", dtype)
+    return use_formats(model, Tuning(fast=False))
+
+
+def test_q4_0_file_keeps_its_blocks(tmp_path, pair, capsys):
+    from mixtral_infer.quant.weights import QuantizedWeight
+
+    hf, args = pair
+    path = write_gguf(tmp_path / "model.gguf", hf, args, Q.Q4_0)
+    model = load_model(path, device="cpu", dtype=torch.float32, fast=False)
+    err = capsys.readouterr().err
+    assert f"{path}: keeping Q4_0 matrices in their blocks as int4 (groups of 32); dequantizing Q4_0 weights to float32" in err
+    weights = int4_weights(model)
+    matrices = 7 * args.n_layers + 1  # wq wk wv wo w1 w2 w3 per layer, the output
+    assert len(weights) == matrices and all((w.scheme.name, w.scheme.group_size) == ("int4", 32) for w in weights.values())
+    reader = gguf.GGUFReader(path)  # each weight equals gguf's dequantization of the file's tensor, bit for bit
+    stored = {t.name: t for t in reader.tensors}
+    pairs = {"layers.0.attention.wq.weight": "blk.0.attn_q.weight", "output.weight": "output.weight"}
+    pairs["layers.1.feed_forward.w2" + ("" if args.moe else ".weight")] = "blk.1.ffn_down" + ("_exps" if args.moe else "") + ".weight"
+    for ours, theirs in pairs.items():
+        tensor = stored[theirs]
+        expected = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        assert torch.equal(QuantizedWeight.dequantize(weights[ours]), torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32)))
+    with torch.no_grad():
+        kept = model.forward(TOKENS[0], seqlens=[TOKENS.shape[1]])
+        dequantized = float_model_of(path).forward(TOKENS[0], seqlens=[TOKENS.shape[1]])
+    assert (kept - dequantized).abs().max().item() < 1e-5
+
+    # bfloat16: the int4 kernels against the reference on the same weights (scales rounded to bfloat16)
+    fast, reference = (load_model(path, device="cpu", dtype=torch.bfloat16, fast=fast) for fast in (True, False))
+    with torch.no_grad():
+        logits, expected = (m.forward(TOKENS[0], seqlens=[TOKENS.shape[1]]).float() for m in (fast, reference))
+    # logits near 2 in bfloat16 differ by a few steps of 1/64 between any two orders of summing
+    assert (logits - expected).abs().max().item() < 0.1 and (logits - dequantized).abs().max().item() < 0.2
+    assert len(int4_weights(fast)) == matrices
+
+
+def test_q4_0_file_with_quantize(tmp_path, capsys):
+    """int4 (groups of 32) keeps the blocks, the same weights; another scheme quantizes the dequantized weights."""
+    args = gguf_args(False)
+    path = write_gguf(tmp_path / "model.gguf", hf_model(args), args, Q.Q4_0)
+    plain = load_model(path, device="cpu", fast=False)
+    assert plain.tok_embeddings.weight.dtype == torch.bfloat16  # a file of int4 weights computes as quantized ones do
+    capsys.readouterr()
+    asked = load_model(path, device="cpu", fast=False, quantize="int4")
+    assert "keeping Q4_0 matrices in their blocks" in capsys.readouterr().err
+    for name, weight in int4_weights(asked).items():
+        assert torch.equal(weight.values, int4_weights(plain)[name].values) and torch.equal(weight.scales, int4_weights(plain)[name].scales)
+    int8 = load_model(path, device="cpu", dtype=torch.float32, fast=False, quantize="int8")
+    assert f"{path}: dequantizing Q4_0 weights to float32, then quantizing the matrices to int8\n" in capsys.readouterr().err
+    assert {w.scheme.name for w in int4_weights(int8).values()} == {"int8"}
+    with torch.no_grad():
+        logits = int8.forward(TOKENS[0], seqlens=[TOKENS.shape[1]])
+        expected = float_model_of(path).forward(TOKENS[0], seqlens=[TOKENS.shape[1]])
+    assert (logits - expected).abs().max().item() < 0.5
+
+
+def test_q4_0_tied_output_and_shares(tmp_path):
+    """A file without output.weight: the output is the Q4_0 embeddings, kept as int4 (the embeddings
+    themselves dequantized). A rank's share keeps whole blocks; one that cuts a block is refused."""
+    from mixtral_infer.checkpoint.gguf_file import GgufLoading, Q4_0_SCHEME
+    from mixtral_infer.checkpoint.shares import Selection
+    from mixtral_infer.tuning import Tuning
+
+    args = gguf_args(False)
+    path = write_gguf(tmp_path / "tied.gguf", hf_model(args), args, Q.Q4_0, drop=("output.weight",))
+    model = load_model(path, device="cpu", dtype=torch.float32, fast=False)
+    output = int4_weights(model)["output.weight"]
+    assert torch.equal(output.dequantize(), model.tok_embeddings.weight)
+    file = open_checkpoint(path).gguf
+    loading = GgufLoading(torch.float32, torch.device("cpu"), Tuning(fast=False))
+    whole = dict(file.published_tensors(loading=loading))["layers.0.feed_forward.w2.weight"]  # (64, 96)
+    w2_share = lambda name: Selection(slice(16, 48), slice(32, 96)) if name.endswith("w2.weight") else Selection()  # noqa: E731
+    share = dict(file.published_tensors(select=w2_share, loading=loading))
+    part = share["layers.0.feed_forward.w2.weight"]
+    assert part.scheme == Q4_0_SCHEME and torch.equal(part.dequantize(), whole.dequantize()[16:48, 32:96])
+    with pytest.raises(ConfigError, match=r"tied\.gguf: layers\.0\.attention\.wq\.weight: this rank's inputs 16:64 cut Q4_0's blocks of 32"):
+        cut = lambda name: Selection(None, slice(16, 64)) if name.endswith("wq.weight") else Selection()  # noqa: E731
+        dict(file.published_tensors(select=cut, loading=loading))

@@ -28,10 +28,27 @@ rotates; that is the published layout this package computes in, so GGUF's q and 
 as they are (transformers' GGUF loader, whose rope rotates halves, undoes the permutation:
 ``reverse_permute_weights``).
 
-**Weights**: ``F32``, ``F16``, ``BF16`` as stored; every other type (``Q8_0``, ``Q4_0``, the
-K-quants, ...) is dequantized by ``gguf.quants.dequantize`` to float32, then to the load dtype
-(or quantized with ``--quantize``), with one stderr line naming the types. Keeping ``Q8_0`` and
-``Q4_0`` blocks as the package's int8 / int4 weights without requantizing is not done yet.
+**Weights**: ``F32``, ``F16``, ``BF16`` as stored. ``Q4_0`` matrices (the weights the package
+quantizes: ``wq wk wv wo``, ``w1 w2 w3``, the experts', ``output``) are kept in their blocks as int4
+weights with groups of 32 (``q4_0_as_int4``: the same integers and scales, no requantization), where
+``load_model`` places them (``GgufLoading``): without ``--quantize``, or with ``int4`` (groups of 32,
+the same weights). Every other type, and ``Q4_0`` embeddings and routers, is dequantized by
+``gguf.quants.dequantize`` to float32, then to the load dtype, or quantized to ``--quantize`` (a
+``Q4_0`` file asked for ``int8`` or ``nf4`` is dequantized, then quantized); with a LoRA adapter every
+weight is dequantized, to merge it. One stderr line says which types are kept and which dequantized.
+
+The scales are ``Q4_0``'s float16 ``d``: held exactly in float32 and float16; bfloat16 (the int4
+kernels' dtype, and a ``Q4_0`` file's default) rounds each to 8 significant bits, as every scale the
+package computes (``quant/weights.py``), a relative change of at most 2^-9.
+
+``Q8_0`` (a float16 scale per 32 int8 values) is dequantized: the package's int8 weights have one
+scale per output row, and each of their back-ends is built on that (``_weight_int8pack_mm``, fbgemm's
+w8a8 packing, GemLite's and Triton's int8 kernels, the MoE strategies' gathered experts, the column
+blocks of compiled decoding, the quantized folders' ``(OUT,)`` scales: about thirty places). A grouped
+int8 would be a weight kind of its own, refused by all of them and read by a new back-end
+(dequantize per group, then ``F.linear``), so every product would dequantize the whole weight: as
+slow as the float weights for prompts, slower when decoding, for half their memory. Requantizing to
+one scale a row is what ``--quantize int8`` does, said in the line.
 
 Checked before any weight is read: the architecture, the metadata, each tensor's type (one the reader
 does not know is named), that each tensor's bytes lie inside the file (a truncated file), that every
@@ -42,6 +59,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -51,8 +69,13 @@ import torch
 from mixtral_infer.checkpoint.params import checked_args
 from mixtral_infer.checkpoint.weight_shapes import published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.kernels.linear import prepare_weight
 from mixtral_infer.model.moe import MoeArgs
 from mixtral_infer.model.transformer import ModelArgs
+from mixtral_infer.quant.model import is_quantized_published
+from mixtral_infer.quant.scheme import QuantScheme
+from mixtral_infer.quant.weights import QuantizedWeight, check_scales_fit
+from mixtral_infer.tuning import Tuning
 
 GGUF_SUFFIX = ".gguf"
 ARCHITECTURE = "llama"  # how llama.cpp's converter writes Mistral and Mixtral
@@ -261,9 +284,40 @@ class GgufFile:
         """``llama.context_length``: the longest sequence the file declares (None where absent)."""
         return field(self.reader, f"{ARCHITECTURE}.context_length")
 
-    def dequantized_types(self) -> List[str]:
-        """The names of the stored types that are dequantized while loading (not F32, F16, BF16)."""
-        return sorted({t.tensor_type.name for t in self.tensors.values() if t.tensor_type.name not in _AS_STORED})
+    def kept_scheme(self, quantize: Optional[QuantScheme] = None) -> Optional[QuantScheme]:
+        """``Q4_0_SCHEME`` where loading with ``quantize`` keeps some of the file's blocks, else None."""
+        kept = any(_keeps_blocks(t.tensor_type.name, name, quantize) for name, t in self._sources())
+        return Q4_0_SCHEME if kept else None
+
+    def dequantized_types(self, loading: Optional["GgufLoading"] = None) -> List[str]:
+        """The names of the stored types dequantized while loading (not F32, F16, BF16, nor the
+        blocks ``loading`` keeps)."""
+        return sorted({t.tensor_type.name for name, t in self._sources()
+                       if t.tensor_type.name not in _AS_STORED and not _kept(t, name, loading)})  # fmt: skip
+
+    def loading_line(self, loading: Optional["GgufLoading"] = None) -> Optional[str]:
+        """The stderr line saying which types are kept in blocks and which dequantized (None: all as stored).
+
+        Example, a Q4_0 file (its embeddings Q4_0 too, its output Q6_K) loaded in bfloat16:
+        ``model.gguf: keeping Q4_0 matrices in their blocks as int4 (groups of 32); dequantizing
+        Q4_0, Q6_K weights to bfloat16``; with ``--quantize int8``: ``model.gguf: dequantizing Q4_0,
+        Q6_K weights to bfloat16, then quantizing the matrices to int8``."""
+        kept = sorted({t.tensor_type.name for name, t in self._sources() if _kept(t, name, loading)})
+        dequantized = self.dequantized_types(loading)
+        parts = [f"keeping {', '.join(kept)} matrices in their blocks as {Q4_0_SCHEME.label}"] if kept else []
+        if dequantized:
+            dtype = str(loading.dtype).removeprefix("torch.") if loading is not None else "float"
+            quantize = loading.quantize if loading is not None else None
+            then = f", then quantizing the matrices to {quantize.label}" if quantize is not None else ""
+            parts.append(f"dequantizing {', '.join(dequantized)} weights to {dtype}{then}")
+        return f"{self.path}: {'; '.join(parts)}" if parts else None
+
+    def _sources(self) -> Iterator[Tuple[str, object]]:
+        """(a published name, the GGUF tensor holding it) for each tensor, and the tied output."""
+        for tensor in self.tensors.values():
+            yield published_names(tensor.name, self.args)[0], tensor
+        if self.tied_output:
+            yield "output.weight", self.tensors["token_embd.weight"]
 
     def stored_dtype(self) -> torch.dtype:
         """The floating dtype holding most of the weights: F16/BF16/F32 as stored, float32 for the dequantized."""
@@ -288,40 +342,131 @@ class GgufFile:
             stored = dtype or _AS_STORED.get(embeddings.tensor_type.name, torch.float32)
             yield "output.weight", torch.empty(_numpy_shape(embeddings), dtype=stored, device="meta")
 
-    def published_tensors(self, progress=None, select=None) -> Iterator[Tuple[str, torch.Tensor]]:
+    def published_tensors(self, progress=None, select=None,
+                          loading: Optional["GgufLoading"] = None) -> Iterator[Tuple[str, object]]:  # fmt: skip
         """Every tensor under its published name, one at a time (experts unstacked); ``select`` as in
-        ``Checkpoint.published_tensors`` keeps part of a tensor or skips it."""
+        ``Checkpoint.published_tensors`` keeps part of a tensor or skips it. ``loading``: how
+        ``load_model`` places the weights; the ``Q4_0`` blocks it keeps come as ``QuantizedWeight``s
+        placed so (module docstring), every other tensor as a float tensor."""
         from mixtral_infer.checkpoint.safetensors_reader import apply_selection
 
-        dequantized = self.dequantized_types()
-        if dequantized:
-            print(f"{self.path}: dequantizing {', '.join(dequantized)} weights to float (kept in blocks: not yet)",
-                  file=sys.stderr)  # fmt: skip
+        line = self.loading_line(loading)
+        if line is not None:
+            print(line, file=sys.stderr)
         total, done = len(self.tensors), 0
-        order = list(self.tensors.values())
-        for tensor in order:
-            names = published_names(tensor.name, self.args)
+        sources = [(tensor, published_names(tensor.name, self.args)) for tensor in self.tensors.values()]
+        if self.tied_output:  # as llama.cpp does: the output is the embeddings
+            sources.append((self.tensors["token_embd.weight"], ["output.weight"]))
+        for tensor, names in sources:
+            tied = names == ["output.weight"] and tensor.name == "token_embd.weight"
             wanted = [(n, select(n) if select is not None else None) for n in names]
-            if select is not None and all(s is None for _, s in wanted):
+            if select is None or any(s is not None for _, s in wanted):
+                experts = _is_experts(tensor.name) and not tied
+                if _kept(tensor, names[0], loading):
+                    blocks = _q4_0_blocks(tensor)  # (..., OUT, IN/32, 18)
+                    for j, (name, selection) in enumerate(wanted):
+                        if select is None or selection is not None:
+                            part = _selected_blocks(blocks[j] if experts else blocks, selection, name, str(self.path))
+                            yield name, _placed_int4(part, loading, f"{self.path}: tensor {tensor.name}")
+                else:
+                    value = _to_torch(tensor, str(self.path))
+                    pairs = [(n, value[j]) for j, n in enumerate(names)] if experts else [(names[0], value)]
+                    for (name, part), (_, selection) in zip(pairs, wanted):
+                        if select is None:
+                            yield name, part
+                        elif selection is not None:
+                            yield name, apply_selection(part, selection)
+            if not tied:
                 done += 1
                 if progress is not None:
                     progress(done, total)
-                continue
-            value = _to_torch(tensor, str(self.path))
-            pairs = [(n, value[j]) for j, n in enumerate(names)] if _is_experts(tensor.name) else [(names[0], value)]
-            for (name, part), (_, selection) in zip(pairs, wanted):
-                if select is None:
-                    yield name, part
-                elif selection is not None:
-                    yield name, apply_selection(part, selection)
-            done += 1
-            if progress is not None:
-                progress(done, total)
-        if self.tied_output:  # as llama.cpp does: the output is the embeddings
-            selection = select("output.weight") if select is not None else None
-            if select is None or selection is not None:
-                value = _to_torch(self.tensors["token_embd.weight"], str(self.path))
-                yield "output.weight", value if select is None else apply_selection(value, selection)
+
+
+@dataclass(frozen=True)
+class GgufLoading:
+    """How ``load_model`` places the weights, which ``GgufFile.published_tensors`` needs to keep blocks:
+    the model's dtype (the int4 scales'), its device, the tuning whose back-ends lay the weights out,
+    ``quantize`` (``--quantize``), and ``keep_blocks`` (False with a LoRA adapter: it merges into floats)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    tuning: Tuning
+    quantize: Optional[QuantScheme] = None
+    keep_blocks: bool = True
+
+
+Q4_0_SCHEME = QuantScheme("int4", 32)  # what a Q4_0 block is: 32 weights (n - 8) * d
+Q4_0_BLOCK_BYTES = 18  # the float16 d, then 16 bytes of 4-bit n
+
+
+def _keeps_blocks(kind: str, name: str, quantize: Optional[QuantScheme]) -> bool:
+    """Whether a tensor of GGML type ``kind`` under published ``name`` is kept in its blocks when
+    loading with ``quantize``: a Q4_0 matrix the package quantizes, not asked for another scheme."""
+    return kind == "Q4_0" and is_quantized_published(name) and quantize in (None, Q4_0_SCHEME)
+
+
+def _kept(tensor, name: str, loading: Optional[GgufLoading]) -> bool:
+    if loading is None or not loading.keep_blocks:
+        return False
+    return _keeps_blocks(tensor.tensor_type.name, name, loading.quantize)
+
+
+def _q4_0_blocks(tensor) -> np.ndarray:
+    """A Q4_0 tensor's bytes as ``(..., OUT, IN/32, 18)`` blocks, read where the file is mapped."""
+    data = np.asarray(tensor.data)  # (..., OUT, IN/32 * 18)
+    return data.reshape(*data.shape[:-1], -1, Q4_0_BLOCK_BYTES)
+
+
+def _selected_blocks(blocks: np.ndarray, selection, name: str, source: str) -> np.ndarray:
+    """The blocks ``(OUT, IN/32, 18)`` of a rank's share (``Selection``): rows, then whole blocks of
+    columns; a share that cuts a block is refused (ConfigError naming the tensor)."""
+    if selection is None:
+        return blocks
+    if selection.rows is not None:
+        blocks = blocks[selection.rows]
+    columns = selection.columns
+    if columns is not None:
+        start, stop = columns.start or 0, columns.stop if columns.stop is not None else blocks.shape[-2] * 32
+        if start % 32 or stop % 32 or columns.step not in (None, 1):
+            raise ConfigError(f"{source}: {name}: this rank's inputs {start}:{stop} cut Q4_0's blocks of 32; "
+                              "choose a tensor_parallel whose shares are whole blocks")  # fmt: skip
+        blocks = blocks[:, start // 32 : stop // 32]
+    return blocks
+
+
+def q4_0_as_int4(blocks: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 blocks ``(..., OUT, IN/32, 18)`` as int4 weights with groups of 32: the plain bytes
+    ``(..., OUT, IN/2)`` and the float32 scales ``(..., OUT, IN/32)``, the same numbers.
+
+    A block is its float16 scale ``d`` (2 bytes), then 16 bytes: byte ``j`` holds weight ``j`` in its
+    low nibble and weight ``j + 16`` in its high one, ``w = d * (n - 8)`` (ggml's ``block_q4_0``). The
+    package's int4 weights are ``(n - 8) * scale`` too, with byte ``k`` holding inputs ``2k`` (low)
+    and ``2k + 1`` (high): only the nibbles move. ``d`` may be negative (llama.cpp divides the
+    largest magnitude by -8, so that weight is ``n = 0``); int4's products are linear in the scale.
+
+    Example: a block ``d = 0.5`` (bytes ``00 38``), ``qs[0] = 0x9F``, ``qs[1] = 0x08``: weight 0 is
+    ``0.5 * (15 - 8) = 3.5``, weight 1 is ``0.5 * (8 - 8) = 0``, weight 16 is ``0.5 * (9 - 8) = 0.5``;
+    as int4, byte 0 is ``15 | 8 << 4 = 0x8F`` and byte 8 holds weight 16 in its low nibble."""
+    raw = torch.from_numpy(np.array(blocks))  # (..., OUT, IN/32, 18), copied out of the read-only map
+    scales = raw[..., :2].contiguous().view(torch.float16)[..., 0].to(torch.float32)  # (..., OUT, IN/32)
+    qs = raw[..., 2:]  # (..., OUT, IN/32, 16)
+    nibbles = torch.cat([qs & 15, qs >> 4], dim=-1)  # (..., OUT, IN/32, 32): weights 0..31 of each block
+    values = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # (..., OUT, IN/32, 16): inputs 2k, 2k + 1
+    return values.flatten(-2), scales
+
+
+def _placed_int4(blocks: np.ndarray, loading: GgufLoading, name: str) -> QuantizedWeight:
+    """Q4_0 blocks ``(OUT, IN/32, 18)`` as an int4 weight on ``loading``'s device, scales in its dtype,
+    in the layout of the back-end that reads it (``prepare_weight``). Scales that are NaN or inf (a
+    damaged file), or whose weights pass the dtype's range (float16), are refused by name."""
+    values, scales = q4_0_as_int4(blocks)
+    largest = float(scales.abs().max()) if scales.numel() else 0.0
+    if not np.isfinite(largest):
+        raise CheckpointError(f"{name} holds NaN or infinite Q4_0 scales: the file is damaged")
+    check_scales_fit(name, largest, Q4_0_SCHEME, loading.dtype, "load in bfloat16 or float32")
+    weight = QuantizedWeight(Q4_0_SCHEME, values.to(loading.device), scales.to(loading.device, loading.dtype),
+                             values.shape[-1] * 2)  # fmt: skip
+    return prepare_weight(weight, loading.tuning)
 
 
 _AS_STORED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -30,7 +30,7 @@ from torch import nn
 
 from mixtral_infer.checkpoint import bnb_4bit
 from mixtral_infer.checkpoint.compute_dtype import compute_dtype, stored_dtype
-from mixtral_infer.checkpoint.gguf_file import GgufFile, is_gguf
+from mixtral_infer.checkpoint.gguf_file import GgufFile, GgufLoading, is_gguf
 from mixtral_infer.checkpoint.lora import merged, open_adapter
 from mixtral_infer.checkpoint.params import args_from_params, args_to_params, checked_args
 from mixtral_infer.checkpoint.hf_format import (
@@ -92,9 +92,12 @@ _STACKED_NAME = re.compile(r"^layers\.(\d+)\.feed_forward\.(w[123])$")
 
 def default_dtype(checkpoint: "Checkpoint", device: torch.device, quantize: Optional[QuantScheme] = None) -> torch.dtype:
     """What ``load_model`` computes in without ``dtype=``: bfloat16 for quantized weights (the CPU
-    kernels' dtype), else the checkpoint's own dtype where ``device`` can compute in it (``compute_dtype``).
+    kernels' dtype; a GGUF file's Q4_0 blocks kept as int4 too), else the checkpoint's own dtype where
+    ``device`` can compute in it (``compute_dtype``).
     w8a8's product takes any float dtype: bfloat16 where ``device`` computes in it, else float32."""
     scheme = quantize or checkpoint.quantization or checkpoint.bitsandbytes
+    if scheme is None and checkpoint.gguf is not None:
+        scheme = checkpoint.gguf.kept_scheme()  # Q4_0 blocks kept as int4 weights
     if scheme is not None and scheme.activations and device.type == "cpu" and torch.bfloat16 not in cpu_info().native:
         return torch.float32
     if scheme is not None:
@@ -550,7 +553,11 @@ def load_model(
     if select is not None and stored is not None:
         select = stored_select(select, stored)  # a quantized folder's integers and scales
     tuning = tuning if tuning is not None else machine_tuning(fast)  # measured once per machine, before any weight is read
-    tensors = checkpoint.published_tensors(progress, select)
+    if checkpoint.gguf is not None:  # its Q4_0 blocks kept as int4 weights, placed as they are read (checkpoint/gguf_file.py)
+        placing = GgufLoading(dtype, device, tuning, scheme, keep_blocks=adapter is None)
+        tensors = checkpoint.gguf.published_tensors(progress, select, placing)
+    else:
+        tensors = checkpoint.published_tensors(progress, select)
     if adapter is not None:
         tensors = merged(tensors, adapter, dtype, select)
     if checkpoint.bitsandbytes is not None:

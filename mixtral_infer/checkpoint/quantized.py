@@ -49,9 +49,10 @@ def quantize_published(tensors: Tensors, scheme: QuantScheme, dtype: torch.dtype
                        tuning: Tuning = Tuning()) -> Iterator:  # fmt: skip
     """Published (name, float tensor) -> (name, QuantizedWeight) for the weights that are quantized,
     in the layout of the back-end that reads them under ``tuning`` (``prepare_weight``), scales in
-    ``dtype``; other tensors pass unchanged."""
+    ``dtype``; other tensors, and weights that come quantized already (a GGUF file's Q4_0 blocks kept
+    as int4 when asked for int4), pass unchanged."""
     for name, tensor in tensors:
-        if is_quantized_published(name):
+        if is_quantized_published(name) and not isinstance(tensor, QuantizedWeight):
             weight = prepare_weight(quantize_tensor(tensor, scheme, dtype, device, name), tuning)
             del tensor
             release_freed_memory()
