@@ -29,15 +29,17 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 
 from mixtral_infer.checkpoint.hf_format import hf_name_to_published, hf_rows_to_published
 from mixtral_infer.checkpoint.safetensors_reader import Selector, apply_selection, iter_tensors, read_header
 from mixtral_infer.checkpoint.shares import Selection
 from mixtral_infer.checkpoint.weight_shapes import published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.formats.adapters import attach_adapters
 from mixtral_infer.json_file import read_object
 from mixtral_infer.model.transformer import ModelArgs
 
@@ -314,3 +316,46 @@ def merged(tensors: NamedTensors, adapter: Adapter, dtype: Optional[torch.dtype]
             out = tensor.dtype if dtype is None else torch.promote_types(tensor.dtype, dtype)
             tensor = (tensor.float() + delta.to(tensor.device)).to(out)
         yield name, tensor
+
+
+# Projections an adapter kept apart may update: attention's and a dense feed-forward's (formats.adapters).
+_SERVED_TARGET = re.compile(r"^layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$")
+
+
+def parse_named_adapters(spec: object) -> List[Tuple[str, str]]:
+    """``"NAME=PATH,NAME=PATH"`` (``serve --lora``) as (name, path) pairs; ConfigError for a missing name or
+    path, or a name given twice. ``parse_named_adapters("sql=/a, chat=/b") == [("sql", "/a"), ("chat", "/b")]``."""
+    pairs: List[Tuple[str, str]] = []
+    items = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
+    for item in items:
+        name, sep, path = str(item).strip().partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora {item!r}: give NAME=PATH (several: NAME=PATH,NAME=PATH)")
+        if any(name == known for known, _ in pairs):
+            raise ConfigError(f"--lora: the adapter name {name!r} is given twice")
+        pairs.append((name, path))
+    return pairs
+
+
+def open_served(path: str | Path, args: ModelArgs, lora_scale: float = 1.0) -> Adapter:
+    """``open_adapter``, and the checks of an adapter kept apart (served beside others, ``formats.adapters``):
+    its targets are attention's and a dense feed-forward's projections (a merged adapter may target more)."""
+    adapter = open_adapter(path, args, lora_scale)
+    if adapter.replaced:
+        raise CheckpointError(f"{adapter.path}: replaces whole weights ({', '.join(sorted(adapter.replaced))}): "
+                              "load it merged (--lora PATH without a name)")  # fmt: skip
+    for name, update in adapter.updates.items():
+        if not _SERVED_TARGET.match(name):
+            raise CheckpointError(f"{adapter.path}: tensor {update.a_name} updates {name}; adapters served apart update "
+                                  "attention's and a dense feed-forward's projections only: load it merged (--lora PATH)")  # fmt: skip
+    return adapter
+
+
+def attach_served(model: nn.Module, named: Sequence[Tuple[str, str | Path]], lora_scale: float = 1.0) -> List[str]:
+    """Keep each adapter of ``named`` ((name, path) pairs) apart beside ``model``'s weights
+    (``formats.adapters.attach_adapters``): every one checked first, then read. Request i + 1 of the
+    engine runs ``named[i]``. The names."""
+    adapters = [open_served(path, model.args, lora_scale) for _, path in named]
+    attach_adapters(model, [name for name, _ in named], [adapter.factors() for adapter in adapters])
+    return [name for name, _ in named]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixtral_infer.fast.batched_attention import batched_attention
+from mixtral_infer.formats.adapters import unadapted, with_update
 from mixtral_infer.fast.cache_gather import gathered_kv
 from mixtral_infer.fast.cuda_attention import cuda_attention
 from mixtral_infer.kernels.linear import LinearBackend, backend_for, prepare_model, put_weight
@@ -38,9 +39,12 @@ class FastAttention(Attention):
     """``wq wk wv`` in one product where they are joined side by side; CUDA's attention kernels."""
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not type(self.wq) is type(self.wk) is type(self.wv):  # one replaced since: each by its own back-end
+        projections = (self.wq, self.wk, self.wv)
+        wq, wk, wv = (unadapted(p) for p in projections)  # adapters kept apart: the base product, then theirs
+        if not type(wq) is type(wk) is type(wv):  # one replaced since: each by its own back-end
             return self.wq(x), self.wk(x), self.wv(x)
-        xq, xk, xv = type(self.wq).products(x, (self.wq.weight, self.wk.weight, self.wv.weight), self.tuning)
+        products = type(wq).products(x, (wq.weight, wk.weight, wv.weight), self.tuning)
+        xq, xk, xv = (with_update(p, x, out) for p, out in zip(projections, products))
         return xq, xk, xv
 
     def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias) -> torch.Tensor:
@@ -54,8 +58,10 @@ class FastFeedForward(FeedForward):
     """``w1 w3`` in one product where they are joined side by side."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.w1) is type(self.w3):
-            gate, up = type(self.w1).products(x, (self.w1.weight, self.w3.weight), self.tuning)  # (T, I) each
+        w1, w3 = unadapted(self.w1), unadapted(self.w3)  # adapters kept apart: the base product, then theirs
+        if type(w1) is type(w3):
+            gate, up = type(w1).products(x, (w1.weight, w3.weight), self.tuning)  # (T, I) each
+            gate, up = with_update(self.w1, x, gate), with_update(self.w3, x, up)
         else:  # one replaced since: each by its own back-end
             gate, up = self.w1(x), self.w3(x)
         return self.parallel.all_reduce(self.w2(F.silu(gate) * up))

@@ -56,9 +56,10 @@ from mixtral_infer.errors import GenerationError, as_int
 from mixtral_infer.model.cache import RotatingBufferCache, SlackSlots, layer_cache_sizes
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.sampling import Generators, Sampling, token_distribution, token_logprobs
-from mixtral_infer.steps.compiler import VERIFY, StepCompiler
+from mixtral_infer.formats.modules import tuning_of
+from mixtral_infer.steps.compiler import ADAPTED, VERIFY, StepCompiler
 from mixtral_infer.steps.decode_loop import DecodeSettings
-from mixtral_infer.steps.mixed_step import pack_chunk, verify_logits
+from mixtral_infer.steps.mixed_step import pack_chunk
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # k, the most guesses a row checks per step
 DEFAULT_NGRAM = 3  # prompt lookup matches the last 3 tokens, then 2, then 1
@@ -461,23 +462,26 @@ Piece = Tuple[int, int, List[int]]  # (row, tokens it has seen, the tokens it fe
 
 def static_verify(
     model: Transformer, cache: RotatingBufferCache, pieces: List[Piece], k: int,
-    compiler: Optional[StepCompiler] = None, grouped_moe: bool = True,
+    compiler: Optional[StepCompiler] = None, grouped_moe: bool = True, row_adapters: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The verify pass in fixed shapes (``steps.mixed_step.verify_logits``): one segment per row of
     the cache, a line of k + 1 places each (``pack_chunk``'s ``line``), so the step's shapes depend on
     the cache and k only. Built by ``compiler`` (``VERIFY``: torch.compile, a CUDA graph on CUDA) or
-    run op by op (None). Counts the pieces' tokens as seen; the logits after each ``(T, V)``."""
+    run op by op (None). ``row_adapters``: each row's adapter kept apart ``(R,)`` (``formats.adapters``;
+    None: none). Counts the pieces' tokens as seen; the logits after each ``(T, V)``."""
     rows, device = cache.max_batch_size, cache.device
     chunk = pack_chunk(pieces, rows * (k + 1), rows, device, line=k + 1)
     seen = cache.tokens_seen + [0] * (rows - len(cache.tokens_seen))
     positions = torch.tensor(seen, dtype=torch.long, device=device)  # (R,)
+    kind, adapters = (VERIFY, []) if row_adapters is None else (ADAPTED[VERIFY], [row_adapters])
     if compiler is not None:
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        step = compiler.step(VERIFY, cache, (grouped_moe,), shape=(rows, k + 1))
-        out = step(cache.layer_keys, cache.layer_values, positions, chunk)
+        step = compiler.step(kind, cache, (grouped_moe,), shape=(rows, k + 1))
+        out = step(cache.layer_keys, cache.layer_values, positions, chunk, *adapters)
     else:
-        out = verify_logits(model, cache.layer_keys, cache.layer_values, positions, chunk, grouped_moe)
+        step = kind.make(model, tuning_of(model), grouped_moe)
+        out = step(cache.layer_keys, cache.layer_values, positions, chunk, *adapters)
     for row, _, tokens in pieces:
         cache.tokens_seen[row] += len(tokens)
     return out[: sum(len(tokens) for _, _, tokens in pieces)]  # (T, V): the pieces' tokens come first

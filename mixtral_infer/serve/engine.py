@@ -44,7 +44,8 @@ import torch
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.formats.modules import tuning_of
-from mixtral_infer.steps.compiler import DECODE_LOGITS, MIXED, StepCompiler, one_line
+from mixtral_infer.formats.adapters import selected
+from mixtral_infer.steps.compiler import ADAPTED, DECODE_LOGITS, MIXED, StepCompiler, one_line
 from mixtral_infer.steps.decode_loop import GUARDED_STEPS, guards_checked
 from mixtral_infer.steps.decode_step import finite_rows, supports_static_decode
 from mixtral_infer.steps.mixed_step import pack_chunk
@@ -109,6 +110,7 @@ class RequestSettings(SamplingParams):
     leading_space: bool = True  # a completion's text keeps the space before its first word
     constraint: Optional[Constraint] = None  # what the text must be (structured.grammar), as compiled
     speculative: bool = True  # checks guesses where the engine speculates (False: one token a step)
+    adapter: int = 0  # the model's adapter kept apart this request runs with (formats.adapters): 0 none, i the i-th
 
 
 @dataclass
@@ -260,6 +262,9 @@ class Engine:
         self.slots: List[Optional[Request]] = [None] * rows
         self.prefix_reuse = prefix_reuse
         self.row_states = [RowState() for _ in range(rows)]  # the ids each row holds (prefix_reuse)
+        # Adapters kept apart (formats.adapters): each row's request's, every pass given its tokens' from these.
+        self.adapters: List[str] = list(model.adapters.names) if getattr(model, "adapters", None) is not None else []
+        self.row_adapter = [0] * rows
         # Positions each row's windowed layers pushed out last, kept so a wrapped row can step back
         # (prefix_reuse, "Cutting a row back"): a regenerated answer, an edited last message.
         # Speculative decoding (draft: "ngram", a draft model or a proposer): rows step back over rejected
@@ -334,6 +339,8 @@ class Engine:
         ``follows``: an earlier request with the same prompt (another choice of it, as OpenAI's ``n``):
         this one takes a copy of its row once it has read the prompt."""
         check_request(prompt, settings, self._vocab, self.max_model_len)
+        if not 0 <= settings.adapter <= len(self.adapters):
+            raise GenerationError(f"adapter={settings.adapter}: this engine's model has {len(self.adapters)} adapters kept apart")
         if follows is not None and follows.prompt != list(prompt):
             raise GenerationError("a request follows another only with the same prompt")
         request = Request(next(self.ids), list(prompt), settings, sink, time.perf_counter(), follows=follows)
@@ -498,7 +505,16 @@ class Engine:
         tokens = [t for row, chunk in enumerate(chunks) if seqlens[row] for t in chunk]
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)  # (T,)
         ends = list(itertools.accumulate(seqlens))  # each row's end in the flat batch
-        return self.model(input_ids, seqlens, self.cache, logit_rows=[ends[r.row] - 1 for r in sampled])  # (N, V)
+        with selected(self.model, self._token_adapters(seqlens)):
+            return self.model(input_ids, seqlens, self.cache, logit_rows=[ends[r.row] - 1 for r in sampled])  # (N, V)
+
+    def _token_adapters(self, seqlens: List[int]) -> Optional[torch.Tensor]:
+        """The adapter of each token of a flat pass (``seqlens[row]`` tokens of each row, in row order),
+        ``(T,)``; None without adapters."""
+        if not self.adapters:
+            return None
+        rows = torch.tensor(self.row_adapter, dtype=torch.long)
+        return rows.repeat_interleave(torch.tensor(seqlens, dtype=torch.long)).to(self.model.device)  # (T,)
 
     def _reads_prompts_eagerly(self) -> bool:
         """Whether steps that read long prompt chunks run ``Transformer.forward`` (``_forward``), which
@@ -553,7 +569,7 @@ class Engine:
         if not self.prefix_reuse:
             return False
         for running in self.running:
-            if running.next_token is None:  # still reading its prompt
+            if running.next_token is None and running.settings.adapter == request.settings.adapter:  # still reading its prompt
                 share = min(common_prefix(running.prompt, request.prompt), len(request.prompt) - 1)
                 if share >= MIN_REUSED_TOKENS and running.fed < share:
                     pause = running.pause_at
@@ -568,7 +584,7 @@ class Engine:
             if self.prefix_reuse:
                 self._read_generated_answer(request)
                 busy = {row for row, holder in enumerate(self.slots) if holder is not None}
-                placement = place(request.prompt, self.row_states, busy, self.cache.kinds, self.slack.saved)
+                placement = place(request.prompt, self.row_states, busy, self.cache.kinds, self.slack.saved, request.settings.adapter)
             else:
                 placement = Placement(self.slots.index(None), 0)
         row, reused = placement.row, placement.reused
@@ -581,6 +597,7 @@ class Engine:
             self.slack.cut_back(row, reused)  # the window before `reused` back in its slots, from the slack
             del state.ids[reused:]  # the row's slots past `reused` count as empty: nothing in them is visible
         state.last_used = next(self.uses)
+        state.adapter = self.row_adapter[row] = request.settings.adapter  # what the row's keys and values are computed with
         request.fed = request.reused = reused
         self.last_admission = self.steps
         request.row = row
@@ -707,10 +724,12 @@ class Engine:
         if self._verifies_static():
             pieces = [(row, seen[row], fed[row]) for row in rows]
             compiler = self.compiler if self.compile_prompts else None
-            out = static_verify(self.model, self.cache, pieces, speculation.tokens, compiler, grouped_moe=compiler is None)
+            out = static_verify(self.model, self.cache, pieces, speculation.tokens, compiler, grouped_moe=compiler is None,
+                                row_adapters=self._row_adapters())  # fmt: skip
         else:
             input_ids = torch.tensor([t for row in rows for t in fed[row]], dtype=torch.long, device=device)  # (T,)
-            out = self.model(input_ids, seqlens, self.cache)  # (T, V) after every fed token
+            with selected(self.model, self._token_adapters(seqlens)):
+                out = self.model(input_ids, seqlens, self.cache)  # (T, V) after every fed token
         for row in rows:
             self.row_states[row].ids.extend(fed[row])
         starts = dict(zip(rows, itertools.accumulate([seqlens[row] for row in rows], initial=0)))
@@ -815,11 +834,12 @@ class Engine:
         self._step_calls[key] += 1
         cache = self.cache
         inputs = [cache.layer_keys, cache.layer_values, tokens.to(device), positions.to(device), alive.to(device)]
+        adapters = [] if not self.adapters else [self._row_adapters()]  # the last input of an adapted step
         # Every call passes the same cache tensors and fresh inputs of the same shapes and dtypes:
         # after the first calls, dynamo's per-weight guards would pass (as in generate's decode loop).
         with guards_checked(not compiled or self._step_calls[key] <= GUARDED_STEPS):
             try:
-                return step(*inputs, *([chunk] if chunk is not None else []))
+                return step(*inputs, *([chunk] if chunk is not None else []), *adapters)
             except Exception as error:  # a first call builds (steps.compiler): it fails before the step writes anything
                 if not (compiled and self._step_calls[key] == 1 and self.may_fall_back):
                     raise
@@ -894,10 +914,15 @@ class Engine:
         if self.speculation is not None and self._verifies_static():  # the verify step, its one token at row 0's slot 0
             seen = self.cache.tokens_seen[0]
             self.cache.tokens_seen[0] = 0
-            static_verify(self.model, self.cache, [(0, 0, [0])], self.speculation.tokens, self.compiler, grouped_moe=False)
+            static_verify(self.model, self.cache, [(0, 0, [0])], self.speculation.tokens, self.compiler, grouped_moe=False,
+                          row_adapters=self._row_adapters())  # fmt: skip
             self.cache.tokens_seen[0] = seen
         for buffer, slot in zip(buffers, held):
             buffer[0, 0] = slot
+
+    def _row_adapters(self) -> Optional[torch.Tensor]:
+        """Each row's adapter ``(R,)`` on the device (0: none), the adapted steps' last input; None without adapters."""
+        return torch.tensor(self.row_adapter, dtype=torch.long, device=self.model.device) if self.adapters else None
 
     def _compiles(self, mixed: bool) -> bool:
         """Whether the decode step (or, ``mixed``, the step that reads prompts) runs compiled."""
@@ -912,6 +937,7 @@ class Engine:
         # (mode eager), and for the steps that read prompts unless they compile.
         grouped_moe = self.mode == "eager" or (mixed and not compiled)
         kind = MIXED if mixed else DECODE_LOGITS
+        kind = ADAPTED[kind] if self.adapters else kind
         if not compiled:
             return kind.make(self.model, self.tuning, grouped_moe)
         if not supports_static_decode(self.model):  # pragma: no cover - decode_mode refuses it first

@@ -110,6 +110,7 @@ class RowState:
 
     ids: List[int] = field(default_factory=list)
     last_used: int = 0
+    adapter: int = 0  # the adapter kept apart its keys and values were computed with (0: none): shared only with its requests
     answers: List[Answer] = field(default_factory=list)
 
 
@@ -159,15 +160,19 @@ def place(
     busy: Collection[int],
     kinds: Sequence[BufferKind],
     saved: Optional[Sequence[Sequence[int]]] = None,
+    adapter: int = 0,
 ) -> Optional[Placement]:
     """Where ``prompt`` goes among ``rows``, those in ``busy`` held by running requests (module
     docstring, "Placement"); None when no row is free. ``saved``: per row, the positions each kind
-    of layer keeps beside its slots (``SlackSlots.saved``), none if not given."""
+    of layer keeps beside its slots (``SlackSlots.saved``), none if not given. ``adapter``: the
+    request's adapter kept apart; only rows computed with it are reused (their keys and values are its)."""
     free = [r for r in range(len(rows)) if r not in busy]
     if not free:
         return None
     best, source, best_key = 0, None, None
     for r, state in enumerate(rows):
+        if state.adapter != adapter:
+            continue
         n = reusable_length(state.ids, prompt, kinds, None if saved is None else saved[r])
         key = (n, r not in busy, state.last_used)  # the longest; then a free row (no copy); then the most recent
         if n > 0 and (best_key is None or key > best_key):

@@ -54,7 +54,7 @@ from mixtral_infer.model.cache import RotatingBufferCache, layer_cache_sizes
 from mixtral_infer.model.transformer import Transformer
 from mixtral_infer.steps.cpu_aot_step import CPU_INDUCTOR_OPTIONS, AotStep, builds_ahead_of_time
 from mixtral_infer.steps.decode_step import decode_logits, make_decode_step
-from mixtral_infer.steps.mixed_step import mixed_logits, verify_logits
+from mixtral_infer.steps.mixed_step import chunk_rows, mixed_logits, verify_logits
 from mixtral_infer.tuning import Tuning
 
 
@@ -98,6 +98,36 @@ DECODE = StepKind("decode", _decode, ahead_of_time=True)  # options: greedy, fil
 DECODE_LOGITS = StepKind("decode logits", _decode_logits, ahead_of_time=True)  # options: grouped_moe
 MIXED = StepKind("mixed", _mixed, ahead_of_time=False)  # options: grouped_moe; the chunk is a dataclass
 VERIFY = StepKind("verify", _verify, ahead_of_time=False)  # options: grouped_moe; k + 1 tokens a row, every one's logits
+
+
+def _with_adapters(kind: StepKind, token_adapters: Callable[..., torch.Tensor]) -> StepKind:
+    """``kind``'s step with one input more, last: each cache row's adapter ``(R,)`` long (0: none), for a
+    model whose adapters are kept apart (``formats.adapters``). ``token_adapters(row_adapters, *inputs)``
+    gives each token of the pass its row's, in the order the step lays its tokens out. Built by
+    torch.compile (AOTInductor would keep the selection a constant)."""
+
+    def make(model: Transformer, tuning: Tuning, *options):
+        step = kind.make(model, tuning, *options)
+
+        def adapted_step(*inputs):
+            *inputs, row_adapters = inputs
+            model.adapters.ids = token_adapters(row_adapters, *inputs)  # (N,): what every AdaptedLinear reads
+            out = step(*inputs)
+            model.adapters.ids = None
+            return out
+
+        return adapted_step
+
+    return StepKind(kind.name + ", adapters", make, ahead_of_time=False)
+
+
+# The tokens of each step, in its order: the rows' (R, in the verify step none alive); then the chunk's
+# (C), each its segment's row.
+ADAPTED = {
+    DECODE_LOGITS: _with_adapters(DECODE_LOGITS, lambda rows, k, v, tokens, positions, alive: rows),
+    MIXED: _with_adapters(MIXED, lambda rows, k, v, tokens, positions, alive, chunk: torch.cat([rows, rows[chunk_rows(chunk)]])),
+    VERIFY: _with_adapters(VERIFY, lambda rows, k, v, positions, chunk: torch.cat([rows, rows[chunk_rows(chunk)]])),
+}
 
 
 class StepCompiler:

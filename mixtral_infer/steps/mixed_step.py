@@ -146,6 +146,11 @@ def pack_chunk(
     )
 
 
+def chunk_rows(chunk: PromptChunk) -> torch.Tensor:
+    """Each chunk token's cache row ``(C,)`` (a padding token: its segment's, row 0 for a padding segment)."""
+    return chunk.rows[chunk.segment]
+
+
 def cached_positions(starts: torch.Tensor, n_slots: int) -> torch.Tensor:
     """The position each slot of a row holds ``(K, S)`` after the row has seen ``starts`` tokens;
     negative where the slot was never written. ``starts`` [6, 0, 2], S = 4:
