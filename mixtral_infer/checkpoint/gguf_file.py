@@ -447,12 +447,15 @@ def q4_0_as_int4(blocks: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
     Example: a block ``d = 0.5`` (bytes ``00 38``), ``qs[0] = 0x9F``, ``qs[1] = 0x08``: weight 0 is
     ``0.5 * (15 - 8) = 3.5``, weight 1 is ``0.5 * (8 - 8) = 0``, weight 16 is ``0.5 * (9 - 8) = 0.5``;
     as int4, byte 0 is ``15 | 8 << 4 = 0x8F`` and byte 8 holds weight 16 in its low nibble."""
-    raw = torch.from_numpy(np.array(blocks))  # (..., OUT, IN/32, 18), copied out of the read-only map
-    scales = raw[..., :2].contiguous().view(torch.float16)[..., 0].to(torch.float32)  # (..., OUT, IN/32)
-    qs = raw[..., 2:]  # (..., OUT, IN/32, 16)
-    nibbles = torch.cat([qs & 15, qs >> 4], dim=-1)  # (..., OUT, IN/32, 32): weights 0..31 of each block
-    values = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # (..., OUT, IN/32, 16): inputs 2k, 2k + 1
-    return values.flatten(-2), scales
+    blocks = np.asarray(blocks)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (..., OUT, IN/32)
+    # Byte k < 8 of the int4 block pairs weights 2k, 2k + 1: the low nibbles of qs[2k], qs[2k + 1];
+    # byte 8 + k pairs weights 16 + 2k, 17 + 2k: their high nibbles.
+    even, odd = blocks[..., 2::2], blocks[..., 3::2]  # (..., OUT, IN/32, 8): qs[2k], qs[2k + 1]
+    values = np.empty((*blocks.shape[:-1], 16), dtype=np.uint8)  # (..., OUT, IN/32, 16)
+    np.bitwise_or(even & 15, odd << 4, out=values[..., :8])
+    np.bitwise_or(even >> 4, odd & 0xF0, out=values[..., 8:])
+    return torch.from_numpy(values.reshape(*blocks.shape[:-2], -1)), torch.from_numpy(scales)
 
 
 def _placed_int4(blocks: np.ndarray, loading: GgufLoading, name: str) -> QuantizedWeight:
