@@ -4,7 +4,13 @@ gets alone; prefix reuse never hands one adapter's keys to another's request."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +24,7 @@ from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-4
 TEXTS = ["In the beginning God created the heaven and the earth.", "And it came to pass", "The quick brown fox jumps"]
 
@@ -179,3 +186,41 @@ def test_refusals(served, adapters, tmp_path):
         attach_served(mixtral, [("expert", expert)])
     with pytest.raises(ValueError, match="already has adapters"):
         attach_served(model, adapters[:1])
+
+
+def test_serve_lora_name_path_end_to_end(served, adapters):
+    """``main.py serve --lora sql=PATH,chat=PATH``: /v1/models lists both beside the model; a request
+    naming one gets its adapter's text, one naming another model a 404 that lists the served names."""
+    model, merged, tokenizer = served
+    spec = ",".join(f"{name}={path}" for name, path in adapters[:2])
+    command = [sys.executable, "main.py", "serve", "tiny-mistral", "--port", "0", "--max-rows", "2", "--decode", "static", "--lora", spec]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        log = "".join(lines)
+        found = re.search(r"http://127\.0\.0\.1:(\d+)", log)
+        assert found and "kept apart: LoRA adapters sql, chat" in log, log
+
+        def call(method, path, body=None):
+            connection = http.client.HTTPConnection("127.0.0.1", int(found.group(1)), timeout=60)
+            connection.request(method, path, body=None if body is None else json.dumps(body), headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+
+        status, listed = call("GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in listed["data"]] == ["tiny-mistral", "sql", "chat"]
+        assert listed["data"][1]["parent"] == "tiny-mistral"
+        prompt = tokenizer.encode(TEXTS[1])
+        for index, name in ((0, "tiny-mistral"), (1, "sql"), (2, "chat")):
+            status, body = call("POST", "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert status == 200 and body["model"] == name
+            assert body["choices"][0]["text"].lstrip() == tokenizer.decode(alone(merged[index], tokenizer, prompt, 8)[0])  # a completion keeps its first space
+        status, body = call("POST", "/v1/completions", {"model": "code", "prompt": prompt, "max_tokens": 2})
+        assert status == 404 and "tiny-mistral, sql, chat" in body["error"]["message"]
+    finally:
+        process.kill()
+        process.wait()

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from mixtral_infer.devices import DTYPE_NAMES
 from mixtral_infer.errors import GenerationError, MixtralInferError
@@ -84,20 +84,27 @@ def check_quantize(quantize: Optional[str]) -> None:
         raise type(error)(cli_spelling(str(error))) from None
 
 
-def check_lora(lora: Optional[str], lora_scale: object) -> None:
-    """``--lora``'s adapter exists and is of a format read here, ``--lora-scale`` is a number: said before any weight is read."""
+def check_lora(lora: Optional[str], lora_scale: object, named: bool = False) -> List[Tuple[str, str]]:
+    """``--lora``'s adapter exists and is of a format read here, ``--lora-scale`` is a number: said before any weight is read.
+    ``named`` (``serve``): ``--lora NAME=PATH,...`` names adapters kept apart, served at once: their (name, path)
+    pairs; ``[]`` for one adapter to merge, or none."""
     if lora is None:
         if lora_scale != 1.0:
             raise UsageError(f"--lora-scale {lora_scale!r} scales an adapter: give it with --lora PATH")
-        return
+        return []
+    if isinstance(lora, (list, tuple)) and named:
+        lora = ",".join(map(str, lora))  # fire reads --lora a=x,b=y as one string, --lora [a=x,b=y] as a list
     if not isinstance(lora, str) or not lora:
         raise UsageError(f"--lora {lora!r}: give an adapter's folder or .safetensors file")
-    from mixtral_infer.checkpoint.lora import check_adapter_path
+    from mixtral_infer.checkpoint.lora import check_adapter_path, parse_named_adapters
 
     try:
-        check_adapter_path(lora, lora_scale)
+        pairs = parse_named_adapters(lora) if named and "=" in lora else []
+        for path in [path for _, path in pairs] or [lora]:
+            check_adapter_path(path, lora_scale)
     except MixtralInferError as error:
         raise type(error)(cli_spelling(str(error))) from None
+    return pairs
 
 
 def cli_spelling(message: str) -> str:
@@ -293,8 +300,10 @@ def load(
     decode: str = "auto",
     lora: Optional[str] = None,
     lora_scale: float = 1.0,
+    served_adapters: Sequence[Tuple[str, str]] = (),
 ):
     """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given.
+    ``served_adapters``: (name, path) of LoRA adapters kept apart beside the weights (``serve --lora NAME=PATH``).
 
     Before any weight is read: the tokenizer must be there, and a model without a
     sliding window must have room for a cache of ``max_tokens`` new tokens. With
@@ -332,6 +341,13 @@ def load(
         lora=lora,
         lora_scale=float(lora_scale),
     )
+    if served_adapters:
+        from mixtral_infer.checkpoint.lora import attach_served
+        from mixtral_infer.formats.adapters import adapter_bytes
+
+        attach_served(model, served_adapters, float(lora_scale))
+        print(f"kept apart: LoRA adapters {', '.join(name for name, _ in served_adapters)} "
+              f"({adapter_bytes(model) / 2**20:.1f} MiB beside the weights)", file=sys.stderr)  # fmt: skip
     if torch_device.type == "cpu":
         from mixtral_infer.memory import keep_freed_memory
 
@@ -817,12 +833,12 @@ def serve(
         draft_model: speculative decoding with this smaller model of the same tokenizer, loaded beside the model: at steps where every row decodes it guesses tokens ahead and the model checks them in one pass, where that gives more tokens a second (measured as the server runs, per batch size); the same text as without. A request turns it off with "speculative": false.
         speculative_ngram: speculative decoding by prompt lookup (no second model): guesses are what followed the last tokens earlier in the request's text.
         speculative_tokens: guesses checked per step at most, 1 to 64 (default 4); each row keeps that many positions more (counted in its memory), to step back over rejected guesses.
-        lora: a LoRA adapter merged into the weights as they load: one adapter for the whole server (several adapters served unmerged, chosen per request, are not done yet).
-        lora_scale: multiplies the adapter's own scale (default 1.0, as trained).
+        lora: PATH: a LoRA adapter merged into the weights as they load, for every request; NAME=PATH[,NAME=PATH...]: adapters kept apart beside the weights, served at once: a request names one as its "model" (/v1/models lists them), and rows of different adapters decode in one batch.
+        lora_scale: multiplies the adapters' own scale (default 1.0, as trained).
     """
     check_decode(decode)
     check_quantize(quantize)
-    check_lora(lora, lora_scale)
+    named = check_lora(lora, lora_scale, named=True)
     from mixtral_infer.serve.options import check_serve_options
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every, reuse_slack)
@@ -834,10 +850,13 @@ def serve(
 
     folder = model_folder(model_path)
     checkpoint = open_checkpoint(folder)  # the configuration and file headers: a bad folder is said before the engine starts
-    if lora is not None:  # the adapter's names and shapes against the model's, before the engine starts
-        from mixtral_infer.checkpoint.lora import open_adapter
+    if lora is not None:  # the adapters' names and shapes against the model's, before the engine starts
+        from mixtral_infer.checkpoint.lora import open_adapter, open_served
 
-        open_adapter(lora, checkpoint.args, float(lora_scale))
+        for _, path in named:
+            open_served(path, checkpoint.args, float(lora_scale))
+        if not named:
+            open_adapter(lora, checkpoint.args, float(lora_scale))
     if max_model_len is None and checkpoint.args.full_attention:
         what = "no sliding window" if checkpoint.args.sliding_window is None else "full-attention layers"
         raise GenerationError(f"this model has {what}: give --max-model-len (tokens per sequence) to size its rows")
@@ -846,8 +865,12 @@ def serve(
     tokenizer = Tokenizer.from_folder(folder)  # this process turns requests into tokens; the engine's loads the model
     given = str(model_path) if model_path is not None else DEFAULT_MODEL_NAME
     name = served_model_name or (given if is_hub_name(given) and not Path(given).exists() else resolve_model_folder(given).name)
+    if any(adapter == str(name) for adapter, _ in named):
+        raise UsageError(f"--lora: the adapter name {name!r} is the model's own (--served-model-name): name it otherwise")
     run_server(
-        functools.partial(load, model_path, 1, device, dtype, quantize=quantize, lora=lora, lora_scale=lora_scale), tokenizer, model_name=str(name), host=str(host),
+        functools.partial(load, model_path, 1, device, dtype, quantize=quantize, lora=None if named else lora, lora_scale=lora_scale,
+                          served_adapters=named),
+        tokenizer, model_name=str(name), adapters=[adapter for adapter, _ in named], host=str(host),
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
         prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=None if admit_every is None else int(admit_every),
         shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus), prefix_reuse=not no_prefix_reuse,

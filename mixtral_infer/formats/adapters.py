@@ -155,3 +155,8 @@ class selected:
     def __exit__(self, *exc) -> None:
         if self.selection is not None:
             self.selection.ids = None
+
+
+def adapter_bytes(model: nn.Module) -> int:
+    """The bytes the adapters kept apart hold beside ``model``'s weights (their stacked factors)."""
+    return sum(t.numel() * t.element_size() for module in adapted_modules(model) for t in (module.a, module.b))

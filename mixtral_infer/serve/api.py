@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -55,10 +55,13 @@ ENDPOINTS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /h
 
 
 def make_app(
-    engine: "Engine | EngineProcess", tokenizer: Tokenizer, model_name: str, metrics: ServeMetrics, on_ready=None
+    engine: "Engine | EngineProcess", tokenizer: Tokenizer, model_name: str, metrics: ServeMetrics, on_ready=None,
+    adapters: Sequence[str] = (),
 ) -> FastAPI:
     """The app over a built engine (in this process, or an ``EngineProcess``), which starts and
-    stops with the app."""
+    stops with the app. ``adapters``: the names of the model's adapters kept apart, in the engine's
+    order; a request names one as its ``model`` (``protocol._check_model``)."""
+    served = [model_name, *adapters]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -102,13 +105,13 @@ def make_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        parsed = parse_completion(read_body(await request.body()), tokenizer, model_name)
-        return await respond(request, parsed, CompletionFormat(model_name, tokenizer))
+        parsed = parse_completion(read_body(await request.body()), tokenizer, served)
+        return await respond(request, parsed, CompletionFormat(served[parsed.settings.adapter], tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        parsed = parse_chat(read_body(await request.body()), tokenizer, model_name, default_max_tokens)
-        return await respond(request, parsed, ChatFormat(model_name, tokenizer))
+        parsed = parse_chat(read_body(await request.body()), tokenizer, served, default_max_tokens)
+        return await respond(request, parsed, ChatFormat(served[parsed.settings.adapter], tokenizer))
 
     pumps: Dict[int, EventPump] = {}
 
@@ -235,7 +238,8 @@ def make_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "mixtral_infer"}]}
+        model = {"id": model_name, "object": "model", "created": created, "owned_by": "mixtral_infer"}
+        return {"object": "list", "data": [model] + [{**model, "id": name, "parent": model_name} for name in adapters]}
 
     @app.get("/health")
     async def health():

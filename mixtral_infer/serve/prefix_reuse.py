@@ -110,8 +110,8 @@ class RowState:
 
     ids: List[int] = field(default_factory=list)
     last_used: int = 0
-    adapter: int = 0  # the adapter kept apart its keys and values were computed with (0: none): shared only with its requests
     answers: List[Answer] = field(default_factory=list)
+    adapter: int = 0  # the adapter kept apart its keys and values were computed with (0: none): shared only with its requests
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mixtral_infer.errors import GenerationError
 from mixtral_infer.generation.sampling_params import SEED_LIMIT, effective_temperature
@@ -146,10 +146,17 @@ def check_fields(given: Dict[str, Any], known: frozenset, where: str = "") -> No
     raise BadRequest("; ".join(said), where + str(unknown[0]), code="unknown_parameter")
 
 
-def _check_model(body: Dict[str, Any], served: str) -> None:
+def _check_model(body: Dict[str, Any], served: str | Sequence[str]) -> int:
+    """The served model ``body`` names: 0 for the model itself (or no name), i for ``served[i]``, its i-th
+    adapter kept apart (``serve --lora NAME=PATH``); a 404 for another name."""
+    names = [served] if isinstance(served, str) else list(served)
     model = body.get("model")
-    if model is not None and model != served:
-        raise BadRequest(f"the model {model!r} does not exist: this server serves {served!r}", "model", 404, "model_not_found")
+    if model is None:
+        return 0
+    if model not in names:
+        listed = names[0] if len(names) == 1 else ", ".join(names)
+        raise BadRequest(f"the model {model!r} does not exist: this server serves {listed!r}", "model", 404, "model_not_found")
+    return names.index(model)
 
 
 def _check_unsupported(body: Dict[str, Any]) -> None:
@@ -297,10 +304,11 @@ def _prompt_ids(prompt: Any, tokenizer: Tokenizer, where: str) -> List[int]:
     raise BadRequest(f"{where} must be a string or a non-empty list of token ids", "prompt")
 
 
-def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) -> ParsedRequest:
-    """``/v1/completions``: the prompt is a string or token ids, or a list of them (one answer each)."""
+def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str | Sequence[str]) -> ParsedRequest:
+    """``/v1/completions``: the prompt is a string or token ids, or a list of them (one answer each).
+    ``served``: the model's name, then its adapters' (``_check_model``)."""
     check_fields(body, COMPLETION_FIELDS)
-    _check_model(body, served)
+    adapter = _check_model(body, served)
     _check_unsupported(body)
     for name in ("tools", "tool_choice"):
         if body.get(name) not in (None, [], "none"):
@@ -320,6 +328,7 @@ def parse_completion(body: Dict[str, Any], tokenizer: Tokenizer, served: str) ->
     stream, include_usage = _stream_options(body)
     settings = _settings(body, max_tokens, logprobs, leading_space=True)
     settings.constraint, settings.logit_bias = _constraint(body, tokenizer), _logit_bias(body, tokenizer.n_words)
+    settings.adapter = adapter
     return ParsedRequest(prompts, settings, stream, include_usage, n)
 
 
@@ -347,12 +356,12 @@ def _chat_max_tokens(body: Dict[str, Any]) -> Optional[int]:
 
 
 def parse_chat(
-    body: Dict[str, Any], tokenizer: Tokenizer, served: str, default_max_tokens: Callable[[int], int]
+    body: Dict[str, Any], tokenizer: Tokenizer, served: str | Sequence[str], default_max_tokens: Callable[[int], int]
 ) -> ParsedRequest:
     """``/v1/chat/completions``; without max_tokens, an answer runs to EOS or to
     ``default_max_tokens(prompt length)`` tokens."""
     check_fields(body, CHAT_FIELDS)
-    _check_model(body, served)
+    adapter = _check_model(body, served)
     _check_unsupported(body)
     tools, choice = None, "none"
     if body.get("tools") not in (None, []):
@@ -385,6 +394,7 @@ def parse_chat(
         settings.constraint = calls
     if max_tokens is None:
         settings.max_tokens = max(1, default_max_tokens(len(ids)))
+    settings.adapter = adapter
     parsed = ParsedRequest([ids], settings, stream, include_usage, _get(body, "n", 1))
     parsed.tools = tools if choice != "none" else None
     parsed.max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from mixtral_infer.errors import MixtralInferError
 from mixtral_infer.tokenizer import Tokenizer
@@ -102,6 +102,7 @@ def run_server(
     tokenizer: Tokenizer,
     *,
     model_name: str,
+    adapters: Sequence[str] = (),
     host: str = "127.0.0.1",
     port: int = 8000,
     max_rows: Optional[int] = None,
@@ -124,7 +125,8 @@ def run_server(
 
     ``load() -> (model, tokenizer)`` runs in the engine's own process (``engine_process``);
     this process keeps ``tokenizer`` for the requests' text. ``draft_load`` (a draft model, loaded
-    there too) or ``speculative_ngram``: speculative decoding (``Engine``'s ``draft``).
+    there too) or ``speculative_ngram``: speculative decoding (``Engine``'s ``draft``). ``adapters``: the
+    names of the adapters ``load`` keeps apart beside the model (``formats.adapters``), in its order.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -166,6 +168,9 @@ def run_server(
             )
         else:
             log("prefix reuse: off (--no-prefix-reuse), every prompt is read whole")
+        if adapters:
+            log(f"LoRA adapters kept apart: {', '.join(adapters)}, each a request's \"model\" (/v1/models); rows of "
+                "different adapters decode in one batch, and a row's prefix is reused only by requests of its adapter")  # fmt: skip
         if speculating:
             what = "prompt lookup (--speculative-ngram)" if speculative_ngram else "a draft model (--draft-model)"
             log(f"speculative decoding: {what}, up to {k} guesses a step, at steps where every row decodes and where it "
@@ -179,7 +184,7 @@ def run_server(
                 f"{prefill_tokens} prefill tokens per step, at most {engine.max_model_len} tokens a request)"
             )
 
-        app = make_app(engine, tokenizer, model_name, engine.metrics, on_ready=ready)
+        app = make_app(engine, tokenizer, model_name, engine.metrics, on_ready=ready, adapters=adapters)
         server = DrainingServer(app, engine, shutdown_timeout, log)
         # uvicorn raises the signal that stopped it again once it has shut down; with this handler
         # in place that ends the process normally (exit 0) instead of by the signal.
