@@ -19,7 +19,8 @@ from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.checkpoint.lora import attach_served, parse_named_adapters
 from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
 from mixtral_infer.errors import CheckpointError, ConfigError
-from mixtral_infer.formats.adapters import lora_update
+from mixtral_infer.formats.adapters import lora_update, selected
+from mixtral_infer.tuning import Tuning
 from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -224,3 +225,24 @@ def test_serve_lora_name_path_end_to_end(served, adapters):
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.mark.parametrize("upcast", [(), (torch.bfloat16,)])
+def test_factors_widened_where_the_cpu_multiplies_float32_faster(adapters, upcast):
+    """A bfloat16 model keeps its adapters' factors in bfloat16, or in float32 where its tuning says this
+    CPU multiplies bfloat16 more slowly (Tuning.upcast); either way a projection's output is the
+    float32 product of the same numbers, rounded to bfloat16."""
+    model = load_model("tiny-mistral", dtype=torch.bfloat16, device="cpu", tuning=Tuning(upcast=upcast))
+    attach_served(model, adapters)
+    module = model.get_submodule("layers.0.attention.wq")
+    assert module.a.dtype == module.b.dtype == (torch.float32 if upcast else torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, module.a.shape[-1], generator=generator).to(torch.bfloat16)
+    ids = torch.tensor([0, 1, 2, 3, 1, 0])
+    with torch.no_grad(), selected(model, ids):
+        got = module(x).float()
+    base = x.float() @ module.weight.float().T
+    a, b = module.a.float(), module.b.float()
+    want = base + torch.stack([x[t].float() @ a[ids[t]].T @ b[ids[t]] for t in range(6)])
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(got, base.bfloat16().float())  # adapters 1 and 3 do change wq's output

@@ -29,6 +29,12 @@ rank 1, two adapters::
     x = [[3, 4], [3, 4], [3, 4]], ids = [0, 1, 2]  ->  update [[0, 0], [0, 6], [4, 0]]
 
 (tests/test_lora_serving.py runs it both ways.)
+
+The factors are kept in the model's dtype, except on a CPU that multiplies that dtype more slowly than
+float32 (``Tuning.upcast``, measured once per machine, ``fast.cpu_upcast``): there they are kept in
+float32 and the update is computed in float32, then rounded to the model's dtype. The update's
+products are small (rank r), so their time is arithmetic, never reading the factors; float32
+factors cost twice the memory of 16-bit ones (``adapter_bytes`` counts what is held).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from mixtral_infer.tuning import Tuning
 
 Factors = Tuple[torch.Tensor, torch.Tensor, float]  # (B (out, r), A (r, in), scale) of one adapter's update
 
@@ -115,21 +123,29 @@ def stacked(updates: Sequence[Optional[Factors]], out_features: int, in_features
     return a_all.to(device=device, dtype=dtype), b_all.to(device=device, dtype=dtype)
 
 
+def factor_dtype(dtype: torch.dtype, device: torch.device, tuning: Tuning) -> torch.dtype:
+    """The dtype adapters' factors are kept and multiplied in beside weights of ``dtype``: float32 on a
+    CPU whose tuning widens ``dtype``'s products (module docstring), else ``dtype``."""
+    return torch.float32 if device.type == "cpu" and dtype in tuning.upcast else dtype
+
+
 def attach_adapters(model: nn.Module, names: Sequence[str], adapters: Sequence[Dict[str, Factors]]) -> AdapterSelection:
     """Wrap each projection some adapter updates in an ``AdaptedLinear`` holding every adapter's
-    factors (``adapters[i]``: published weight name -> factors), in the model's dtype; the selection
+    factors (``adapters[i]``: published weight name -> factors), in ``factor_dtype``; the selection
     the modules share, kept on the model as ``model.adapters``. Names and shapes are the caller's to
     check (``checkpoint.lora.open_adapter``); a target that is not a projection here is refused."""
     if getattr(model, "adapters", None) is not None:
         raise ValueError("this model already has adapters attached")
     selection = AdapterSelection(names)
+    tuning = getattr(model, "tuning", None) or Tuning.default()  # use_formats' (formats.modules.tuning_of)
+    dtype = factor_dtype(model.dtype, next(model.parameters()).device, tuning)
     targets = sorted({name for adapter in adapters for name in adapter})
     for name in targets:
         path = name.removesuffix(".weight")
         base = model.get_submodule(path)
         weight = base.weight
         out_features, in_features = base.out_features, base.in_features
-        a, b = stacked([adapter.get(name) for adapter in adapters], out_features, in_features, model.dtype, weight.device)
+        a, b = stacked([adapter.get(name) for adapter in adapters], out_features, in_features, dtype, weight.device)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, AdaptedLinear(base, a, b, selection))
     model.adapters = selection
