@@ -6,7 +6,8 @@ reference everywhere: plain ``F.linear``, SDPA attention, eager decoding. Quanti
 run as ``dequantize`` followed by ``F.linear``.
 
 Every other field says how a fast path computes, never what: each choice gives the reference's
-numbers (to the rounding of the dtype) either way. A ``Tuning()`` holds safe defaults, the same on
+numbers (to the rounding of the dtype) either way; ``int_dots`` alone quantizes activations too, within
+a stated bound. A ``Tuning()`` holds safe defaults, the same on
 every machine. ``load_model`` gives a model the tuning of the machine it runs on
 (``formats.measured.machine_tuning``): the choices that depend on the machine measured once there and
 kept on disk. Tests and benches pass one of their own (``load_model(..., tuning=...)``,
@@ -88,6 +89,12 @@ class Tuning:
     # kernels. Off by default; docs/performance.md says where it was measured, and how
     # (``bench/bench_gpu.py --triton-dense``).
     triton_dense: bool = False
+
+    # int8 and int4 products of few rows on x86 CPUs through the package's integer dot products
+    # (``kernels.linear.int_dots``): the activations quantized to int8 per block of 32, as llama.cpp's
+    # Q8_0 and Q4_0 products do. The one field that moves the numbers, within the bound that back-end
+    # states (``activation_error_bound``); the machine's tuning turns it on where it measures faster.
+    int_dots: bool = False
 
     # GemLite (CUDA) asked for float32 outputs, converted by the compiled step where they are read
     # (``kernels.linear.gemlite``, "Outputs"); read when weights are packed for it. Off by default

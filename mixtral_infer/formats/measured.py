@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_float32 import best_seconds, onednn_is_faster
 from mixtral_infer.fast.cpu_upcast import upcast_is_faster
+from mixtral_infer.kernels import native
 from mixtral_infer.kernels.linear import few_row_blocks
 from mixtral_infer.hardware import CpuInfo, cpu_info
 from mixtral_infer.tuning import WIDE_DTYPES, Tuning
@@ -101,6 +102,36 @@ def few_streams_are_faster() -> bool:
     return many >= STREAMS_MARGIN * few
 
 
+INT_DOTS_MARGIN = 1.05  # the integer dot products only when at least this much faster (medians of 5 rounds)
+
+
+def int_dots_are_faster() -> bool:
+    """Whether one bfloat16 row times int8 weights beyond any cache runs at least ``INT_DOTS_MARGIN``
+    times faster through the integer dot products (``kernels.linear.int_dots``, built here first if
+    it is not yet) than through PyTorch's int8 kernel: 4 weights of 4096 x 4096 in turn, alternated,
+    medians of 5 rounds."""
+    from mixtral_infer.kernels.linear.int_dots import available
+
+    if not available():
+        return False
+    weights = [torch.ones(4096, 4096, dtype=torch.int8) for _ in range(4)]
+    scales = torch.ones(4096, dtype=torch.bfloat16)
+    x = torch.ones(1, 4096, dtype=torch.bfloat16)
+    ways = {
+        "kernel": lambda: [torch.ops.aten._weight_int8pack_mm(x, weight, scales) for weight in weights],
+        "dots": lambda: [torch.ops.mixtral_infer_dots.int8_dots(x, weight, scales) for weight in weights],
+    }
+    times: Dict[str, list] = {name: [] for name in ways}
+    for _ in range(5):
+        for name, way in ways.items():
+            times[name].append(best_seconds(way, repeats=1))
+    kernel, dots = (sorted(samples)[len(samples) // 2] for samples in times.values())
+    return kernel >= INT_DOTS_MARGIN * dots
+
+
+# Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then).
+INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), lambda cpu: native.unavailable_because() is None)
+
 CHOICES: Sequence[Choice] = (
     Choice("onednn_float32", lambda known: onednn_is_faster(), lambda cpu: torch.backends.mkldnn.is_available()),
     Choice("upcast_bfloat16", lambda known: upcast_is_faster(torch.bfloat16, known.get("onednn_float32", False))),
@@ -116,15 +147,17 @@ def machine_tuning(
     path: Optional[Path] = None,
     choices: Optional[Sequence[Choice]] = None,
     announce: Optional[Callable[[str], None]] = None,
+    integers: bool = False,
 ) -> Tuning:
     """The tuning for this machine (``cpu``, default this one's): ``Tuning.default(fast)`` with the
     measured ``choices`` (default ``CHOICES``) kept in ``path`` (default ``cache_file()``), measuring
-    those not kept yet and saying so to ``announce`` (default stderr). The reference (``fast``
-    False) and ``MIXTRAL_INFER_MEASURE=0`` measure nothing."""
+    those not kept yet and saying so to ``announce`` (default stderr); ``integers`` (int8 or int4
+    weights on CPU) adds ``INT_DOTS``. The reference (``fast`` False) and ``MIXTRAL_INFER_MEASURE=0``
+    measure nothing."""
     tuning = Tuning.default(fast)
     if not tuning.fast or os.environ.get(MEASURE_VARIABLE, "1") == "0":
         return tuning
-    choices = CHOICES if choices is None else choices
+    choices = (*CHOICES, *((INT_DOTS,) if integers else ())) if choices is None else choices
     known = measured_choices(cpu or cpu_info(), path or cache_file(), choices, announce)
     return with_choices(tuning, known)
 
@@ -138,6 +171,7 @@ def with_choices(tuning: Tuning, known: Dict[str, bool]) -> Tuning:
         onednn_float32=known.get("onednn_float32", tuning.onednn_float32),
         upcast=upcast,
         streams=FEW_STREAMS if known.get("few_streams") else tuning.streams,
+        int_dots=known.get("int_dots", tuning.int_dots),
     )
 
 

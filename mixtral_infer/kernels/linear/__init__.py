@@ -15,6 +15,7 @@ back-end (file)     weights                                     devices       wh
 ``gemlite``         int8, int4 that GemLite packed at load      CUDA          GemLite installed
 ``w8a8``            int8 packed for fbgemm at load              CPU
 ``nf4``             nf4 (bitsandbytes' layouts)                 any
+``int_dots``        int8, int4 (plain), activations to int8     x86 CPU       ``Tuning.int_dots``
 ``int8``            int8 (column blocks on CPU, compiled)       any
 ``int4``            int4 (the device's kernel layout)           any
 ``packed_bf16``     bfloat16 in oneDNN's layout                 CPU           ``load_model(pack=True)``
@@ -43,6 +44,7 @@ from mixtral_infer.kernels.linear.column_blocks import ColumnBlocksLinear
 from mixtral_infer.kernels.linear.gemlite import GemliteLinear
 from mixtral_infer.kernels.linear.int4 import Int4Linear
 from mixtral_infer.kernels.linear.int8 import Int8Linear
+from mixtral_infer.kernels.linear.int_dots import IntDotsLinear
 from mixtral_infer.kernels.linear.nf4 import Nf4Linear
 from mixtral_infer.kernels.linear.packed_bf16 import PackedBf16Linear
 from mixtral_infer.kernels.linear.plain import PlainLinear, few_row_blocks
@@ -58,6 +60,7 @@ BACKENDS = (
     GemliteLinear,
     W8a8Linear,
     Nf4Linear,
+    IntDotsLinear,
     Int8Linear,
     Int4Linear,
     PackedBf16Linear,
@@ -109,6 +112,7 @@ __all__ = [
     "GemliteLinear",
     "Int4Linear",
     "Int8Linear",
+    "IntDotsLinear",
     "LinearBackend",
     "Nf4Linear",
     "PackedBf16Linear",

@@ -19,6 +19,7 @@ from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks, ColumnBlocksParam
 from mixtral_infer.fast.cpu_column_blocks import blocks_integers, blocks_rows, to_blocks
 from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
 from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend, put_weight
+from mixtral_infer.kernels.linear.int_dots import IntDotsLinear
 from mixtral_infer.kernels.linear.plain import PlainLinear
 from mixtral_infer.quant.model import is_quantized
 from mixtral_infer.quant.weights import QuantizedParameter
@@ -37,8 +38,8 @@ class ColumnBlocksLinear(LinearBackend):
 
     @classmethod
     def prepare_model(cls, model: nn.Module, tuning: Tuning, pack: bool | str) -> None:
-        if pack == "columns":
-            block_long_rows(model)
+        if pack == "columns":  # int8 integers the integer dot products read stay plain
+            block_long_rows(model, integers=not IntDotsLinear.wanted(tuning))
 
     @staticmethod
     def product(x: torch.Tensor, weight: ColumnBlocks, tuning: Tuning = DEFAULT) -> torch.Tensor:
@@ -49,16 +50,17 @@ class ColumnBlocksLinear(LinearBackend):
         return PlainLinear.product(x, weight.dense(), tuning)
 
 
-def block_long_rows(model: nn.Module) -> None:
+def block_long_rows(model: nn.Module, integers: bool = True) -> None:
     """Store, in place, the long-row matrices that decoding reads (those ``quant.model`` would
     quantize: ``w2`` at Mistral 7B's widths) in column blocks: float parameters, and int8
     weight-only integers on CPU, which then keep the blocks as their kernel layout
-    (``packed = (blocks, scales)``, ``values`` dropped: ``integers()`` puts them back together)."""
+    (``packed = (blocks, scales)``, ``values`` dropped: ``integers()`` puts them back together);
+    ``integers=False`` leaves the integers as they are (``int_dots`` reads them plain)."""
     for name, param in list(model.named_parameters()):
         if is_quantized(name) and blocks_rows(param):
             blocks = to_blocks(param.data, block_width(param.shape[-1]))
             put_weight(model, name, ColumnBlocksParameter(blocks))
     for module in model.modules():
-        if isinstance(module, QuantizedParameter) and blocks_integers(module):
+        if integers and isinstance(module, QuantizedParameter) and blocks_integers(module):
             module.kernel_values = to_blocks(module.values, block_width(module.in_features)).blocks
             module.kernel_scales, module.values = module.scales, None

@@ -1,0 +1,139 @@
+"""int8 and int4 weights on x86 CPUs through integer dot products (``kernels/int_dots.cpp``).
+
+Every other CPU product of quantized weights converts each weight to a float and multiplies in
+floating point, so decoding is bound by arithmetic, not by reading the weights. Here, as in
+llama.cpp's Q8_0 and Q4_0 products, each activation row is quantized to int8 per block of 32 inputs
+(``d = max|x| / 127``, ``q = round(x / d)``), multiplied by the weight's stored bytes in integers
+(int4 nibbles unpacked in registers; VNNI's ``vpdpbusd`` or AVX2's pairwise products, whichever the
+CPU has: ``kernels.native`` compiles the source for it), summed in 32 bits and scaled once a block.
+The weights stay as ``quant.weights`` stores them: int8 with one scale a row, int4 in the plain layout
+with one scale a group (of a multiple of 32 inputs). A row's numbers never depend on the other rows of
+its batch.
+
+**What it changes**: the activations lose what int8 per block of 32 cannot hold, at most half a step
+``d / 2`` each, so a product moves by at most ``sum_blocks d / 2 * sum |w|`` from the weight-only one
+(``activation_error_bound``, the bound the tests check); docs/quantization.md has the perplexities.
+It is used where ``Tuning.int_dots`` says (the machine's tuning turns it on where the library builds
+and measures faster, ``formats.measured``); ``MIXTRAL_INFER_NATIVE=0`` keeps weight-only products.
+
+* **1 to ``DOTS_ROWS`` - 1 rows** (decoding, speculative verify passes, small prompt chunks): the
+  operators ``torch.ops.mixtral_infer_dots.int8_dots`` / ``int4_dots``, eager or compiled (a fake
+  implementation each, below); Mixtral's chosen experts read in place, the expert index given to the
+  operator (``weight.expert``). The kernel reads the weight once for every 8 rows.
+* **``DOTS_ROWS`` rows or more** (prompts): the weight-only products of ``int8.py``, or for int4
+  the weight dequantized then ``F.linear``, as today's prompt paths.
+
+Example: one row ``x = [0.5, -1.0, 0.25, 0, ...]`` (one block of 32, the rest zero) gives
+``d = 1 / 127`` and ``q = [64, -127, 32, 0, ...]`` (63.5 rounds to the even 64): an int8 weight row
+``[2, 1, -4, ...]`` with scale 0.1 yields ``0.1 * d * (128 - 127 - 128) = -0.1`` to float rounding,
+where the weight-only product is ``0.1 * (1 - 1 - 1) = -0.1``; with ``x[0] = 0.51`` instead, ``q[0] = 65``
+(64.77) and the product is ``0.1 * (2 * 65 - 127 - 128) / 127 = -0.0984`` against ``-0.098``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixtral_infer.kernels import native
+from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend
+from mixtral_infer.kernels.linear.int8 import Int8Linear
+from mixtral_infer.kernels.linear.reference import reference_linear
+from mixtral_infer.quant.weights import QuantizedWeight
+from mixtral_infer.tuning import Tuning
+
+BLOCK = 32  # inputs per activation scale
+DOTS_ROWS = 64  # from this many rows on, the weight-only prompt paths (docs/performance.md, section 6)
+
+
+def _register_fakes() -> None:
+    """Shapes for compiled code: ``(rows, OUT)`` in ``x``'s dtype."""
+
+    @torch.library.register_fake("mixtral_infer_dots::int8_dots")
+    def _(x, values, scales, expert=None):
+        return x.new_empty(x.shape[0], values.shape[-2])
+
+    @torch.library.register_fake("mixtral_infer_dots::int4_dots")
+    def _(x, values, scales, group_size, expert=None):
+        return x.new_empty(x.shape[0], values.shape[-2])
+
+
+def available() -> bool:
+    """Whether the operators are loaded (built or read from the cache on the first call), their fake
+    implementations registered."""
+    global _FAKES
+    if not native.int_dots():
+        return False
+    if not _FAKES:
+        _register_fakes()
+        _FAKES = True
+    return True
+
+
+_FAKES = False
+
+
+def quantized_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readable form of the kernel's activation quantization: ``x (M, IN)`` -> ``q (M, IN/32, 32)``
+    (integers in float32) and ``d (M, IN/32, 1)``, as the module docstring says (``127 / max`` divided
+    once, as the kernel does, so the same integers come out)."""
+    blocks = x.float().unflatten(-1, (-1, BLOCK))  # (M, IN/32, 32)
+    largest = blocks.abs().amax(-1, keepdim=True)  # (M, IN/32, 1)
+    inverse = torch.where(largest > 0, torch.full_like(largest, 127.0) / largest, torch.zeros_like(largest))
+    return torch.round(blocks * inverse), largest / 127
+
+
+def reference_int_dots(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What the kernel computes, readably, in float64: the quantized activations times the dequantized
+    weight, each block's sum scaled by its ``d``; ``(M, OUT)`` in float64."""
+    q, d = quantized_blocks(x)
+    w = weight.dequantize(torch.float64).unflatten(-1, (-1, BLOCK))  # (OUT, IN/32, 32)
+    return torch.einsum("mbk,obk,mb->mo", q.double(), w, d[..., 0].double())
+
+
+def activation_error_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``(M, OUT)``: how far the kernel's product may be from the weight-only one, ``x @ w.T`` in
+    exact arithmetic: each activation moves by at most ``d / 2`` of its block."""
+    _, d = quantized_blocks(x)  # (M, IN/32, 1)
+    w = weight.dequantize(torch.float64).abs().unflatten(-1, (-1, BLOCK)).sum(-1)  # (OUT, IN/32)
+    return (d[..., 0].double() / 2) @ w.T
+
+
+class IntDotsLinear(LinearBackend):
+    """int8 and int4 weights through integer dot products on x86 CPUs (module docstring)."""
+
+    devices = ("cpu",)
+
+    @classmethod
+    def wanted(cls, tuning: Tuning) -> bool:
+        return tuning.fast and tuning.int_dots and available()
+
+    @classmethod
+    def reads(cls, weight: object) -> bool:
+        if not isinstance(weight, QuantizedWeight) or weight.values is None or weight.prepacked is not None:
+            return False
+        if weight.scheme.name == "int8":
+            return weight.values.dtype == torch.int8 and weight.in_features % BLOCK == 0
+        if weight.scheme.name == "int4":
+            group = weight.scheme.group_size
+            return weight.in_features % 64 == 0 and group % BLOCK == 0 and weight.packed is None
+        return False
+
+    @classmethod
+    def prepare(cls, weight: object, tuning: Tuning, keep_values: bool = False) -> bool:
+        """The plain layout is the kernel's: no other back-end lays these weights out."""
+        return device_is_cpu(weight) and cls.reads(weight)
+
+    @staticmethod
+    def product(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
+        if x.shape[0] >= DOTS_ROWS or x.device.type != "cpu":
+            if weight.scheme.name == "int8":
+                return Int8Linear.product(x, weight, tuning)
+            return reference_linear(x, weight)
+        if weight.scheme.name == "int8":
+            return torch.ops.mixtral_infer_dots.int8_dots(x, weight.values, weight.scales, weight.expert)
+        group = weight.scheme.group_size
+        return torch.ops.mixtral_infer_dots.int4_dots(x, weight.values, weight.scales, group, weight.expert)
+
+
+def device_is_cpu(weight: object) -> bool:
+    return isinstance(weight, QuantizedWeight) and weight.device.type == "cpu"

@@ -1,0 +1,172 @@
+"""kernels.linear.int_dots: int8 and int4 products through integer dot products (kernels/int_dots.cpp,
+built here by kernels.native), against their integer arithmetic done readably, the weight-only product
+within the stated bound, and whole models."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from conftest import random_model, tiny_args
+
+from mixtral_infer.formats import measured
+from mixtral_infer.formats.modules import use_formats
+from mixtral_infer.formats.quantizing import quantize_model
+from mixtral_infer.kernels import native
+from mixtral_infer.kernels.linear import Int8Linear, IntDotsLinear, backend_for
+from mixtral_infer.kernels.linear.int_dots import activation_error_bound, available, quantized_blocks, reference_int_dots
+from mixtral_infer.quant.scheme import QuantScheme
+from mixtral_infer.quant.weights import QuantizedWeight, quantize
+from mixtral_infer.tuning import Tuning
+
+REASON = native.unavailable_because()
+needs_kernels = pytest.mark.skipif(REASON is not None, reason=f"the integer kernels cannot be built here: {REASON}")
+DOTS = Tuning(int_dots=True)
+SCHEMES = [QuantScheme("int8"), QuantScheme("int4", 32), QuantScheme("int4", 64)]
+
+
+def test_the_docstring_example():
+    """``x = [0.5, -1.0, 0.25, 0...]`` quantizes to ``[64, -127, 32, 0...]`` (63.5 to the even 64) with
+    ``d = 1/127``; an int8 row ``[2, 1, -4, 0...]`` of scale 0.1 gives -0.1, and with ``x[0] = 0.51``,
+    ``0.1 * (130 - 127 - 128) / 127``."""
+    x = torch.zeros(1, 32)
+    x[0, :3] = torch.tensor([0.5, -1.0, 0.25])
+    q, d = quantized_blocks(x)
+    assert q[0, 0, :4].tolist() == [64, -127, 32, 0] and d.item() == pytest.approx(1 / 127)
+    values = torch.zeros(1, 32, dtype=torch.int8)
+    values[0, :3] = torch.tensor([2, 1, -4], dtype=torch.int8)
+    weight = QuantizedWeight(QuantScheme("int8"), values, torch.tensor([0.1]), 32)
+    assert reference_int_dots(x, weight).item() == pytest.approx(-0.1, rel=1e-6)
+    x[0, 0] = 0.51
+    assert reference_int_dots(x, weight).item() == pytest.approx(0.1 * (130 - 127 - 128) / 127, rel=1e-6)
+    if REASON is None and available():
+        assert IntDotsLinear.product(x, weight).item() == pytest.approx(0.1 * -125 / 127, rel=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_product_is_its_integer_arithmetic_and_within_the_bound(scheme, rows, dtype):
+    """The kernel equals the quantized activations times the dequantized weight summed in float64 (to
+    float32's rounding), and stays within ``activation_error_bound`` of the weight-only product; 4099
+    rows of weights (not a multiple of the 4 read at once), more activation rows than a pass holds (11)."""
+    torch.manual_seed(rows)
+    weight = quantize(torch.randn(4099, 256), scheme, dtype)
+    x = torch.randn(rows, 256).to(dtype)
+    got = IntDotsLinear.product(x, weight).double()  # (rows, OUT)
+    assert got.shape == (rows, 4099)
+    exact = reference_int_dots(x, weight)
+    rounding = torch.finfo(dtype).eps * exact.abs() + 1e-4
+    assert ((got - exact).abs() <= rounding).all()
+    weight_only = x.double() @ weight.dequantize(torch.float64).T
+    assert ((got - weight_only).abs() <= activation_error_bound(x, weight) + rounding).all()
+    assert (got - weight_only).abs().max() > 0  # it does quantize the activations
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.label)
+def test_a_row_is_the_same_in_any_batch_and_an_expert_is_read_in_place(scheme):
+    """Row m of a batch of 7 is the row alone, bit for bit; expert 2 of stacked weights, given as a 0-d
+    index (compiled code's routing), is that expert's own product."""
+    torch.manual_seed(1)
+    stacked = quantize(torch.randn(3, 96, 128), scheme, torch.bfloat16)
+    x = torch.randn(7, 128, dtype=torch.bfloat16)
+    alone = [IntDotsLinear.product(x[m : m + 1], stacked[2]) for m in range(7)]
+    assert torch.equal(IntDotsLinear.product(x, stacked[2]), torch.cat(alone))
+    expert = stacked[torch.tensor(2)]
+    assert expert.expert is not None
+    assert torch.equal(IntDotsLinear.product(x, expert), IntDotsLinear.product(x, stacked[2]))
+
+
+@needs_kernels
+def test_prompts_take_the_weight_only_products():
+    """From ``DOTS_ROWS`` rows on, the weight-only paths: int8's product bit for bit."""
+    from mixtral_infer.kernels.linear.int_dots import DOTS_ROWS
+
+    weight = quantize(torch.randn(64, 128), QuantScheme("int8"), torch.bfloat16)
+    x = torch.randn(DOTS_ROWS, 128, dtype=torch.bfloat16)
+    assert torch.equal(IntDotsLinear.product(x, weight), Int8Linear.product(x, weight))
+
+
+def model(moe: bool, scheme: str, tuning: Tuning, dtype: torch.dtype = torch.float32):
+    args = dataclasses.replace(tiny_args(moe=moe), dim=128, hidden_dim=192, head_dim=32)
+    m = random_model(args, seed=3).to(dtype)
+    use_formats(m, tuning)  # the layouts quantize_model prepares follow the model's tuning
+    quantize_model(m, scheme)
+    return use_formats(m, tuning)
+
+
+@needs_kernels
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("scheme", ["int8", "int4-32"])
+def test_a_model_reads_every_quantized_weight_through_it(moe, scheme):
+    """With ``Tuning(int_dots=True)`` every quantized linear layer (and Mixtral's experts) is this
+    back-end, int4 kept in the plain layout; the logits are the weight-only model's within what int8
+    activations move (a few percent of this random model's logits), and not equal to them."""
+    dots, weight_only = model(moe, scheme, DOTS), model(moe, scheme, Tuning())
+    linears = [m for m in dots.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)]
+    assert linears and all(isinstance(m, IntDotsLinear) for m in linears)
+    if moe:
+        assert {b.__name__ for layer in dots.layers.values() for b in layer.feed_forward.expert_backends.values()} == {"IntDotsLinear"}
+    tokens = torch.randint(0, 128, (20,))
+    logits = []
+    for m in (dots, weight_only):
+        with torch.inference_mode():
+            cache = m.make_cache(1)
+            cache.start_sequences(1)
+            logits.append(m(tokens, [20], cache).float())
+    scale = logits[1].abs().max()
+    difference = (logits[0] - logits[1]).abs().max()
+    assert 0 < difference < 0.1 * scale
+
+
+@needs_kernels
+def test_compiled_decoding_calls_the_operator_and_equals_eager():
+    """A compiled step (torch.compile) calls the operator (its fake implementation gives the shapes) for
+    every quantized product, and gives the eager step's logits."""
+    from torch._inductor.utils import run_and_get_code
+
+    from mixtral_infer.steps.decode_step import decode_logits
+
+    dots = model(False, "int8", DOTS)
+    written_out = dataclasses.replace(DOTS, regions=False)  # every layer's calls in the code
+    cache = dots.make_cache(2)
+    cache.start_sequences(2)
+    inputs = (torch.tensor([5, 6]), torch.tensor([3, 9]), torch.ones(2, dtype=torch.bool))
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = decode_logits(dots, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+        compiled = torch.compile(lambda k, v, *a: decode_logits(dots, k, v, *a, tuning=written_out), fullgraph=True, dynamic=False)
+        got, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+    calls = sum(code.count("torch.ops.mixtral_infer_dots.int8_dots.default(") for code in codes)
+    assert calls == sum(isinstance(m, IntDotsLinear) for m in dots.modules()) > 0  # one call a quantized product
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_without_the_kernels_the_weight_only_back_ends_read_the_weights(monkeypatch):
+    """``MIXTRAL_INFER_NATIVE=0`` (or no compiler, no AVX2...): one reason, and int8 weights stay with
+    their weight-only back-end under ``Tuning(int_dots=True)``."""
+    monkeypatch.setenv(native.NATIVE_VARIABLE, "0")
+    assert native.unavailable_because() == "MIXTRAL_INFER_NATIVE=0"
+    monkeypatch.setattr(native, "_STATE", {})
+    weight = quantize(torch.randn(64, 128), QuantScheme("int8"), torch.bfloat16)
+    assert backend_for(weight, DOTS) is Int8Linear
+    monkeypatch.delenv(native.NATIVE_VARIABLE)
+    monkeypatch.setattr(native, "cpu_flags", lambda: "fpu sse2 avx")
+    assert native.unavailable_because() == "this CPU has no AVX2"
+
+
+def test_the_machine_measures_the_choice_only_for_integer_weights(tmp_path, monkeypatch):
+    """``machine_tuning(integers=True)`` (int8 or int4 weights on CPU) adds the ``int_dots`` choice,
+    measured once and kept; without it the choice is neither measured nor set."""
+    monkeypatch.setenv(measured.MEASURE_VARIABLE, "1")
+    asked = []
+    monkeypatch.setattr(measured, "CHOICES", ())
+    monkeypatch.setattr(measured, "INT_DOTS", measured.Choice("int_dots", lambda known: asked.append(1) or True))
+    path, quiet = tmp_path / "tuning.json", lambda line: None
+    assert not measured.machine_tuning(path=path, announce=quiet).int_dots and asked == []
+    assert measured.machine_tuning(path=path, announce=quiet, integers=True).int_dots and asked == [1]
+    assert measured.machine_tuning(path=path, announce=quiet, integers=True).int_dots and asked == [1]  # kept
