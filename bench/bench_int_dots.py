@@ -7,10 +7,9 @@ times the 7 matrices of one Mistral 7B layer (``wq wk wv wo w1 w2 w3``: 4096 x 4
 
 * ``dots``: ``IntDotsLinear.product`` (the operators of ``kernels/int_dots.cpp``; for ``DOTS_ROWS`` rows or
   more it hands over to the weight-only paths, so those rows time the operator directly);
-* ``kernel``: the eager weight-only back-end (``Int8Linear``: ``_weight_int8pack_mm``, dequantized from 512
-  rows; ``Int4Linear``: ``_weight_int4pack_mm_for_cpu`` on its layout);
-* ``dequantized``: the weight dequantized to bfloat16 and ``F.linear`` (the prompt path's cost; widened to
-  float32 where the machine's tuning says), from 16 rows.
+* ``kernel``: the eager weight-only back-end, as the machine's tuning runs it (``Int8Linear``:
+  ``_weight_int8pack_mm``, from 512 rows dequantized and ``F.linear``; ``Int4Linear``:
+  ``_weight_int4pack_mm_for_cpu`` on its layout, from 512 or 1024 rows read back and ``F.linear``).
 
 Ways alternate within each round (``--rounds``), the report is the median milliseconds per layer, GB/s of
 weight bytes (integers and scales) and the ratio of each way to ``dots``.
@@ -28,14 +27,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_speculative import machine  # noqa: E402
 
-from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear  # noqa: E402
 from mixtral_infer.formats.measured import machine_tuning  # noqa: E402
 from mixtral_infer.kernels.linear import Int4Linear, Int8Linear, IntDotsLinear  # noqa: E402
 from mixtral_infer.kernels.linear.int_dots import available  # noqa: E402
@@ -89,18 +86,6 @@ def main() -> None:
 
             backend = Int8Linear if name == "int8" else Int4Linear
             ways = {"dots": dots, "kernel": lambda: [backend.product(xs[w.in_features], w, tuning) for w in laid_out]}
-            if rows >= 16:
-                def dequantized():
-                    out = []
-                    for w in plain:
-                        x = xs[w.in_features]
-                        if should_upcast(x, tuning.upcast):
-                            out.append(upcast_linear(x, w.dequantize(torch.float32), tuning.onednn_float32))
-                        else:
-                            out.append(F.linear(x, w.dequantize(torch.bfloat16)))
-                    return out
-
-                ways["dequantized"] = dequantized
             for way in ways.values():
                 way()  # warm-up
             times = {way: [] for way in ways}

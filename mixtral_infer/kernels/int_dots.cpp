@@ -42,6 +42,17 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// acc + in each 32-bit lane the sum of its 8 products u0 * s0 and u1 * s1, u0 and u1 nibbles (<= 15):
+// AVX2 adds the pairs of both in 16 bits first (each pair at most 2 * 15 * 127 = 3810, so two 7620).
+inline __m256i dot8_nibbles(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  return dot4(dot4(acc, u0, s0), u1, s1);
+#else
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
 inline float sum8(__m256 v) {
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
@@ -134,7 +145,7 @@ void int4_rows(const SplitRows& x, const float* d, const uint8_t* w, const S* s,
         const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even.data() + m * half + c / 2));
         const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd.data() + m * half + c / 2));
         const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.start.data() + m * (in / 8) + c / 8));
-        const __m256i dots = dot4(dot4(start, low, even), high, odd);  // lanes 0-3: block c/32, 4-7: the next
+        const __m256i dots = dot8_nibbles(start, low, even, high, odd);  // lanes 0-3: block c/32, 4-7: the next
         const float* db = d + m * blocks + c / BLOCK;
         const __m256 scale = _mm256_set_m128(_mm_set1_ps(s1 * db[1]), _mm_set1_ps(s0 * db[0]));
         acc[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[p][m]);

@@ -16,12 +16,13 @@ its batch.
 It is used where ``Tuning.int_dots`` says (the machine's tuning turns it on where the library builds
 and measures faster, ``formats.measured``); ``MIXTRAL_INFER_NATIVE=0`` keeps weight-only products.
 
-* **1 to ``DOTS_ROWS`` - 1 rows** (decoding, speculative verify passes, small prompt chunks): the
+* **1 to ``DOTS_ROWS`` - 1 rows** (decoding, speculative verify passes, prompt chunks): the
   operators ``torch.ops.mixtral_infer_dots.int8_dots`` / ``int4_dots``, eager or compiled (a fake
   implementation each, below); Mixtral's chosen experts read in place, the expert index given to the
   operator (``weight.expert``). The kernel reads the weight once for every 8 rows.
-* **``DOTS_ROWS`` rows or more** (prompts): the weight-only products of ``int8.py``, or for int4
-  the weight dequantized then ``F.linear``, as today's prompt paths.
+* **``DOTS_ROWS`` rows or more** (long prompt chunks, where a CPU with AMX multiplies dequantized
+  weights faster): the weight-only products of ``int8.py``, or for int4 the weight dequantized then
+  ``F.linear``.
 
 Example: one row ``x = [0.5, -1.0, 0.25, 0, ...]`` (one block of 32, the rest zero) gives
 ``d = 1 / 127`` and ``q = [64, -127, 32, 0, ...]`` (63.5 rounds to the even 64): an int8 weight row
@@ -42,7 +43,7 @@ from mixtral_infer.quant.weights import QuantizedWeight
 from mixtral_infer.tuning import Tuning
 
 BLOCK = 32  # inputs per activation scale
-DOTS_ROWS = 64  # from this many rows on, the weight-only prompt paths (docs/performance.md, section 6)
+DOTS_ROWS = 512  # from this many rows on, the weight-only prompt paths, as int8 dequantizes from there (docs/performance.md, section 6)
 
 
 def _register_fakes() -> None:
