@@ -15,6 +15,7 @@ import torch
 # Nothing measures the machine in the tests (fast.measured): load_model gives Tuning()'s defaults,
 # in this process and the ones it starts. Tests that want other choices pass a Tuning.
 os.environ["MIXTRAL_INFER_MEASURE"] = "0"
+os.environ["MIXTRAL_INFER_BACKGROUND_COMPILE"] = "0"  # decode="auto" on CPU stays eager: no build per generate()
 # Without a GPU, Triton's kernels (fast.triton_experts) run under its interpreter, on CPU tensors:
 # set before Triton is first imported, which reads it when a kernel is defined.
 try:

@@ -283,3 +283,44 @@ def test_the_serving_engine_s_cpu_decode_step_is_built_ahead_of_time():
     tokens = [[token for token, _ in pairs] for pairs in again]
     assert tokens == [[token for token, _ in pairs] for pairs in served(engine_for(model, "static"), prompts)]
     assert tokens != [[token for token, _ in pairs] for pairs in ahead]
+
+
+def test_auto_decodes_eagerly_while_the_step_is_built_then_hands_over(monkeypatch):
+    """``decode="auto"`` on CPU: the eager loop decodes while AOTInductor builds the step on its own
+    thread (the third token's callback waits for the build here, so the hand-over falls mid-way),
+    then the static loop takes the rows still decoding on through the built step: the eager loop's
+    tokens and log-probabilities, the row that ended early (EOS) staying ended. The next call has the
+    step at once. float32: the compiled step's products are the eager ones to the last bits."""
+    import mixtral_infer.generation.generate as generation
+
+    settings = SAMPLED
+    monkeypatch.setenv(generation.BACKGROUND_VARIABLE, "1")
+    model = random_model(tiny_args(moe=False, max_batch_size=2), seed=43)
+    prompts = random_prompts([7, 4], model.args.vocab_size, seed=11)
+    eager = generate(prompts, model, decode="eager", max_tokens=12, **settings)
+    eos_id = eager[0][1][2]  # row 1's third token ends it
+    eager = generate(prompts, model, decode="eager", max_tokens=12, eos_id=eos_id, **settings)
+    assert len(eager[0][1]) == 2 and len(eager[0][0]) == 12
+
+    messages, builds, handed_over = [], [], []
+    compiler = step_compiler(model)
+    compiler.announce = messages.append
+    build = compiler.build_in_background
+    monkeypatch.setattr(compiler, "build_in_background", lambda *a: builds.append(build(*a)) or builds[-1])
+    static = generation.decode_static
+    monkeypatch.setattr(generation, "decode_static", lambda *a, **k: handed_over.append(k.get("alive")) or static(*a, **k))
+    seen = []
+
+    def on_token(row, token):
+        seen.append(row)
+        if len(seen) == 5:  # two tokens of each row, then row 0's third (row 1's is EOS): wait for the build
+            assert builds[0].wait(timeout=600)
+
+    auto = generate(prompts, model, decode="auto", max_tokens=12, eos_id=eos_id, on_token=on_token, **settings)
+    assert auto[0] == eager[0]
+    torch.testing.assert_close(auto[1], eager[1], rtol=1e-5, atol=1e-5)
+    assert steps_built(model) == ["AotStep"] and handed_over[0].tolist() == [True, False], messages
+    assert any("in the background" in message for message in messages)
+    builds.clear()
+    assert generate(prompts, model, decode="auto", max_tokens=12, eos_id=eos_id, **settings)[0] == eager[0]
+    assert builds == [None]  # built already: the static loop from the first token

@@ -7,13 +7,17 @@ Each sequence then decodes until its own EOS; the loop ends when all have.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from itertools import accumulate
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from mixtral_infer.errors import GenerationError, as_int
 from mixtral_infer.formats.modules import tuning_of
+from mixtral_infer.steps.compiler import DECODE
+from mixtral_infer.steps.cpu_aot_step import builds_ahead_of_time
 from mixtral_infer.steps.decode_loop import DecodeSettings, TokenCallback, compiled_step, decode_static, step_compiler
 from mixtral_infer.steps.decode_step import supports_static_decode
 from mixtral_infer.sampling import Generators, draw_uniform, sample, token_logprobs
@@ -204,19 +208,32 @@ def prefill_with_logprobs(
     return torch.stack([last_logits[s] for s in same_as]), [list(prompt_logprobs[s]) for s in same_as]  # type: ignore[misc]
 
 
+BACKGROUND_VARIABLE = "MIXTRAL_INFER_BACKGROUND_COMPILE"  # "0": decode="auto" on CPU stays eager
+
+
 def decode_mode(decode: str, model: Transformer) -> str:
     """``eager``, ``static`` or ``compiled`` for the requested ``decode`` setting.
 
-    ``auto`` is ``compiled`` on CUDA (the eager loop there is bound by the host, not the GPU)
-    and ``eager`` on CPU, where compiling takes longer than a short generation gains
-    (docs/performance.md, "Compiled steps"); and ``eager`` for a reference model
+    ``auto`` is ``compiled`` on CUDA (the eager loop there is bound by the host, not the GPU).
+    On CPU, where compiling takes longer than a short generation gains (docs/performance.md,
+    "Compiled steps"), it is ``background``: the eager loop decodes while AOTInductor builds the
+    compiled step on a thread of its own, which takes over once built (``decode_then_compiled``;
+    kept on disk, so the next run has it after an export); ``eager`` where AOTInductor cannot build
+    the step (``builds_ahead_of_time``, ``Tuning.ahead_of_time``) or with
+    ``MIXTRAL_INFER_BACKGROUND_COMPILE=0``. ``eager`` for a reference model
     (``load_model(..., fast=False)``), which reads its readable path only.
     """
     if decode not in DECODE_MODES:
         raise GenerationError(f"decode={decode!r} must be one of {', '.join(DECODE_MODES)}")
     if decode == "auto":
-        fast = tuning_of(model).fast
-        return "compiled" if fast and model.device.type == "cuda" and supports_static_decode(model) else "eager"
+        tuning = tuning_of(model)
+        if not tuning.fast or not supports_static_decode(model):
+            return "eager"
+        if model.device.type == "cuda":
+            return "compiled"
+        background = os.environ.get(BACKGROUND_VARIABLE, "1") not in ("0", "false", "no")
+        ahead = model.device.type == "cpu" and tuning.ahead_of_time and builds_ahead_of_time(model)
+        return "background" if background and ahead else "eager"
     if decode != "eager" and not supports_static_decode(model):
         raise GenerationError(f"decode={decode!r} needs the whole model in one process; use decode='eager'")
     return decode
@@ -287,7 +304,8 @@ def generate(
     ``eager`` runs ``Transformer.forward`` per step (the readable reference); ``static``
     runs the fixed-shape step of ``mixtral_infer.steps.decode_step`` op by op; ``compiled``
     runs that step through ``torch.compile`` (on CUDA as a CUDA graph; on CPU built by
-    AOTInductor, ``steps/cpu_aot_step.py``); ``auto``: compiled on CUDA, eager on CPU.
+    AOTInductor, ``steps/cpu_aot_step.py``); ``auto``: compiled on CUDA, and on CPU eager while
+    the compiled step is built in the background, compiled once it is (``decode_mode``).
 
     ``draft``: speculative decoding (``generation.speculative``), the same tokens (greedy) or the same
     distribution (sampling) in fewer passes: ``"ngram"`` (prompt lookup), a smaller model of the same
@@ -308,6 +326,8 @@ def generate(
     grammar_text = check_shaping(params, tokenizer)
     mode = decode_mode(decode, model)
     speculation = check_speculation(draft, speculative_tokens)
+    if mode == "background" and (speculation is not None or params.shaped):
+        mode = "eager"  # verify passes and shaped rows: the eager loop's (the compiled step takes neither)
     batch = len(encoded_prompts)
     longest = max(len(p) for p in encoded_prompts)
     if cache is not None and cache.tokens_seen and len(cache.tokens_seen) != batch:
@@ -315,7 +335,7 @@ def generate(
     fresh = cache is None or not any(cache.tokens_seen)  # no sequence read yet: a shared beginning is read once
     if cache is None:
         check_new_cache(model.args, batch, longest + max_tokens, max_tokens, model.dtype, model.device, model.parallel)
-        if mode == "compiled":
+        if mode in ("compiled", "background"):
             cache = step_compiler(model).cache_for(batch, longest + max_tokens)
         else:
             cache = model.make_cache(batch, max_seqlen=longest + max_tokens)
@@ -363,6 +383,8 @@ def generate(
         decode_speculative(model, cache, logits, settings, generated, logprobs, encoded_prompts, speculation, verify, k)
     elif mode == "eager":
         decode_eager(model, cache, logits, settings, generated, logprobs)
+    elif mode == "background":
+        decode_then_compiled(model, cache, logits, settings, generated, logprobs)
     else:
         shaped = shaping is not None
         step = compiled_step(model, cache, batch, sampling, eos_id, shaped) if mode == "compiled" else None
@@ -377,8 +399,14 @@ def decode_eager(
     settings: DecodeSettings,
     generated: List[List[int]],
     logprobs: List[List[float]],
-) -> None:
-    """The reference decode loop: one ``Transformer.forward`` per step over the rows still running."""
+    until: Optional[Callable[[], bool]] = None,
+) -> Optional[Tuple[torch.Tensor, List[int], int]]:
+    """The reference decode loop: one ``Transformer.forward`` per step over the rows still running.
+
+    ``until`` (asked after each pass): when it says True,
+    the loop stops there and returns ``(logits, active, chosen)``, the logits ``(B_active, V)`` of the
+    rows ``active`` still decoding after ``chosen`` tokens each, for another loop to go on from;
+    None when it ran to the end."""
     batch = len(generated)
     active = list(range(batch))  # sequences still generating; row r of `logits` is sequence active[r]
     for step in range(settings.max_tokens):
@@ -415,6 +443,49 @@ def decode_eager(
         input_ids = torch.tensor([generated[i][-1] for i in active], dtype=torch.long, device=model.device)
         logits = model(input_ids, seqlens, cache)  # (B_active, V)
         _check_finite(logits, f"at generation step {step + 1}")
+        if until is not None and until():
+            return logits, active, step + 1
+    return None
+
+
+def decode_then_compiled(
+    model: Transformer,
+    cache: RotatingBufferCache,
+    logits: torch.Tensor,  # (B, V) after each prompt's last token
+    settings: DecodeSettings,
+    generated: List[List[int]],
+    logprobs: List[List[float]],
+) -> None:
+    """``decode="auto"`` on CPU: the compiled step built in a child process while the eager loop
+    decodes (``StepCompiler.build_in_background``), then the rest of the tokens through it
+    (``decode_static``). The same tokens as either loop alone (both draw one uniform per row per
+    step); where it cannot be built, the eager loop to the end. A build on disk from an earlier run
+    (``cpu_aot_step.BuildCache``) is ready in the time of an export, so a second start decodes
+    compiled after a few steps."""
+    batch, sampling = len(generated), settings.sampling
+    options = (sampling.greedy, sampling.filtered, settings.eos_id, False)
+    device = model.device
+    examples = (
+        cache.layer_keys, cache.layer_values, torch.zeros(batch, dtype=torch.long, device=device),
+        torch.zeros(batch, dtype=torch.long, device=device), torch.ones(batch, dtype=torch.bool, device=device),
+        None if sampling.greedy else torch.zeros(batch, device=device), sampling.temperature, sampling.top_p, sampling.top_k,
+    )  # fmt: skip
+    build = step_compiler(model).build_in_background(DECODE, cache, options, (batch,), examples)
+    if build is None:  # built already (an earlier call), or it cannot be built here
+        step = compiled_step(model, cache, batch, sampling, settings.eos_id, False)
+        if hasattr(step, "__wrapped_first_call__"):
+            return decode_eager(model, cache, logits, settings, generated, logprobs)
+        return decode_static(model, cache, logits, settings, generated, logprobs, step)
+    left = decode_eager(model, cache, logits, settings, generated, logprobs, until=lambda: build.step() is not None)
+    if left is None:
+        return
+    logits_active, active, chosen = left
+    logits = logits_active.new_zeros(batch, logits_active.shape[-1])  # (B, V): finished rows choose nothing
+    logits[active] = logits_active
+    alive = torch.zeros(batch, dtype=torch.bool, device=device)
+    alive[active] = True
+    rest = dataclasses.replace(settings, max_tokens=settings.max_tokens - chosen)
+    decode_static(model, cache, logits, rest, generated, logprobs, build.step(), alive=alive)
 
 
 def verify_eager(model: Transformer):

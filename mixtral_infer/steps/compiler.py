@@ -41,6 +41,7 @@ finding AOTInductor's build on disk (``cpu_aot_step.BuildCache``) takes an expor
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -152,6 +153,7 @@ class StepCompiler:
         self.warn = warn
         self.tuning = tuning
         self.steps: Dict[tuple, Callable] = {}
+        self.building: Dict[tuple, "BackgroundBuild"] = {}  # steps built in child processes now (build_in_background)
         self.cache: Optional[RotatingBufferCache] = None
         self.compile_seconds = 0.0  # spent building steps so far: what a tokens/s figure should leave out
         self.written_out = False
@@ -213,6 +215,49 @@ class StepCompiler:
             return built
         return self._built_on_first_call(kind, cache, options, shape, tuning)
 
+    def build_in_background(
+        self, kind: StepKind, cache: RotatingBufferCache, options: tuple, shape: tuple, args: Sequence
+    ) -> Optional["BackgroundBuild"]:
+        """Build the step of ``kind`` for ``args``' shapes (``step``'s arguments) by AOTInductor in a
+        child process, without calling it; or None where it is built already or cannot be built so
+        (not on CPU or not on Linux, ``Tuning.ahead_of_time`` off, weights AOTInductor cannot be handed,
+        the build cache switched off).
+
+        The child is a fork of this process: it reads the model's weights where they are (copied on
+        write, and nothing writes them), exports and builds the step, and keeps the build on disk
+        (``cpu_aot_step.BuildCache``), while this process decodes. A thread could not: export and
+        AOTInductor's lowering set torch's is-compiling flag and wrap every module call for the whole
+        process while they trace, which an eager pass on another thread would run into. Once the child
+        is done, ``BackgroundBuild.step()`` loads the build here (an export, found on disk)."""
+        tuning = self.tuning_now()
+        key = self._key(kind, cache, options, shape, tuning)
+        if key in self.building:  # an earlier call's build, still under way
+            return self.building[key]
+        built = self.step(kind, cache, options, shape)
+        if not hasattr(built, "__wrapped_first_call__"):
+            return None  # built already
+        ahead = cache.device.type == "cpu" and kind.ahead_of_time and tuning.ahead_of_time and builds_ahead_of_time(self.model)
+        if not ahead or not hasattr(os, "fork") or torch._inductor.config.force_disable_caches:
+            return None
+        rows = f"batch {shape[0]}, " if shape else ""
+        self.announce(f"compiling the {kind.name} step for {rows}{slots_text(cache)} cache slots in the background "
+                      "(once per shape); decoding eagerly meanwhile")  # fmt: skip
+        sys.stdout.flush(), sys.stderr.flush()  # the child writes none of what is buffered
+        pid = os.fork()
+        if pid == 0:  # the child: build, keep on disk, exit without running the parent's exit handlers
+            code = 1
+            try:
+                quiet = os.open(os.devnull, os.O_WRONLY)  # the parent's output (a pipe) does not wait for the child
+                os.dup2(quiet, 1), os.dup2(quiet, 2)
+                torch.set_num_threads(1)  # the parent's OpenMP threads are not the child's
+                AotStep(self.model, kind.make(self.model, tuning, *options), args)
+                code = 0
+            finally:
+                os._exit(code)
+        build = BackgroundBuild(self, kind, cache, options, shape, tuning, args, key, pid)
+        self.building[key] = build
+        return build
+
     def _key(self, kind: StepKind, cache: RotatingBufferCache, options: tuple, shape: tuple, tuning: Tuning) -> tuple:
         return (kind.name, *shape, *buffer_shape(cache), *options, tuning, weights_key(self.model))
 
@@ -234,6 +279,7 @@ class StepCompiler:
             self.announce(f"compiled in {seconds:.1f}s" + (" (kept from an earlier build)" if kept else ""))
             return outputs
 
+        first_call.__wrapped_first_call__ = True  # not built yet (build_in_background asks)
         return first_call
 
     def _build_and_call(self, kind: StepKind, cache: RotatingBufferCache, options: tuple, shape: tuple, tuning: Tuning, args):
@@ -264,6 +310,58 @@ class StepCompiler:
 
     def _warn(self, message: str) -> None:
         (self.warn if self.warn is not None else self.announce)(message)
+
+
+class BackgroundBuild:
+    """A step being built in a child process (``StepCompiler.build_in_background``)."""
+
+    def __init__(self, compiler: "StepCompiler", kind: StepKind, cache, options: tuple, shape: tuple, tuning: Tuning,
+                 args: Sequence, key: tuple, pid: int):  # fmt: skip
+        self.compiler, self.kind, self.cache, self.options, self.shape = compiler, kind, cache, options, shape
+        self.tuning, self.args, self.key, self.pid = tuning, args, key, pid
+        self.start = time.perf_counter()
+        self.exit_code: Optional[int] = None
+        self.built: Optional[AotStep] = None
+        self.failed = False
+
+    def done(self) -> bool:
+        """Whether the child has ended (asked without waiting)."""
+        if self.exit_code is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == 0:
+                return False
+            self.exit_code = os.waitstatus_to_exitcode(status)
+            self.compiler.building.pop(self.key, None)
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the child; whether it has ended."""
+        deadline = time.perf_counter() + timeout
+        while not self.done() and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        return self.done()
+
+    def step(self) -> Optional[AotStep]:
+        """The built step, loaded here from the child's build once the child is done (kept with the
+        compiler and the model as ``step`` keeps steps); None while it runs, or where it failed (a line
+        says so, once)."""
+        if self.built is not None or self.failed or not self.done():
+            return self.built
+        if self.exit_code != 0:
+            self.failed = True
+            self.compiler._warn(f"the background build of the {self.kind.name} step failed (exit code {self.exit_code}); "
+                                "decoding on without it")  # fmt: skip
+            return None
+        loading = time.perf_counter()
+        step = AotStep(self.compiler.model, self.kind.make(self.compiler.model, self.tuning, *self.options), self.args)
+        self.compiler.steps[self.key] = step
+        built_steps(self.compiler.model)[self.key] = step
+        now = time.perf_counter()
+        self.compiler.compile_seconds += now - loading  # decoding waited for this part only
+        self.compiler.announce(f"compiled in the background in {now - self.start:.1f}s (loaded here in "
+                               f"{now - loading:.1f}s); decoding with it now")  # fmt: skip
+        self.built = step
+        return step
 
 
 class BuiltSteps(dict):

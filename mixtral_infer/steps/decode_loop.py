@@ -112,11 +112,14 @@ def decode_static(
     logprobs: List[List[float]],
     step: Optional[Callable[..., StepOutputs]] = None,
     tuning: Optional[Tuning] = None,
+    alive: Optional[torch.Tensor] = None,
 ) -> None:
     """Decode with the fixed-shape step: ``step`` (a compiled ``decode_one_token``), or, when
     None, the same step run op by op, as ``tuning`` says (None: the model's). With
-    ``settings.shaping``, ``decode_shaped`` (``step`` then the shaped step)."""
+    ``settings.shaping``, ``decode_shaped`` (``step`` then the shaped step). ``alive`` (B,) bool: the
+    rows still decoding, where a loop before this one finished some (default all)."""
     if settings.shaping is not None:
+        assert alive is None, "a shaped loop starts with every row"
         return decode_shaped(model, cache, logits, settings, generated, logprobs, step, tuning)
     batch, device = len(generated), model.device
     sampling = settings.sampling
@@ -124,7 +127,7 @@ def decode_static(
     if step is None:
         step = make_decode_step(model, sampling.greedy, sampling.filtered, settings.eos_id, tuning)
     positions = torch.tensor(cache.tokens_seen, dtype=torch.long, device=device)  # (B,) tokens seen
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device) if alive is None else alive
     uniform = draw_uniform(batch, sampling, settings.generator, device)
     tokens, token_logprob, next_alive = choose_tokens(logits, alive, sampling, uniform, settings.eos_id)
     reader = StepReader(device)
