@@ -82,6 +82,17 @@ def test_a_row_is_the_same_in_any_batch_and_an_expert_is_read_in_place(scheme):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_activation_makes_its_row_nan(bad):
+    """As the weight-only product does: the row holding it is NaN in every output, the other rows are not."""
+    weight = quantize(torch.randn(8, 256), QuantScheme("int8"), torch.float32)
+    x = torch.randn(2, 256)
+    x[0, 3] = bad
+    got = IntDotsLinear.product(x, weight)
+    assert got[0].isnan().all() and got[1].isfinite().all()
+
+
+@needs_kernels
 def test_prompts_take_the_weight_only_products():
     """From ``DOTS_ROWS`` rows on, the weight-only paths: int8's product bit for bit."""
     from mixtral_infer.kernels.linear.int_dots import DOTS_ROWS

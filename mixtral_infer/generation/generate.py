@@ -217,7 +217,7 @@ def decode_mode(decode: str, model: Transformer) -> str:
     ``auto`` is ``compiled`` on CUDA (the eager loop there is bound by the host, not the GPU).
     On CPU, where compiling takes longer than a short generation gains (docs/performance.md,
     "Compiled steps"), it is ``background``: the eager loop decodes while AOTInductor builds the
-    compiled step on a thread of its own, which takes over once built (``decode_then_compiled``;
+    compiled step in a child process, which takes over once built (``decode_then_compiled``;
     kept on disk, so the next run has it after an export); ``eager`` where AOTInductor cannot build
     the step (``builds_ahead_of_time``, ``Tuning.ahead_of_time``) or with
     ``MIXTRAL_INFER_BACKGROUND_COMPILE=0``. ``eager`` for a reference model

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -70,11 +71,18 @@ void quantize_rows(const T* x, int64_t rows, int64_t in, int8_t* q, float* d) {
     for (int64_t b = 0; b < blocks; ++b) {
       const T* xb = x + m * in + b * BLOCK;
       float amax = 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xb[i])));
-      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      bool finite = true;
+      for (int64_t i = 0; i < BLOCK; ++i) {
+        const float v = static_cast<float>(xb[i]);
+        finite = finite && std::isfinite(v);
+        amax = std::max(amax, std::fabs(v));
+      }
+      // A NaN or inf activation makes its block's scale NaN, so every product it enters is NaN, as the
+      // weight-only product is (a bad model is caught downstream), and its integers 0, not undefined.
+      const float inverse = finite && amax > 0.f ? 127.f / amax : 0.f;
       for (int64_t i = 0; i < BLOCK; ++i)
         q[m * in + b * BLOCK + i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[i]) * inverse));
-      d[m * blocks + b] = amax / 127.f;
+      d[m * blocks + b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
     }
   }
 }

@@ -122,8 +122,11 @@ def _load() -> tuple[bool, Optional[str]]:
         path = os.environ.get("PATH", "")
         if ninja_folder() not in path.split(os.pathsep):  # torch's build calls "ninja" from PATH
             os.environ["PATH"] = os.pathsep.join([ninja_folder(), path])
-        load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-             build_directory=str(folder), is_python_module=False, verbose=False)  # fmt: skip
+        try:
+            load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                 build_directory=str(folder), is_python_module=False, verbose=False)  # fmt: skip
+        finally:
+            os.environ["PATH"] = path
         return True, None
     except Exception as error:  # a compiler error, a library that does not load: today's kernels
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

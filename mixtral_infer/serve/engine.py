@@ -243,8 +243,8 @@ class Engine:
         self.rows, self.max_queue, self.prefill_tokens = rows, max_queue, prefill_tokens
         self.max_model_len = max_model_len  # with windows only, a bound on each request alone (rows hold the windows)
         self.mode = decode_mode(decode, model)
-        # auto compiles on CPU too (generate's auto does not: there a compilation costs more than a
-        # short generation; a server compiles once, in warm_up), and off CUDA still chooses per step
+        # auto compiles on CPU too, before serving (generate's auto builds in the background while it
+        # decodes eagerly; a server compiles once, in warm_up), and off CUDA still chooses per step
         # between the static step and Transformer.forward (_static_step_is_cheaper). If compiling
         # fails (no C++ compiler), auto falls back to the uncompiled steps (_compile_failed).
         static = supports_static_decode(model)

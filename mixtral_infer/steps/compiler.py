@@ -43,7 +43,10 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import tempfile
+import threading
 import time
+import traceback
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence
 
@@ -221,14 +224,17 @@ class StepCompiler:
         """Build the step of ``kind`` for ``args``' shapes (``step``'s arguments) by AOTInductor in a
         child process, without calling it; or None where it is built already or cannot be built so
         (not on CPU or not on Linux, ``Tuning.ahead_of_time`` off, weights AOTInductor cannot be handed,
-        the build cache switched off).
+        the build cache switched off), or while another build runs.
 
         The child is a fork of this process: it reads the model's weights where they are (copied on
-        write, and nothing writes them), exports and builds the step, and keeps the build on disk
-        (``cpu_aot_step.BuildCache``), while this process decodes. A thread could not: export and
-        AOTInductor's lowering set torch's is-compiling flag and wrap every module call for the whole
-        process while they trace, which an eager pass on another thread would run into. Once the child
-        is done, ``BackgroundBuild.step()`` loads the build here (an export, found on disk)."""
+        write; nothing writes them), exports and builds the step on this process's threads, and keeps
+        the build on disk (``cpu_aot_step.BuildCache``), while this process decodes. A thread could not:
+        export and AOTInductor's lowering set torch's is-compiling flag and wrap every module call for
+        the whole process while they trace, which an eager pass on another thread runs into. The child
+        runs in a process group of its own at a lower priority (Ctrl-C at the terminal is the parent's),
+        writes its output to a log file (``BackgroundBuild.log``), and is reaped by a thread of this
+        process; one that outlives this process finishes its build for the next run. Once it is done,
+        ``BackgroundBuild.step()`` loads the build here (an export, found on disk)."""
         tuning = self.tuning_now()
         key = self._key(kind, cache, options, shape, tuning)
         if key in self.building:  # an earlier call's build, still under way
@@ -239,7 +245,10 @@ class StepCompiler:
         ahead = cache.device.type == "cpu" and kind.ahead_of_time and tuning.ahead_of_time and builds_ahead_of_time(self.model)
         if not ahead or not hasattr(os, "fork") or torch._inductor.config.force_disable_caches:
             return None
+        if any(not b.done() for b in self.building.values()):
+            return None
         rows = f"batch {shape[0]}, " if shape else ""
+        log = os.path.join(tempfile.gettempdir(), f"mixtral_infer_build_{os.getpid()}_{len(self.building)}.log")
         self.announce(f"compiling the {kind.name} step for {rows}{slots_text(cache)} cache slots in the background "
                       "(once per shape); decoding eagerly meanwhile")  # fmt: skip
         sys.stdout.flush(), sys.stderr.flush()  # the child writes none of what is buffered
@@ -247,14 +256,19 @@ class StepCompiler:
         if pid == 0:  # the child: build, keep on disk, exit without running the parent's exit handlers
             code = 1
             try:
-                quiet = os.open(os.devnull, os.O_WRONLY)  # the parent's output (a pipe) does not wait for the child
-                os.dup2(quiet, 1), os.dup2(quiet, 2)
-                torch.set_num_threads(1)  # the parent's OpenMP threads are not the child's
+                os.setpgid(0, 0)
+                os.nice(10)
+                output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(output, 1), os.dup2(output, 2)  # and a pipe the parent writes to is not held open
+                # Python's streams too: a notebook's are sockets served by threads a fork does not copy.
+                sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
                 AotStep(self.model, kind.make(self.model, tuning, *options), args)
                 code = 0
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(code)
-        build = BackgroundBuild(self, kind, cache, options, shape, tuning, args, key, pid)
+        build = BackgroundBuild(self, kind, options, shape, tuning, args, key, pid, log)
         self.building[key] = build
         return build
 
@@ -313,47 +327,53 @@ class StepCompiler:
 
 
 class BackgroundBuild:
-    """A step being built in a child process (``StepCompiler.build_in_background``)."""
+    """A step being built in a child process (``StepCompiler.build_in_background``). It keeps the
+    shapes of the step's arguments, not the tensors (a cache replaced since is freed)."""
 
-    def __init__(self, compiler: "StepCompiler", kind: StepKind, cache, options: tuple, shape: tuple, tuning: Tuning,
-                 args: Sequence, key: tuple, pid: int):  # fmt: skip
-        self.compiler, self.kind, self.cache, self.options, self.shape = compiler, kind, cache, options, shape
-        self.tuning, self.args, self.key, self.pid = tuning, args, key, pid
+    def __init__(self, compiler: "StepCompiler", kind: StepKind, options: tuple, shape: tuple, tuning: Tuning,
+                 args: Sequence, key: tuple, pid: int, log: str):  # fmt: skip
+        self.compiler, self.kind, self.options, self.shape, self.tuning = compiler, kind, options, shape, tuning
+        self.layouts = _layouts(args)
+        self.key, self.pid, self.log = key, pid, log
         self.start = time.perf_counter()
         self.exit_code: Optional[int] = None
         self.built: Optional[AotStep] = None
         self.failed = False
+        self.ended = threading.Event()
+        threading.Thread(target=self._reap, name="mixtral_infer build waiter", daemon=True).start()
+
+    def _reap(self) -> None:
+        _, status = os.waitpid(self.pid, 0)
+        self.exit_code = os.waitstatus_to_exitcode(status)
+        self.ended.set()
 
     def done(self) -> bool:
-        """Whether the child has ended (asked without waiting)."""
-        if self.exit_code is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid == 0:
-                return False
-            self.exit_code = os.waitstatus_to_exitcode(status)
-            self.compiler.building.pop(self.key, None)
-        return True
+        """Whether the child has ended."""
+        return self.ended.is_set()
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the child; whether it has ended."""
-        deadline = time.perf_counter() + timeout
-        while not self.done() and time.perf_counter() < deadline:
-            time.sleep(0.05)
-        return self.done()
+        return self.ended.wait(timeout)
 
     def step(self) -> Optional[AotStep]:
         """The built step, loaded here from the child's build once the child is done (kept with the
-        compiler and the model as ``step`` keeps steps); None while it runs, or where it failed (a line
-        says so, once)."""
+        compiler and the model as ``step`` keeps steps); None while it runs, or where it failed (one
+        line says so and where the child's output is)."""
         if self.built is not None or self.failed or not self.done():
             return self.built
-        if self.exit_code != 0:
-            self.failed = True
-            self.compiler._warn(f"the background build of the {self.kind.name} step failed (exit code {self.exit_code}); "
-                                "decoding on without it")  # fmt: skip
-            return None
+        self.compiler.building.pop(self.key, None)
         loading = time.perf_counter()
-        step = AotStep(self.compiler.model, self.kind.make(self.compiler.model, self.tuning, *self.options), self.args)
+        try:
+            if self.exit_code != 0:
+                raise RuntimeError(f"the child ended with exit code {self.exit_code}")
+            make = self.kind.make(self.compiler.model, self.tuning, *self.options)
+            step = AotStep(self.compiler.model, make, _examples(self.layouts), kept_only=True)
+        except Exception as reason:  # its build failed, was cut short (a signal), or is not on disk
+            self.failed = True
+            self.compiler._warn(f"the background build of the {self.kind.name} step did not finish ({one_line(reason)}; "
+                                f"its output: {self.log}); decoding on without it")  # fmt: skip
+            return None
+        os.unlink(self.log) if os.path.exists(self.log) else None
         self.compiler.steps[self.key] = step
         built_steps(self.compiler.model)[self.key] = step
         now = time.perf_counter()
@@ -362,6 +382,25 @@ class BackgroundBuild:
                                f"{now - loading:.1f}s); decoding with it now")  # fmt: skip
         self.built = step
         return step
+
+
+def _layouts(args):
+    """The shapes, strides, dtypes and devices of a step's arguments (tensors, sequences of them, None)."""
+    if isinstance(args, torch.Tensor):
+        return ("tensor", tuple(args.shape), args.stride(), args.dtype, args.device)
+    if isinstance(args, (list, tuple)):
+        return ("sequence", type(args), [_layouts(arg) for arg in args])
+    return ("value", args)
+
+
+def _examples(layouts):
+    """Arguments of those layouts (``_layouts``), their memory untouched: what a build is found by."""
+    if layouts[0] == "sequence":
+        return layouts[1](_examples(layout) for layout in layouts[2])
+    if layouts[0] == "tensor":
+        _, shape, stride, dtype, device = layouts
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return layouts[1]
 
 
 class BuiltSteps(dict):

@@ -102,13 +102,14 @@ def inductor_configs() -> Dict[str, object]:
 class AotStep:
     """A decode step of ``model`` (``decode_step.make_decode_step``'s, or ``decode_logits`` bound to it:
     ``compiler.StepKind``) built by AOTInductor for the shapes of ``args``, its first call's
-    arguments, or loaded from the build cache (``loaded``: whether it was).
+    arguments, or loaded from the build cache (``loaded``: whether it was; ``kept_only``: only that).
 
     Called as the step is, e.g. ``step(cache_k, cache_v, tokens, positions, alive, uniform,
     temperature, top_p, top_k)``, the cache as its layers' buffers (``RotatingBufferCache.layer_keys``);
     writes the cache in place, returns fresh output tensors."""
 
-    def __init__(self, model: Transformer, decode_one_token: Callable[..., Tuple[torch.Tensor, ...]], args: Sequence):
+    def __init__(self, model: Transformer, decode_one_token: Callable[..., Tuple[torch.Tensor, ...]], args: Sequence,
+                 kept_only: bool = False):  # fmt: skip
         self.module = _StepModule(model, decode_one_token)
         # Export traces on fake tensors: plain tensors of the arguments' shapes (the caller's may be
         # inference tensors, which export may not write); empty_strided touches no memory.
@@ -119,6 +120,8 @@ class AotStep:
             cache = BuildCache.for_graph(exported)
             kept = cache.load() if cache is not None else None
             self.loaded = kept is not None
+            if kept is None and kept_only:  # a background build that should be on disk is not
+                raise NotAheadOfTime("no build of this step is kept on disk")
             self.runner, scalars = kept if kept is not None else _build(exported, tensors, cache)
         self.scalars = _handed_over(self.runner, tensors, scalars)  # inductor's (module docstring)
         self.constants: Dict[str, torch.Tensor] = {
@@ -216,7 +219,8 @@ def build_key(exported: torch.export.ExportedProgram) -> str:
     """A digest of everything the library is built from: each node of the exported graph with the
     shape, strides and dtype of its value (inputs and weights included: the library assumes their
     layout), which inputs it writes, the constants' values where inductor may build them in (one
-    value), inductor's options, the torch and package versions, and the CPU (``-march=native``)."""
+    value), inductor's options, the torch and package versions, the CPU (``-march=native``) and the
+    threads torch runs on (inductor writes serial loops for one)."""
     digest = hashlib.sha256()
 
     def add(*parts) -> None:
@@ -230,6 +234,7 @@ def build_key(exported: torch.export.ExportedProgram) -> str:
     # process and a later one in another would never find each other's build (the CPU is below).
     options.pop("aot_inductor.metadata", None)
     add(torch.__version__, __version__, sorted(options.items(), key=str), _cpu_description(), exported.graph_signature)
+    add(f"threads {torch.get_num_threads()}")
     for node in exported.graph.nodes:
         add(node.format_node(), _layout(node.meta.get("val")))
     for name, value in sorted(exported.constants.items()):
