@@ -324,3 +324,18 @@ def test_auto_decodes_eagerly_while_the_step_is_built_then_hands_over(monkeypatc
     builds.clear()
     assert generate(prompts, model, decode="auto", max_tokens=12, eos_id=eos_id, **settings)[0] == eager[0]
     assert builds == [None]  # built already: the static loop from the first token
+
+
+def test_a_kept_build_is_keyed_by_the_threads_it_was_built_for():
+    """Inductor writes serial loops for one thread: a build made on one thread (a background build's
+    child once was) is not found by a process on two."""
+    exported = torch.export.export(torch.nn.Linear(4, 4), (torch.ones(1, 4),))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = build_key(exported)
+        torch.set_num_threads(2)
+        two = build_key(exported)
+    finally:
+        torch.set_num_threads(threads)
+    assert one != two
