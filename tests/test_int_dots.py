@@ -22,7 +22,21 @@ from mixtral_infer.quant.weights import QuantizedWeight, quantize
 from mixtral_infer.tuning import Tuning
 
 REASON = native.unavailable_because()
-needs_kernels = pytest.mark.skipif(REASON is not None, reason=f"the integer kernels cannot be built here: {REASON}")
+
+
+@pytest.fixture
+def loaded_kernels():
+    """The operators loaded in this process (built or read from the cache): a test that calls them
+    directly may run first in its worker."""
+    assert available(), f"the integer kernels did not load: {native._STATE.get('why')}"
+
+
+def needs_kernels(test):
+    """Skipped where the kernels cannot be built (``native.unavailable_because``), else run with them loaded."""
+    test = pytest.mark.usefixtures("loaded_kernels")(test)
+    return pytest.mark.skipif(REASON is not None, reason=f"the integer kernels cannot be built here: {REASON}")(test)
+
+
 DOTS = Tuning(int_dots=True)
 SCHEMES = [QuantScheme("int8"), QuantScheme("int4", 32), QuantScheme("int4", 64)]
 
