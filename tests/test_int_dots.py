@@ -38,7 +38,7 @@ def needs_kernels(test):
 
 
 DOTS = Tuning(int_dots=True)
-SCHEMES = [QuantScheme("int8"), QuantScheme("int4", 32), QuantScheme("int4", 64)]
+SCHEMES = [QuantScheme("int8"), QuantScheme("int4", 32), QuantScheme("int4", 64), QuantScheme("int4", 128)]
 
 
 def test_the_docstring_example():
@@ -65,11 +65,12 @@ def test_the_docstring_example():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_product_is_its_integer_arithmetic_and_within_the_bound(scheme, rows, dtype):
     """The kernel equals the quantized activations times the dequantized weight summed in float64 (to
-    float32's rounding), and stays within ``activation_error_bound`` of the weight-only product; 4099
+    float32's rounding), and stays within ``activation_error_bound`` of the weight-only product; 1152
+    inputs (int4 reads 256 at a time, then the last 128), 4099
     rows of weights (not a multiple of the 4 read at once), more activation rows than a pass holds (11)."""
     torch.manual_seed(rows)
-    weight = quantize(torch.randn(4099, 256), scheme, dtype)
-    x = torch.randn(rows, 256).to(dtype)
+    weight = quantize(torch.randn(4099, 1152), scheme, dtype)
+    x = torch.randn(rows, 1152).to(dtype)
     got = IntDotsLinear.product(x, weight).double()  # (rows, OUT)
     assert got.shape == (rows, 4099)
     exact = reference_int_dots(x, weight)

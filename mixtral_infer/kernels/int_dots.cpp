@@ -24,12 +24,17 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t BLOCK = 32;  // inputs per activation scale
 constexpr int64_t MAX_ROWS = 8;  // activation rows per pass over the weight
+// Each pass over a set of P weight rows asks for the same bytes of the set AHEAD sets on (one cache line
+// a time): a thread reads its rows set after set, and short rows read in step defeat the hardware's
+// stream detection, so a decode product otherwise waits on memory (docs/performance.md, section 6).
+constexpr int64_t AHEAD = 2;
 
 // acc + in each 32-bit lane the sum of its 4 products u * s (u unsigned bytes, s signed).
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
@@ -97,7 +102,9 @@ void int8_rows(const int8_t* q, const float* d, const int8_t* w, const S* s, flo
     for (int m = 0; m < M; ++m) acc[p][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     for (int p = 0; p < P; ++p) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + p) * in + b * BLOCK));
+      const int8_t* at = w + (r + p) * in + b * BLOCK;
+      if (b % 2 == 0 && r + (AHEAD + 1) * P <= out) _mm_prefetch(reinterpret_cast<const char*>(at + AHEAD * P * in), _MM_HINT_T0);
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
       const __m256i magnitude = _mm256_sign_epi8(wv, wv);  // |w|, unsigned
       for (int m = 0; m < M; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * in + b * BLOCK));
@@ -134,31 +141,75 @@ SplitRows split_rows(const int8_t* q, int64_t rows, int64_t in) {
   return split;
 }
 
+// The scales of the 8 blocks of inputs c0..c0+255 of one weight row (s[g(b)], g(b) = 32 b / G) as
+// floats: one load where each block has its own scale in bfloat16 or float32 (G = 32), else each read.
+template <typename S>
+inline __m256 block_scales8(const S* row, int64_t c0, int64_t group) {
+  if (group == BLOCK) {
+    if constexpr (std::is_same_v<S, c10::BFloat16>) {  // bfloat16: the high 16 bits of a float32
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0 / BLOCK));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    } else if constexpr (std::is_same_v<S, float>) {
+      return _mm256_loadu_ps(row + c0 / BLOCK);
+    }
+  }
+  alignas(32) float f[8];
+  for (int k = 0; k < 8; ++k) f[k] = static_cast<float>(row[(c0 + k * BLOCK) / group]);
+  return _mm256_load_ps(f);
+}
+
+// 64 inputs from c of M activation rows against P weight rows: acc[p][m] + each block's integer sum
+// times its scale, sd[p][m] (8 blocks' d * s from c0) permuted so that lanes 0-3 hold block `first`'s
+// and lanes 4-7 the next one's.
+template <int M, int P>
+inline void int4_step(const SplitRows& x, const uint8_t* w, int64_t half, int64_t in, int64_t c, int64_t r, bool fetch,
+                      const __m256 (&sd)[P][M], __m256i order, __m256 (&acc)[P][M]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int p = 0; p < P; ++p) {
+    const uint8_t* at = w + (r + p) * half + c / 2;
+    if (fetch && c % 128 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + AHEAD * P * half), _MM_HINT_T0);
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    const __m256i low = _mm256_and_si256(bytes, low4);  // inputs c + 2j
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);  // inputs c + 2j + 1
+    for (int m = 0; m < M; ++m) {
+      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even.data() + m * half + c / 2));
+      const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd.data() + m * half + c / 2));
+      const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.start.data() + m * (in / 8) + c / 8));
+      const __m256i dots = dot8_nibbles(start, low, even, high, odd);  // lanes 0-3: block c/32, 4-7: the next
+      acc[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_permutevar8x32_ps(sd[p][m], order), acc[p][m]);
+    }
+  }
+}
+
 template <int M, int P, typename S>
 void int4_rows(const SplitRows& x, const float* d, const uint8_t* w, const S* s, float* y,
                int64_t out, int64_t in, int64_t group, int64_t r) {
   const int64_t blocks = in / BLOCK, groups = in / group, half = in / 2;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[P][M];
+  __m256 acc[P][M], sd[P][M];
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) acc[p][m] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < in; c += 64) {  // 64 inputs: 32 bytes, two blocks
+  // Lanes 0-3 from block 2j of the 8, lanes 4-7 from block 2j + 1, for the j-th 64 inputs of 256.
+  const __m256i order[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                            _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  const bool fetch = r + (AHEAD + 1) * P <= out;
+  int64_t c0 = 0;
+  for (; c0 + 256 <= in; c0 += 256) {  // 8 blocks: their scales d * s made once, then 4 steps of 64
     for (int p = 0; p < P; ++p) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + p) * half + c / 2));
-      const __m256i low = _mm256_and_si256(bytes, low4);  // inputs c + 2j
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);  // inputs c + 2j + 1
+      const __m256 sv = block_scales8(s + (r + p) * groups, c0, group);
+      for (int m = 0; m < M; ++m) sd[p][m] = _mm256_mul_ps(sv, _mm256_loadu_ps(d + m * blocks + c0 / BLOCK));
+    }
+    for (int j = 0; j < 4; ++j) int4_step<M, P>(x, w, half, in, c0 + 64 * j, r, fetch, sd, order[j], acc);
+  }
+  for (int64_t c = c0; c < in; c += 64) {  // the last 64-192 inputs where IN is not a multiple of 256
+    for (int p = 0; p < P; ++p) {
       const float s0 = static_cast<float>(s[(r + p) * groups + c / group]);
       const float s1 = static_cast<float>(s[(r + p) * groups + (c + BLOCK) / group]);
       for (int m = 0; m < M; ++m) {
-        const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even.data() + m * half + c / 2));
-        const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd.data() + m * half + c / 2));
-        const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.start.data() + m * (in / 8) + c / 8));
-        const __m256i dots = dot8_nibbles(start, low, even, high, odd);  // lanes 0-3: block c/32, 4-7: the next
         const float* db = d + m * blocks + c / BLOCK;
-        const __m256 scale = _mm256_set_m128(_mm_set1_ps(s1 * db[1]), _mm_set1_ps(s0 * db[0]));
-        acc[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[p][m]);
+        sd[p][m] = _mm256_setr_ps(s0 * db[0], s1 * db[1], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
       }
     }
+    int4_step<M, P>(x, w, half, in, c, r, fetch, sd, order[0], acc);
   }
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) y[m * out + r + p] = sum8(acc[p][m]);
