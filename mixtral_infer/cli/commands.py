@@ -226,17 +226,14 @@ class ProgressBar:
         sys.stderr.flush()
 
 
-def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Optional[str]):
-    """(Parallel, device) for this process; joins the torchrun group when the model is cut."""
+def check_launch(tensor_parallel: int, num_pipeline_ranks: int) -> int:
+    """This process's rank where the model is cut (torchrun's RANK), 0 where it is not; a launch that
+    does not match the options is said at once."""
     import os
-
-    import torch
-
-    from mixtral_infer.model.parallel import Parallel
 
     parallel_size = tensor_parallel * num_pipeline_ranks
     if parallel_size == 1:
-        return Parallel(), parse_device(device)
+        return 0
     if tensor_parallel > 1 and num_pipeline_ranks > 1:  # said before "launch with torchrun", which would only lead here
         raise MixtralInferError("use either --tensor_parallel or --num_pipeline_ranks, not both")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -245,6 +242,26 @@ def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Op
             f"--tensor_parallel {tensor_parallel} --num_pipeline_ranks {num_pipeline_ranks} needs {parallel_size} "
             f"processes; this is {world_size}: launch with torchrun --nproc-per-node {parallel_size} main.py ..."
         )
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:  # WORLD_SIZE alone, left in the environment: torch's rendezvous error was a traceback
+        raise MixtralInferError(f"WORLD_SIZE={world_size} is set but {', '.join(missing)} not: "
+                                f"launch with torchrun --nproc-per-node {parallel_size} main.py ...")  # fmt: skip
+    return int(os.environ["RANK"])
+
+
+def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Optional[str], timeout_s: Optional[float] = None):
+    """(Parallel, device) for this process; joins the torchrun group when the model is cut, its
+    collectives timing out after ``timeout_s`` (torch's default without)."""
+    import datetime
+    import os
+
+    import torch
+
+    from mixtral_infer.model.parallel import Parallel
+
+    if tensor_parallel * num_pipeline_ranks == 1:
+        return Parallel(), parse_device(device)
+    check_launch(tensor_parallel, num_pipeline_ranks)
     import torch.distributed as dist
 
     use_cuda = torch.cuda.is_available() and (device is None or device.startswith("cuda"))
@@ -252,11 +269,8 @@ def join_process_group(tensor_parallel: int, num_pipeline_ranks: int, device: Op
     if use_cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-        if missing:  # WORLD_SIZE alone, left in the environment: torch's rendezvous error was a traceback
-            raise MixtralInferError(f"WORLD_SIZE={world_size} is set but {', '.join(missing)} not: "
-                                    f"launch with torchrun --nproc-per-node {parallel_size} main.py ...")  # fmt: skip
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group("nccl" if use_cuda else "gloo", **timeout)
     parallel = Parallel(tensor_parallel=tensor_parallel, num_pipeline_ranks=num_pipeline_ranks, rank=dist.get_rank())
     return parallel, torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
 
@@ -301,6 +315,7 @@ def load(
     lora: Optional[str] = None,
     lora_scale: float = 1.0,
     served_adapters: Sequence[Tuple[str, str]] = (),
+    collective_timeout: Optional[float] = None,
 ):
     """(model, tokenizer) from a model folder or a shipped model's name; tiny-mixtral when none is given.
     ``served_adapters``: (name, path) of LoRA adapters kept apart beside the weights (``serve --lora NAME=PATH``).
@@ -318,7 +333,7 @@ def load(
     folder = model_folder(model_path)
     if int(tensor_parallel) * int(num_pipeline_ranks) > 1 and decode in ("static", "compiled"):  # said after loading
         raise MixtralInferError(f"--decode {decode} needs the whole model in one process; use --decode eager (or auto)")
-    parallel, torch_device = join_process_group(int(tensor_parallel), int(num_pipeline_ranks), device)
+    parallel, torch_device = join_process_group(int(tensor_parallel), int(num_pipeline_ranks), device, collective_timeout)
     torch_dtype = parse_dtype(dtype)
     tokenizer_path = find_tokenizer(folder)
     if folder.is_dir() and tokenizer_path is None:
@@ -804,6 +819,9 @@ def serve(
     speculative_tokens: int = None,
     lora: str = None,
     lora_scale: float = 1.0,
+    tensor_parallel: int = 1,
+    num_pipeline_ranks: int = 1,
+    collective_timeout: float = 120.0,
 ) -> None:
     """An OpenAI-compatible HTTP server with continuous batching (needs the serve extra).
 
@@ -835,17 +853,26 @@ def serve(
         speculative_tokens: guesses checked per step at most, 1 to 64 (default 4); each row keeps that many positions more (counted in its memory), to step back over rejected guesses.
         lora: PATH: a LoRA adapter merged into the weights as they load, for every request; NAME=PATH[,NAME=PATH...]: adapters kept apart beside the weights, served at once: a request names one as its "model" (/v1/models lists them), and rows of different adapters decode in one batch.
         lora_scale: multiplies the adapters' own scale (default 1.0, as trained).
+        tensor_parallel: under torchrun (torchrun --nproc-per-node N main.py serve ...), cut each layer's heads, hidden units or experts across N processes; rank 0 serves HTTP and schedules, every rank runs each step on its share.
+        num_pipeline_ranks: under torchrun, cut the layers into N consecutive stages, one a process.
+        collective_timeout: seconds a process of a cut model waits on the others before it says which one is gone and every process stops (also the bound on how far apart the processes may finish loading).
     """
     check_decode(decode)
     check_quantize(quantize)
+    check_options(16, 0.0, 1.0, None, None, None, device, dtype, tensor_parallel, num_pipeline_ranks)
+    if lora is not None and "=" in str(lora) and int(tensor_parallel) * int(num_pipeline_ranks) > 1:
+        raise GenerationError("--lora NAME=PATH (adapters kept apart) needs the whole model in one process; under torchrun "
+                              "merge one adapter with --lora PATH")  # fmt: skip
     named = check_lora(lora, lora_scale, named=True)
     from mixtral_infer.serve.options import check_serve_options
 
     check_serve_options(port, max_rows, memory_fraction, max_queue, prefill_tokens, max_model_len, shutdown_timeout, admit_every, reuse_slack)
-    check_speculative_options(draft_model, speculative_ngram, speculative_tokens)
-    check_options(16, 0.0, 1.0, None, None, None, device, dtype, 1, 1)
+    check_speculative_options(draft_model, speculative_ngram, speculative_tokens, tensor_parallel, num_pipeline_ranks)
+    if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) or collective_timeout <= 0:
+        raise GenerationError(f"--collective-timeout {collective_timeout!r} must be a number of seconds > 0")
+    rank = check_launch(int(tensor_parallel), int(num_pipeline_ranks))
     from mixtral_infer.checkpoint.loading import declared_max_len, open_checkpoint
-    from mixtral_infer.serve.server import DEFAULT_MAX_MODEL_LEN, run_server
+    from mixtral_infer.serve.server import DEFAULT_MAX_MODEL_LEN, follow_server, run_server
     from mixtral_infer.tokenizer import Tokenizer
 
     folder = model_folder(model_path)
@@ -862,21 +889,30 @@ def serve(
         raise GenerationError(f"this model has {what}: give --max-model-len (tokens per sequence) to size its rows")
     if max_model_len is None:  # a bound on each request (a row holds the window, whatever the length)
         max_model_len = declared_max_len(checkpoint) or DEFAULT_MAX_MODEL_LEN
+    model_load = functools.partial(
+        load, model_path, 1, device, dtype, int(tensor_parallel), int(num_pipeline_ranks), quantize=quantize,
+        lora=None if named else lora, lora_scale=lora_scale, served_adapters=named, collective_timeout=float(collective_timeout),
+    )  # fmt: skip
+    settings = dict(
+        prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode,
+        admit_every=None if admit_every is None else int(admit_every), prefix_reuse=not no_prefix_reuse, reuse_slack=int(reuse_slack),
+    )  # fmt: skip
+    if rank != 0:  # a share of the model, no HTTP: rank 0's engine sends each step (serve.step_group)
+        follow_server(model_load, collective_timeout=float(collective_timeout), **settings)
+        return
     tokenizer = Tokenizer.from_folder(folder)  # this process turns requests into tokens; the engine's loads the model
     given = str(model_path) if model_path is not None else DEFAULT_MODEL_NAME
     name = served_model_name or (given if is_hub_name(given) and not Path(given).exists() else resolve_model_folder(given).name)
     if any(adapter == str(name) for adapter, _ in named):
         raise UsageError(f"--lora: the adapter name {name!r} is the model's own (--served-model-name): name it otherwise")
     run_server(
-        functools.partial(load, model_path, 1, device, dtype, quantize=quantize, lora=None if named else lora, lora_scale=lora_scale,
-                          served_adapters=named),
-        tokenizer, model_name=str(name), adapters=[adapter for adapter, _ in named], host=str(host),
+        model_load, tokenizer, model_name=str(name), adapters=[adapter for adapter, _ in named], host=str(host),
         port=int(port), max_rows=max_rows, memory_fraction=memory_fraction, max_queue=int(max_queue),
-        prefill_tokens=int(prefill_tokens), max_model_len=max_model_len, decode=decode, admit_every=None if admit_every is None else int(admit_every),
-        shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus), prefix_reuse=not no_prefix_reuse,
-        reuse_slack=int(reuse_slack), speculative_ngram=speculative_ngram,
+        shutdown_timeout=float(shutdown_timeout), pin_cpus=bool(pin_cpus), speculative_ngram=speculative_ngram,
         speculative_tokens=None if speculative_tokens is None else int(speculative_tokens),
         draft_load=None if draft_model is None else functools.partial(load, draft_model, 1, device, dtype),
+        collective_timeout=float(collective_timeout) if rank == 0 and int(tensor_parallel) * int(num_pipeline_ranks) > 1 else None,
+        **settings,
     )  # fmt: skip
 
 

@@ -52,6 +52,7 @@ from mixtral_infer.steps.mixed_step import pack_chunk
 from mixtral_infer.generation.generate import decode_mode
 from mixtral_infer.generation.speculative import SpeculativeStats, check_speculation, choose_checked, static_verify
 from mixtral_infer.serve.speculation import SpeculationPolicy
+from mixtral_infer.serve.step_group import EFFECTS, WITH_COLLECTIVES, GroupLost, StepGroup, check_in_step
 from mixtral_infer.generation.sampling_params import SamplingParams, rows_sampling
 from mixtral_infer.sampling import sample
 from mixtral_infer.generation.text_stream import AnswerText
@@ -211,6 +212,10 @@ class Engine:
     a copy of the positions about to be pushed out before each pass; a chunk longer than a windowed
     buffer is read by ``Transformer.forward`` (which keeps what it pushes out itself), or, where
     prompts are read only by static steps, a prompt's last one in two (``_plan``). Off (0) by default.
+
+    ``group``: the model is cut across processes (``serve.step_group``): this engine is rank 0's, and
+    each change it makes to the model's state (``_effect``) is sent to the other ranks' engines, which
+    apply it to their shares. Steps are eager there, as ``generate``'s are for a cut model.
     """
 
     def __init__(
@@ -232,6 +237,7 @@ class Engine:
         slack: int = 0,
         draft: object = None,
         speculative_tokens: Optional[int] = None,
+        group: Optional[StepGroup] = None,
     ):
         if rows < 1 or max_queue < 0 or prefill_tokens < 1:
             raise GenerationError(f"rows={rows} and prefill_tokens={prefill_tokens} must be >= 1, max_queue={max_queue} >= 0")
@@ -239,6 +245,9 @@ class Engine:
             what = "without a sliding window" if model.args.sliding_window is None else "with full-attention layers"
             raise GenerationError(f"a model {what} needs max_model_len (tokens per sequence)")
         self.model, self.tokenizer = model, tokenizer
+        self.group = group
+        self.lost: Optional[str] = None  # why the process group broke, once it has (the engine then stops)
+        self.on_lost: Optional[Callable[[str], None]] = None  # called in the engine's thread when it does
         self.tuning = tuning if tuning is not None else tuning_of(model)  # how the static steps are built
         self.rows, self.max_queue, self.prefill_tokens = rows, max_queue, prefill_tokens
         self.max_model_len = max_model_len  # with windows only, a bound on each request alone (rows hold the windows)
@@ -251,6 +260,8 @@ class Engine:
         if decode == "auto" and static and model.device.type == "cpu":
             self.mode = "compiled"
         self.choose_per_step = decode == "auto" and static and model.device.type != "cuda"
+        if group is not None and (self.mode != "eager" or draft is not None):
+            raise GenerationError("a model cut across processes is served with eager steps and without speculative decoding")
         self.may_fall_back = decode == "auto" and self.mode == "compiled"
         self.metrics = metrics
         self.after_step = after_step  # called in the engine's thread after every step (it sent its events)
@@ -381,6 +392,9 @@ class Engine:
                 "steps": self.steps,
                 "prefix_hits": self.prefix_hits,
                 "reused_tokens": self.reused_tokens,
+                # how the model is cut across processes (serve.step_group; 1 and 1 in one process)
+                "tensor_parallel": self.model.parallel.tensor_parallel,
+                "pipeline_ranks": self.model.parallel.num_pipeline_ranks,
                 **(self._speculation_stats() if self.speculation is not None else {}),
             }
 
@@ -421,18 +435,37 @@ class Engine:
     # ---- the engine's thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self.lock:
+                    while not self.running and not self.queue and not self.stopped:
+                        if self.group is None:
+                            self.lock.wait()
+                            continue
+                        self.lock.wait(self.group.heartbeat_s / 4)
+                        if not self.running and not self.queue and not self.stopped:
+                            self.group.heartbeat()  # idle: the other ranks' waits must not time out
+                    if self.stopped and not self.running and not self.queue:
+                        if self.group is not None:
+                            self.group.stop()
+                        return
+                try:
+                    self.step()
+                except GroupLost:
+                    raise
+                except Exception as error:  # a broken step fails its requests, not the server
+                    self._fail_all(f"{type(error).__name__}: {error}")
+                if self.after_step is not None:
+                    self.after_step()
+        except GroupLost as lost:  # another rank died or hung: nothing can be computed any more
+            self.lost = str(lost)
             with self.lock:
-                while not self.running and not self.queue and not self.stopped:
-                    self.lock.wait()
-                if self.stopped and not self.running and not self.queue:
-                    return
-            try:
-                self.step()
-            except Exception as error:  # a broken step fails its requests, not the server
-                self._fail_all(f"{type(error).__name__}: {error}")
+                self.draining = self.stopped = True
+            self._fail_all(self.lost)
             if self.after_step is not None:
                 self.after_step()
+            if self.on_lost is not None:
+                self.on_lost(self.lost)
 
     def _fail_all(self, message: str) -> None:
         with self.lock:
@@ -441,15 +474,59 @@ class Engine:
         for request in failed:
             self._finish(request, "error", error=message)
         self._clear_rows(range(self.rows))  # a step that broke off may have left anything in the cache
-        self.cache.damaged = False  # every sequence it held has ended: the next ones start from their first token
+        self._effect("undamage")  # every sequence it held has ended: the next ones start from their first token
+
+    # ---- the changes to the model's state: on every rank of a group (serve.step_group) ----------
+
+    def _effect(self, name: str, *args):
+        """Apply one change of the model's state (``step_group.EFFECTS``, plain arguments) here and, in a
+        group, on every other rank (sent before it is applied here, where it has collectives)."""
+        if self.group is None or self.lost is not None:
+            return getattr(self, EFFECTS[name])(*args)
+        self.group.send(name, args)
+        try:
+            return getattr(self, EFFECTS[name])(*args)
+        except Exception as error:
+            if name not in WITH_COLLECTIVES:
+                raise
+            raise self.group.lose(error) from None  # a pass broken off here leaves the others within its collectives
+
+    def _clear_cache_rows(self, rows: List[int]) -> None:
+        for row in rows:
+            self.cache.clear_row(row)
+            self.slack.forget(row)
+
+    def _undamage(self) -> None:
+        self.cache.damaged = False
+
+    def _cut_back(self, row: int, length: int) -> None:
+        self.slack.cut_back(row, length)
+
+    def _copy_cache_row(self, source: int, row: int, length: int) -> None:
+        self.slack.copy_row(source, row, length)
+
+    def _save_slack(self, seqlens: List[int], in_pass: bool) -> None:
+        self.slack.save(seqlens, in_pass=in_pass)
+
+    def _pass(self, tokens: List[int], seqlens: List[int], logit_rows: Optional[List[int]], adapters: Optional[List[int]],
+              seen: Optional[List[int]] = None) -> torch.Tensor:  # fmt: skip
+        """``Transformer.forward`` over the flat batch ``tokens`` (``seqlens[row]`` of each row, in row order),
+        each token's adapter ``adapters``; the logits after ``logit_rows`` (all with None). ``seen``: rank
+        0's ``tokens_seen`` before it, checked on the other ranks."""
+        if seen is not None and self.group is not None and self.group.rank != 0:
+            check_in_step(seen, self.cache.tokens_seen, self.group)
+        device = self.model.device
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=device)  # (T,)
+        token_adapters = None if adapters is None else torch.tensor(adapters, dtype=torch.long, device=device)  # (T,)
+        with selected(self.model, token_adapters):
+            return self.model(input_ids, seqlens, self.cache, logit_rows=logit_rows)  # (N, V)
 
     def _clear_rows(self, rows: Sequence[int]) -> None:
         """Zero these rows of the cache; they hold nothing to reuse. A row's next request never sees slots
         it has not written, but the static decode step reads them under a mask, and a NaN there would
         still spoil its sums."""
+        self._effect("clear_rows", list(rows))
         for row in rows:
-            self.cache.clear_row(row)
-            self.slack.forget(row)
             self.row_states[row].ids, self.row_states[row].answers = [], []
 
     @torch.inference_mode()
@@ -497,24 +574,26 @@ class Engine:
         static = self._static_step_is_cheaper(seqlens) if self.choose_per_step else self.mode != "eager"
         if static and self.choose_per_step and self.slack_span is not None and max(seqlens) > self.slack_span:
             static = False  # the eager pass keeps the positions a chunk pushes out itself (slack)
-        self.slack.save(seqlens, in_pass=not static)  # before the pass writes over them
+        self._effect("save", list(seqlens), not static)  # before the pass writes over them
         if decode_only and static:
             return self._decode_only(sampled)
         if static:
             return self._mixed(seqlens, chunks, sampled)
         tokens = [t for row, chunk in enumerate(chunks) if seqlens[row] for t in chunk]
-        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)  # (T,)
         ends = list(itertools.accumulate(seqlens))  # each row's end in the flat batch
-        with selected(self.model, self._token_adapters(seqlens)):
-            return self.model(input_ids, seqlens, self.cache, logit_rows=[ends[r.row] - 1 for r in sampled])  # (N, V)
+        logit_rows = [ends[r.row] - 1 for r in sampled]
+        return self._effect("forward", tokens, list(seqlens), logit_rows, self._token_adapters(seqlens), self._seen())  # (N, V)
 
-    def _token_adapters(self, seqlens: List[int]) -> Optional[torch.Tensor]:
+    def _seen(self) -> Optional[List[int]]:
+        """``tokens_seen`` for the other ranks to check theirs against (in a group), else None."""
+        return list(self.cache.tokens_seen) if self.group is not None else None
+
+    def _token_adapters(self, seqlens: List[int]) -> Optional[List[int]]:
         """The adapter of each token of a flat pass (``seqlens[row]`` tokens of each row, in row order),
-        ``(T,)``; None without adapters."""
+        T of them; None without adapters."""
         if not self.adapters:
             return None
-        rows = torch.tensor(self.row_adapter, dtype=torch.long)
-        return rows.repeat_interleave(torch.tensor(seqlens, dtype=torch.long)).to(self.model.device)  # (T,)
+        return [adapter for adapter, n in zip(self.row_adapter, seqlens) for _ in range(n)]
 
     def _reads_prompts_eagerly(self) -> bool:
         """Whether steps that read long prompt chunks run ``Transformer.forward`` (``_forward``), which
@@ -594,7 +673,7 @@ class Engine:
             self._copy_row(placement.source, row, reused)
             state.ids = self.row_states[placement.source].ids[:reused]
         else:
-            self.slack.cut_back(row, reused)  # the window before `reused` back in its slots, from the slack
+            self._effect("cut_back", row, reused)  # the window before `reused` back in its slots, from the slack
             del state.ids[reused:]  # the row's slots past `reused` count as empty: nothing in them is visible
         state.last_used = next(self.uses)
         state.adapter = self.row_adapter[row] = request.settings.adapter  # what the row's keys and values are computed with
@@ -613,7 +692,7 @@ class Engine:
 
     def _copy_row(self, source: int, row: int, length: int) -> None:
         """Put into ``row`` the state of ``source``'s first ``length`` tokens (``SlackSlots.copy_row``, in each layer)."""
-        self.slack.copy_row(source, row, length)
+        self._effect("copy_row", source, row, length)
 
     def _read_generated_answer(self, request: Request) -> None:
         """Where ``request``'s prompt sends back, encoded again, the answers a row generated, read the
@@ -720,16 +799,15 @@ class Engine:
             fed[r.row] = [r.next_token] + list(g)
             seqlens[r.row] = len(fed[r.row])
         seen = list(self.cache.tokens_seen)
-        self.slack.save(seqlens)  # before the pass writes over them
+        self._effect("save", list(seqlens), True)  # before the pass writes over them
         if self._verifies_static():
             pieces = [(row, seen[row], fed[row]) for row in rows]
             compiler = self.compiler if self.compile_prompts else None
             out = static_verify(self.model, self.cache, pieces, speculation.tokens, compiler, grouped_moe=compiler is None,
                                 row_adapters=self._row_adapters())  # fmt: skip
         else:
-            input_ids = torch.tensor([t for row in rows for t in fed[row]], dtype=torch.long, device=device)  # (T,)
-            with selected(self.model, self._token_adapters(seqlens)):
-                out = self.model(input_ids, seqlens, self.cache)  # (T, V) after every fed token
+            tokens = [t for row in rows for t in fed[row]]
+            out = self._effect("forward", tokens, list(seqlens), None, self._token_adapters(seqlens), self._seen())  # (T, V) after every fed token
         for row in rows:
             self.row_states[row].ids.extend(fed[row])
         starts = dict(zip(rows, itertools.accumulate([seqlens[row] for row in rows], initial=0)))
@@ -754,7 +832,7 @@ class Engine:
         for r, g in zip(running, guesses):
             row = r.row
             if self.cache.tokens_seen[row] >= seen[row] + read[row]:  # not cleared (non-finite logits)
-                self.slack.cut_back(row, seen[row] + read[row])  # the guesses after the last one read are forgotten
+                self._effect("cut_back", row, seen[row] + read[row])  # the guesses after the last one read are forgotten
                 del self.row_states[row].ids[seen[row] + read[row] :]
             if speculation.proposer.adaptive and g:
                 self._ks[row] = min(speculation.tokens, self._ks[row] + 2) if accepted[row] == len(g) else max(1, self._ks[row] - 1)

@@ -24,11 +24,16 @@ apart from its API server for the same reason.
   it drains, then sends "shutdown"), and it exits when the pipe closes, so it never outlives
   the server. If it dies, every request still outstanding ends with an error and the engine
   reports ``draining`` (``/health`` answers 503).
+- **A model cut across processes** (torchrun, ``serve.step_group``): this process is rank 0 of the
+  group (it inherits torchrun's environment and joins as it loads); the other ranks run
+  ``run_follower``. If the group breaks, the engine process sends ``("lost", why)`` and exits; the
+  server says why and stops (``lost``).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -45,6 +50,7 @@ from mixtral_infer.errors import GenerationError, MixtralInferError
 from mixtral_infer.serve.engine import Engine, Event, Finished, QueueFull, RequestSettings, ShuttingDown, check_request
 from mixtral_infer.serve.metrics import ServeMetrics
 from mixtral_infer.serve.sizing import plan_rows
+from mixtral_infer.serve.step_group import DEFAULT_TIMEOUT_S, GroupLost, StepGroup, follow
 
 Load = Callable[[], Tuple[Any, Any]]  # () -> (model, tokenizer), called in the engine process
 # The engine process's thread switch interval (run_engine), a tenth of Python's default 5 ms so that
@@ -63,17 +69,20 @@ class EngineProcess:
     is not safe), so it loads the model itself. ``plan`` holds the keyword arguments of
     ``sizing.plan_rows``, ``engine`` those of ``Engine`` (not ``rows``). ``engine_cpus``: the
     CPUs the engine's process runs on (``split_cpus``), its torch threads at most as many.
+    ``collective_timeout``: where ``load`` joins a process group (torchrun), its collectives' timeout.
     """
 
     def __init__(
         self, load: Load, *, plan: Dict[str, Any], engine: Dict[str, Any], max_queue: int,
-        engine_cpus: Optional[List[int]] = None,
+        engine_cpus: Optional[List[int]] = None, collective_timeout: float = DEFAULT_TIMEOUT_S,
     ):  # fmt: skip
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
+        self.lost: Optional[str] = None  # why the process group broke (the engine process then exits)
         self.process = context.Process(
-            target=run_engine, args=(child, load, plan, engine, engine_cpus), name="mixtral_infer-engine", daemon=True
-        )
+            target=run_engine, args=(child, load, plan, engine, engine_cpus, collective_timeout), name="mixtral_infer-engine",
+            daemon=True,
+        )  # fmt: skip
         self.process.start()
         child.close()
         atexit.register(self.kill)  # before multiprocessing's own exit handler, which would wait for it
@@ -182,6 +191,9 @@ class EngineProcess:
                 break
             if message[0] == "stopped":
                 break
+            if message[0] == "lost":
+                self.lost = message[1]
+                continue
             _, events, calls, stats = message
             self._stats = stats
             for name, args in calls:
@@ -285,10 +297,13 @@ def split_cpus(cpus: Sequence[int]) -> Optional[Tuple[List[int], List[int]]]:
 
 
 def run_engine(
-    conn, load: Load, plan: Dict[str, Any], engine_options: Dict[str, Any], cpus: Optional[List[int]] = None
+    conn, load: Load, plan: Dict[str, Any], engine_options: Dict[str, Any], cpus: Optional[List[int]] = None,
+    collective_timeout: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """The engine process: pin itself to ``cpus`` (if given), load, plan the rows, report ready,
-    then run the engine's thread and take commands until "shutdown" or until the pipe closes."""
+    then run the engine's thread and take commands until "shutdown" or until the pipe closes. Where
+    ``load`` joined a process group, this is rank 0: the rows it plans are every rank's, and its
+    engine sends its effects to theirs (``step_group``)."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # before any thread starts: they inherit it
         torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))  # two threads on one CPU wait on each other
@@ -299,8 +314,12 @@ def run_engine(
     # engine thread to let it go, and so miss the step that could admit it.
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     outbox = Outbox(conn)
+    group: Optional[StepGroup] = None
+    agreed = False  # the other ranks have the rows (or were told there are none)
     try:
         model, tokenizer = load()
+        if model.parallel.world_size > 1:
+            group = StepGroup(collective_timeout)
         draft_load = engine_options.pop("draft_load", None)
         if draft_load is not None:  # a draft model for speculative decoding, loaded here beside the model
             draft, draft_tokenizer = draft_load()
@@ -309,9 +328,12 @@ def run_engine(
                                         f"{tokenizer.n_words}: a draft must share the model's tokenizer")  # fmt: skip
             engine_options = {**engine_options, "draft": draft}
         rows = plan_rows(model, **plan)
+        if group is not None:
+            agreed = True
+            group.agree(rows.rows)  # every rank's engine gets as many rows
         engine = Engine(
             model, tokenizer, rows.rows, max_queue=sys.maxsize, metrics=outbox.metrics, after_step=outbox.flush,
-            **engine_options,
+            group=group, **engine_options,
         )  # fmt: skip
         if engine.mode == "compiled":  # compiled before the server says it is ready, not at the first request
             started = time.perf_counter()
@@ -323,9 +345,18 @@ def run_engine(
         if not isinstance(error, MixtralInferError):
             traceback.print_exc()
         message = str(error) if isinstance(error, MixtralInferError) else f"{type(error).__name__}: {error}"
+        if group is not None and not agreed:
+            with contextlib.suppress(GroupLost):
+                group.agree(None)  # the other ranks wait for the rows: none, they stop
         outbox.send(("failed", message))
         return
     outbox.engine = engine
+
+    def lost(why: str) -> None:  # in the engine's thread, after it failed what was outstanding
+        outbox.send(("lost", why))
+        os._exit(1)
+
+    engine.on_lost = lost
     info = {
         "rows": rows.rows, "mode": engine.describe_decode(), "max_model_len": engine.max_model_len,
         "vocab_size": model.args.vocab_size, "plan": rows.describe(), "stats": engine.stats(), "row_bytes": rows.row_bytes,
@@ -361,3 +392,19 @@ def run_engine(
             outbox.flush()
             outbox.send(("stopped",))
             return
+
+
+def run_follower(load: Load, engine_options: Dict[str, Any], collective_timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """A rank other than 0 under torchrun (``serve.step_group``): load this rank's share, build the
+    engine rank 0 builds, with the rows it planned, then apply rank 0's effects until it stops. Raises
+    ``GroupLost`` when rank 0 dies, hangs or this rank goes out of step with it."""
+    # torchrun signals every rank; rank 0 drains first, then tells the others to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    model, tokenizer = load()
+    group = StepGroup(collective_timeout)
+    rows = group.agree(None)
+    if rows is None:  # rank 0 could not plan its rows (it says why)
+        return
+    engine = Engine(model, tokenizer, rows, max_queue=0, group=group, **engine_options)
+    follow(engine, group)

@@ -39,6 +39,16 @@ DEFAULT_MAX_MODEL_LEN = 32768  # serve's bound on a request of a windowed model 
 FINAL_WRITES_S = 10.0  # after the drain, uvicorn's bound on the last responses' writes (cancelled streams' ends)
 
 
+def cut(stats: dict) -> str:
+    """How the model is cut across processes, for the log line (``Engine.stats``), or ""."""
+    tensor, pipeline = stats.get("tensor_parallel", 1), stats.get("pipeline_ranks", 1)
+    if tensor > 1:
+        return f", the model cut across {tensor} processes by tensor parallelism"
+    if pipeline > 1:
+        return f", the model cut across {pipeline} processes in pipeline stages"
+    return ""
+
+
 def log_to_stderr(message: str) -> None:
     """A line on stderr. When its reader has gone (a dead log collector, ``serve 2>&1 | head``),
     stderr is pointed at /dev/null, so that no later write (a log line, uvicorn's, the
@@ -83,6 +93,10 @@ class DrainingServer(uvicorn.Server):
             )
 
     async def on_tick(self, counter: int) -> bool:
+        lost = getattr(self.engine, "lost", None)  # a rank of the model's process group broke: nothing can run
+        if lost is not None and not self.should_exit:
+            self.log(f"stopping: {lost}")
+            self.should_exit = True
         if self.drain_until is not None and not self.should_exit:
             self.should_exit = self._drained()
         return await super().on_tick(counter)
@@ -95,6 +109,28 @@ class DrainingServer(uvicorn.Server):
                 self.engine.cancel_all()
             return True
         return not self.server_state.tasks
+
+
+def engine_settings(
+    prefill_tokens: int, max_model_len: Optional[int], decode: str, admit_every: Optional[int], prefix_reuse: bool, reuse_slack: int
+) -> dict:
+    """The ``Engine``'s options from the server's (every rank of a cut model builds its engine with them)."""
+    return dict(
+        prefill_tokens=prefill_tokens, max_model_len=max_model_len, decode=decode, admit_every=admit_every,
+        prefix_reuse=prefix_reuse, slack=reuse_slack if prefix_reuse else 0,
+    )  # fmt: skip
+
+
+def follow_server(
+    load: Load, *, prefill_tokens: int = 512, max_model_len: Optional[int] = None, decode: str = "auto",
+    admit_every: Optional[int] = None, prefix_reuse: bool = True, reuse_slack: int = 0, collective_timeout: float = 120.0,
+) -> None:  # fmt: skip
+    """A rank other than 0 of a model cut across processes (``serve.step_group``): no HTTP; its share of
+    every step, as rank 0's engine sends them, until rank 0 stops. The options are ``run_server``'s."""
+    from mixtral_infer.serve.engine_process import run_follower
+
+    settings = engine_settings(prefill_tokens, max_model_len, decode, admit_every, prefix_reuse, reuse_slack)
+    run_follower(load, settings, collective_timeout)
 
 
 def run_server(
@@ -119,6 +155,7 @@ def run_server(
     speculative_ngram: bool = False,
     speculative_tokens: Optional[int] = None,
     draft_load: Optional[Load] = None,
+    collective_timeout: Optional[float] = None,
     log: Callable[[str], None] = log_to_stderr,
 ) -> None:
     """Serve until SIGTERM / SIGINT. Logs the rows and the address it listens on.
@@ -127,6 +164,9 @@ def run_server(
     this process keeps ``tokenizer`` for the requests' text. ``draft_load`` (a draft model, loaded
     there too) or ``speculative_ngram``: speculative decoding (``Engine``'s ``draft``). ``adapters``: the
     names of the adapters ``load`` keeps apart beside the model (``formats.adapters``), in its order.
+    Under torchrun (``load`` joins the process group, ``serve.step_group``) this is rank 0: the engine
+    process is rank 0 of the group, and ``collective_timeout`` the group's timeout; if the group breaks,
+    the server stops and this raises why.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -147,12 +187,12 @@ def run_server(
             slack=max(reuse_slack if prefix_reuse else 0, k),
         ),
         engine=dict(
-            prefill_tokens=prefill_tokens, max_model_len=max_model_len, decode=decode, admit_every=admit_every,
-            prefix_reuse=prefix_reuse, slack=reuse_slack if prefix_reuse else 0,
+            **engine_settings(prefill_tokens, max_model_len, decode, admit_every, prefix_reuse, reuse_slack),
             **({"draft": "ngram", "speculative_tokens": k} if speculative_ngram else {}),
             **({"draft_load": draft_load, "speculative_tokens": k} if draft_load is not None else {}),
         ),
         max_queue=max_queue, engine_cpus=cpus[1] if cpus is not None else None,
+        **({"collective_timeout": collective_timeout} if collective_timeout is not None else {}),
     )
     if cpus is not None:
         os.sched_setaffinity(0, cpus[0])  # this thread, and the threads it starts from now on (uvicorn's, the reader)
@@ -181,7 +221,7 @@ def run_server(
         def ready() -> None:
             log(
                 f"serving {model_name} on {address} (decode {engine.mode}, {engine.rows} rows, queue {max_queue}, "
-                f"{prefill_tokens} prefill tokens per step, at most {engine.max_model_len} tokens a request)"
+                f"{prefill_tokens} prefill tokens per step, at most {engine.max_model_len} tokens a request{cut(engine.stats())})"
             )
 
         app = make_app(engine, tokenizer, model_name, engine.metrics, on_ready=ready, adapters=adapters)
@@ -195,4 +235,6 @@ def run_server(
             signal.signal(signal.SIGTERM, previous)
     finally:
         engine.kill()
+    if engine.lost is not None:
+        raise MixtralInferError(engine.lost)
     log("stopped")
