@@ -5,12 +5,15 @@ Per model and round, in alternation: ``main.py serve`` (one process, as many tor
 machine has cores) and ``torchrun --nproc-per-node 2 main.py serve ... --tensor-parallel 2`` (2 ranks,
 torchrun gives each one thread), each started, warmed up with one request, then timed:
 
+Systems: ``one`` (the default ``--decode auto``: on CPU the decode step compiled before serving),
+``one_eager`` (``--decode eager``, the steps a cut model runs) and ``two``.
+
 * **1 client**: 4 requests one after another;
 * **16 clients**: 16 requests at once (16 rows);
 
 each request a 32-token prompt and exactly ``--max-tokens`` new tokens (``ignore_eos``), greedy.
 tokens/s = generated tokens / wall time of the batch of requests. The report is each system's median
-over ``--rounds`` and the ratio two/one per round (median).
+over ``--rounds`` and the ratios two/one and two/one_eager per round (medians).
 
 Models: ``tiny-mixtral`` (1.4 M parameters: the per-step costs alone) and ``mid``, a random Mistral-shaped
 model (1024 wide, 8 layers, 16 heads, 4 KV heads, hidden 3584; 0.1 G parameters) in float32 with the
@@ -43,6 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_speculative import machine  # noqa: E402
 
+SYSTEMS = ("one", "one_eager", "two")
 PROMPT = "And the LORD spake unto Moses , saying , Speak unto the children of Israel , and say unto them , When any man of you"
 
 
@@ -78,10 +82,10 @@ def mid_model(folder: Path) -> Path:
 
 
 class Served:
-    def __init__(self, model: str, group: bool, rows: int):
+    def __init__(self, model: str, group: bool, rows: int, decode: str = "auto"):
         port = free_port()
         serve = ["main.py", "serve", model, "--port", str(port), "--dtype", "float32", "--max-rows", str(rows),
-                 "--no-prefix-reuse", "--max-model-len", "4096"]  # fmt: skip
+                 "--no-prefix-reuse", "--max-model-len", "4096", "--served-model-name", "m", "--decode", decode]  # fmt: skip
         if group:
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                        "--master-port", str(free_port()), *serve, "--tensor-parallel", "2"]  # fmt: skip
@@ -103,7 +107,7 @@ class Served:
 
     def complete(self, max_tokens: int) -> int:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        body = {"model": "x", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         answer = json.loads(connection.getresponse().read())
         connection.close()
@@ -137,10 +141,10 @@ def main() -> None:
     try:
         for name in options.models:
             model = str(mid_model(scratch / "mid")) if name == "mid" else name
-            runs = {system: {1: [], 16: []} for system in ("one", "two")}
+            runs = {system: {1: [], 16: []} for system in SYSTEMS}
             for round_ in range(options.rounds):
-                for system in ("one", "two") if round_ % 2 == 0 else ("two", "one"):
-                    server = Served(model, system == "two", rows=16)
+                for system in SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]:
+                    server = Served(model, system == "two", rows=16, decode="eager" if system == "one_eager" else "auto")
                     try:
                         server.complete(4)  # warm-up
                         runs[system][1].append(timed(server, 1, 4, options.max_tokens))
@@ -151,15 +155,13 @@ def main() -> None:
                           f"16 clients {runs[system][16][-1]:.1f} tok/s", flush=True)  # fmt: skip
             table = {}
             for clients in (1, 16):
-                ratios = [t / o for t, o in zip(runs["two"][clients], runs["one"][clients])]
-                table[str(clients)] = {
-                    "one_tok_s": round(statistics.median(runs["one"][clients]), 1),
-                    "two_tok_s": round(statistics.median(runs["two"][clients]), 1),
-                    "two_of_one": round(statistics.median(ratios), 3),
-                    "runs": {s: [round(v, 1) for v in runs[s][clients]] for s in runs},
-                }
-                print(f"{name} {clients:>2} clients: one {table[str(clients)]['one_tok_s']} tok/s, two "
-                      f"{table[str(clients)]['two_tok_s']} tok/s ({table[str(clients)]['two_of_one']}x)")  # fmt: skip
+                row = {f"{s}_tok_s": round(statistics.median(runs[s][clients]), 1) for s in SYSTEMS}
+                for base in ("one", "one_eager"):
+                    ratios = [t / o for t, o in zip(runs["two"][clients], runs[base][clients])]
+                    row[f"two_of_{base}"] = round(statistics.median(ratios), 3)
+                row["runs"] = {s: [round(v, 1) for v in runs[s][clients]] for s in runs}
+                table[str(clients)] = row
+                print(f"{name} {clients:>2} clients: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "runs"))
             results["models"][name] = table
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
