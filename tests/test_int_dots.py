@@ -108,13 +108,18 @@ def test_a_nan_or_inf_activation_makes_its_row_nan(bad):
 
 
 @needs_kernels
-def test_prompts_take_the_weight_only_products():
-    """From ``DOTS_ROWS`` rows on, the weight-only paths: int8's product bit for bit."""
+def test_int8_prompts_take_the_weight_only_product_and_int4_prompts_the_kernel():
+    """From ``DOTS_ROWS`` rows on, int8 takes its weight-only product (bit for bit); int4 stays with the
+    kernel at any size (each row as it is alone: the same as in chunks of fewer rows), where the
+    readable dequantize-then-multiply it once handed over to made a 2048-token prompt 5x slower."""
     from mixtral_infer.kernels.linear.int_dots import DOTS_ROWS
 
     weight = quantize(torch.randn(64, 128), QuantScheme("int8"), torch.bfloat16)
     x = torch.randn(DOTS_ROWS, 128, dtype=torch.bfloat16)
     assert torch.equal(IntDotsLinear.product(x, weight), Int8Linear.product(x, weight))
+    weight = quantize(torch.randn(64, 128), QuantScheme("int4", 32), torch.bfloat16)
+    halves = torch.cat([IntDotsLinear.product(x[: DOTS_ROWS // 2], weight), IntDotsLinear.product(x[DOTS_ROWS // 2 :], weight)])
+    assert torch.equal(IntDotsLinear.product(x, weight), halves)
 
 
 def model(moe: bool, scheme: str, tuning: Tuning, dtype: torch.dtype = torch.float32):
