@@ -61,6 +61,7 @@ def assert_one_line_error(result, message):
         (["serve", "--reuse-slack", "-1"], "--reuse-slack -1 must be an integer >= 0"),
         (["serve", "--tensor-parallel", "2"], "--tensor-parallel 2 --num-pipeline-ranks 1 needs 2 processes; this is 1: launch with torchrun"),
         (["serve", "--collective-timeout", "0"], "--collective-timeout 0 must be a number of seconds > 0"),
+        (["serve", "--tensor-parallel", "2", "--decode", "compiled"], "--decode compiled needs the whole model in one process"),
         (["serve", "--tensor-parallel", "2", "--speculative-ngram"], "speculative decoding needs the whole model in one process"),
         (["serve", "--num-pipeline-ranks", "2", "--lora", "a=tests"], "--lora NAME=PATH (adapters kept apart) needs the whole model in one process"),
     ],

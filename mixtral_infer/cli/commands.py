@@ -860,6 +860,8 @@ def serve(
     check_decode(decode)
     check_quantize(quantize)
     check_options(16, 0.0, 1.0, None, None, None, device, dtype, tensor_parallel, num_pipeline_ranks)
+    if int(tensor_parallel) * int(num_pipeline_ranks) > 1 and decode in ("static", "compiled"):
+        raise GenerationError(f"--decode {decode} needs the whole model in one process; a cut model is served with --decode eager (or auto)")
     if lora is not None and "=" in str(lora) and int(tensor_parallel) * int(num_pipeline_ranks) > 1:
         raise GenerationError("--lora NAME=PATH (adapters kept apart) needs the whole model in one process; under torchrun "
                               "merge one adapter with --lora PATH")  # fmt: skip
