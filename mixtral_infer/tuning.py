@@ -95,6 +95,10 @@ class Tuning:
     # Q8_0 and Q4_0 products do. The one field that moves the numbers, within the bound that back-end
     # states (``activation_error_bound``); the machine's tuning turns it on where it measures faster.
     int_dots: bool = False
+    # With ``int_dots``: int8 prompt chunks of ``DOTS_ROWS`` rows or more through the integer dot
+    # products too (the kernel's panels), else through int8's weight-only prompt path (dequantized, then
+    # the float product, which a CPU with AMX multiplies fast); the machine's tuning measures which.
+    int_dots_prompts: bool = True
 
     # GemLite (CUDA) asked for float32 outputs, converted by the compiled step where they are read
     # (``kernels.linear.gemlite``, "Outputs"); read when weights are packed for it. Off by default

@@ -61,13 +61,14 @@ def test_the_docstring_example():
 
 @needs_kernels
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 38])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_product_is_its_integer_arithmetic_and_within_the_bound(scheme, rows, dtype):
     """The kernel equals the quantized activations times the dequantized weight summed in float64 (to
     float32's rounding), and stays within ``activation_error_bound`` of the weight-only product; 1152
-    inputs (int4 reads 256 at a time, then the last 128), 4099
-    rows of weights (not a multiple of the 4 read at once), more activation rows than a pass holds (11)."""
+    inputs (int4 reads 256 at a time, then the last 128), 4099 rows of weights (not a multiple of the
+    4 read at once, nor of a prompt's panels), decoding's passes (1 to 8 rows) and a prompt's panels
+    (11: a tile of 4 rows and its tail; 38: more panels than threads)."""
     torch.manual_seed(rows)
     weight = quantize(torch.randn(4099, 1152), scheme, dtype)
     x = torch.randn(rows, 1152).to(dtype)
@@ -108,18 +109,36 @@ def test_a_nan_or_inf_activation_makes_its_row_nan(bad):
 
 
 @needs_kernels
-def test_int8_prompts_take_the_weight_only_product_and_int4_prompts_the_kernel():
-    """From ``DOTS_ROWS`` rows on, int8 takes its weight-only product (bit for bit); int4 stays with the
-    kernel at any size (each row as it is alone: the same as in chunks of fewer rows), where the
-    readable dequantize-then-multiply it once handed over to made a 2048-token prompt 5x slower."""
+def test_a_prompt_chunk_is_each_row_alone_and_int8_may_take_the_weight_only_product():
+    """A prompt chunk (``DOTS_ROWS`` rows, in panels) is each row as it is alone, bit for bit, for int8
+    and int4; ``Tuning.int_dots_prompts=False`` (the machine measured it faster) hands int8 chunks of
+    ``DOTS_ROWS`` rows to int8's weight-only product, bit for bit, and fewer rows stay with the kernel."""
     from mixtral_infer.kernels.linear.int_dots import DOTS_ROWS
 
-    weight = quantize(torch.randn(64, 128), QuantScheme("int8"), torch.bfloat16)
+    torch.manual_seed(0)
     x = torch.randn(DOTS_ROWS, 128, dtype=torch.bfloat16)
-    assert torch.equal(IntDotsLinear.product(x, weight), Int8Linear.product(x, weight))
-    weight = quantize(torch.randn(64, 128), QuantScheme("int4", 32), torch.bfloat16)
-    halves = torch.cat([IntDotsLinear.product(x[: DOTS_ROWS // 2], weight), IntDotsLinear.product(x[DOTS_ROWS // 2 :], weight)])
-    assert torch.equal(IntDotsLinear.product(x, weight), halves)
+    for scheme in (QuantScheme("int4", 32), QuantScheme("int8")):
+        weight = quantize(torch.randn(64, 128), scheme, torch.bfloat16)
+        alone = torch.cat([IntDotsLinear.product(x[m : m + 1], weight) for m in range(DOTS_ROWS)])
+        assert torch.equal(IntDotsLinear.product(x, weight), alone)
+    weight_only = Tuning(int_dots=True, int_dots_prompts=False)
+    assert torch.equal(IntDotsLinear.product(x, weight, weight_only), Int8Linear.product(x, weight))
+    fewer = x[: DOTS_ROWS - 1]
+    assert torch.equal(IntDotsLinear.product(fewer, weight, weight_only), IntDotsLinear.product(fewer, weight))
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.label)
+def test_float16_and_float64_activations_quantize_as_their_float32_values(scheme):
+    """The activations are read in their own dtype (float16 through F16C, float64 converted): the
+    products are those of the same values in float32, in the activations' dtype."""
+    torch.manual_seed(2)
+    weight = quantize(torch.randn(40, 256), scheme, torch.bfloat16)
+    for dtype in (torch.float16, torch.float64):
+        x = torch.randn(13, 256).to(dtype)
+        got = IntDotsLinear.product(x, weight)
+        assert got.dtype == dtype
+        assert torch.equal(got, IntDotsLinear.product(x.float(), weight).to(dtype))
 
 
 def model(moe: bool, scheme: str, tuning: Tuning, dtype: torch.dtype = torch.float32):
@@ -192,12 +211,18 @@ def test_without_the_kernels_the_weight_only_back_ends_read_the_weights(monkeypa
 
 def test_the_machine_measures_the_choice_only_for_integer_weights(tmp_path, monkeypatch):
     """``machine_tuning(integers=True)`` (int8 or int4 weights on CPU) adds the ``int_dots`` choice,
-    measured once and kept; without it the choice is neither measured nor set."""
+    measured once and kept; without it the choice is neither measured nor set. The prompts' choice
+    is timed only where the dot products are chosen (``int_dot_prompts_are_faster`` is then asked)."""
     monkeypatch.setenv(measured.MEASURE_VARIABLE, "1")
-    asked = []
+    asked, prompts = [], []
     monkeypatch.setattr(measured, "CHOICES", ())
     monkeypatch.setattr(measured, "INT_DOTS", measured.Choice("int_dots", lambda known: asked.append(1) or True))
+    monkeypatch.setattr(measured, "int_dot_prompts_are_faster", lambda tuning: prompts.append(tuning) or False)
     path, quiet = tmp_path / "tuning.json", lambda line: None
     assert not measured.machine_tuning(path=path, announce=quiet).int_dots and asked == []
-    assert measured.machine_tuning(path=path, announce=quiet, integers=True).int_dots and asked == [1]
+    tuning = measured.machine_tuning(path=path, announce=quiet, integers=True)
+    assert tuning.int_dots and not tuning.int_dots_prompts and asked == [1] and len(prompts) == 1
     assert measured.machine_tuning(path=path, announce=quiet, integers=True).int_dots and asked == [1]  # kept
+    monkeypatch.setattr(measured, "INT_DOTS", measured.Choice("int_dots", lambda known: False))
+    other = tmp_path / "other.json"
+    assert not measured.machine_tuning(path=other, announce=quiet, integers=True).int_dots_prompts and len(prompts) == 1

@@ -129,8 +129,40 @@ def int_dots_are_faster() -> bool:
     return kernel >= INT_DOTS_MARGIN * dots
 
 
-# Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then).
+def int_dot_prompts_are_faster(tuning: Tuning) -> bool:
+    """Whether a prompt chunk (``DOTS_ROWS`` bfloat16 rows) times int8 weights multiplies at least as
+    fast through the integer dot products as through int8's weight-only prompt path (dequantized,
+    then the float product as ``tuning`` multiplies it): 2 weights of 4096 x 4096 in turn,
+    alternated, medians of 3 rounds."""
+    from mixtral_infer.kernels.linear.int8 import Int8Linear
+    from mixtral_infer.kernels.linear.int_dots import DOTS_ROWS, available
+    from mixtral_infer.quant.scheme import QuantScheme
+    from mixtral_infer.quant.weights import quantize
+
+    if not available():
+        return False
+    weights = [quantize(torch.ones(4096, 4096), QuantScheme("int8"), torch.bfloat16) for _ in range(2)]
+    x = torch.ones(DOTS_ROWS, 4096, dtype=torch.bfloat16)
+    ways = {
+        "weight_only": lambda: [Int8Linear.product(x, weight, tuning) for weight in weights],
+        "dots": lambda: [torch.ops.mixtral_infer_dots.int8_dots(x, weight.values, weight.scales) for weight in weights],
+    }
+    times: Dict[str, list] = {name: [] for name in ways}
+    for _ in range(3):
+        for name, way in ways.items():
+            times[name].append(best_seconds(way, repeats=1))
+    weight_only, dots = (sorted(samples)[len(samples) // 2] for samples in times.values())
+    return weight_only >= dots
+
+
+# Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then);
+# the prompts' choice only where the dot products are chosen at all.
 INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), lambda cpu: native.unavailable_because() is None)
+INT_DOT_PROMPTS = Choice(
+    "int_dots_prompts",
+    lambda known: known.get("int_dots", False) and int_dot_prompts_are_faster(with_choices(Tuning(), known)),
+    lambda cpu: native.unavailable_because() is None,
+)
 
 CHOICES: Sequence[Choice] = (
     Choice("onednn_float32", lambda known: onednn_is_faster(), lambda cpu: torch.backends.mkldnn.is_available()),
@@ -152,12 +184,12 @@ def machine_tuning(
     """The tuning for this machine (``cpu``, default this one's): ``Tuning.default(fast)`` with the
     measured ``choices`` (default ``CHOICES``) kept in ``path`` (default ``cache_file()``), measuring
     those not kept yet and saying so to ``announce`` (default stderr); ``integers`` (int8 or int4
-    weights on CPU) adds ``INT_DOTS``. The reference (``fast`` False) and ``MIXTRAL_INFER_MEASURE=0``
-    measure nothing."""
+    weights on CPU) adds ``INT_DOTS`` and ``INT_DOT_PROMPTS``. The reference (``fast`` False) and
+    ``MIXTRAL_INFER_MEASURE=0`` measure nothing."""
     tuning = Tuning.default(fast)
     if not tuning.fast or os.environ.get(MEASURE_VARIABLE, "1") == "0":
         return tuning
-    choices = (*CHOICES, *((INT_DOTS,) if integers else ())) if choices is None else choices
+    choices = (*CHOICES, *((INT_DOTS, INT_DOT_PROMPTS) if integers else ())) if choices is None else choices
     known = measured_choices(cpu or cpu_info(), path or cache_file(), choices, announce)
     return with_choices(tuning, known)
 
@@ -172,6 +204,7 @@ def with_choices(tuning: Tuning, known: Dict[str, bool]) -> Tuning:
         upcast=upcast,
         streams=FEW_STREAMS if known.get("few_streams") else tuning.streams,
         int_dots=known.get("int_dots", tuning.int_dots),
+        int_dots_prompts=known.get("int_dots_prompts", tuning.int_dots_prompts),
     )
 
 

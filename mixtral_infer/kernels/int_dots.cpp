@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +36,10 @@ constexpr int64_t MAX_ROWS = 8;  // activation rows per pass over the weight
 // a time): a thread reads its rows set after set, and short rows read in step defeat the hardware's
 // stream detection, so a decode product otherwise waits on memory (docs/performance.md, section 6).
 constexpr int64_t AHEAD = 2;
+// Prompt chunks' tiles (in_panels), activation rows by weight rows: int8 keeps 4 x 2 accumulators,
+// int4 4 x 1 and as many block scales, in AVX2's 16 registers (docs/performance.md, section 6).
+constexpr int INT8_TILE_M = 4, INT8_TILE_P = 2;
+constexpr int INT4_TILE_M = 4, INT4_TILE_P = 1;
 
 // acc + in each 32-bit lane the sum of its 4 products u * s (u unsigned bytes, s signed).
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
@@ -68,34 +73,72 @@ inline float sum8(__m256 v) {
 // Weight rows read at once for M activation rows: 16 vector registers hold P * M accumulators.
 template <int M> constexpr int places() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 
-// Each row of x (M, IN) as int8 q and float d per block (above).
+inline float max8(__m256 v) {
+  const __m128 four = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+}
+
+// 8 values from p as floats.
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the high 16 bits of a float32
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+#if defined(__F16C__)
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  } else {
+    alignas(32) float f[8];
+    for (int k = 0; k < 8; ++k) f[k] = static_cast<float>(p[k]);
+    return _mm256_load_ps(f);
+  }
+}
+
+// One block of 32 values: q its integers, the return value its d.
+template <typename T>
+inline float quantize_block(const T* xb, int8_t* q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4], top = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(xb + 8 * i);
+    const __m256 a = _mm256_and_ps(v[i], magnitude);
+    top = _mm256_max_ps(top, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ));  // NaN or inf
+  }
+  // A NaN or inf activation makes its block's scale NaN, so every product it enters is NaN, as the
+  // weight-only product is (a bad model is caught downstream), and its integers 0, not undefined.
+  if (_mm256_movemask_ps(bad) != 0) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float amax = max8(top);
+  const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i n[4];  // rounded to the nearest, ties to even (as std::nearbyint)
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  // packs work within 128-bit halves: bytes come out as 4-value groups 0 2 4 6 1 3 5 7, put back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return amax / 127.f;
+}
+
+// Each row of x (M, IN) as int8 q and float d per block (above), the rows shared among the threads.
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t in, int8_t* q, float* d) {
   const int64_t blocks = in / BLOCK;
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const T* xb = x + m * in + b * BLOCK;
-      float amax = 0.f;
-      bool finite = true;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        const float v = static_cast<float>(xb[i]);
-        finite = finite && std::isfinite(v);
-        amax = std::max(amax, std::fabs(v));
-      }
-      // A NaN or inf activation makes its block's scale NaN, so every product it enters is NaN, as the
-      // weight-only product is (a bad model is caught downstream), and its integers 0, not undefined.
-      const float inverse = finite && amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i)
-        q[m * in + b * BLOCK + i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[i]) * inverse));
-      d[m * blocks + b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();
-    }
-  }
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < blocks; ++b) d[m * blocks + b] = quantize_block(x + m * in + b * BLOCK, q + m * in + b * BLOCK);
+  });
 }
 
 // Weight rows r..r+P-1 against the M activation rows.
 template <int M, int P, typename S>
 void int8_rows(const int8_t* q, const float* d, const int8_t* w, const S* s, float* y,
-               int64_t out, int64_t in, int64_t r) {
+               int64_t out, int64_t in, int64_t r, bool fetch) {
   const int64_t blocks = in / BLOCK;
   __m256 acc[P][M];
   for (int p = 0; p < P; ++p)
@@ -103,7 +146,7 @@ void int8_rows(const int8_t* q, const float* d, const int8_t* w, const S* s, flo
   for (int64_t b = 0; b < blocks; ++b) {
     for (int p = 0; p < P; ++p) {
       const int8_t* at = w + (r + p) * in + b * BLOCK;
-      if (b % 2 == 0 && r + (AHEAD + 1) * P <= out) _mm_prefetch(reinterpret_cast<const char*>(at + AHEAD * P * in), _MM_HINT_T0);
+      if (fetch && b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + AHEAD * P * in), _MM_HINT_T0);
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
       const __m256i magnitude = _mm256_sign_epi8(wv, wv);  // |w|, unsigned
       for (int m = 0; m < M; ++m) {
@@ -124,20 +167,38 @@ struct SplitRows {
   std::vector<int32_t> start;  // (M, IN/8)
 };
 
+// Rows m0.. of SplitRows (M rows, IN inputs).
+struct SplitView {
+  const int8_t* even;
+  const int8_t* odd;
+  const int32_t* start;
+};
+
+SplitView view(const SplitRows& split, int64_t m0, int64_t in) {
+  return {split.even.data() + m0 * in / 2, split.odd.data() + m0 * in / 2, split.start.data() + m0 * in / 8};
+}
+
 SplitRows split_rows(const int8_t* q, int64_t rows, int64_t in) {
   SplitRows split{std::vector<int8_t>(rows * in / 2), std::vector<int8_t>(rows * in / 2), std::vector<int32_t>(rows * in / 8)};
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t j = 0; j < in / 2; ++j) {
-      split.even[m * in / 2 + j] = q[m * in + 2 * j];
-      split.odd[m * in / 2 + j] = q[m * in + 2 * j + 1];
+  // Within each 128-bit half: its 8 even bytes, then its 8 odd ones.
+  const __m256i parity = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t c = 0; c < in; c += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * in + c));
+        const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, parity), 0xD8);  // evens | odds
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(split.even.data() + (m * in + c) / 2), _mm256_castsi256_si128(halves));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(split.odd.data() + (m * in + c) / 2), _mm256_extracti128_si256(halves, 1));
+        // Lane i of the 64 inputs from a multiple of 64: even inputs 8i..8i+6 and odd ones 8i+1..8i+7,
+        // so its start is -8 times the sum of inputs 8i..8i+7: 4 such sums from these 32.
+        const __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+        const __m256i eights = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(fours, fours), _mm256_setr_epi32(0, 1, 4, 5, 0, 1, 4, 5));
+        const __m128i start = _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(_mm256_castsi256_si128(eights), 3));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(split.start.data() + (m * in + c) / 8), start);
+      }
     }
-    // Lane i of the 64 inputs from c: even inputs 8i..8i+6 and odd ones 8i+1..8i+7 (bytes 4i..4i+3).
-    for (int64_t lane = 0; lane < in / 8; ++lane) {
-      int32_t sum = 0;
-      for (int64_t k = 0; k < 8; ++k) sum += q[m * in + lane * 8 + k];
-      split.start[m * in / 8 + lane] = -8 * sum;
-    }
-  }
+  });
   return split;
 }
 
@@ -162,7 +223,7 @@ inline __m256 block_scales8(const S* row, int64_t c0, int64_t group) {
 // times its scale, sd[p][m] (8 blocks' d * s from c0) permuted so that lanes 0-3 hold block `first`'s
 // and lanes 4-7 the next one's.
 template <int M, int P>
-inline void int4_step(const SplitRows& x, const uint8_t* w, int64_t half, int64_t in, int64_t c, int64_t r, bool fetch,
+inline void int4_step(const SplitView& x, const uint8_t* w, int64_t half, int64_t in, int64_t c, int64_t r, bool fetch,
                       const __m256 (&sd)[P][M], __m256i order, __m256 (&acc)[P][M]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int p = 0; p < P; ++p) {
@@ -172,9 +233,9 @@ inline void int4_step(const SplitRows& x, const uint8_t* w, int64_t half, int64_
     const __m256i low = _mm256_and_si256(bytes, low4);  // inputs c + 2j
     const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);  // inputs c + 2j + 1
     for (int m = 0; m < M; ++m) {
-      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even.data() + m * half + c / 2));
-      const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd.data() + m * half + c / 2));
-      const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.start.data() + m * (in / 8) + c / 8));
+      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even + m * half + c / 2));
+      const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd + m * half + c / 2));
+      const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.start + m * (in / 8) + c / 8));
       const __m256i dots = dot8_nibbles(start, low, even, high, odd);  // lanes 0-3: block c/32, 4-7: the next
       acc[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_permutevar8x32_ps(sd[p][m], order), acc[p][m]);
     }
@@ -182,8 +243,8 @@ inline void int4_step(const SplitRows& x, const uint8_t* w, int64_t half, int64_
 }
 
 template <int M, int P, typename S>
-void int4_rows(const SplitRows& x, const float* d, const uint8_t* w, const S* s, float* y,
-               int64_t out, int64_t in, int64_t group, int64_t r) {
+void int4_rows(const SplitView& x, const float* d, const uint8_t* w, const S* s, float* y,
+               int64_t out, int64_t in, int64_t group, int64_t r, bool fetch) {
   const int64_t blocks = in / BLOCK, groups = in / group, half = in / 2;
   __m256 acc[P][M], sd[P][M];
   for (int p = 0; p < P; ++p)
@@ -191,7 +252,6 @@ void int4_rows(const SplitRows& x, const float* d, const uint8_t* w, const S* s,
   // Lanes 0-3 from block 2j of the 8, lanes 4-7 from block 2j + 1, for the j-th 64 inputs of 256.
   const __m256i order[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-  const bool fetch = r + (AHEAD + 1) * P <= out;
   int64_t c0 = 0;
   for (; c0 + 256 <= in; c0 += 256) {  // 8 blocks: their scales d * s made once, then 4 steps of 64
     for (int p = 0; p < P; ++p) {
@@ -227,21 +287,57 @@ void every_row(int64_t out, const Rows& rows) {
   for (int64_t r = sets * P; r < out; ++r) rows(std::integral_constant<int, 1>{}, r);
 }
 
-// rows(m0, M-as-a-constant): the activation rows in passes of at most MAX_ROWS.
-template <typename Pass>
+// pass(m0, M-as-a-constant): the activation rows in passes of at most MOST (<= 8) rows.
+template <int MOST, typename Pass>
 void in_passes(int64_t rows, const Pass& pass) {
-  for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS) {
-    switch (std::min(rows - m0, MAX_ROWS)) {
+  static_assert(MOST >= 1 && MOST <= 8);
+  for (int64_t m0 = 0; m0 < rows; m0 += MOST) {
+    const int64_t m = std::min<int64_t>(rows - m0, MOST);
+    if (m == MOST) { pass(m0, std::integral_constant<int, MOST>{}); continue; }
+    switch (m) {
       case 1: pass(m0, std::integral_constant<int, 1>{}); break;
-      case 2: pass(m0, std::integral_constant<int, 2>{}); break;
-      case 3: pass(m0, std::integral_constant<int, 3>{}); break;
-      case 4: pass(m0, std::integral_constant<int, 4>{}); break;
-      case 5: pass(m0, std::integral_constant<int, 5>{}); break;
-      case 6: pass(m0, std::integral_constant<int, 6>{}); break;
-      case 7: pass(m0, std::integral_constant<int, 7>{}); break;
-      default: pass(m0, std::integral_constant<int, 8>{});
+      case 2: if constexpr (MOST > 2) pass(m0, std::integral_constant<int, 2>{}); break;
+      case 3: if constexpr (MOST > 3) pass(m0, std::integral_constant<int, 3>{}); break;
+      case 4: if constexpr (MOST > 4) pass(m0, std::integral_constant<int, 4>{}); break;
+      case 5: if constexpr (MOST > 5) pass(m0, std::integral_constant<int, 5>{}); break;
+      case 6: if constexpr (MOST > 6) pass(m0, std::integral_constant<int, 6>{}); break;
+      default: if constexpr (MOST > 7) pass(m0, std::integral_constant<int, 7>{});
     }
   }
+}
+
+// Prompt chunks (more than MAX_ROWS rows) in panels: the weight rows cut into panels of at most half
+// the core's L2 cache, and each panel met by every activation row, TM rows at a time against TP weight
+// rows at a time, while it stays in that cache. The weight is read from memory once for all the rows,
+// where decoding's passes read it once each MAX_ROWS rows. A thread takes whole panels.
+// Example: a 4096-input int8 weight (4 KiB a row) on a core with 512 KiB of L2 has panels of 64 rows;
+// 14336 inputs, of 16 rows (multiples of TP). Panels shrink so that each thread has at least 4.
+int64_t level2_bytes() {
+  const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return reported > 0 ? reported : 256 * 1024;  // unreported: the smallest L2 of current x86 cores
+}
+
+int64_t panel_rows(int64_t out, int64_t row_bytes, int64_t tp) {
+  static const int64_t cache = level2_bytes();
+  const int64_t fits = cache / 2 / row_bytes / tp * tp;
+  const int64_t shared = (out + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
+  return std::max<int64_t>(tp, std::min(fits, (shared + tp - 1) / tp * tp));
+}
+
+// tile(m0, M-as-a-constant, r, P-as-a-constant, fetch) over every activation row and weight row.
+template <int TM, int TP, typename Tile>
+void in_panels(int64_t rows, int64_t out, int64_t row_bytes, const Tile& tile) {
+  const int64_t panel = panel_rows(out, row_bytes, TP), panels = (out + panel - 1) / panel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r0 = i * panel, r1 = std::min(out, r0 + panel);
+      in_passes<TM>(rows, [&](int64_t m0, auto m) {
+        int64_t r = r0;
+        for (; r + TP <= r1; r += TP) tile(m0, m, r, std::integral_constant<int, TP>{}, false);
+        for (; r < r1; ++r) tile(m0, m, r, std::integral_constant<int, 1>{}, false);
+      });
+    }
+  });
 }
 
 // Expert e of stacked weights (E, ...) where an expert index is given: views, read in place.
@@ -272,23 +368,24 @@ void check(const at::Tensor& x, const at::Tensor& values, int64_t in, int64_t mu
 
 at::Tensor int8_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scales, const std::optional<at::Tensor>& expert) {
   pick_expert(expert, values, scales);
-  const int64_t out = values.size(0), in = values.size(1);
+  const int64_t out = values.size(0), in = values.size(1), rows = x_in.size(0), blocks = in / BLOCK;
   const auto x = x_in.contiguous();
   check(x, values, in, BLOCK);
   TORCH_CHECK(values.scalar_type() == at::kChar, "int8 values expected");
   scales = scales.contiguous();
   auto [q, d] = quantized(x);
-  auto y = at::empty({x.size(0), out}, x.options().dtype(at::kFloat));
+  auto y = at::empty({rows, out}, x.options().dtype(at::kFloat));
+  const int8_t* w = values.data_ptr<int8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scales.scalar_type(), "int8_dots", [&] {
     const scalar_t* s = scales.data_ptr<scalar_t>();
-    in_passes(x.size(0), [&](int64_t m0, auto rows) {
-      const int8_t* qm = q.data_ptr<int8_t>() + m0 * in;
-      const float* dm = d.data_ptr<float>() + m0 * (in / BLOCK);
-      float* ym = y.data_ptr<float>() + m0 * out;
-      constexpr int M = decltype(rows)::value;
-      every_row<M>(out, [&](auto p, int64_t r) {
-        int8_rows<M, decltype(p)::value>(qm, dm, values.data_ptr<int8_t>(), s, ym, out, in, r);
-      });
+    // Rows m0.. against weight rows r..r+P-1.
+    const auto tile = [&](int64_t m0, auto m, int64_t r, auto p, bool fetch) {
+      int8_rows<decltype(m)::value, decltype(p)::value>(q.data_ptr<int8_t>() + m0 * in, d.data_ptr<float>() + m0 * blocks,
+                                                        w, s, y.data_ptr<float>() + m0 * out, out, in, r, fetch);
+    };
+    if (rows > MAX_ROWS) return in_panels<INT8_TILE_M, INT8_TILE_P>(rows, out, in, tile);
+    in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
+      every_row<decltype(m)::value>(out, [&](auto p, int64_t r) { tile(m0, m, r, p, r + (AHEAD + 1) * decltype(p)::value <= out); });
     });
   });
   return y.to(x.scalar_type());
@@ -297,24 +394,25 @@ at::Tensor int8_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scale
 at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scales, int64_t group,
                      const std::optional<at::Tensor>& expert) {
   pick_expert(expert, values, scales);
-  const int64_t out = values.size(0), in = 2 * values.size(1);
+  const int64_t out = values.size(0), in = 2 * values.size(1), rows = x_in.size(0), blocks = in / BLOCK;
   const auto x = x_in.contiguous();
   check(x, values, in, 64);
   TORCH_CHECK(values.scalar_type() == at::kByte, "int4 values expected as bytes (uint8)");
   TORCH_CHECK(group % BLOCK == 0 && in % group == 0, "groups of a multiple of 32 inputs expected, got ", group);
   scales = scales.contiguous();
   auto [q, d] = quantized(x);
-  auto y = at::empty({x.size(0), out}, x.options().dtype(at::kFloat));
+  const SplitRows split = split_rows(q.data_ptr<int8_t>(), rows, in);
+  auto y = at::empty({rows, out}, x.options().dtype(at::kFloat));
+  const uint8_t* w = values.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scales.scalar_type(), "int4_dots", [&] {
     const scalar_t* s = scales.data_ptr<scalar_t>();
-    in_passes(x.size(0), [&](int64_t m0, auto rows) {
-      constexpr int M = decltype(rows)::value;
-      const SplitRows split = split_rows(q.data_ptr<int8_t>() + m0 * in, M, in);
-      const float* dm = d.data_ptr<float>() + m0 * (in / BLOCK);
-      float* ym = y.data_ptr<float>() + m0 * out;
-      every_row<M>(out, [&](auto p, int64_t r) {
-        int4_rows<M, decltype(p)::value>(split, dm, values.data_ptr<uint8_t>(), s, ym, out, in, group, r);
-      });
+    const auto tile = [&](int64_t m0, auto m, int64_t r, auto p, bool fetch) {
+      int4_rows<decltype(m)::value, decltype(p)::value>(view(split, m0, in), d.data_ptr<float>() + m0 * blocks, w, s,
+                                                        y.data_ptr<float>() + m0 * out, out, in, group, r, fetch);
+    };
+    if (rows > MAX_ROWS) return in_panels<INT4_TILE_M, INT4_TILE_P>(rows, out, in / 2, tile);
+    in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
+      every_row<decltype(m)::value>(out, [&](auto p, int64_t r) { tile(m0, m, r, p, r + (AHEAD + 1) * decltype(p)::value <= out); });
     });
   });
   return y.to(x.scalar_type());

@@ -16,13 +16,14 @@ its batch.
 It is used where ``Tuning.int_dots`` says (the machine's tuning turns it on where the library builds
 and measures faster, ``formats.measured``); ``MIXTRAL_INFER_NATIVE=0`` keeps weight-only products.
 
-* **int4, any rows; int8, 1 to ``DOTS_ROWS`` - 1 rows** (decoding, speculative verify passes,
-  prompt chunks): the operators ``torch.ops.mixtral_infer_dots.int8_dots`` / ``int4_dots``, eager or
-  compiled (a fake implementation each, below); Mixtral's chosen experts read in place, the expert
-  index given to the operator (``weight.expert``). The kernel reads the weight once for every 8 rows.
-* **int8, ``DOTS_ROWS`` rows or more** (long prompt chunks): int8's weight-only product
-  (``int8.py``), which dequantizes from there and is as fast (faster on a CPU with AMX). int4's
-  weight-only products are slower at every size measured (docs/performance.md, section 6).
+* **Any number of rows** (decoding, speculative verify passes, prompt chunks): the operators
+  ``torch.ops.mixtral_infer_dots.int8_dots`` / ``int4_dots``, eager or compiled (a fake implementation
+  each, below); Mixtral's chosen experts read in place, the expert index given to the operator
+  (``weight.expert``). Up to 8 rows the kernel reads the weight once for them all; more rows (prompt
+  chunks) meet the weight in panels that stay in the core's L2 cache, so it is read from memory once.
+* **int8, ``DOTS_ROWS`` rows or more, where the machine measured it faster** (``Tuning.int_dots_prompts``
+  False, as a CPU with AMX may): int8's weight-only product (``int8.py``), which dequantizes from there.
+  int4's weight-only products are slower at every size measured (docs/performance.md, section 6).
 
 Example: one row ``x = [0.5, -1.0, 0.25, 0, ...]`` (one block of 32, the rest zero) gives
 ``d = 1 / 127`` and ``q = [64, -127, 32, 0, ...]`` (63.5 rounds to the even 64): an int8 weight row
@@ -43,7 +44,7 @@ from mixtral_infer.quant.weights import QuantizedWeight
 from mixtral_infer.tuning import Tuning
 
 BLOCK = 32  # inputs per activation scale
-DOTS_ROWS = 512  # from this many rows on, int8's weight-only prompt path, which dequantizes from there (docs/performance.md, section 6)
+DOTS_ROWS = 512  # from this many rows on, int8's weight-only prompt path dequantizes: the choice Tuning.int_dots_prompts makes
 
 
 def _register_fakes() -> None:
@@ -129,7 +130,7 @@ class IntDotsLinear(LinearBackend):
         if x.device.type != "cpu":
             return reference_linear(x, weight)
         if weight.scheme.name == "int8":
-            if x.shape[0] >= DOTS_ROWS:  # int8's weight-only prompt path, dequantized, is as fast from there
+            if x.shape[0] >= DOTS_ROWS and not tuning.int_dots_prompts:  # the machine measured it faster
                 return Int8Linear.product(x, weight, tuning)
             return torch.ops.mixtral_infer_dots.int8_dots(x, weight.values, weight.scales, weight.expert)
         group = weight.scheme.group_size
