@@ -5,8 +5,8 @@ Per scheme (int8; int4 in groups of 32) and number of activation rows (``--rows`
 times the 7 matrices of one Mistral 7B layer (``wq wk wv wo w1 w2 w3``: 4096 x 4096, 1024 x 4096 twice,
 4096 x 4096, 14336 x 4096 twice, 4096 x 14336; 218 M weights, beyond any cache) in turn, each way:
 
-* ``dots``: ``IntDotsLinear.product`` (the operators of ``kernels/int_dots.cpp``; for ``DOTS_ROWS`` rows or
-  more it hands over to the weight-only paths, so those rows time the operator directly);
+* ``dots``: the operators of ``kernels/int_dots.cpp`` (``IntDotsLinear.product``'s; up to 8 rows in one
+  pass over the weight, more in panels of the weight held in L2);
 * ``kernel``: the eager weight-only back-end, as the machine's tuning runs it (``Int8Linear``:
   ``_weight_int8pack_mm``, from 512 rows dequantized and ``F.linear``; ``Int4Linear``:
   ``_weight_int4pack_mm_for_cpu`` on its layout, from 512 or 1024 rows read back and ``F.linear``).
@@ -60,7 +60,7 @@ def weight_bytes(ws) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64, 512, 2048])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--schemes", nargs="+", default=["int8", "int4"])
     parser.add_argument("--out", type=Path)
