@@ -161,25 +161,26 @@ void int8_rows(const int8_t* q, const float* d, const int8_t* w, const S* s, flo
 }
 
 // int4: the row's inputs split by parity per 64 (even: low nibbles, odd: high ones), and each
-// 32-bit lane's start, -8 times the sum of its 8 inputs (which takes the nibbles' 8 out).
+// block's offset, -8 times the sum of its 32 inputs: times the block's scale it takes the nibbles'
+// 8 out, once for 8 blocks, where the integer sums are of the nibbles as they are.
 struct SplitRows {
   std::vector<int8_t> even, odd;  // (M, IN/2) each
-  std::vector<int32_t> start;  // (M, IN/8)
+  std::vector<float> offsets;  // (M, IN/32)
 };
 
 // Rows m0.. of SplitRows (M rows, IN inputs).
 struct SplitView {
   const int8_t* even;
   const int8_t* odd;
-  const int32_t* start;
+  const float* offsets;
 };
 
 SplitView view(const SplitRows& split, int64_t m0, int64_t in) {
-  return {split.even.data() + m0 * in / 2, split.odd.data() + m0 * in / 2, split.start.data() + m0 * in / 8};
+  return {split.even.data() + m0 * in / 2, split.odd.data() + m0 * in / 2, split.offsets.data() + m0 * in / BLOCK};
 }
 
 SplitRows split_rows(const int8_t* q, int64_t rows, int64_t in) {
-  SplitRows split{std::vector<int8_t>(rows * in / 2), std::vector<int8_t>(rows * in / 2), std::vector<int32_t>(rows * in / 8)};
+  SplitRows split{std::vector<int8_t>(rows * in / 2), std::vector<int8_t>(rows * in / 2), std::vector<float>(rows * in / BLOCK)};
   // Within each 128-bit half: its 8 even bytes, then its 8 odd ones.
   const __m256i parity = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -190,12 +191,12 @@ SplitRows split_rows(const int8_t* q, int64_t rows, int64_t in) {
         const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, parity), 0xD8);  // evens | odds
         _mm_storeu_si128(reinterpret_cast<__m128i*>(split.even.data() + (m * in + c) / 2), _mm256_castsi256_si128(halves));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(split.odd.data() + (m * in + c) / 2), _mm256_extracti128_si256(halves, 1));
-        // Lane i of the 64 inputs from a multiple of 64: even inputs 8i..8i+6 and odd ones 8i+1..8i+7,
-        // so its start is -8 times the sum of inputs 8i..8i+7: 4 such sums from these 32.
+        // The block's sum: 8 sums of 4 bytes, then of the 8.
         const __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
-        const __m256i eights = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(fours, fours), _mm256_setr_epi32(0, 1, 4, 5, 0, 1, 4, 5));
-        const __m128i start = _mm_sub_epi32(_mm_setzero_si128(), _mm_slli_epi32(_mm256_castsi256_si128(eights), 3));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(split.start.data() + (m * in + c) / 8), start);
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(fours), _mm256_extracti128_si256(fours, 1));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4E));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xB1));
+        split.offsets[(m * in + c) / BLOCK] = -8.f * static_cast<float>(_mm_cvtsi128_si32(sum));
       }
     }
   });
@@ -220,10 +221,10 @@ inline __m256 block_scales8(const S* row, int64_t c0, int64_t group) {
 }
 
 // 64 inputs from c of M activation rows against P weight rows: acc[p][m] + each block's integer sum
-// times its scale, sd[p][m] (8 blocks' d * s from c0) permuted so that lanes 0-3 hold block `first`'s
-// and lanes 4-7 the next one's.
+// with the nibbles times its scale, sd[p][m] (8 blocks' d * s from c0) permuted so that lanes 0-3
+// hold block `first`'s and lanes 4-7 the next one's.
 template <int M, int P>
-inline void int4_step(const SplitView& x, const uint8_t* w, int64_t half, int64_t in, int64_t c, int64_t r, bool fetch,
+inline void int4_step(const SplitView& x, const uint8_t* w, int64_t half, int64_t c, int64_t r, bool fetch,
                       const __m256 (&sd)[P][M], __m256i order, __m256 (&acc)[P][M]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int p = 0; p < P; ++p) {
@@ -235,8 +236,7 @@ inline void int4_step(const SplitView& x, const uint8_t* w, int64_t half, int64_
     for (int m = 0; m < M; ++m) {
       const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.even + m * half + c / 2));
       const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.odd + m * half + c / 2));
-      const __m256i start = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.start + m * (in / 8) + c / 8));
-      const __m256i dots = dot8_nibbles(start, low, even, high, odd);  // lanes 0-3: block c/32, 4-7: the next
+      const __m256i dots = dot8_nibbles(_mm256_setzero_si256(), low, even, high, odd);  // lanes 0-3: block c/32, 4-7: the next
       acc[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_permutevar8x32_ps(sd[p][m], order), acc[p][m]);
     }
   }
@@ -253,12 +253,15 @@ void int4_rows(const SplitView& x, const float* d, const uint8_t* w, const S* s,
   const __m256i order[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
   int64_t c0 = 0;
-  for (; c0 + 256 <= in; c0 += 256) {  // 8 blocks: their scales d * s made once, then 4 steps of 64
+  for (; c0 + 256 <= in; c0 += 256) {  // 8 blocks: their scales d * s and offsets once, then 4 steps of 64
     for (int p = 0; p < P; ++p) {
       const __m256 sv = block_scales8(s + (r + p) * groups, c0, group);
-      for (int m = 0; m < M; ++m) sd[p][m] = _mm256_mul_ps(sv, _mm256_loadu_ps(d + m * blocks + c0 / BLOCK));
+      for (int m = 0; m < M; ++m) {
+        sd[p][m] = _mm256_mul_ps(sv, _mm256_loadu_ps(d + m * blocks + c0 / BLOCK));
+        acc[p][m] = _mm256_fmadd_ps(sd[p][m], _mm256_loadu_ps(x.offsets + m * blocks + c0 / BLOCK), acc[p][m]);
+      }
     }
-    for (int j = 0; j < 4; ++j) int4_step<M, P>(x, w, half, in, c0 + 64 * j, r, fetch, sd, order[j], acc);
+    for (int j = 0; j < 4; ++j) int4_step<M, P>(x, w, half, c0 + 64 * j, r, fetch, sd, order[j], acc);
   }
   for (int64_t c = c0; c < in; c += 64) {  // the last 64-192 inputs where IN is not a multiple of 256
     for (int p = 0; p < P; ++p) {
@@ -266,10 +269,12 @@ void int4_rows(const SplitView& x, const float* d, const uint8_t* w, const S* s,
       const float s1 = static_cast<float>(s[(r + p) * groups + (c + BLOCK) / group]);
       for (int m = 0; m < M; ++m) {
         const float* db = d + m * blocks + c / BLOCK;
+        const float* ob = x.offsets + m * blocks + c / BLOCK;
         sd[p][m] = _mm256_setr_ps(s0 * db[0], s1 * db[1], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
+        acc[p][m] = _mm256_fmadd_ps(sd[p][m], _mm256_setr_ps(ob[0], ob[1], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f), acc[p][m]);
       }
     }
-    int4_step<M, P>(x, w, half, in, c, r, fetch, sd, order[0], acc);
+    int4_step<M, P>(x, w, half, c, r, fetch, sd, order[0], acc);
   }
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) y[m * out + r + p] = sum8(acc[p][m]);
