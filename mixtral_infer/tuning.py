@@ -90,7 +90,7 @@ class Tuning:
     # (``bench/bench_gpu.py --triton-dense``).
     triton_dense: bool = False
 
-    # int8 and int4 products of few rows on x86 CPUs through the package's integer dot products
+    # int8 and int4 products on x86 CPUs through the package's integer dot products
     # (``kernels.linear.int_dots``): the activations quantized to int8 per block of 32, as llama.cpp's
     # Q8_0 and Q4_0 products do. The one field that moves the numbers, within the bound that back-end
     # states (``activation_error_bound``); the machine's tuning turns it on where it measures faster.

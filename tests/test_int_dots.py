@@ -68,7 +68,7 @@ def test_each_product_is_its_integer_arithmetic_and_within_the_bound(scheme, row
     float32's rounding), and stays within ``activation_error_bound`` of the weight-only product; 1152
     inputs (int4 reads 256 at a time, then the last 128), 4099 rows of weights (not a multiple of the
     4 read at once, nor of a prompt's panels), decoding's passes (1 to 8 rows) and a prompt's panels
-    (11: a tile of 4 rows and its tail; 38: more panels than threads)."""
+    (11: two tiles of 4 rows and a tail of 3; 38: nine tiles and a tail of 2)."""
     torch.manual_seed(rows)
     weight = quantize(torch.randn(4099, 1152), scheme, dtype)
     x = torch.randn(rows, 1152).to(dtype)
@@ -98,14 +98,38 @@ def test_a_row_is_the_same_in_any_batch_and_an_expert_is_read_in_place(scheme):
 
 
 @needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.label)
+@pytest.mark.parametrize("rows", [2, 12], ids=["pass", "panels"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_nan_or_inf_activation_makes_its_row_nan(bad):
+def test_a_nan_or_inf_activation_makes_its_row_nan(bad, rows, scheme):
     """As the weight-only product does: the row holding it is NaN in every output, the other rows are not."""
-    weight = quantize(torch.randn(8, 256), QuantScheme("int8"), torch.float32)
-    x = torch.randn(2, 256)
+    weight = quantize(torch.randn(8, 256), scheme, torch.float32)
+    x = torch.randn(rows, 256)
     x[0, 3] = bad
     got = IntDotsLinear.product(x, weight)
-    assert got[0].isnan().all() and got[1].isfinite().all()
+    assert got[0].isnan().all() and got[1:].isfinite().all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.label)
+def test_a_block_too_small_to_scale_counts_as_zeros_and_no_inputs_give_zeros(scheme):
+    """127 / max|x| overflows for a block of activations below about 7e-37: its integers are 0, in the
+    readable form and the kernel (which made them -128, the integer conversion of inf, outside the
+    |q| <= 127 its 16-bit sums rely on; only the tiny scale hid it). A chunk with no inputs gives zeros
+    (the panels' size divided by the rows' zero width: the process died of SIGFPE)."""
+    torch.manual_seed(4)
+    weight = quantize(torch.randn(8, 64), scheme, torch.float32)
+    x = torch.randn(12, 64)
+    x[:, :32] = 1e-38 * torch.sign(x[:, :32])
+    q, _ = quantized_blocks(x)
+    assert (q[:, 0] == 0).all()
+    got = IntDotsLinear.product(x, weight)
+    skipped = x.clone()
+    skipped[:, :32] = 0
+    torch.testing.assert_close(got.double(), reference_int_dots(skipped, weight), atol=1e-4, rtol=1e-6)
+    empty = QuantizedWeight(scheme, torch.zeros(8, 0, dtype=torch.int8), torch.ones(8), 0) if scheme.name == "int8" else None
+    if empty is not None:
+        assert torch.equal(IntDotsLinear.product(torch.zeros(12, 0), empty), torch.zeros(12, 8))
 
 
 @needs_kernels
@@ -217,6 +241,8 @@ def test_the_machine_measures_the_choice_only_for_integer_weights(tmp_path, monk
     asked, prompts = [], []
     monkeypatch.setattr(measured, "CHOICES", ())
     monkeypatch.setattr(measured, "INT_DOTS", measured.Choice("int_dots", lambda known: asked.append(1) or True))
+    # capable on any machine, as the two above (the real ones ask whether the library can be built)
+    monkeypatch.setattr(measured, "INT_DOT_PROMPTS", measured.Choice("int_dots_prompts", measured.INT_DOT_PROMPTS.measure))
     monkeypatch.setattr(measured, "int_dot_prompts_are_faster", lambda tuning: prompts.append(tuning) or False)
     path, quiet = tmp_path / "tuning.json", lambda line: None
     assert not measured.machine_tuning(path=path, announce=quiet).int_dots and asked == []

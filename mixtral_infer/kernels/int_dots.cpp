@@ -1,6 +1,7 @@
 // Integer dot products for int8 and int4 weights on x86 CPUs: the activations quantized to int8 per
 // block of 32 inputs (as llama.cpp's Q8_0 products do), multiplied by the weights' stored bytes in
-// integers, each block's 32-bit sum scaled once. kernels/native.py builds this file with the
+// integers, each block's 32-bit sum scaled once (int4 adds its nibbles' offset once a block as well,
+// below). kernels/native.py builds this file with the
 // machine's own compiler (-march=native), so the same source gives AVX512-VNNI or AVX-VNNI dot
 // products where the CPU has them and AVX2's pairwise products elsewhere; kernels/linear/int_dots.py
 // is the weight back-end that calls the two operators.
@@ -11,7 +12,10 @@
 //   n the nibbles as the package stores them (quant/weights.py): byte j of a row holds input 2j in its
 //   low nibble and 2j + 1 in its high one, each the integer plus 8; s (OUT, IN/G) one scale a group
 //   of G inputs (G a multiple of 32).
-// q, d: each row of x quantized per block of 32: d = max|x| / 127, q = round(x * 127 / max|x|).
+// q, d: each row of x quantized per block of 32: d = max|x| / 127, q = round(x * 127 / max|x|); a block
+// of zeros, or one so small that 127 / max|x| overflows (max|x| below about 7e-37), has q = 0.
+// int4 computes its sum as sum_b d s (sum_k q n - 8 sum_k q), the two terms rounded to float each: exact
+// to float32's rounding of the terms, which may cancel (an all-zero weight row gives about 1e-4, not 0).
 //
 // No pair of int8 products saturates in AVX2's 16-bit sums: |q| <= 127, and the unsigned operand is
 // |w| <= 128 or a nibble <= 15, so a pair is at most 2 * 128 * 127 = 32512 < 32767.
@@ -31,7 +35,7 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;  // inputs per activation scale
-constexpr int64_t MAX_ROWS = 8;  // activation rows per pass over the weight
+constexpr int64_t MAX_ROWS = 8;  // activation rows per pass over the weight; more go in panels (in_panels)
 // Each pass over a set of P weight rows asks for the same bytes of the set AHEAD sets on (one cache line
 // a time): a thread reads its rows set after set, and short rows read in step defeat the hardware's
 // stream detection, so a decode product otherwise waits on memory (docs/performance.md, section 6).
@@ -116,7 +120,8 @@ inline float quantize_block(const T* xb, int8_t* q) {
     return std::numeric_limits<float>::quiet_NaN();
   }
   const float amax = max8(top);
-  const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const float scale = 127.f / amax;  // inf for 0 and for tiny blocks: their integers 0, not -128
+  const __m256 inverse = _mm256_set1_ps(scale <= std::numeric_limits<float>::max() ? scale : 0.f);
   __m256i n[4];  // rounded to the nearest, ties to even (as std::nearbyint)
   for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
   // packs work within 128-bit halves: bytes come out as 4-value groups 0 2 4 6 1 3 5 7, put back in order.
@@ -221,8 +226,8 @@ inline __m256 block_scales8(const S* row, int64_t c0, int64_t group) {
 }
 
 // 64 inputs from c of M activation rows against P weight rows: acc[p][m] + each block's integer sum
-// with the nibbles times its scale, sd[p][m] (8 blocks' d * s from c0) permuted so that lanes 0-3
-// hold block `first`'s and lanes 4-7 the next one's.
+// with the nibbles times its scale, sd[p][m] (8 blocks' d * s from c0) permuted by `order` so that
+// lanes 0-3 hold block c / 32's and lanes 4-7 the next one's.
 template <int M, int P>
 inline void int4_step(const SplitView& x, const uint8_t* w, int64_t half, int64_t c, int64_t r, bool fetch,
                       const __m256 (&sd)[P][M], __m256i order, __m256 (&acc)[P][M]) {
@@ -312,11 +317,12 @@ void in_passes(int64_t rows, const Pass& pass) {
 }
 
 // Prompt chunks (more than MAX_ROWS rows) in panels: the weight rows cut into panels of at most half
-// the core's L2 cache, and each panel met by every activation row, TM rows at a time against TP weight
-// rows at a time, while it stays in that cache. The weight is read from memory once for all the rows,
-// where decoding's passes read it once each MAX_ROWS rows. A thread takes whole panels.
+// the core's L2 cache (at least TP rows, where one row is wider than that), and each panel met by
+// every activation row, TM rows at a time against TP weight rows at a time, while it stays in that
+// cache. The weight is read from memory once for all the rows, where decoding's passes read it once
+// each MAX_ROWS rows. A thread takes whole panels.
 // Example: a 4096-input int8 weight (4 KiB a row) on a core with 512 KiB of L2 has panels of 64 rows;
-// 14336 inputs, of 16 rows (multiples of TP). Panels shrink so that each thread has at least 4.
+// 14336 inputs, of 18 (multiples of TP = 2). Panels shrink so that each thread has at least 4.
 int64_t level2_bytes() {
   const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
   return reported > 0 ? reported : 256 * 1024;  // unreported: the smallest L2 of current x86 cores
@@ -324,7 +330,7 @@ int64_t level2_bytes() {
 
 int64_t panel_rows(int64_t out, int64_t row_bytes, int64_t tp) {
   static const int64_t cache = level2_bytes();
-  const int64_t fits = cache / 2 / row_bytes / tp * tp;
+  const int64_t fits = cache / 2 / std::max<int64_t>(row_bytes, 1) / tp * tp;  // no inputs: any panel
   const int64_t shared = (out + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
   return std::max<int64_t>(tp, std::min(fits, (shared + tp - 1) / tp * tp));
 }

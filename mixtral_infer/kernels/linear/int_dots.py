@@ -80,7 +80,8 @@ def quantized_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     once, as the kernel does, so the same integers come out)."""
     blocks = x.float().unflatten(-1, (-1, BLOCK))  # (M, IN/32, 32)
     largest = blocks.abs().amax(-1, keepdim=True)  # (M, IN/32, 1)
-    inverse = torch.where(largest > 0, torch.full_like(largest, 127.0) / largest, torch.zeros_like(largest))
+    inverse = torch.full_like(largest, 127.0) / largest  # inf for zeros and tiny blocks: their integers 0
+    inverse = torch.where(inverse.isinf(), torch.zeros_like(inverse), inverse)
     return torch.round(blocks * inverse), largest / 127
 
 
