@@ -127,8 +127,8 @@ def test_a_block_too_small_to_scale_counts_as_zeros_and_no_inputs_give_zeros(sch
     skipped = x.clone()
     skipped[:, :32] = 0
     torch.testing.assert_close(got.double(), reference_int_dots(skipped, weight), atol=1e-4, rtol=1e-6)
-    empty = QuantizedWeight(scheme, torch.zeros(8, 0, dtype=torch.int8), torch.ones(8), 0) if scheme.name == "int8" else None
-    if empty is not None:
+    if scheme.name == "int8":
+        empty = QuantizedWeight(scheme, torch.zeros(8, 0, dtype=torch.int8), torch.ones(8), 0)
         assert torch.equal(IntDotsLinear.product(torch.zeros(12, 0), empty), torch.zeros(12, 8))
 
 

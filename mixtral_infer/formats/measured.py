@@ -105,6 +105,16 @@ def few_streams_are_faster() -> bool:
 INT_DOTS_MARGIN = 1.05  # the integer dot products only when at least this much faster (medians of 5 rounds)
 
 
+def alternated_medians(ways: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, float]:
+    """Each way's median seconds over ``rounds`` rounds, the ways taking turns within each round (a
+    noisy machine slows them alike)."""
+    times: Dict[str, list] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            times[name].append(best_seconds(way, repeats=1))
+    return {name: sorted(samples)[len(samples) // 2] for name, samples in times.items()}
+
+
 def int_dots_are_faster() -> bool:
     """Whether one bfloat16 row times int8 weights beyond any cache runs at least ``INT_DOTS_MARGIN``
     times faster through the integer dot products (``kernels.linear.int_dots``, built here first if
@@ -121,12 +131,8 @@ def int_dots_are_faster() -> bool:
         "kernel": lambda: [torch.ops.aten._weight_int8pack_mm(x, weight, scales) for weight in weights],
         "dots": lambda: [torch.ops.mixtral_infer_dots.int8_dots(x, weight, scales) for weight in weights],
     }
-    times: Dict[str, list] = {name: [] for name in ways}
-    for _ in range(5):
-        for name, way in ways.items():
-            times[name].append(best_seconds(way, repeats=1))
-    kernel, dots = (sorted(samples)[len(samples) // 2] for samples in times.values())
-    return kernel >= INT_DOTS_MARGIN * dots
+    medians = alternated_medians(ways, rounds=5)
+    return medians["kernel"] >= INT_DOTS_MARGIN * medians["dots"]
 
 
 def int_dot_prompts_are_faster(tuning: Tuning) -> bool:
@@ -147,12 +153,8 @@ def int_dot_prompts_are_faster(tuning: Tuning) -> bool:
         "weight_only": lambda: [Int8Linear.product(x, weight, tuning) for weight in weights],
         "dots": lambda: [torch.ops.mixtral_infer_dots.int8_dots(x, weight.values, weight.scales) for weight in weights],
     }
-    times: Dict[str, list] = {name: [] for name in ways}
-    for _ in range(3):
-        for name, way in ways.items():
-            times[name].append(best_seconds(way, repeats=1))
-    weight_only, dots = (sorted(samples)[len(samples) // 2] for samples in times.values())
-    return weight_only >= dots
+    medians = alternated_medians(ways, rounds=3)
+    return medians["weight_only"] >= medians["dots"]
 
 
 # Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then);

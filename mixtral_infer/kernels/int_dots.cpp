@@ -351,6 +351,16 @@ void in_panels(int64_t rows, int64_t out, int64_t row_bytes, const Tile& tile) {
   });
 }
 
+// tile(m0, M-as-a-constant, r, P-as-a-constant, fetch) over every activation row and weight row:
+// decoding's passes (every weight row for up to MAX_ROWS rows, prefetching), prompt chunks' panels beyond.
+template <int TM, int TP, typename Tile>
+void every_tile(int64_t rows, int64_t out, int64_t row_bytes, const Tile& tile) {
+  if (rows > MAX_ROWS) return in_panels<TM, TP>(rows, out, row_bytes, tile);
+  in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
+    every_row<decltype(m)::value>(out, [&](auto p, int64_t r) { tile(m0, m, r, p, r + (AHEAD + 1) * decltype(p)::value <= out); });
+  });
+}
+
 // Expert e of stacked weights (E, ...) where an expert index is given: views, read in place.
 void pick_expert(const std::optional<at::Tensor>& expert, at::Tensor& values, at::Tensor& scales) {
   if (!expert.has_value()) return;
@@ -394,10 +404,7 @@ at::Tensor int8_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scale
       int8_rows<decltype(m)::value, decltype(p)::value>(q.data_ptr<int8_t>() + m0 * in, d.data_ptr<float>() + m0 * blocks,
                                                         w, s, y.data_ptr<float>() + m0 * out, out, in, r, fetch);
     };
-    if (rows > MAX_ROWS) return in_panels<INT8_TILE_M, INT8_TILE_P>(rows, out, in, tile);
-    in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
-      every_row<decltype(m)::value>(out, [&](auto p, int64_t r) { tile(m0, m, r, p, r + (AHEAD + 1) * decltype(p)::value <= out); });
-    });
+    every_tile<INT8_TILE_M, INT8_TILE_P>(rows, out, in, tile);
   });
   return y.to(x.scalar_type());
 }
@@ -421,10 +428,7 @@ at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scale
       int4_rows<decltype(m)::value, decltype(p)::value>(view(split, m0, in), d.data_ptr<float>() + m0 * blocks, w, s,
                                                         y.data_ptr<float>() + m0 * out, out, in, group, r, fetch);
     };
-    if (rows > MAX_ROWS) return in_panels<INT4_TILE_M, INT4_TILE_P>(rows, out, in / 2, tile);
-    in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
-      every_row<decltype(m)::value>(out, [&](auto p, int64_t r) { tile(m0, m, r, p, r + (AHEAD + 1) * decltype(p)::value <= out); });
-    });
+    every_tile<INT4_TILE_M, INT4_TILE_P>(rows, out, in / 2, tile);
   });
   return y.to(x.scalar_type());
 }
