@@ -406,6 +406,25 @@ def test_ctrl_c_at_any_moment_of_start_up_prints_no_traceback(delay):
     assert process.returncode in (130, -signal.SIGINT), (process.returncode, stderr)
 
 
+def test_ctrl_c_while_triton_imports_is_held_until_the_import_returns(tmp_path):
+    """torch._dynamo imports triton lazily, after torch (xformers' import asks for it); a Ctrl-C in
+    its import ran through triton's C++ and ended the process with "terminate called". The command
+    line's finder holds it for triton as for torch: the import finishes, then KeyboardInterrupt. A
+    stand-in triton signals itself mid-import (the real one is slow to import only sometimes)."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.2)\n"
+        f"open({str(tmp_path / 'finished')!r}, 'w').close()\n")
+    script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); sys.path.insert(0, {str(REPO)!r})\n"
+              "from mixtral_infer.cli.commands import DeferCtrlCWhileTorchImports\n"
+              "sys.meta_path.insert(0, DeferCtrlCWhileTorchImports())\n"
+              "try:\n    import triton\nexcept KeyboardInterrupt:\n"
+              "    print('held')\n")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    assert result.stdout.strip() == "held" and (tmp_path / "finished").exists(), (result.stdout, result.stderr)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

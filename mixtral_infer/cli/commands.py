@@ -1080,31 +1080,45 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 class DeferCtrlCWhileTorchImports(importlib.abc.MetaPathFinder):
-    """Holds Ctrl-C while ``torch`` is first imported, wherever that happens, then acts on it.
+    """Holds Ctrl-C while ``torch`` and ``triton`` are first imported, wherever that happens, then acts on it.
 
-    A KeyboardInterrupt raised inside the Python callbacks torch's C++ runs while it imports ends the
-    process with ``terminate called after throwing ... pybind11::error_already_set``, and a
-    half-imported torch cannot be imported again. So the import's own code runs with SIGINT
-    recorded, not raised (importing takes seconds: Ctrl-C waits that long), and a recorded one is
-    raised as the import returns. Options are still checked before torch is imported."""
+    A KeyboardInterrupt raised inside the Python callbacks torch's (pybind11) or triton's (nanobind)
+    C++ runs while it imports ends the process with ``terminate called after throwing ...``, and a
+    half-imported module cannot be imported again. triton is imported later, by torch's own lazy
+    imports (``torch._dynamo`` asks whether it is there, as xformers' import does). So each import's
+    own code runs with SIGINT recorded, not raised (importing takes seconds: Ctrl-C waits that long),
+    and a recorded one is raised as the outermost of them returns. Options are still checked before
+    torch is imported."""
+
+    NAMES = ("torch", "triton")
+
+    def __init__(self, names=NAMES):
+        self.waiting = set(names)
+        self.interrupted: list = []
+        self.depth = 0  # the held imports running now (triton may be imported within torch's)
 
     def find_spec(self, name, path, target=None):
-        if name != "torch":
+        if name not in self.waiting:
             return None
-        sys.meta_path.remove(self)  # once: the real finders find torch
-        spec = importlib.util.find_spec("torch")
+        self.waiting.discard(name)  # once: the real finders find it (the call below comes back here)
+        if not self.waiting:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None or threading.current_thread() is not threading.main_thread():
             return spec
         run = spec.loader.exec_module
 
         def exec_module(module):
-            interrupted = []
-            previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+            previous = signal.signal(signal.SIGINT, lambda *_: self.interrupted.append(True)) if self.depth == 0 else None
+            self.depth += 1
             try:
                 run(module)
             finally:
-                signal.signal(signal.SIGINT, previous)
-            if interrupted:
+                self.depth -= 1
+                if self.depth == 0:
+                    signal.signal(signal.SIGINT, previous)
+            if self.depth == 0 and self.interrupted:
+                self.interrupted.clear()
                 raise KeyboardInterrupt
 
         spec.loader.exec_module = exec_module
