@@ -42,6 +42,10 @@ class Tuning:
     # Op by op, float32 products of a few rows on CPU: one ``bmm`` block of output rows per thread
     # (``kernels.linear``), for a library whose few-row product runs on one core; False: ``F.linear``.
     few_row_blocks: bool = False
+    # Op by op, float32 products of up to 8 rows on x86 CPUs through the package's own kernel
+    # (``kernels/float_dots.cpp``: the weight read once for all the rows), ahead of ``few_row_blocks``;
+    # the machine's tuning turns it on where the library builds and it measures faster (``formats.measured``).
+    float_dots: bool = False
     # Compiled few-row products on CPU read a weight's rows in up to this many places at once, one
     # reduction each (``fast.cpu_reductions.row_sums``): more reads in flight where one stream per
     # core does not fill the memory's bandwidth, fewer where more places read slower.

@@ -30,11 +30,31 @@ from mixtral_infer import ModelArgs, MoeArgs, Transformer
 from mixtral_infer.checkpoint.hf_format import hf_config_from_args, hf_to_published
 from mixtral_infer.checkpoint.loading import build_model, save_consolidated
 from mixtral_infer.fast.cpu_packed import onednn_packs
+from mixtral_infer.kernels import native
 
 WINDOW = 8
 # The float type the packed-weight tests pack: bfloat16 where this CPU's oneDNN reorders it (AVX-512:
 # what load_model packs), else float32, which oneDNN packs on every x86 CPU (fast.cpu_packed).
 PACKS = torch.bfloat16 if onednn_packs(torch.bfloat16) else torch.float32
+
+
+NATIVE_REASON = native.unavailable_because()  # why the package's C++ kernels cannot be built here, or None
+
+
+@pytest.fixture
+def loaded_kernels():
+    """The native operators loaded in this process (built or read from the cache), the integer ones'
+    fake implementations registered: a test that calls them directly may run first in its worker."""
+    from mixtral_infer.kernels.linear.int_dots import available
+
+    assert available(), f"the native kernels did not load: {native._STATE.get('why')}"
+
+
+def needs_kernels(test):
+    """Skipped where the native kernels cannot be built (``native.unavailable_because``), else run with
+    them loaded."""
+    test = pytest.mark.usefixtures("loaded_kernels")(test)
+    return pytest.mark.skipif(NATIVE_REASON is not None, reason=f"the native kernels cannot be built here: {NATIVE_REASON}")(test)
 
 
 def tiny_args(moe: bool = True, sliding_window: int | None | list = WINDOW, max_batch_size: int = 4) -> ModelArgs:

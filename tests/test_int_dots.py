@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import random_model, tiny_args
+from conftest import NATIVE_REASON, needs_kernels, random_model, tiny_args
 
 from mixtral_infer.formats import measured
 from mixtral_infer.formats.modules import use_formats
@@ -20,22 +20,6 @@ from mixtral_infer.kernels.linear.int_dots import activation_error_bound, availa
 from mixtral_infer.quant.scheme import QuantScheme
 from mixtral_infer.quant.weights import QuantizedWeight, quantize
 from mixtral_infer.tuning import Tuning
-
-REASON = native.unavailable_because()
-
-
-@pytest.fixture
-def loaded_kernels():
-    """The operators loaded in this process (built or read from the cache): a test that calls them
-    directly may run first in its worker."""
-    assert available(), f"the integer kernels did not load: {native._STATE.get('why')}"
-
-
-def needs_kernels(test):
-    """Skipped where the kernels cannot be built (``native.unavailable_because``), else run with them loaded."""
-    test = pytest.mark.usefixtures("loaded_kernels")(test)
-    return pytest.mark.skipif(REASON is not None, reason=f"the integer kernels cannot be built here: {REASON}")(test)
-
 
 DOTS = Tuning(int_dots=True)
 SCHEMES = [QuantScheme("int8"), QuantScheme("int4", 32), QuantScheme("int4", 64), QuantScheme("int4", 128)]
@@ -55,7 +39,7 @@ def test_the_docstring_example():
     assert reference_int_dots(x, weight).item() == pytest.approx(-0.1, rel=1e-6)
     x[0, 0] = 0.51
     assert reference_int_dots(x, weight).item() == pytest.approx(0.1 * (130 - 127 - 128) / 127, rel=1e-6)
-    if REASON is None and available():
+    if NATIVE_REASON is None and available():
         assert IntDotsLinear.product(x, weight).item() == pytest.approx(0.1 * -125 / 127, rel=1e-6)
 
 

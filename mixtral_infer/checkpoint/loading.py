@@ -554,7 +554,8 @@ def load_model(
         select = stored_select(select, stored)  # a quantized folder's integers and scales
     kept = checkpoint.gguf.kept_scheme(scheme) if checkpoint.gguf is not None else None  # Q4_0 blocks kept as int4
     integers = any(s is not None and s.name in ("int8", "int4") for s in (scheme, stored, kept)) and device.type == "cpu"
-    tuning = tuning if tuning is not None else machine_tuning(fast, integers=integers)  # measured once per machine, before any weight is read
+    floats = dtype == torch.float32 and device.type == "cpu"
+    tuning = tuning if tuning is not None else machine_tuning(fast, integers=integers, floats=floats)  # measured once per machine, before any weight is read
     if checkpoint.gguf is not None:  # its Q4_0 blocks kept as int4 weights, placed as they are read (checkpoint/gguf_file.py)
         placing = GgufLoading(dtype, device, tuning, scheme, keep_blocks=adapter is None)
         tensors = checkpoint.gguf.published_tensors(progress, select, placing)

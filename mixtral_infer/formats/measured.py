@@ -8,7 +8,10 @@ such choice (``CHOICES``) is timed once on the machine, the first time a model i
 a line on stderr saying so, and kept in a JSON file (``cache_file``) under the machine's key
 (``machine_key``: the CPU's model name, its usable cores, torch's version), so another machine, or
 this one with another torch, measures anew. A choice the CPU's capabilities decide is not timed:
-with one core there are no blocks per thread to share out; without oneDNN, MKL multiplies.
+with one core there are no blocks per thread to share out; without oneDNN, MKL multiplies. The
+choices that build the package's own kernels (``kernels.native``) are timed only where a model needs
+them: ``FLOAT_DOTS`` where float32 weights are loaded on CPU, ``INT_DOTS`` and ``INT_DOT_PROMPTS``
+where int8 or int4 weights are.
 
 Example cache file, one machine::
 
@@ -157,6 +160,38 @@ def int_dot_prompts_are_faster(tuning: Tuning) -> bool:
     return medians["weight_only"] >= medians["dots"]
 
 
+FLOAT_DOTS_MARGIN = 1.1  # the package's float32 few-row product only when at least this much faster
+FLOAT_DOTS_ROWS = (1, 2, 4, 8)  # decoding's rows, and an expert's share of them
+
+
+def float_dots_are_faster(tuning: Tuning) -> bool:
+    """Whether float32 products of a few rows run at least ``FLOAT_DOTS_MARGIN`` times faster through
+    the package's kernel (``kernels/float_dots.cpp``, built here first if it is not yet) than as
+    ``tuning`` multiplies them otherwise (``F.linear``, or ``few_row_blocks``): 1, 2, 4 and 8 rows
+    times 4 weights of 4096 x 1024 in turn (64 MB, beyond the caches), alternated, medians of 3
+    rounds, the rows' times summed."""
+    from mixtral_infer.kernels.linear.plain import PlainLinear
+
+    if not native.loaded():
+        return False
+    weights = [torch.ones(4096, 1024) for _ in range(4)]
+    rows = [torch.ones(m, 1024) for m in FLOAT_DOTS_ROWS]
+    otherwise, kernel = replace(tuning, float_dots=False), replace(tuning, float_dots=True)
+    ways = {
+        "otherwise": lambda: [PlainLinear.product(x, weight, otherwise) for x in rows for weight in weights],
+        "kernel": lambda: [PlainLinear.product(x, weight, kernel) for x in rows for weight in weights],
+    }
+    medians = alternated_medians(ways, rounds=3)
+    return medians["otherwise"] >= FLOAT_DOTS_MARGIN * medians["kernel"]
+
+
+# Measured only where a model is loaded with float32 weights on CPU (the library is built then),
+# after the few-row blocks it is weighed against.
+FLOAT_DOTS = Choice(
+    "float_dots",
+    lambda known: float_dots_are_faster(with_choices(Tuning(), known)),
+    lambda cpu: native.unavailable_because() is None,
+)
 # Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then);
 # the prompts' choice only where the dot products are chosen at all.
 INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), lambda cpu: native.unavailable_because() is None)
@@ -182,16 +217,18 @@ def machine_tuning(
     choices: Optional[Sequence[Choice]] = None,
     announce: Optional[Callable[[str], None]] = None,
     integers: bool = False,
+    floats: bool = False,
 ) -> Tuning:
     """The tuning for this machine (``cpu``, default this one's): ``Tuning.default(fast)`` with the
     measured ``choices`` (default ``CHOICES``) kept in ``path`` (default ``cache_file()``), measuring
     those not kept yet and saying so to ``announce`` (default stderr); ``integers`` (int8 or int4
-    weights on CPU) adds ``INT_DOTS`` and ``INT_DOT_PROMPTS``. The reference (``fast`` False) and
-    ``MIXTRAL_INFER_MEASURE=0`` measure nothing."""
+    weights on CPU) adds ``INT_DOTS`` and ``INT_DOT_PROMPTS``, ``floats`` (float32 weights on CPU)
+    ``FLOAT_DOTS``. The reference (``fast`` False) and ``MIXTRAL_INFER_MEASURE=0`` measure nothing."""
     tuning = Tuning.default(fast)
     if not tuning.fast or os.environ.get(MEASURE_VARIABLE, "1") == "0":
         return tuning
-    choices = (*CHOICES, *((INT_DOTS, INT_DOT_PROMPTS) if integers else ())) if choices is None else choices
+    if choices is None:
+        choices = (*CHOICES, *((FLOAT_DOTS,) if floats else ()), *((INT_DOTS, INT_DOT_PROMPTS) if integers else ()))
     known = measured_choices(cpu or cpu_info(), path or cache_file(), choices, announce)
     return with_choices(tuning, known)
 
@@ -202,6 +239,7 @@ def with_choices(tuning: Tuning, known: Dict[str, bool]) -> Tuning:
     return replace(
         tuning,
         few_row_blocks=known.get("few_row_blocks", tuning.few_row_blocks),
+        float_dots=known.get("float_dots", tuning.float_dots),
         onednn_float32=known.get("onednn_float32", tuning.onednn_float32),
         upcast=upcast,
         streams=FEW_STREAMS if known.get("few_streams") else tuning.streams,

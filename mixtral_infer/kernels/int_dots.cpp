@@ -26,6 +26,8 @@
 #include <immintrin.h>
 #include <unistd.h>
 
+#include "dots.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -35,11 +37,11 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;  // inputs per activation scale
-constexpr int64_t MAX_ROWS = 8;  // activation rows per pass over the weight; more go in panels (in_panels)
-// Each pass over a set of P weight rows asks for the same bytes of the set AHEAD sets on (one cache line
-// a time): a thread reads its rows set after set, and short rows read in step defeat the hardware's
-// stream detection, so a decode product otherwise waits on memory (docs/performance.md, section 6).
-constexpr int64_t AHEAD = 2;
+using dots::AHEAD;
+using dots::MAX_ROWS;  // more rows go in panels (in_panels)
+using dots::every_row;
+using dots::in_passes;
+using dots::sum8;
 // Prompt chunks' tiles (in_panels), activation rows by weight rows: int8 keeps 4 x 2 accumulators,
 // int4 4 x 1 and as many block scales, in AVX2's 16 registers (docs/performance.md, section 6).
 constexpr int INT8_TILE_M = 4, INT8_TILE_P = 2;
@@ -66,12 +68,6 @@ inline __m256i dot8_nibbles(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
-}
-
-inline float sum8(__m256 v) {
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
 // Weight rows read at once for M activation rows: 16 vector registers hold P * M accumulators.
@@ -285,37 +281,6 @@ void int4_rows(const SplitView& x, const float* d, const uint8_t* w, const S* s,
     for (int m = 0; m < M; ++m) y[m * out + r + p] = sum8(acc[p][m]);
 }
 
-// Calls rows(P-as-a-constant, r) for every weight row r, P rows at a time (places<M>), then one at a
-// time for the rest; the sets of rows shared among the threads.
-template <int M, typename Rows>
-void every_row(int64_t out, const Rows& rows) {
-  constexpr int P = places<M>();
-  const int64_t sets = out / P;
-  at::parallel_for(0, sets, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) rows(std::integral_constant<int, P>{}, i * P);
-  });
-  for (int64_t r = sets * P; r < out; ++r) rows(std::integral_constant<int, 1>{}, r);
-}
-
-// pass(m0, M-as-a-constant): the activation rows in passes of at most MOST (<= 8) rows.
-template <int MOST, typename Pass>
-void in_passes(int64_t rows, const Pass& pass) {
-  static_assert(MOST >= 1 && MOST <= 8);
-  for (int64_t m0 = 0; m0 < rows; m0 += MOST) {
-    const int64_t m = std::min<int64_t>(rows - m0, MOST);
-    if (m == MOST) { pass(m0, std::integral_constant<int, MOST>{}); continue; }
-    switch (m) {
-      case 1: pass(m0, std::integral_constant<int, 1>{}); break;
-      case 2: if constexpr (MOST > 2) pass(m0, std::integral_constant<int, 2>{}); break;
-      case 3: if constexpr (MOST > 3) pass(m0, std::integral_constant<int, 3>{}); break;
-      case 4: if constexpr (MOST > 4) pass(m0, std::integral_constant<int, 4>{}); break;
-      case 5: if constexpr (MOST > 5) pass(m0, std::integral_constant<int, 5>{}); break;
-      case 6: if constexpr (MOST > 6) pass(m0, std::integral_constant<int, 6>{}); break;
-      default: if constexpr (MOST > 7) pass(m0, std::integral_constant<int, 7>{});
-    }
-  }
-}
-
 // Prompt chunks (more than MAX_ROWS rows) in panels: the weight rows cut into panels of at most half
 // the core's L2 cache (at least TP rows, where one row is wider than that), and each panel met by
 // every activation row, TM rows at a time against TP weight rows at a time, while it stays in that
@@ -357,7 +322,7 @@ template <int TM, int TP, typename Tile>
 void every_tile(int64_t rows, int64_t out, int64_t row_bytes, const Tile& tile) {
   if (rows > MAX_ROWS) return in_panels<TM, TP>(rows, out, row_bytes, tile);
   in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
-    every_row<decltype(m)::value>(out, [&](auto p, int64_t r) { tile(m0, m, r, p, r + (AHEAD + 1) * decltype(p)::value <= out); });
+    every_row<places<decltype(m)::value>()>(out, [&](auto p, int64_t r) { tile(m0, m, r, p, r + (AHEAD + 1) * decltype(p)::value <= out); });
   });
 }
 

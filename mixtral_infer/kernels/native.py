@@ -1,20 +1,22 @@
 """The package's own C++ kernels, compiled on this machine the first time they are asked for.
 
-``int_dots.cpp`` (integer dot products for int8 and int4 weights, ``kernels.linear.int_dots``) is
-built by ``torch.utils.cpp_extension`` with the machine's own compiler and ``-march=native``, so one
-source gives the dot-product instructions this CPU has (AVX512-VNNI, AVX-VNNI, or AVX2's pairwise
-products). The library is kept on disk under a key of the source, the CPU's flags and torch's version
-(``library_key``): the next process loads it at once, another CPU or torch builds anew. One line on
-stderr says when it builds (about a minute on 2 cores) and, once, why it cannot where it cannot: no
-compiler or no ``ninja``, a CPU without AVX2, another architecture. Nothing is built on import:
-``int_dots()`` builds or loads on its first call.
+One library of dot products (``SOURCES``): ``int_dots.cpp``, integer dot products for int8 and int4
+weights (``kernels.linear.int_dots``), and ``float_dots.cpp``, float32 products of a few rows
+(``kernels.linear.plain``), with what they share in ``dots.h``. It is built by
+``torch.utils.cpp_extension`` with the machine's own compiler and ``-march=native``, so one source
+gives the instructions this CPU has (AVX512-VNNI, AVX-VNNI, or AVX2's pairwise products). The library
+is kept on disk under a key of the sources, the CPU's flags and torch's version (``library_key``): the
+next process loads it at once, another CPU or torch builds anew. One line on stderr says when it
+builds (about a minute on 2 cores) and, once, why it cannot where it cannot: no compiler or no
+``ninja``, a CPU without AVX2, another architecture. Nothing is built on import: ``loaded()`` builds
+or loads on its first call.
 
 ``MIXTRAL_INFER_NATIVE=0`` builds nothing (the package keeps the kernels of torch and the field).
 ``MIXTRAL_INFER_NATIVE_CACHE`` names the folder (default ``$XDG_CACHE_HOME/mixtral_infer/native``).
 
 Example: on an x86 CPU with ``avx2`` and ``avx512_vnni`` in its flags, torch 2.13.0, the library is
 ``<cache>/mixtral_infer_dots_<16 hex digits>/mixtral_infer_dots_<same>.so``, and
-``torch.ops.mixtral_infer_dots.int8_dots`` is its int8 product.
+``torch.ops.mixtral_infer_dots.int8_dots`` is its int8 product, ``float_dots`` its float32 one.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import torch
 
 NATIVE_VARIABLE = "MIXTRAL_INFER_NATIVE"  # "0": build nothing
 CACHE_VARIABLE = "MIXTRAL_INFER_NATIVE_CACHE"
-SOURCE = Path(__file__).with_name("int_dots.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "int_dots.cpp", HERE / "float_dots.cpp")  # compiled into one library
+HEADERS = (HERE / "dots.h",)  # what they include
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # -fopenmp: at::parallel_for in the library uses torch's threads
 
 _LOCK = threading.Lock()
@@ -53,11 +57,11 @@ def cpu_flags() -> str:
 
 
 def unavailable_because() -> Optional[str]:
-    """Why the integer kernels cannot be built here, checked without building; None if they can be tried."""
+    """Why the native kernels cannot be built here, checked without building; None if they can be tried."""
     if os.environ.get(NATIVE_VARIABLE, "") in ("0", "false", "no"):
         return f"{NATIVE_VARIABLE}=0"
     if platform.machine().lower() not in ("x86_64", "amd64") or sys.platform != "linux":
-        return f"the integer kernels are written for x86 Linux, this is {platform.machine()} {sys.platform}"
+        return f"the native kernels are written for x86 Linux, this is {platform.machine()} {sys.platform}"
     if "avx2" not in cpu_flags().split():
         return "this CPU has no AVX2"
     compiler = os.environ.get("CXX", "c++")
@@ -78,8 +82,9 @@ def ninja_folder() -> Optional[str]:
 
 
 def library_key() -> str:
-    """16 hex digits of the source, the compiler flags, the CPU's flags and torch's version."""
-    text = "\n".join([SOURCE.read_text(), " ".join(FLAGS), cpu_flags(), torch.__version__, sys.version])
+    """16 hex digits of the sources and headers, the compiler flags, the CPU's flags and torch's version."""
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    text = "\n".join([*texts, " ".join(FLAGS), cpu_flags(), torch.__version__, sys.version])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -90,14 +95,14 @@ def cache_folder() -> Path:
     return base / "mixtral_infer" / "native"
 
 
-def int_dots() -> bool:
+def loaded() -> bool:
     """Whether ``torch.ops.mixtral_infer_dots`` is loaded: built or loaded from the cache on the first
     call (module docstring), the answer kept for the process."""
     with _LOCK:
         if "ok" not in _STATE:
             _STATE["ok"], _STATE["why"] = _load()
             if not _STATE["ok"]:
-                print(f"mixtral_infer: integer kernels not used: {_STATE['why']}", file=sys.stderr)
+                print(f"mixtral_infer: native kernels not used: {_STATE['why']}", file=sys.stderr)
         return _STATE["ok"]
 
 
@@ -117,17 +122,17 @@ def _load() -> tuple[bool, Optional[str]]:
     try:
         from torch.utils.cpp_extension import load
 
-        print(f"mixtral_infer: building the integer kernels for this CPU in {folder} (once)", file=sys.stderr)
+        print(f"mixtral_infer: building the native kernels for this CPU in {folder} (once)", file=sys.stderr)
         folder.mkdir(parents=True, exist_ok=True)
         path = os.environ.get("PATH", "")
         if ninja_folder() not in path.split(os.pathsep):  # torch's build calls "ninja" from PATH
             os.environ["PATH"] = os.pathsep.join([ninja_folder(), path])
         try:
-            load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+            load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
                  build_directory=str(folder), is_python_module=False, verbose=False)  # fmt: skip
         finally:
             os.environ["PATH"] = path
         return True, None
     except Exception as error:  # a compiler error, a library that does not load: today's kernels
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return False, f"building {SOURCE.name} failed ({first[:200]})"
+        return False, f"building {', '.join(path.name for path in SOURCES)} failed ({first[:200]})"

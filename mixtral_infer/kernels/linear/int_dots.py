@@ -63,7 +63,7 @@ def available() -> bool:
     """Whether the operators are loaded (built or read from the cache on the first call), their fake
     implementations registered."""
     global _FAKES
-    if not native.int_dots():
+    if not native.loaded():
         return False
     if not _FAKES:
         _register_fakes()

@@ -11,6 +11,11 @@ Example, 2 threads, weight (OUT=6, IN) and x (1, IN)::
 
     weight.view(2, 3, IN) @ x.T  ->  (2, 3, 1)  ->  reshape (6, 1)  ->  .T  (1, 6)
 
+Ahead of those blocks, where ``Tuning.float_dots`` says so (the machine measured it faster, and the
+package's library builds there: ``kernels.native``), float32 inputs of at most ``MAX_ROWS`` rows go to
+the package's own product, ``kernels/float_dots.cpp``, which reads the weight once for all the rows
+(``float_dots``).
+
 Inputs with more rows (prefill) are real matrix products and stay with ``F.linear``, as do CUDA
 tensors. Op by op, bfloat16 and float16 inputs of any size stay with ``F.linear`` too: oneDNN's
 few-row path already streams them from every core.
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from mixtral_infer.fast.cpu_float32 import float32_linear
 from mixtral_infer.fast.cpu_reductions import reduces, rows_as_reductions
 from mixtral_infer.fast.cpu_upcast import should_upcast, upcast_linear
+from mixtral_infer.kernels import native
 from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend
 from mixtral_infer.tuning import Tuning
 
@@ -60,9 +66,24 @@ class PlainLinear(LinearBackend):
             return upcast_linear(x, weight, tuning.onednn_float32)
         if x.shape[0] > MAX_ROWS and x.dtype == torch.float32:  # prompts: MKL or oneDNN, the faster here
             return float32_linear(x, weight, tuning.onednn_float32)
+        if tuning.float_dots and takes_float_dots(x, weight):
+            return torch.ops.mixtral_infer_dots.float_dots(x, weight)
         if x.device.type != "cpu" or x.dtype != torch.float32 or not tuning.few_row_blocks:
             return F.linear(x, weight)
         return few_row_blocks(x, weight)
+
+
+def takes_float_dots(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``kernels/float_dots.cpp`` multiplies this product: float32 CPU tensors, ``x (M, IN)``
+    with M at most ``MAX_ROWS`` and a contiguous ``weight (OUT, IN)``, outside compiled code, recording
+    no gradient (the operator has no backward), and the library loaded (built on the first call)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS or weight.dim() != 2 or not weight.is_contiguous():
+        return False
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return False
+    return native.loaded()
 
 
 def few_row_blocks(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""kernels/float_dots.cpp (``Tuning.float_dots``, kernels.linear.plain): float32 products of a few rows
+against the float64 product within float32's rounding, each row the same in any batch, the products it
+takes in a model and those it leaves, and where the machine measures it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import needs_kernels, random_model, tiny_args
+
+from mixtral_infer.formats import measured
+from mixtral_infer.formats.modules import use_formats
+from mixtral_infer.kernels.linear import plain
+from mixtral_infer.kernels.linear.plain import PlainLinear
+from mixtral_infer.tuning import Tuning
+
+FLOAT_DOTS = Tuning(float_dots=True)
+
+
+def float_dots(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mixtral_infer_dots.float_dots(x, weight)
+
+
+def rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How far a float32 sum of IN products may be from the exact one: IN * 2^-24 * sum |x| |w| (a
+    loose form of the usual bound for a sum computed in any order)."""
+    return x.shape[1] * 2.0**-24 * (x.abs().double() @ weight.abs().double().T)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])
+# (OUT, IN): OUT not a multiple of the 4 or 2 weight rows a set; IN not a multiple of 8 (the tail's
+# scalar sums); IN under 8 (the tail alone)
+@pytest.mark.parametrize("shape", [(37, 1030), (10, 13), (6, 5)], ids=["37x1030", "10x13", "6x5"])
+def test_each_product_is_within_float32_rounding_of_the_exact_one(rows, shape):
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, shape[1], generator=g), torch.randn(*shape, generator=g)
+    got = float_dots(x, weight)
+    exact = x.double() @ weight.double().T
+    assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= rounding_bound(x, weight)).all()
+
+
+@needs_kernels
+def test_a_row_is_the_same_in_any_batch_and_a_stacked_expert_is_read_in_place():
+    """Each output is the same sequence of fused multiply-adds whatever the rows beside it (1-4 rows
+    against sets of 4 or 2 weight rows, 5-8 as 4 and the rest), so a row alone and in a batch of 8
+    agree bit for bit; an expert of stacked weights (a view) is read where it lies."""
+    g = torch.Generator().manual_seed(0)
+    x, experts = torch.randn(8, 1030, generator=g), torch.randn(3, 37, 1030, generator=g)
+    batch = float_dots(x, experts[1])
+    for m in range(8):
+        assert torch.equal(float_dots(x[m : m + 1], experts[1]), batch[m : m + 1])
+    assert torch.equal(float_dots(x[2:5], experts[1]), batch[2:5])
+    assert torch.equal(batch, float_dots(x, experts[1].clone()))
+
+
+@needs_kernels
+def test_no_rows_and_no_inputs():
+    assert float_dots(torch.empty(0, 16), torch.randn(5, 16)).shape == (0, 5)
+    assert torch.equal(float_dots(torch.empty(3, 0), torch.empty(5, 0)), torch.zeros(3, 5))
+
+
+@needs_kernels
+def test_bad_operands_say_what_is_expected():
+    with pytest.raises(RuntimeError, match="float32 x and weight expected"):
+        float_dots(torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(5, 16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        float_dots(torch.randn(2, 16), torch.randn(16, 5).T)
+    with pytest.raises(RuntimeError, match=r"x must be \(rows, 16\)"):
+        float_dots(torch.randn(2, 15), torch.randn(5, 16))
+
+
+@needs_kernels
+def test_plain_linear_takes_it_for_a_few_float32_rows_and_leaves_the_rest_to_torch():
+    """Under ``Tuning(float_dots=True)`` up to 8 float32 rows times a contiguous float32 weight are the
+    operator's (a different summation order than MKL's, so not F.linear's bits); 9 rows, a weight that
+    is a transposed view, 16-bit inputs and inputs recording a gradient are ``F.linear``'s, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(37, 1030, generator=g)
+    x = torch.randn(9, 1030, generator=g)
+    few = PlainLinear.product(x[:8], weight, FLOAT_DOTS)
+    assert torch.equal(few, float_dots(x[:8], weight)) and not torch.equal(few, F.linear(x[:8], weight))
+    assert torch.equal(PlainLinear.product(x, weight, FLOAT_DOTS), F.linear(x, weight))
+    transposed = weight.T.contiguous().T
+    assert torch.equal(PlainLinear.product(x[:2], transposed, FLOAT_DOTS), F.linear(x[:2], transposed))
+    half = x[:2].bfloat16(), weight.bfloat16()
+    assert torch.equal(PlainLinear.product(*half, FLOAT_DOTS), F.linear(*half))
+    learning = x[:2].clone().requires_grad_()
+    y = PlainLinear.product(learning, weight, FLOAT_DOTS)
+    y.sum().backward()
+    assert torch.equal(y.detach(), F.linear(x[:2], weight))
+    torch.testing.assert_close(learning.grad, weight.sum(0).expand(2, -1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_float32_model_decodes_through_it_as_without_it(moe, monkeypatch):
+    """A float32 model under ``Tuning(float_dots=True)`` sends its decoding products (attention,
+    dense or each expert's, the output) to the operator and gives the logits of the same model
+    without it, to float32 rounding; the prompt's products (more than 8 rows) stay with torch."""
+    taken = []
+
+    def counted(x, weight):
+        took = takes(x, weight)
+        taken.append((x.shape[0], took))
+        return took
+
+    takes = plain.takes_float_dots
+    monkeypatch.setattr(plain, "takes_float_dots", counted)
+    reference = random_model(tiny_args(moe=moe), seed=5)
+    fast = use_formats(copy.deepcopy(reference), FLOAT_DOTS)
+    prompts = [torch.randint(0, 128, (12,)), torch.randint(0, 128, (12,)), torch.randint(0, 128, (12,))]
+    logits = []
+    for model in (fast, reference):
+        with torch.inference_mode():
+            cache = model.make_cache(3)
+            cache.start_sequences(3)
+            model(torch.cat(prompts), [12] * 3, cache)
+            steps = [model(torch.tensor([1, 2, 3]), [1] * 3, cache) for _ in range(3)]
+        logits.append(torch.stack(steps))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+    assert any(took for _, took in taken) and all(took == (rows <= 8) for rows, took in taken)
+
+
+def test_the_machine_measures_the_choice_only_for_float32_weights(tmp_path, monkeypatch):
+    """``machine_tuning(floats=True)`` (float32 weights on CPU) adds the ``float_dots`` choice, measured
+    once and kept, after the few-row blocks it is weighed against (``float_dots_are_faster`` is given
+    the tuning with them); without it the choice is neither measured nor set."""
+    monkeypatch.setenv(measured.MEASURE_VARIABLE, "1")
+    asked = []
+    monkeypatch.setattr(measured, "CHOICES", (measured.Choice("few_row_blocks", lambda known: True),))
+    # capable on any machine (the real choice asks whether the library can be built)
+    monkeypatch.setattr(measured, "FLOAT_DOTS", measured.Choice("float_dots", measured.FLOAT_DOTS.measure))
+    monkeypatch.setattr(measured, "float_dots_are_faster", lambda tuning: asked.append(tuning) or True)
+    path, quiet = tmp_path / "tuning.json", lambda line: None
+    assert not measured.machine_tuning(path=path, announce=quiet).float_dots and asked == []
+    tuning = measured.machine_tuning(path=path, announce=quiet, floats=True)
+    assert tuning.float_dots and tuning.few_row_blocks and len(asked) == 1 and asked[0].few_row_blocks
+    assert measured.machine_tuning(path=path, announce=quiet, floats=True).float_dots and len(asked) == 1  # kept
