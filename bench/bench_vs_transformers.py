@@ -199,7 +199,7 @@ def hf_model(args: ModelArgs, seed: int = 0):
 def ours_from_hf(hf, args: ModelArgs) -> Transformer:
     """The same weights in ours, with the fast modules this machine's tuning gives, as load_model does."""
     tensors = hf_to_published(hf.state_dict().items(), args)
-    return use_formats(build_model(args, tensors, "transformers", device="cpu", dtype=torch.float32), machine_tuning())
+    return use_formats(build_model(args, tensors, "transformers", device="cpu", dtype=torch.float32), machine_tuning(floats=True))
 
 
 def ours_alone(args: ModelArgs, seed: int = 0) -> Transformer:
@@ -211,7 +211,7 @@ def ours_alone(args: ModelArgs, seed: int = 0) -> Transformer:
     with torch.no_grad():
         for name, param in model.named_parameters():
             _init_(name, param)
-    return use_formats(model, machine_tuning()).eval()
+    return use_formats(model, machine_tuning(floats=True)).eval()
 
 
 # --------------------------------------------------------------------------- machine

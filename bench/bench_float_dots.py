@@ -1,0 +1,85 @@
+"""The package's float32 few-row product (``kernels/float_dots.cpp``, ``Tuning.float_dots``) beside the
+libraries' products, one mixtral-bench layer at a time.
+
+Per number of activation rows (``--rows``), float32 rows times the matrices of one mixtral-bench layer
+(``bench_vs_transformers.SHAPES``: ``wq wk wv wo``, 1024 x 1024, 256 x 1024 twice, 1024 x 1024, then 8
+experts' ``w1 w3`` 3584 x 1024 and ``w2`` 1024 x 3584; 92 M weights, 369 MB, beyond any cache) in turn,
+each way:
+
+* ``float_dots``: ``torch.ops.mixtral_infer_dots.float_dots`` (the weight read once for all the rows);
+* ``mkl``: ``F.linear`` (MKL's GEMM in PyTorch's CPU wheels), what transformers and the package
+  otherwise call;
+* ``onednn``: oneDNN's product of the same plain weight (``fast.cpu_packed.onednn_linear``);
+* ``blocks``: one ``bmm`` block of output rows per thread (``kernels.linear.few_row_blocks``).
+
+Ways alternate within each round (``--rounds``; each call after an untimed one); the report is the median milliseconds per layer, GB/s of
+weight bytes, each way's time over ``float_dots``', and the machine's read bandwidth before and after
+(the ceiling: a float32 sum over 1.5 GB, best of 7).
+
+    .venv/bin/python bench/bench_float_dots.py --out bench/results_float_dots.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_speculative import machine  # noqa: E402
+from bench_vs_transformers import read_bandwidth  # noqa: E402
+
+from mixtral_infer.fast.cpu_packed import onednn_linear  # noqa: E402
+from mixtral_infer.formats.measured import alternated_medians  # noqa: E402
+from mixtral_infer.kernels import native  # noqa: E402
+from mixtral_infer.kernels.linear import few_row_blocks  # noqa: E402
+
+DIM, HIDDEN, KV, EXPERTS = 1024, 3584, 256, 8
+SHAPES = [(DIM, DIM), (KV, DIM), (KV, DIM), (DIM, DIM)] + [(HIDDEN, DIM), (HIDDEN, DIM), (DIM, HIDDEN)] * EXPERTS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", type=Path)
+    options = parser.parse_args()
+    if not native.loaded():
+        sys.exit("the package's native kernels are not available here")
+    torch.manual_seed(0)
+    weights = [torch.randn(shape) * shape[1] ** -0.5 for shape in SHAPES]
+    size = sum(w.nbytes for w in weights)
+    results = {"machine": machine(), "options": {k: str(v) for k, v in vars(options).items()}, "bytes_per_layer": size}
+    results["bandwidth_gb_s_before"] = read_bandwidth() / 1e9
+    table = {}
+    for rows in options.rows:
+        xs = {n: torch.randn(rows, n) for n in (DIM, HIDDEN)}
+
+        def each(product):
+            return lambda: [product(xs[w.shape[1]], w) for w in weights]
+
+        ways = {
+            "float_dots": each(torch.ops.mixtral_infer_dots.float_dots),
+            "mkl": each(F.linear),
+            "onednn": each(onednn_linear),
+            "blocks": each(few_row_blocks),
+        }
+        ms = {way: seconds * 1e3 for way, seconds in alternated_medians(ways, options.rounds).items()}
+        table[rows] = {way: {"ms": round(v, 2), "GB/s": round(size / v / 1e6, 1), "of_float_dots": round(v / ms["float_dots"], 2)}
+                       for way, v in ms.items()}  # fmt: skip
+        print(f"rows={rows}", "  ".join(f"{way} {v:7.2f} ms ({v / ms['float_dots']:.2f}x)" for way, v in ms.items()), flush=True)
+    results["rows"] = table
+    results["bandwidth_gb_s_after"] = read_bandwidth() / 1e9
+    print(f"read bandwidth {results['bandwidth_gb_s_before']:.1f} GB/s before, {results['bandwidth_gb_s_after']:.1f} after")
+    if options.out:
+        options.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
