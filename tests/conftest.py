@@ -57,6 +57,25 @@ def needs_kernels(test):
     return pytest.mark.skipif(NATIVE_REASON is not None, reason=f"the native kernels cannot be built here: {NATIVE_REASON}")(test)
 
 
+def eager_and_compiled_decode(model, tuning):
+    """One decode step of 2 rows through ``decode_logits``, eager and torch.compile'd under ``tuning``
+    with every layer written out (``regions=False``): ``(eager logits, compiled logits, the code)``."""
+    from torch._inductor.utils import run_and_get_code
+
+    from mixtral_infer.steps.decode_step import decode_logits
+
+    written_out = dataclasses.replace(tuning, regions=False)  # every layer's calls in the code
+    cache = model.make_cache(2)
+    cache.start_sequences(2)
+    inputs = (torch.tensor([5, 6]), torch.tensor([3, 9]), torch.ones(2, dtype=torch.bool))
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        expected = decode_logits(model, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+        compiled = torch.compile(lambda k, v, *a: decode_logits(model, k, v, *a, tuning=written_out), fullgraph=True, dynamic=False)
+        got, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+    return expected, got, codes
+
+
 def tiny_args(moe: bool = True, sliding_window: int | None | list = WINDOW, max_batch_size: int = 4) -> ModelArgs:
     """2 layers, GQA ratio 2, head_dim 16; MoE with 4 experts, top-2."""
     return ModelArgs(

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_kernels, random_model, tiny_args
+from conftest import eager_and_compiled_decode, needs_kernels, random_model, tiny_args
 
 from mixtral_infer.formats import measured
 from mixtral_infer.formats.modules import use_formats
@@ -141,3 +141,82 @@ def test_the_machine_measures_the_choice_only_for_float32_weights(tmp_path, monk
     tuning = measured.machine_tuning(path=path, announce=quiet, floats=True)
     assert tuning.float_dots and tuning.few_row_blocks and len(asked) == 1 and asked[0].few_row_blocks
     assert measured.machine_tuning(path=path, announce=quiet, floats=True).float_dots and len(asked) == 1  # kept
+
+
+def reference_mixture(x, w1, w3, w2, experts, mix):
+    """Each row through its chosen experts, in float64: ``sum_j mix[b, j] * w2[e] @ (silu(w1[e] @ x[b]) * w3[e] @ x[b])``."""
+    x, w1, w3, w2, mix = (t.double() for t in (x, w1, w3, w2, mix))
+    rows = []
+    for b in range(x.shape[0]):
+        out = torch.zeros(w2.shape[1], dtype=torch.float64)
+        for j, e in enumerate(experts[b].tolist()):
+            out += mix[b, j] * (w2[e] @ (F.silu(w1[e] @ x[b]) * (w3[e] @ x[b])))
+        rows.append(out)
+    return torch.stack(rows)
+
+
+def stacked_experts(n_experts: int, hidden: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w1, w3 = (torch.randn(n_experts, hidden, dim, generator=g) * dim**-0.5 for _ in range(2))
+    return w1, w3, torch.randn(n_experts, dim, hidden, generator=g) * hidden**-0.5
+
+
+@needs_kernels
+def test_the_mixture_docstring_example():
+    """4 rows, top-2 of 8, ``experts = [[0, 3], [3, 5], [0, 1], [3, 7]]``: every row is its two experts
+    mixed (expert 3 read once for rows 0, 1 and 3), within float32's rounding of float64."""
+    w1, w3, w2 = stacked_experts(8, 24, 40)
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(1))
+    experts = torch.tensor([[0, 3], [3, 5], [0, 1], [3, 7]])
+    mix = torch.softmax(torch.randn(4, 2, generator=torch.Generator().manual_seed(2)), -1)
+    got = torch.ops.mixtral_infer_dots.float_experts(x, w1, w3, w2, experts, mix)
+    torch.testing.assert_close(got.double(), reference_mixture(x, w1, w3, w2, experts, mix), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11])
+def test_the_mixture_is_each_row_s_chosen_experts_even_all_on_one_expert(rows):
+    """Random routings, and every row on the same two experts (an expert's share at its largest: 8 rows
+    at once, 11 in passes); D = 40 and I = 24, neither a multiple of 16."""
+    w1, w3, w2 = stacked_experts(4, 24, 40, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 40, generator=g)
+    mix = torch.softmax(torch.randn(rows, 2, generator=g), -1)
+    for experts in (torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(rows)]), torch.tensor([[2, 1]] * rows)):
+        got = torch.ops.mixtral_infer_dots.float_experts(x, w1, w3, w2, experts, mix)
+        torch.testing.assert_close(got.double(), reference_mixture(x, w1, w3, w2, experts, mix), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_the_mixture_refuses_an_expert_it_does_not_hold_and_mismatched_stacks():
+    w1, w3, w2 = stacked_experts(4, 24, 40)
+    x, mix = torch.randn(2, 40), torch.full((2, 2), 0.5)
+    with pytest.raises(RuntimeError, match="expert 4 of 4"):
+        torch.ops.mixtral_infer_dots.float_experts(x, w1, w3, w2, torch.tensor([[0, 4], [1, 2]]), mix)
+    with pytest.raises(RuntimeError, match="w2 must be a contiguous"):
+        torch.ops.mixtral_infer_dots.float_experts(x, w1, w3, w2.transpose(1, 2).contiguous(), torch.tensor([[0, 1], [1, 2]]), mix)
+
+
+@needs_kernels
+def test_a_float32_mixtral_decodes_its_experts_through_the_operator_eager_and_compiled():
+    """Under ``Tuning(float_dots=True)`` a float32 Mixtral's layers choose the operator; decoding
+    (``Transformer.forward`` on rows of one token) gives the reference model's logits, and a compiled
+    step calls the operator once a layer and gives the eager step's logits. A prompt chunk (more
+    than 8 rows) keeps the grouping by expert."""
+    reference = random_model(tiny_args(moe=True), seed=6)
+    fast = use_formats(copy.deepcopy(reference), FLOAT_DOTS)
+    assert all(layer.feed_forward.strategy.float_experts for layer in fast.layers.values())
+    assert not any(layer.feed_forward.strategy.float_experts for layer in use_formats(copy.deepcopy(reference), Tuning()).layers.values())
+    logits = []
+    for model in (fast, reference):
+        with torch.inference_mode():
+            cache = model.make_cache(2)
+            cache.start_sequences(2)
+            prompt = model(torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(0)), [12, 8], cache)
+            logits.append(torch.cat([prompt, model(torch.tensor([4, 9]), [1, 1], cache)]))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+    expected, got, codes = eager_and_compiled_decode(fast, FLOAT_DOTS)
+    calls = sum(code.count("torch.ops.mixtral_infer_dots.float_experts.default(") for code in codes)
+    assert calls == len(fast.layers)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

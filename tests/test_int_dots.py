@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import NATIVE_REASON, needs_kernels, random_model, tiny_args
+from conftest import NATIVE_REASON, eager_and_compiled_decode, needs_kernels, random_model, tiny_args
 
 from mixtral_infer.formats import measured
 from mixtral_infer.formats.modules import use_formats
@@ -185,20 +185,8 @@ def test_a_model_reads_every_quantized_weight_through_it(moe, scheme):
 def test_compiled_decoding_calls_the_operator_and_equals_eager():
     """A compiled step (torch.compile) calls the operator (its fake implementation gives the shapes) for
     every quantized product, and gives the eager step's logits."""
-    from torch._inductor.utils import run_and_get_code
-
-    from mixtral_infer.steps.decode_step import decode_logits
-
     dots = model(False, "int8", DOTS)
-    written_out = dataclasses.replace(DOTS, regions=False)  # every layer's calls in the code
-    cache = dots.make_cache(2)
-    cache.start_sequences(2)
-    inputs = (torch.tensor([5, 6]), torch.tensor([3, 9]), torch.ones(2, dtype=torch.bool))
-    torch._dynamo.reset()
-    with torch.inference_mode():
-        expected = decode_logits(dots, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
-        compiled = torch.compile(lambda k, v, *a: decode_logits(dots, k, v, *a, tuning=written_out), fullgraph=True, dynamic=False)
-        got, codes = run_and_get_code(compiled, cache.cache_k.clone(), cache.cache_v.clone(), *inputs)
+    expected, got, codes = eager_and_compiled_decode(dots, DOTS)
     calls = sum(code.count("torch.ops.mixtral_infer_dots.int8_dots.default(") for code in codes)
     assert calls == sum(isinstance(m, IntDotsLinear) for m in dots.modules()) > 0  # one call a quantized product
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -3,6 +3,8 @@
 // for all the rows, in sets of P rows shared among the threads (dots.h), each output a sum of 8-lane
 // fused multiply-adds. kernels/native.py builds it with int_dots.cpp into one library;
 // kernels/linear/plain.py calls it where Tuning.float_dots says (measured faster on the machine).
+// float_experts, below, runs Mixtral's float32 experts on rows of one token each through the same
+// product (kernels/moe/float_experts.py).
 //
 // Why: a library's general matrix product may multiply a few rows far under the speed of reading the
 // weight (MKL's float32 path on some CPUs runs 2-8 rows at the speed of one row each), and decoding
@@ -18,6 +20,10 @@
 #include <immintrin.h>
 
 #include "dots.h"
+
+#include <cmath>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -63,6 +69,19 @@ void every_weight_row(const float* x, const float* w, float* y, int64_t out, int
   });
 }
 
+// y (rows, OUT) = x (rows, IN) @ w (OUT, IN).T, every pointer to contiguous float32. More than MAX_ROWS
+// rows go in passes of MAX_ROWS, each reading the weight again (the package sends prompts to the
+// library's product instead).
+void rows_product(const float* x, int64_t rows, const float* w, int64_t out, int64_t in, float* y) {
+  dots::in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
+    every_weight_row<decltype(m)::value>(x + m0 * in, w, y + m0 * out, out, in);
+  });
+}
+
+void check_float32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+}
+
 at::Tensor float_dots(const at::Tensor& x_in, const at::Tensor& weight) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 x and weight expected, got ",
               x_in.scalar_type(), " and ", weight.scalar_type());
@@ -70,25 +89,72 @@ at::Tensor float_dots(const at::Tensor& x_in, const at::Tensor& weight) {
   const int64_t out = weight.size(0), in = weight.size(1);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in, "x must be (rows, ", in, "), got ", x_in.sizes());
   const auto x = x_in.contiguous();
-  const int64_t rows = x.size(0);
-  auto y = at::empty({rows, out}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // More than MAX_ROWS rows go in passes of MAX_ROWS, each reading the weight again (the package sends
-  // prompts to the library's product instead).
-  dots::in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
-    every_weight_row<decltype(m)::value>(xp + m0 * in, w, yp + m0 * out, out, in);
-  });
+  auto y = at::empty({x.size(0), out}, x.options());
+  rows_product(x.data_ptr<float>(), x.size(0), weight.data_ptr<float>(), out, in, y.data_ptr<float>());
   return y;
+}
+
+// Mixtral's feed-forward on rows of one token each: out[b] = sum_j mix[b, j] * expert_{e[b, j]}(x[b]),
+// expert_e(v) = w2[e] @ (silu(w1[e] @ v) * (w3[e] @ v)). The rows are grouped by expert here, so each
+// chosen expert is read once, for the rows that chose it, where the stacked weights lie: fixed shapes
+// for compiled steps, and no gathered copy of any weight.
+// x (B, D); w1, w3 (E, I, D); w2 (E, D, I); experts (B, k) integers; mix (B, k).
+at::Tensor float_experts(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2,
+                         const at::Tensor& experts_in, const at::Tensor& mix_in) {
+  for (const auto& [t, name] : {std::pair{x_in, "x"}, {w1, "w1"}, {w3, "w3"}, {w2, "w2"}}) check_float32(t, name);
+  TORCH_CHECK(w1.dim() == 3 && w1.is_contiguous() && w3.sizes() == w1.sizes() && w3.is_contiguous(),
+              "w1 and w3 must be contiguous (E, I, D) stacks of one shape");
+  const int64_t n_experts = w1.size(0), hidden = w1.size(1), dim = w1.size(2);
+  TORCH_CHECK(w2.dim() == 3 && w2.is_contiguous() && w2.size(0) == n_experts && w2.size(1) == dim && w2.size(2) == hidden,
+              "w2 must be a contiguous (E, D, I) stack matching w1");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == dim, "x must be (rows, ", dim, "), got ", x_in.sizes());
+  const int64_t batch = x_in.size(0);
+  TORCH_CHECK(experts_in.dim() == 2 && experts_in.size(0) == batch && mix_in.sizes() == experts_in.sizes(),
+              "experts and mixing weights must both be (rows, k)");
+  const auto x = x_in.contiguous();
+  const auto experts = experts_in.to(at::kLong).contiguous();
+  const auto mix = mix_in.to(at::kFloat).contiguous();
+  const int64_t k = experts.size(1);
+  const int64_t* chosen = experts.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> assigned(n_experts);  // expert e's assignments b * k + j
+  for (int64_t a = 0; a < batch * k; ++a) {
+    TORCH_CHECK(chosen[a] >= 0 && chosen[a] < n_experts, "expert ", chosen[a], " of ", n_experts);
+    assigned[chosen[a]].push_back(a);
+  }
+  auto out = at::zeros({batch, dim}, x.options());
+  float* o = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* m = mix.data_ptr<float>();
+  std::vector<float> rows, gate, up, down;
+  for (int64_t e = 0; e < n_experts; ++e) {
+    const int64_t n = static_cast<int64_t>(assigned[e].size());
+    if (n == 0) continue;
+    rows.resize(n * dim);
+    gate.resize(n * hidden);
+    up.resize(n * hidden);
+    down.resize(n * dim);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(xp + assigned[e][i] / k * dim, dim, rows.data() + i * dim);
+    rows_product(rows.data(), n, w1.data_ptr<float>() + e * hidden * dim, hidden, dim, gate.data());
+    rows_product(rows.data(), n, w3.data_ptr<float>() + e * hidden * dim, hidden, dim, up.data());
+    for (int64_t i = 0; i < n * hidden; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];  // silu(gate) * up
+    rows_product(gate.data(), n, w2.data_ptr<float>() + e * dim * hidden, dim, hidden, down.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = assigned[e][i];
+      float* row = o + a / k * dim;
+      for (int64_t c = 0; c < dim; ++c) row[c] += m[a] * down[i * dim + c];
+    }
+  }
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mixtral_infer_dots, m) {
   m.def("float_dots(Tensor x, Tensor weight) -> Tensor");
+  m.def("float_experts(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor experts, Tensor mix) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mixtral_infer_dots, CPU, m) {
   m.impl("float_dots", float_dots);
+  m.impl("float_experts", float_experts);
 }

@@ -11,6 +11,8 @@ strategy               module                          chosen
 =====================  ==============================  ==============================================
 Triton                 ``triton_mixture``              ``Tuning.triton_experts``, where the kernels
                        (``fast.triton_experts``)       run (CUDA) and take the weights: first, any B
+float32 operator       ``float_experts``               ``Tuning.float_dots``, plain float32 experts on
+                       (``kernels/float_dots.cpp``)    CPU: next, B up to 8 (eager decoding too)
 gathered int8          ``gathered``                    ``Tuning.gathered_int8_experts``, plain int8
                                                        experts, ``B * k`` within the chosen range
 one by one (chosen)    ``one_by_one``                  chosen range; quantized or packed experts, or

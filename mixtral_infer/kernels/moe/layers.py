@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_reductions import expert_of
 from mixtral_infer.kernels.linear import backend_for
+from mixtral_infer.kernels.moe.float_experts import float_experts, takes_rows
 from mixtral_infer.kernels.moe.one_by_one import expert
 from mixtral_infer.kernels.moe.strategy import MoeStrategy
 from mixtral_infer.kernels.moe.triton_mixture import triton_experts_kind, triton_mixture
@@ -45,6 +46,8 @@ class FastMoeLayer(MoeLayer):
         kind = triton_experts_kind(self, x) if self.strategy.triton else None
         if kind is not None:
             return triton_mixture(self, x, *self.route(x), kind)  # (all the experts are here: nothing to reduce)
+        if self.strategy.float_experts and takes_rows(x):  # decode batches: the package's float32 operator
+            return float_experts(self, x, *self.route(x))
         return super().forward(x)
 
     def expert(self, e: int | torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ Example, 4 experts, top-2, large plain float32 experts on CPU (``chosen_up_to_pl
 to 4 (2 to 8 assignments, at most 2 * 4) read the chosen experts one by one, batch 5 every expert.
 
 Ahead of all of these, with ``Tuning.triton_experts``, the Triton kernels where they run
-(``triton_mixture``); ahead of the chosen ones, with ``Tuning.gathered_int8_experts``, int8
+(``triton_mixture``); with ``Tuning.float_dots``, plain float32 experts on CPU through the package's
+operator, which groups the rows by expert itself (``float_experts``: each chosen expert read once); ahead of the chosen ones, with ``Tuning.gathered_int8_experts``, int8
 experts gathered (``gathered_int8_experts``); instead of every expert, with
 ``Tuning.grouped_experts``, plain bfloat16 experts as grouped products (``grouped_experts``).
 """
@@ -48,6 +49,7 @@ import torch
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.fast.cpu_packed import PackedWeight
 from mixtral_infer.fast.cpu_reductions import materialized
+from mixtral_infer.kernels.moe import float_experts as floats
 from mixtral_infer.kernels.moe.every_expert import every_expert_batched
 from mixtral_infer.kernels.moe.gathered import gathered_experts, gathered_int8_experts, plain_int8
 from mixtral_infer.kernels.moe.grouped import grouped_experts
@@ -83,6 +85,7 @@ class MoeStrategy:
     large: bool  # an expert's matrix holds at least Tuning.one_by_one_min_weights weights
     up_to: int  # on CPU the chosen experts are read while B * k <= up_to * E (chosen_up_to_field)
     grouped: bool  # Tuning.grouped_experts, and stacked plain bfloat16 experts
+    float_experts: bool  # Tuning.float_dots, plain float32 experts, the operator ready (float_experts.wanted)
 
     @classmethod
     def choose(cls, moe: MoeLayer, tuning: Tuning) -> "MoeStrategy":
@@ -101,6 +104,7 @@ class MoeStrategy:
                 tuning.grouped_experts and not two_d and not isinstance(moe.w1, ColumnBlocks)
                 and moe.w1.dtype == torch.bfloat16
             ),
+            float_experts=floats.wanted(moe, tuning),
         )  # fmt: skip
         return _CHOSEN.setdefault(strategy, strategy)
 
@@ -111,6 +115,8 @@ class MoeStrategy:
         kind = triton_experts_kind(moe, x) if self.triton else None
         if kind is not None:
             return triton_mixture(moe, x, experts, weights, kind)
+        if self.float_experts and floats.takes_rows(x):  # each chosen expert read once for its rows, any B * k
+            return floats.float_experts(moe, x, experts, weights)
         batch, k = experts.shape
         n_experts = moe.w1.shape[0]
         on_cpu = x.device.type == "cpu"
