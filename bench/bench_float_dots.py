@@ -3,7 +3,7 @@ libraries' products, one mixtral-bench layer at a time.
 
 Per number of activation rows (``--rows``), float32 rows times the matrices of one mixtral-bench layer
 (``bench_vs_transformers.SHAPES``: ``wq wk wv wo``, 1024 x 1024, 256 x 1024 twice, 1024 x 1024, then 8
-experts' ``w1 w3`` 3584 x 1024 and ``w2`` 1024 x 3584; 92 M weights, 369 MB, beyond any cache) in turn,
+experts' ``w1 w3`` 3584 x 1024 and ``w2`` 1024 x 3584; 91 M weights, 363 MB, beyond any cache) in turn,
 each way:
 
 * ``float_dots``: ``torch.ops.mixtral_infer_dots.float_dots`` (the weight read once for all the rows);

@@ -44,7 +44,9 @@ class Tuning:
     few_row_blocks: bool = False
     # Op by op, float32 products of up to 8 rows on x86 CPUs through the package's own kernel
     # (``kernels/float_dots.cpp``: the weight read once for all the rows), ahead of ``few_row_blocks``;
-    # the machine's tuning turns it on where the library builds and it measures faster (``formats.measured``).
+    # and plain float32 experts on up to 8 rows through its experts operator, eager and in compiled
+    # steps (``kernels.moe.float_experts``). The machine's tuning turns it on where the library builds
+    # and it measures faster (``formats.measured``).
     float_dots: bool = False
     # Compiled few-row products on CPU read a weight's rows in up to this many places at once, one
     # reduction each (``fast.cpu_reductions.row_sums``): more reads in flight where one stream per

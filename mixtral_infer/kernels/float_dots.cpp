@@ -118,7 +118,7 @@ at::Tensor float_experts(const at::Tensor& x_in, const at::Tensor& w1, const at:
   const int64_t* chosen = experts.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> assigned(n_experts);  // expert e's assignments b * k + j
   for (int64_t a = 0; a < batch * k; ++a) {
-    TORCH_CHECK(chosen[a] >= 0 && chosen[a] < n_experts, "expert ", chosen[a], " of ", n_experts);
+    TORCH_CHECK(chosen[a] >= 0 && chosen[a] < n_experts, "experts must be in [0, ", n_experts, "), got ", chosen[a]);
     assigned[chosen[a]].push_back(a);
   }
   auto out = at::zeros({batch, dim}, x.options());

@@ -18,6 +18,8 @@ once): prompt chunks keep ``MoeLayer.forward``'s grouping through the weights' b
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from mixtral_infer.kernels import native
@@ -26,6 +28,7 @@ from mixtral_infer.model.moe import MoeLayer
 from mixtral_infer.tuning import Tuning
 
 _FAKE = False
+_LOCK = threading.Lock()
 
 
 @torch.compiler.assume_constant_result  # a step traced with a tuning of its own asks at trace time
@@ -36,13 +39,14 @@ def ready() -> bool:
     global _FAKE
     if not native.loaded():
         return False
-    if not _FAKE:
+    with _LOCK:  # two threads choosing strategies at once register it once
+        if not _FAKE:
 
-        @torch.library.register_fake("mixtral_infer_dots::float_experts")
-        def _(x, w1, w3, w2, experts, mix):
-            return x.new_empty(x.shape)
+            @torch.library.register_fake("mixtral_infer_dots::float_experts")
+            def _(x, w1, w3, w2, experts, mix):
+                return x.new_empty(x.shape)
 
-        _FAKE = True
+            _FAKE = True
     return True
 
 
@@ -63,12 +67,13 @@ def wanted(moe: MoeLayer, tuning: Tuning) -> bool:
     return tuning.fast and tuning.float_dots and plain_float32_experts(moe) and ready()
 
 
-def takes_rows(x: torch.Tensor) -> bool:
-    """Whether the call's rows ``x (B, D)`` go to it: at most ``MAX_ROWS`` float32 CPU rows that record
-    no gradient (the operator has no backward)."""
+def takes_rows(moe: MoeLayer, x: torch.Tensor) -> bool:
+    """Whether the call's rows ``x (B, D)`` go to it: at most ``MAX_ROWS`` float32 CPU rows, and no
+    gradient recorded, of the rows, the experts or the router (the operator has no backward)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] > MAX_ROWS:
         return False
-    return not (torch.is_grad_enabled() and x.requires_grad)
+    learning = (x, moe.w1, moe.w3, moe.w2, moe.gate.weight)
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in learning))
 
 
 def float_experts(moe: MoeLayer, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,9 @@ from mixtral_infer.tuning import Tuning
 
 class FastMoeLayer(MoeLayer):
     """Each expert through its weights' kernels, read where they lie (``expert``); or with
-    ``Tuning.triton_experts`` every token's chosen experts in two Triton launches (``triton_mixture``).
+    ``Tuning.triton_experts`` every token's chosen experts in two Triton launches (``triton_mixture``);
+    or with ``Tuning.float_dots``, up to 8 rows of plain float32 experts on CPU, the package's operator
+    (``float_experts``).
     ``swapped_in`` gives it its tuning and strategy; ``decode_rows`` runs rows of one token each."""
 
     tuning: Tuning
@@ -35,6 +37,13 @@ class FastMoeLayer(MoeLayer):
         # The back-end that reads one expert's matrix of each stacked weight (``kernels.linear``'s table)
         self.expert_backends = {name: backend_for(expert_of(getattr(self, name), 0), tuning) for name in ("w1", "w2", "w3")}
 
+    def __setstate__(self, state) -> None:
+        """A layer unpickled (``torch.save`` of a model, read in another process): its strategy chosen
+        again there, which loads the operators it calls (``float_experts.ready``)."""
+        super().__setstate__(state)
+        if "tuning" in state:
+            self.swapped_in(self.tuning)
+
     def _apply(self, fn, *args, **kwargs):
         """``model.to(...)`` and the like: the weights' dtype may change, and with it the strategy."""
         module = super()._apply(fn, *args, **kwargs)
@@ -46,7 +55,7 @@ class FastMoeLayer(MoeLayer):
         kind = triton_experts_kind(self, x) if self.strategy.triton else None
         if kind is not None:
             return triton_mixture(self, x, *self.route(x), kind)  # (all the experts are here: nothing to reduce)
-        if self.strategy.float_experts and takes_rows(x):  # decode batches: the package's float32 operator
+        if self.strategy.float_experts and takes_rows(self, x):  # decode batches: the package's float32 operator
             return float_experts(self, x, *self.route(x))
         return super().forward(x)
 

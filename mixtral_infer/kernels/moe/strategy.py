@@ -115,7 +115,7 @@ class MoeStrategy:
         kind = triton_experts_kind(moe, x) if self.triton else None
         if kind is not None:
             return triton_mixture(moe, x, experts, weights, kind)
-        if self.float_experts and floats.takes_rows(x):  # each chosen expert read once for its rows, any B * k
+        if self.float_experts and floats.takes_rows(moe, x):  # each chosen expert read once for its rows, any B * k
             return floats.float_experts(moe, x, experts, weights)
         batch, k = experts.shape
         n_experts = moe.w1.shape[0]
