@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -272,7 +273,8 @@ def large_bfloat16_folder(tmp_path_factory):
     )  # fmt: skip
     folder = tmp_path_factory.mktemp("large")
     save_consolidated(Transformer(args).to(torch.bfloat16), folder)
-    return folder
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)  # not kept to the end of the run: the suite's largest folder
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
