@@ -5,6 +5,8 @@ takes in a model and those it leaves, and where the machine measures it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from conftest import eager_and_compiled_decode, needs_kernels, random_model, tin
 
 from mixtral_infer.formats import measured
 from mixtral_infer.formats.modules import use_formats
+from mixtral_infer.kernels import native
 from mixtral_infer.kernels.linear import plain
 from mixtral_infer.kernels.linear.plain import PlainLinear
 from mixtral_infer.tuning import Tuning
@@ -144,6 +147,25 @@ def test_the_machine_measures_the_choice_only_for_float32_weights(tmp_path, monk
     tuning = measured.machine_tuning(path=path, announce=quiet, floats=True)
     assert tuning.float_dots and tuning.few_row_blocks and len(asked) == 1 and asked[0].few_row_blocks
     assert measured.machine_tuning(path=path, announce=quiet, floats=True).float_dots and len(asked) == 1  # kept
+
+
+def test_without_the_library_the_choice_is_off_and_not_kept(tmp_path, monkeypatch):
+    """Where the library cannot be loaded (``MIXTRAL_INFER_NATIVE=0`` here; no compiler elsewhere)
+    ``float_dots`` is off for the process and nothing is kept, so a later process that can load it
+    measures it; the choices that need no library are kept as usual."""
+    monkeypatch.setenv(measured.MEASURE_VARIABLE, "1")
+    monkeypatch.setattr(measured, "CHOICES", (measured.Choice("few_row_blocks", lambda known: True),))
+    monkeypatch.setattr(measured, "float_dots_are_faster", lambda tuning: True)
+    path, quiet = tmp_path / "tuning.json", lambda line: None
+    monkeypatch.setenv(native.NATIVE_VARIABLE, "0")
+    monkeypatch.setattr(native, "_STATE", {})
+    tuning = measured.machine_tuning(path=path, announce=quiet, floats=True)
+    assert not tuning.float_dots and tuning.few_row_blocks
+    assert list(json.loads(path.read_text()).values()) == [{"few_row_blocks": True}]
+    monkeypatch.setattr(native, "loaded", lambda: True)  # a process that loads the library
+    monkeypatch.setattr(measured, "FLOAT_DOTS", dataclasses.replace(measured.FLOAT_DOTS, ready=native.loaded))
+    assert measured.machine_tuning(path=path, announce=quiet, floats=True).float_dots
+    assert list(json.loads(path.read_text()).values()) == [{"few_row_blocks": True, "float_dots": True}]
 
 
 def reference_mixture(x, w1, w3, w2, experts, mix):

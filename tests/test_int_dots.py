@@ -192,6 +192,50 @@ def test_compiled_decoding_calls_the_operator_and_equals_eager():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+SAVED_MODEL_SCRIPT = """
+import sys, torch
+model = torch.load(sys.argv[1], weights_only=False)
+print(sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)}))
+with torch.inference_mode():
+    cache = model.make_cache(1)
+    cache.start_sequences(1)
+    torch.save(model(torch.arange(1, 12), [11], cache), sys.argv[2])
+"""
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", ["int8", "int4-32"])
+def test_a_saved_model_decodes_in_a_new_process_with_or_without_the_kernels(tmp_path, scheme):
+    """``torch.save`` of a Mixtral under ``int_dots``, read in another process: its layers load the
+    operators there and give the same logits; where the kernels cannot be loaded
+    (``MIXTRAL_INFER_NATIVE=0``) they become the weight-only back-ends and give the weight-only
+    model's logits."""
+    import os
+    import subprocess
+    import sys
+
+    dots, weight_only = model(True, scheme, DOTS), model(True, scheme, Tuning())
+    torch.save(dots, tmp_path / "model.pt")
+
+    def logits(m):
+        with torch.inference_mode():
+            cache = m.make_cache(1)
+            cache.start_sequences(1)
+            return m(torch.arange(1, 12), [11], cache)
+
+    expected_backend = "Int4Linear" if scheme.startswith("int4") else "Int8Linear"
+    for native_on, expected, backends in ((True, logits(dots), ["IntDotsLinear"]), (False, logits(weight_only), [expected_backend])):
+        env = {**os.environ, native.NATIVE_VARIABLE: "1" if native_on else "0"}
+        run = subprocess.run(
+            [sys.executable, "-c", SAVED_MODEL_SCRIPT, str(tmp_path / "model.pt"), str(tmp_path / "logits.pt")],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == str(backends)
+        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
+    assert "native kernels not used: MIXTRAL_INFER_NATIVE=0" in run.stderr
+
+
 def test_without_the_kernels_the_weight_only_back_ends_read_the_weights(monkeypatch):
     """``MIXTRAL_INFER_NATIVE=0`` (or no compiler, no AVX2...): one reason, and int8 weights stay with
     their weight-only back-end under ``Tuning(int_dots=True)``."""

@@ -56,11 +56,14 @@ BLOCKS_MARGIN = 1.2  # the bmm blocks only when at least this much faster than F
 class Choice:
     """One choice measured on the machine: ``measure(known)`` times it (``known``: the choices
     measured before it), where ``capable(cpu)`` says the CPU can take it at all (False otherwise,
-    without timing anything)."""
+    without timing anything, and kept). ``ready()`` says whether it can be timed in this process:
+    where not (the package's library cannot be loaded: no compiler, ``MIXTRAL_INFER_NATIVE=0``), it is
+    False here and not kept, so a process that can load it measures it."""
 
     name: str  # its key in the cache file
     measure: Callable[[Dict[str, bool]], bool]
     capable: Callable[[CpuInfo], bool] = lambda cpu: True
+    ready: Callable[[], bool] = lambda: True
 
 
 def few_row_blocks_are_faster() -> bool:
@@ -187,18 +190,14 @@ def float_dots_are_faster(tuning: Tuning) -> bool:
 
 # Measured only where a model is loaded with float32 weights on CPU (the library is built then),
 # after the few-row blocks it is weighed against.
-FLOAT_DOTS = Choice(
-    "float_dots",
-    lambda known: float_dots_are_faster(with_choices(Tuning(), known)),
-    lambda cpu: native.unavailable_because() is None,
-)
+FLOAT_DOTS = Choice("float_dots", lambda known: float_dots_are_faster(with_choices(Tuning(), known)), ready=native.loaded)
 # Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then);
 # the prompts' choice only where the dot products are chosen at all.
-INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), lambda cpu: native.unavailable_because() is None)
+INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), ready=native.loaded)
 INT_DOT_PROMPTS = Choice(
     "int_dots_prompts",
     lambda known: known.get("int_dots", False) and int_dot_prompts_are_faster(with_choices(Tuning(), known)),
-    lambda cpu: native.unavailable_because() is None,
+    ready=native.loaded,
 )
 
 CHOICES: Sequence[Choice] = (
@@ -258,13 +257,16 @@ def measured_choices(
     kept = read_cache(path)
     known = {name: value for name, value in kept.get(key, {}).items() if isinstance(value, bool)}
     missing = [choice for choice in choices if choice.name not in known]
+    unready = {choice.name for choice in missing if choice.capable(cpu) and not choice.ready()}
+    known.update(dict.fromkeys(unready, False))  # False in this process, measured by a later one
+    missing = [choice for choice in missing if choice.name not in unready]
     if not missing:
         return known
     say(f"measuring {', '.join(c.name for c in missing)} once for this machine (cached in {path})")
     for choice in missing:
         known[choice.name] = bool(choice.capable(cpu) and choice.measure(dict(known)))
     kept = read_cache(path)  # another process may have kept its own since
-    kept[key] = {**kept.get(key, {}), **known}
+    kept[key] = {**kept.get(key, {}), **{name: value for name, value in known.items() if name not in unready}}
     try:
         write_cache(path, kept)
     except OSError as error:

@@ -38,6 +38,7 @@ import torch
 
 from mixtral_infer.kernels import native
 from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend
+from mixtral_infer.kernels.linear.int4 import Int4Linear
 from mixtral_infer.kernels.linear.int8 import Int8Linear
 from mixtral_infer.kernels.linear.reference import reference_linear
 from mixtral_infer.quant.weights import QuantizedWeight
@@ -125,6 +126,14 @@ class IntDotsLinear(LinearBackend):
     def prepare(cls, weight: object, tuning: Tuning, keep_values: bool = False) -> bool:
         """The plain layout is the kernel's: no other back-end lays these weights out."""
         return device_is_cpu(weight) and cls.reads(weight)
+
+    def __setstate__(self, state) -> None:
+        """A layer unpickled (``torch.save`` of a model, read in another process): the operators loaded
+        there, as choosing this back-end loaded them in the process that saved it; where they cannot
+        be (the reason said once on stderr), the weight's weight-only back-end reads it."""
+        super().__setstate__(state)
+        if not available():  # not here (no compiler, MIXTRAL_INFER_NATIVE=0...): the weight-only back-end
+            self.__class__ = Int4Linear if self.weight.scheme.name == "int4" else Int8Linear
 
     @staticmethod
     def product(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
