@@ -12,6 +12,10 @@ each way:
 * ``onednn``: oneDNN's product of the same plain weight (``fast.cpu_packed.onednn_linear``);
 * ``blocks``: one ``bmm`` block of output rows per thread (``kernels.linear.few_row_blocks``).
 
+``--against REV`` adds ``float_dots@REV``: the kernel's source at git revision ``REV`` (``float_dots.cpp``
+and ``dots.h``), built here under another operator namespace, so a change to the kernel is timed beside
+the kernel before it in one run.
+
 Ways alternate within each round (``--rounds``; each call after an untimed one); the report is the median milliseconds per layer, GB/s of
 weight bytes, each way's time over ``float_dots``', and the machine's read bandwidth before and after
 (the ceiling: a float32 sum over 1.5 GB, best of 7).
@@ -23,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -44,14 +51,38 @@ DIM, HIDDEN, KV, EXPERTS = 1024, 3584, 256, 8
 SHAPES = [(DIM, DIM), (KV, DIM), (KV, DIM), (DIM, DIM)] + [(HIDDEN, DIM), (HIDDEN, DIM), (DIM, HIDDEN)] * EXPERTS
 
 
+def kernel_at(revision: str):
+    """``float_dots`` as the source at git ``revision`` has it: ``float_dots.cpp`` and ``dots.h`` written
+    to a temporary folder, the operators registered as ``mixtral_infer_dots_at`` instead, built there."""
+    from torch.utils.cpp_extension import load
+
+    root = Path(__file__).resolve().parents[1]
+    folder = Path(tempfile.mkdtemp(prefix="float_dots_at_"))
+    for name in ("float_dots.cpp", "dots.h"):
+        text = subprocess.run(["git", "show", f"{revision}:mixtral_infer/kernels/{name}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout  # fmt: skip
+        (folder / name).write_text(text.replace("TORCH_LIBRARY_FRAGMENT(mixtral_infer_dots,", "TORCH_LIBRARY(mixtral_infer_dots_at,")
+                                   .replace("TORCH_LIBRARY_IMPL(mixtral_infer_dots,", "TORCH_LIBRARY_IMPL(mixtral_infer_dots_at,"))  # fmt: skip
+    os.environ["PATH"] = os.pathsep.join([native.ninja_folder(), os.environ.get("PATH", "")])
+    load(name="float_dots_at", sources=[str(folder / "float_dots.cpp")], extra_cflags=list(native.FLAGS),
+         extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)  # fmt: skip
+    return torch.ops.mixtral_infer_dots_at.float_dots
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--ways", nargs="+", help="only these ways (float_dots, mkl, onednn, blocks, float_dots@REV)")
+    parser.add_argument("--against", metavar="REV", help="also the kernel's source at this git revision")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     if not native.loaded():
         sys.exit("the package's native kernels are not available here")
+    if options.against:  # the revision's hash in the ways' names and the run file, not a name that moves
+        options.against = subprocess.run(["git", "rev-parse", "--short", options.against], cwd=Path(__file__).resolve().parents[1],
+                                         check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    before = kernel_at(options.against) if options.against else None
     torch.manual_seed(0)
     weights = [torch.randn(shape) * shape[1] ** -0.5 for shape in SHAPES]
     size = sum(w.nbytes for w in weights)
@@ -66,10 +97,12 @@ def main() -> None:
 
         ways = {
             "float_dots": each(torch.ops.mixtral_infer_dots.float_dots),
+            **({f"float_dots@{options.against}": each(before)} if before is not None else {}),
             "mkl": each(F.linear),
             "onednn": each(onednn_linear),
             "blocks": each(few_row_blocks),
         }
+        ways = {way: run for way, run in ways.items() if not options.ways or way in options.ways or way.startswith("float_dots@")}
         ms = {way: seconds * 1e3 for way, seconds in alternated_medians(ways, options.rounds).items()}
         table[rows] = {way: {"ms": round(v, 2), "GB/s": round(size / v / 1e6, 1), "of_float_dots": round(v / ms["float_dots"], 2)}
                        for way, v in ms.items()}  # fmt: skip

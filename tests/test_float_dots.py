@@ -34,7 +34,7 @@ def rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11])
 # (OUT, IN): OUT not a multiple of the 4 or 2 weight rows a set; IN not a multiple of 8 (the tail's
 # scalar sums); IN under 8 (the tail alone)
 @pytest.mark.parametrize("shape", [(37, 1030), (10, 13), (6, 5)], ids=["37x1030", "10x13", "6x5"])

@@ -13,7 +13,7 @@
 //
 // Registers: AVX2 has 16; a set keeps P x M accumulators, P weight vectors and one activation vector:
 // 1 or 2 rows against 4 weight rows (at most 13), 3 or 4 rows against 2 (at most 11). 5 to 8 rows
-// take the set twice, 4 rows then the rest: the second pass finds the set's weight rows in L1.
+// take the weight twice, 4 rows then the rest, in panels that the second pass finds in L2.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -33,9 +33,10 @@ using dots::MAX_ROWS;
 // Weight rows read at once for M (<= 4) activation rows.
 template <int M> constexpr int places() { return M <= 2 ? 4 : 2; }
 
-// Weight rows r..r+P-1 against the M (<= 4) activation rows of x: y[m, r + p].
+// Weight rows r..r+P-1 against the M (<= 4) activation rows of x: y[m, r + p]. Where `ahead` is not 0,
+// each weight cache line read asks for the one `ahead` floats on.
 template <int M, int P>
-void float_rows(const float* x, const float* w, float* y, int64_t out, int64_t in, int64_t r, bool fetch) {
+void float_rows(const float* x, const float* w, float* y, int64_t out, int64_t in, int64_t r, int64_t ahead) {
   __m256 acc[P][M];
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) acc[p][m] = _mm256_setzero_ps();
@@ -43,7 +44,7 @@ void float_rows(const float* x, const float* w, float* y, int64_t out, int64_t i
   for (; k + 8 <= in; k += 8) {
     for (int p = 0; p < P; ++p) {
       const float* at = w + (r + p) * in + k;
-      if (fetch && k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + AHEAD * P * in), _MM_HINT_T0);
+      if (ahead != 0 && k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + ahead), _MM_HINT_T0);
       const __m256 wv = _mm256_loadu_ps(at);
       for (int m = 0; m < M; ++m) acc[p][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * in + k), acc[p][m]);
     }
@@ -57,16 +58,37 @@ void float_rows(const float* x, const float* w, float* y, int64_t out, int64_t i
   }
 }
 
-// The M (<= MAX_ROWS) rows of x against every weight row.
+// The M (<= MAX_ROWS) rows of x against every weight row. Up to 4 rows, the sets of weight rows are
+// shared among the threads and each set meets the rows once. 5 to 8 rows meet the weight in panels
+// (dots::panel_rows: a few sets that fit in half the core's L2), a thread taking whole panels: the
+// first 4 rows pass over a panel's sets as it comes from memory, then the rest over the same sets from
+// L2. Each pass holds its rows of x in L1 where they fit (4 rows of 1024 inputs: 16 KiB), where
+// alternating 4 and 4 rows set by set cycled all 8 rows through L1 and read them from L2 for every set.
+// The loops' order changes no sum: a row's output is the same bits in any batch.
 template <int M>
 void every_weight_row(const float* x, const float* w, float* y, int64_t out, int64_t in) {
   constexpr int FIRST = M <= 4 ? M : 4, REST = M - FIRST;
   constexpr int P = places<FIRST>();
-  dots::every_row<P>(out, [&](auto p, int64_t r) {
-    constexpr int SET = decltype(p)::value;
-    float_rows<FIRST, SET>(x, w, y, out, in, r, r + (AHEAD + 1) * SET <= out);
-    if constexpr (REST > 0) float_rows<REST, SET>(x + FIRST * in, w, y + FIRST * out, out, in, r, false);
-  });
+  if constexpr (REST == 0) {
+    dots::every_row<P>(out, [&](auto p, int64_t r) {
+      constexpr int SET = decltype(p)::value;
+      float_rows<M, SET>(x, w, y, out, in, r, r + (AHEAD + 1) * SET <= out ? AHEAD * SET * in : 0);
+    });
+  } else {
+    constexpr int P2 = places<REST>();  // the second pass's sets: 4 weight rows for 1 or 2 rows
+    const int64_t panel = dots::panel_rows(out, in * static_cast<int64_t>(sizeof(float)), std::max(P, P2));
+    const int64_t panels = (out + panel - 1) / panel;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r0 = i * panel, r1 = std::min(out, r0 + panel);
+        int64_t r = r0;
+        for (; r + P <= r1; r += P) float_rows<FIRST, P>(x, w, y, out, in, r, r + (AHEAD + 1) * P <= out ? AHEAD * P * in : 0);
+        for (; r < r1; ++r) float_rows<FIRST, 1>(x, w, y, out, in, r, 0);
+        for (r = r0; r + P2 <= r1; r += P2) float_rows<REST, P2>(x + FIRST * in, w, y + FIRST * out, out, in, r, 0);
+        for (; r < r1; ++r) float_rows<REST, 1>(x + FIRST * in, w, y + FIRST * out, out, in, r, 0);
+      }
+    });
+  }
 }
 
 // y (rows, OUT) = x (rows, IN) @ w (OUT, IN).T, every pointer to contiguous float32. More than MAX_ROWS

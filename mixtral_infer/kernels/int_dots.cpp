@@ -24,7 +24,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
-#include <unistd.h>
 
 #include "dots.h"
 
@@ -41,6 +40,7 @@ using dots::AHEAD;
 using dots::MAX_ROWS;  // more rows go in panels (in_panels)
 using dots::every_row;
 using dots::in_passes;
+using dots::panel_rows;
 using dots::sum8;
 // Prompt chunks' tiles (in_panels), activation rows by weight rows: int8 keeps 4 x 2 accumulators,
 // int4 4 x 1 and as many block scales, in AVX2's 16 registers (docs/performance.md, section 6).
@@ -284,22 +284,8 @@ void int4_rows(const SplitView& x, const float* d, const uint8_t* w, const S* s,
 // Prompt chunks (more than MAX_ROWS rows) in panels: the weight rows cut into panels of at most half
 // the core's L2 cache (at least TP rows, where one row is wider than that), and each panel met by
 // every activation row, TM rows at a time against TP weight rows at a time, while it stays in that
-// cache. The weight is read from memory once for all the rows, where decoding's passes read it once
-// each MAX_ROWS rows. A thread takes whole panels.
-// Example: a 4096-input int8 weight (4 KiB a row) on a core with 512 KiB of L2 has panels of 64 rows;
-// 14336 inputs, of 18 (multiples of TP = 2). Panels shrink so that each thread has at least 4.
-int64_t level2_bytes() {
-  const long reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
-  return reported > 0 ? reported : 256 * 1024;  // unreported: the smallest L2 of current x86 cores
-}
-
-int64_t panel_rows(int64_t out, int64_t row_bytes, int64_t tp) {
-  static const int64_t cache = level2_bytes();
-  const int64_t fits = cache / 2 / std::max<int64_t>(row_bytes, 1) / tp * tp;  // no inputs: any panel
-  const int64_t shared = (out + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
-  return std::max<int64_t>(tp, std::min(fits, (shared + tp - 1) / tp * tp));
-}
-
+// cache (dots::panel_rows). The weight is read from memory once for all the rows, where decoding's
+// passes read it once each MAX_ROWS rows. A thread takes whole panels.
 // tile(m0, M-as-a-constant, r, P-as-a-constant, fetch) over every activation row and weight row.
 template <int TM, int TP, typename Tile>
 void in_panels(int64_t rows, int64_t out, int64_t row_bytes, const Tile& tile) {
