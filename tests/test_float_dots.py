@@ -168,6 +168,20 @@ def test_without_the_library_the_choice_is_off_and_not_kept(tmp_path, monkeypatc
     assert list(json.loads(path.read_text()).values()) == [{"few_row_blocks": True, "float_dots": True}]
 
 
+def test_a_cpu_that_can_never_run_the_library_keeps_the_choice_off_without_trying(tmp_path, monkeypatch):
+    """A CPU without AVX2 keeps ``float_dots: false`` in the cache, and the library is not asked for
+    (no build, no line on stderr) in that process or a later one."""
+    monkeypatch.setenv(measured.MEASURE_VARIABLE, "1")
+    monkeypatch.setattr(measured, "CHOICES", ())
+    monkeypatch.setattr(native, "cpu_flags", lambda: "fpu sse2 avx")
+    monkeypatch.setattr(native, "loaded", lambda: pytest.fail("the library was asked for"))
+    monkeypatch.setattr(measured, "FLOAT_DOTS", dataclasses.replace(measured.FLOAT_DOTS, ready=native.loaded))
+    path, quiet = tmp_path / "tuning.json", lambda line: None
+    for _ in range(2):
+        assert not measured.machine_tuning(path=path, announce=quiet, floats=True).float_dots
+    assert list(json.loads(path.read_text()).values()) == [{"float_dots": False}]
+
+
 def reference_mixture(x, w1, w3, w2, experts, mix):
     """Each row through its chosen experts, in float64: ``sum_j mix[b, j] * w2[e] @ (silu(w1[e] @ x[b]) * w3[e] @ x[b])``."""
     x, w1, w3, w2, mix = (t.double() for t in (x, w1, w3, w2, mix))

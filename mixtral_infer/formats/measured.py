@@ -188,15 +188,24 @@ def float_dots_are_faster(tuning: Tuning) -> bool:
     return medians["otherwise"] >= FLOAT_DOTS_MARGIN * medians["kernel"]
 
 
+def native_cpu(cpu: CpuInfo) -> bool:
+    """Whether this machine can run the package's library at all: kept False where it never can
+    (another architecture, no AVX2); where it cannot be loaded for now, ``Choice.ready`` says so."""
+    return native.unsuited_because() is None
+
+
 # Measured only where a model is loaded with float32 weights on CPU (the library is built then),
 # after the few-row blocks it is weighed against.
-FLOAT_DOTS = Choice("float_dots", lambda known: float_dots_are_faster(with_choices(Tuning(), known)), ready=native.loaded)
+FLOAT_DOTS = Choice(
+    "float_dots", lambda known: float_dots_are_faster(with_choices(Tuning(), known)), native_cpu, ready=native.loaded
+)
 # Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then);
 # the prompts' choice only where the dot products are chosen at all.
-INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), ready=native.loaded)
+INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), native_cpu, ready=native.loaded)
 INT_DOT_PROMPTS = Choice(
     "int_dots_prompts",
     lambda known: known.get("int_dots", False) and int_dot_prompts_are_faster(with_choices(Tuning(), known)),
+    native_cpu,
     ready=native.loaded,
 )
 

@@ -56,14 +56,23 @@ def cpu_flags() -> str:
     return ""
 
 
-def unavailable_because() -> Optional[str]:
-    """Why the native kernels cannot be built here, checked without building; None if they can be tried."""
-    if os.environ.get(NATIVE_VARIABLE, "") in ("0", "false", "no"):
-        return f"{NATIVE_VARIABLE}=0"
+def unsuited_because() -> Optional[str]:
+    """Why this machine can never run the native kernels (its architecture, its CPU), or None."""
     if platform.machine().lower() not in ("x86_64", "amd64") or sys.platform != "linux":
         return f"the native kernels are written for x86 Linux, this is {platform.machine()} {sys.platform}"
     if "avx2" not in cpu_flags().split():
         return "this CPU has no AVX2"
+    return None
+
+
+def unavailable_because() -> Optional[str]:
+    """Why the native kernels cannot be built here, checked without building; None if they can be tried.
+    Beside ``unsuited_because``, what may change on the same machine: the variable, a compiler, ninja."""
+    if os.environ.get(NATIVE_VARIABLE, "") in ("0", "false", "no"):
+        return f"{NATIVE_VARIABLE}=0"
+    unsuited = unsuited_because()
+    if unsuited is not None:
+        return unsuited
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}) on PATH"
