@@ -5,7 +5,6 @@ takes in a model and those it leaves, and where the machine measures it."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
 import pytest
@@ -150,36 +149,42 @@ def test_the_machine_measures_the_choice_only_for_float32_weights(tmp_path, monk
 
 
 def test_without_the_library_the_choice_is_off_and_not_kept(tmp_path, monkeypatch):
-    """Where the library cannot be loaded (``MIXTRAL_INFER_NATIVE=0`` here; no compiler elsewhere)
-    ``float_dots`` is off for the process and nothing is kept, so a later process that can load it
-    measures it; the choices that need no library are kept as usual."""
+    """Where the library cannot be built for now (``MIXTRAL_INFER_NATIVE=0`` here; no compiler or ninja
+    elsewhere) ``float_dots`` is off for the process and nothing is kept, so a later process that can
+    build it measures it; the choices that need no library are kept as usual."""
     monkeypatch.setenv(measured.MEASURE_VARIABLE, "1")
     monkeypatch.setattr(measured, "CHOICES", (measured.Choice("few_row_blocks", lambda known: True),))
     monkeypatch.setattr(measured, "float_dots_are_faster", lambda tuning: True)
     path, quiet = tmp_path / "tuning.json", lambda line: None
     monkeypatch.setenv(native.NATIVE_VARIABLE, "0")
-    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "loaded", lambda: pytest.fail("the library was asked for"))
     tuning = measured.machine_tuning(path=path, announce=quiet, floats=True)
     assert not tuning.float_dots and tuning.few_row_blocks
     assert list(json.loads(path.read_text()).values()) == [{"few_row_blocks": True}]
-    monkeypatch.setattr(native, "loaded", lambda: True)  # a process that loads the library
-    monkeypatch.setattr(measured, "FLOAT_DOTS", dataclasses.replace(measured.FLOAT_DOTS, ready=native.loaded))
+    monkeypatch.delenv(native.NATIVE_VARIABLE)
+    monkeypatch.setattr(native, "unavailable_because", lambda: None)  # a process that can build it
     assert measured.machine_tuning(path=path, announce=quiet, floats=True).float_dots
     assert list(json.loads(path.read_text()).values()) == [{"few_row_blocks": True, "float_dots": True}]
 
 
-def test_a_cpu_that_can_never_run_the_library_keeps_the_choice_off_without_trying(tmp_path, monkeypatch):
-    """A CPU without AVX2 keeps ``float_dots: false`` in the cache, and the library is not asked for
-    (no build, no line on stderr) in that process or a later one."""
+@pytest.mark.parametrize("why", ["cpu", "build"])
+def test_a_cpu_without_avx2_or_a_failed_build_keeps_the_choice_off_and_is_not_tried_again(tmp_path, monkeypatch, why):
+    """A CPU without AVX2 keeps ``float_dots: false`` without asking for the library (no build, no line
+    on stderr); a build that fails is asked for once and its answer kept, not built again by every
+    process."""
     monkeypatch.setenv(measured.MEASURE_VARIABLE, "1")
     monkeypatch.setattr(measured, "CHOICES", ())
-    monkeypatch.setattr(native, "cpu_flags", lambda: "fpu sse2 avx")
-    monkeypatch.setattr(native, "loaded", lambda: pytest.fail("the library was asked for"))
-    monkeypatch.setattr(measured, "FLOAT_DOTS", dataclasses.replace(measured.FLOAT_DOTS, ready=native.loaded))
+    asked = []
+    if why == "cpu":
+        monkeypatch.setattr(native, "cpu_flags", lambda: "fpu sse2 avx")
+    else:
+        monkeypatch.setattr(native, "unavailable_because", lambda: None)
+    monkeypatch.setattr(native, "loaded", lambda: asked.append(1) or False)  # the build fails
     path, quiet = tmp_path / "tuning.json", lambda line: None
     for _ in range(2):
         assert not measured.machine_tuning(path=path, announce=quiet, floats=True).float_dots
     assert list(json.loads(path.read_text()).values()) == [{"float_dots": False}]
+    assert len(asked) == (0 if why == "cpu" else 1)
 
 
 def reference_mixture(x, w1, w3, w2, experts, mix):

@@ -57,8 +57,8 @@ class Choice:
     """One choice measured on the machine: ``measure(known)`` times it (``known``: the choices
     measured before it), where ``capable(cpu)`` says the CPU can take it at all (False otherwise,
     without timing anything, and kept). ``ready()`` says whether it can be timed in this process:
-    where not (the package's library cannot be loaded: no compiler, ``MIXTRAL_INFER_NATIVE=0``), it is
-    False here and not kept, so a process that can load it measures it."""
+    where not (the package's library cannot be built here for now: no compiler, ``MIXTRAL_INFER_NATIVE=0``),
+    it is False here and not kept, so a process that can build it measures it."""
 
     name: str  # its key in the cache file
     measure: Callable[[Dict[str, bool]], bool]
@@ -188,25 +188,32 @@ def float_dots_are_faster(tuning: Tuning) -> bool:
     return medians["otherwise"] >= FLOAT_DOTS_MARGIN * medians["kernel"]
 
 
+def native_ready() -> bool:
+    """Whether the library may be built or loaded in this process: not under ``MIXTRAL_INFER_NATIVE=0``
+    or without a compiler or ninja (nothing kept then). A build that fails is measured as not faster,
+    and kept."""
+    return native.unavailable_because() is None
+
+
 def native_cpu(cpu: CpuInfo) -> bool:
     """Whether this machine can run the package's library at all: kept False where it never can
-    (another architecture, no AVX2); where it cannot be loaded for now, ``Choice.ready`` says so."""
+    (another architecture, no AVX2); where it cannot be built for now, ``native_ready`` says so."""
     return native.unsuited_because() is None
 
 
 # Measured only where a model is loaded with float32 weights on CPU (the library is built then),
 # after the few-row blocks it is weighed against.
 FLOAT_DOTS = Choice(
-    "float_dots", lambda known: float_dots_are_faster(with_choices(Tuning(), known)), native_cpu, ready=native.loaded
+    "float_dots", lambda known: float_dots_are_faster(with_choices(Tuning(), known)), native_cpu, ready=native_ready
 )
 # Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then);
 # the prompts' choice only where the dot products are chosen at all.
-INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), native_cpu, ready=native.loaded)
+INT_DOTS = Choice("int_dots", lambda known: int_dots_are_faster(), native_cpu, ready=native_ready)
 INT_DOT_PROMPTS = Choice(
     "int_dots_prompts",
     lambda known: known.get("int_dots", False) and int_dot_prompts_are_faster(with_choices(Tuning(), known)),
     native_cpu,
-    ready=native.loaded,
+    ready=native_ready,
 )
 
 CHOICES: Sequence[Choice] = (

@@ -86,6 +86,21 @@ def prepare_weight(weight, tuning: Tuning = DEFAULT, keep_values: bool = False):
     return weight
 
 
+def laid_out_again(weight, tuning: Tuning = DEFAULT):
+    """A quantized weight in the plain layout (``QuantizedParameter``) laid out for the back-end that
+    reads it under ``tuning`` here, as loading would have (``prepare_weight``): a new holder where that
+    back-end has a layout of its own, else ``weight``. A model unpickled where the back-end it was saved
+    with cannot run (the integer dot products without the native library: int4 then wants its CPU
+    kernel's layout, not the plain bytes that kernel read)."""
+    from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight
+
+    if not isinstance(weight, QuantizedParameter) or weight.values is None or weight.packed is not None:
+        return weight
+    plain = QuantizedWeight(weight.scheme, weight.values, weight.scales, weight.in_features)
+    prepare_weight(plain, tuning)
+    return QuantizedParameter(plain) if plain.packed is not None or plain.values is not weight.values else weight
+
+
 def prepare_model(model: nn.Module, tuning: Tuning, pack: bool | str = True) -> nn.Module:
     """Lay out a loaded model's weights that go together, in place, as each back-end wants
     (``LinearBackend.prepare_model``); nothing for the reference. ``pack``: ``load_model``'s."""
@@ -122,6 +137,7 @@ __all__ = [
     "W8a8Linear",
     "backend_for",
     "few_row_blocks",
+    "laid_out_again",
     "linear",
     "linears",
     "prepare_model",

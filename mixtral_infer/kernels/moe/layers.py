@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_reductions import expert_of
-from mixtral_infer.kernels.linear import backend_for
+from mixtral_infer.kernels.linear import backend_for, laid_out_again
 from mixtral_infer.kernels.moe.float_experts import float_experts, takes_rows
 from mixtral_infer.kernels.moe.one_by_one import expert
 from mixtral_infer.kernels.moe.strategy import MoeStrategy
@@ -39,9 +39,13 @@ class FastMoeLayer(MoeLayer):
 
     def __setstate__(self, state) -> None:
         """A layer unpickled (``torch.save`` of a model, read in another process): its strategy chosen
-        again there, which loads the operators it calls (``float_experts.ready``)."""
+        again there, which loads the operators it calls (``float_experts.ready``), its stacked quantized
+        experts laid out for the back-end that reads them there (``laid_out_again``: int4 saved for the
+        integer dot products, read where the native library cannot be loaded)."""
         super().__setstate__(state)
         if "tuning" in state:
+            for name in ("w1", "w2", "w3"):
+                setattr(self, name, laid_out_again(getattr(self, name), self.tuning))
             self.swapped_in(self.tuning)
 
     def _apply(self, fn, *args, **kwargs):
