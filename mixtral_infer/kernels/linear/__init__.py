@@ -39,7 +39,7 @@ from typing import List
 import torch
 from torch import nn
 
-from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend, put_weight
+from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend, laid_out_for, put_weight
 from mixtral_infer.kernels.linear.column_blocks import ColumnBlocksLinear
 from mixtral_infer.kernels.linear.gemlite import GemliteLinear
 from mixtral_infer.kernels.linear.int4 import Int4Linear
@@ -87,18 +87,8 @@ def prepare_weight(weight, tuning: Tuning = DEFAULT, keep_values: bool = False):
 
 
 def laid_out_again(weight, tuning: Tuning = DEFAULT):
-    """A quantized weight in the plain layout (``QuantizedParameter``) laid out for the back-end that
-    reads it under ``tuning`` here, as loading would have (``prepare_weight``): a new holder where that
-    back-end has a layout of its own, else ``weight``. A model unpickled where the back-end it was saved
-    with cannot run (the integer dot products without the native library: int4 then wants its CPU
-    kernel's layout, not the plain bytes that kernel read)."""
-    from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight
-
-    if not isinstance(weight, QuantizedParameter) or weight.values is None or weight.packed is not None:
-        return weight
-    plain = QuantizedWeight(weight.scheme, weight.values, weight.scales, weight.in_features)
-    prepare_weight(plain, tuning)
-    return QuantizedParameter(plain) if plain.packed is not None or plain.values is not weight.values else weight
+    """``laid_out_for`` the back-end that reads ``weight`` under ``tuning`` here (``backend_for``)."""
+    return laid_out_for(weight, backend_for(weight, tuning), tuning)
 
 
 def prepare_model(model: nn.Module, tuning: Tuning, pack: bool | str = True) -> nn.Module:
@@ -138,6 +128,7 @@ __all__ = [
     "backend_for",
     "few_row_blocks",
     "laid_out_again",
+    "laid_out_for",
     "linear",
     "linears",
     "prepare_model",

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight
 from mixtral_infer.tuning import Tuning
 
 DEFAULT = Tuning()  # what a call that is given no tuning follows
@@ -83,6 +84,18 @@ class LinearBackend(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.weight, self.tuning)
+
+
+def laid_out_for(weight, backend: type, tuning: Tuning = DEFAULT):
+    """A quantized weight in the plain layout (``QuantizedParameter``) laid out for ``backend`` as
+    loading would have (its ``prepare``): a new holder where ``backend`` has a layout of its own, else
+    ``weight``. For a model unpickled where the back-end it was saved with cannot run: the integer dot
+    products without the native library, whose int4 plain bytes int4's CPU kernel wants in its layout."""
+    if not isinstance(weight, QuantizedParameter) or weight.values is None or weight.packed is not None:
+        return weight
+    plain = QuantizedWeight(weight.scheme, weight.values, weight.scales, weight.in_features)
+    backend.prepare(plain, tuning)
+    return QuantizedParameter(plain) if plain.packed is not None or plain.values is not weight.values else weight
 
 
 def put_weight(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:

@@ -37,7 +37,8 @@ from __future__ import annotations
 import torch
 
 from mixtral_infer.kernels import native
-from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend
+from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend, laid_out_for
+from mixtral_infer.kernels.linear.int4 import Int4Linear
 from mixtral_infer.kernels.linear.int8 import Int8Linear
 from mixtral_infer.kernels.linear.reference import reference_linear
 from mixtral_infer.quant.weights import QuantizedWeight
@@ -129,14 +130,13 @@ class IntDotsLinear(LinearBackend):
     def __setstate__(self, state) -> None:
         """A layer unpickled (``torch.save`` of a model, read in another process): the operators loaded
         there, as choosing this back-end loaded them in the process that saved it; where they cannot
-        be (the reason said once on stderr), or on another device, the weight is laid out for the
-        back-end that reads it there, as loading would have, and that back-end reads it."""
+        be (the reason said once on stderr), or on another device, the weight-only back-end reads the
+        weight, laid out for it as loading would have."""
         super().__setstate__(state)
         if not device_is_cpu(self.weight) or not available():  # no compiler, MIXTRAL_INFER_NATIVE=0...
-            from mixtral_infer.kernels.linear import backend_for, laid_out_again
-
-            self.weight = laid_out_again(self.weight, self.tuning)
-            self.__class__ = backend_for(self.weight, self.tuning)
+            backend = Int4Linear if self.weight.scheme.name == "int4" else Int8Linear
+            self.weight = laid_out_for(self.weight, backend, self.tuning)
+            self.__class__ = backend
 
     @staticmethod
     def product(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
