@@ -1,4 +1,6 @@
-"""The command line end to end, in a subprocess, on the model shipped with the package."""
+"""The command line end to end on the model shipped with the package: its ``main`` in this process
+(``command_line.in_process``: what a command prints), and in a subprocess what is about a process
+(torchrun, a terminal, Ctrl-C, what is imported)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from command_line import in_process
 
 from mixtral_infer import Tokenizer, generate, load_model
 from mixtral_infer.cli.commands import DEFAULT_MODEL, DEMO_PROMPTS, SHIPPED_MODELS
@@ -22,10 +25,8 @@ from mixtral_infer.generation.perplexity import perplexity
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(*args, stdin=None):
-    return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args], input=stdin, capture_output=True, text=True, timeout=300
-    )
+def run(*args, stdin=""):
+    return in_process(*args, stdin=stdin)
 
 
 def test_shipped_models_are_complete():
@@ -334,7 +335,8 @@ def test_perplexity_of_a_pipe_under_torchrun_is_one_process_s():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     text = " ".join(["In the beginning God created the heaven and the earth."] * 30)
-    single = run("perplexity", "--text", "/dev/stdin", "--dtype", "float32", stdin=text)
+    single = subprocess.run([sys.executable, str(REPO / "main.py"), "perplexity", "--text", "/dev/stdin", "--dtype", "float32"],
+                            input=text, capture_output=True, text=True, timeout=300)  # fmt: skip
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
         "--master-port", str(port), str(REPO / "main.py"), "perplexity", "--text", "/dev/stdin", "--tensor-parallel", "2",
@@ -434,12 +436,12 @@ def test_ctrl_c_while_triton_imports_is_held_until_the_import_returns(tmp_path):
     ],
 )
 def test_mistakes_get_a_did_you_mean_before_anything_loads(args, message):
-    result = subprocess.run([sys.executable, "main.py", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = run(*args)
     assert result.returncode != 0 and message in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_h_is_help_everywhere_and_host_has_no_short_form():
-    result = subprocess.run([sys.executable, "main.py", "serve", "-h", "0.0.0.0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = run("serve", "-h", "0.0.0.0")
     assert result.returncode == 0 and "--host=HOST" in result.stdout and "-h, --host" not in result.stdout
 
 
@@ -449,8 +451,7 @@ def test_demo_reads_prompts_from_a_file_or_stdin_and_prints_json(tmp_path):
 
     (tmp_path / "prompts.txt").write_text("In the beginning\n\nBlessed are\n")
     args = ["demo", "--max-tokens", "5", "--temperature", "0", "--dtype", "float32", "--json"]
-    from_file = subprocess.run([sys.executable, "main.py", *args, "--prompt", "And God said", "--prompt-file", str(tmp_path / "prompts.txt")],
-                               cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    from_file = run(*args, "--prompt", "And God said", "--prompt-file", tmp_path / "prompts.txt")
     records = [json.loads(line) for line in from_file.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["And God said", "In the beginning", "Blessed are"]
     model = load_model("tiny-mixtral", dtype=torch.float32, device="cpu")
@@ -459,12 +460,10 @@ def test_demo_reads_prompts_from_a_file_or_stdin_and_prints_json(tmp_path):
         tokens = generate([tokenizer.encode(record["prompt"])], model, max_tokens=5, eos_id=tokenizer.eos_id)[0][0]
         assert record["text"] == tokenizer.decode_continuation(tokens) and record["tokens"] == len(tokens)
         assert record["finish_reason"] == ("length" if len(tokens) == 5 else "stop") and record["seconds"] > 0
-    piped = subprocess.run([sys.executable, "main.py", *args, "--prompt-file", "-"], input="In the beginning\n", cwd=REPO,
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    piped = run(*args, "--prompt-file", "-", stdin="In the beginning\n")
     assert [json.loads(line) for line in piped.stdout.splitlines()] == [{**records[1], "seconds": json.loads(piped.stdout)["seconds"],
                                                                           "tokens_per_second": json.loads(piped.stdout)["tokens_per_second"]}]  # fmt: skip
-    missing = subprocess.run([sys.executable, "main.py", "demo", "--prompt-file", str(tmp_path / "nope.txt")], cwd=REPO,
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    missing = run("demo", "--prompt-file", tmp_path / "nope.txt")
     assert missing.returncode == 1 and "--prompt-file" in missing.stderr and "cannot read it" in missing.stderr
 
 

@@ -1,6 +1,7 @@
 """Every command-line option is checked before the model loads: one `error: ...` line, exit 1, no traceback.
 
-Each case runs the real command line in a subprocess.
+Each case runs the command line's ``main`` in this process (``command_line.in_process``); what needs a
+process of its own (torch not yet imported, the peak memory, the process id) runs in a subprocess.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from command_line import in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args, stdin=""):
-    return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *map(str, args)], input=stdin, capture_output=True, text=True, timeout=300
-    )
+    return in_process(*args, stdin=stdin)
+
+
+def run_subprocess(*args):
+    return subprocess.run([sys.executable, str(REPO / "main.py"), *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
 USAGE = ("unknown option", "unexpected argument", "is given twice", "is required")  # usage errors exit 2, as argparse's
@@ -109,12 +113,13 @@ def test_option_errors_answer_before_torch_is_imported():
                              "error: --temperature 'inf' must be a number >= 0 (0 means greedy)"]  # fmt: skip
 
 
-def test_a_stray_world_size_is_one_line():
+def test_a_stray_world_size_is_one_line(monkeypatch):
     """WORLD_SIZE left in the environment without torchrun's other variables: torch's rendezvous
     error was a traceback."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, str(REPO / "main.py"), "demo", "--tensor-parallel", "2"], capture_output=True,
-                            text=True, timeout=300, env={**env, "WORLD_SIZE": "2"})  # fmt: skip
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = run_cli("demo", "--tensor-parallel", "2")
     assert_one_line_error(result, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not: launch with torchrun")
 
 
@@ -223,7 +228,7 @@ def test_convert_refuses_while_another_conversion_is_writing(tmp_path):
     live = tmp_path / f".dst.partial-{os.getpid()}"  # this test's process is alive
     live.mkdir()
     assert_one_line_error(
-        run_cli("convert", REPO / "mixtral_infer/shipped/tiny-mistral", tmp_path / "dst"),
+        run_subprocess("convert", REPO / "mixtral_infer/shipped/tiny-mistral", tmp_path / "dst"),
         f"another conversion to {tmp_path / 'dst'} (process {os.getpid()}) is running",
     )
     assert live.is_dir()

@@ -28,6 +28,7 @@ from mixtral_infer.kernels.linear import linear
 from mixtral_infer.kernels.linear import gemlite as gemlite_cuda
 from mixtral_infer.quant import nf4
 from mixtral_infer.kernels.linear import prepare_weight
+from mixtral_infer.kernels.linear.reference import reference_linear
 from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.quant.weights import QuantizedParameter, QuantScheme, quantize
 from mixtral_infer.serve.engine import Engine, RequestSettings, TokenEvent

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 import pytest
+from command_line import in_process
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -78,16 +79,16 @@ def test_there_are_runnable_examples():
 PERPLEXITY_ROW = re.compile(r"^\| (tiny-mixtral|tiny-mistral) \| ([\d.]+) \|", re.M)
 
 
-def test_the_quoted_perplexity_is_what_the_command_prints(tmp_path):
+def test_the_quoted_perplexity_is_what_the_command_prints(tmp_path, monkeypatch):
     """docs/quantization.md's table quotes each shipped model's perplexity on the held-out verses,
     as ``python main.py perplexity MODEL --text heldout.txt`` prints it."""
     quoted = dict(PERPLEXITY_ROW.findall((REPO / "docs" / "quantization.md").read_text()))
     assert set(quoted) == {"tiny-mixtral", "tiny-mistral"}
     text = tmp_path / "heldout.txt"
     text.write_text((REPO / "tests" / "data" / "kjv_heldout.txt").read_text().replace("\n", " "))
+    monkeypatch.chdir(tmp_path)  # the shipped models by name from anywhere
     for model, figure in quoted.items():
-        result = subprocess.run([sys.executable, str(REPO / "main.py"), "perplexity", model, "--text", str(text)],
-                                capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+        result = in_process("perplexity", model, "--text", text)
         assert result.returncode == 0, result.stderr
         printed = float(re.search(r"perplexity ([\d.]+) over", result.stdout + result.stderr)[1])
         assert f"{printed:.2f}" == figure, (model, printed, figure)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from command_line import in_process
 from conftest import WINDOW, random_model, tiny_args
 
 from mixtral_infer import (
@@ -24,8 +23,6 @@ from mixtral_infer import (
 )
 from mixtral_infer.checkpoint.safetensors_reader import iter_tensors
 from mixtral_infer.checkpoint.safetensors_writer import write_safetensors
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def load(folder):
@@ -427,9 +424,7 @@ def test_nan_logits_are_reported_not_sampled():
 
 
 def run_cli(*args, stdin=""):
-    return subprocess.run(
-        [sys.executable, str(REPO / "main.py"), *args], input=stdin, capture_output=True, text=True, timeout=300
-    )
+    return in_process(*args, stdin=stdin)  # main() here, as a subprocess would report it (tests/command_line.py)
 
 
 @pytest.mark.parametrize(
@@ -469,9 +464,6 @@ def test_interactive_unknown_command_and_end_of_input(model_folder):
 
 
 def test_interactive_survives_undecodable_input_bytes(model_folder):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "main.py"), "interactive", str(model_folder), "--max-tokens", "3"],
-        input=b"caf\xe9 \xff\xfe\n", capture_output=True, timeout=300,
-    )
+    result = run_cli("interactive", str(model_folder), "--max-tokens", "3", stdin=b"caf\xe9 \xff\xfe\n")
     assert result.returncode == 0
-    assert b"Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from command_line import in_process
 
 gguf = pytest.importorskip("gguf")
 
@@ -242,9 +243,6 @@ def test_missing_tensor_and_shape_refused(tmp_path):
 
 
 def test_llm_and_command_line_take_a_gguf_file(tmp_path, pair):
-    import subprocess
-    import sys
-
     from mixtral_infer.llm import LLM
 
     hf, args = pair
@@ -254,9 +252,7 @@ def test_llm_and_command_line_take_a_gguf_file(tmp_path, pair):
     llm = LLM(str(path), dtype=torch.float32, device="cpu")
     out = llm.generate("Hello world", max_tokens=4, temperature=0)[0]
     assert len(out.token_ids) == 4
-    repo = Path(__file__).parents[1]
-    result = subprocess.run([sys.executable, "main.py", "demo", str(path), "--prompt", "Hello world", "--max-tokens", "4",
-                             "--quantize", "int8"], cwd=repo, capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = in_process("demo", path, "--prompt", "Hello world", "--max-tokens", "4", "--quantize", "int8")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "dequantizing Q8_0 weights" in result.stderr
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from command_line import in_process
 
 from mixtral_infer import CheckpointError, Tokenizer, generate, load_model
 from mixtral_infer.checkpoint.convert import convert
@@ -145,8 +144,7 @@ def test_a_tokenizer_without_bos_or_eos_is_refused_before_anything_is_written(tm
     with pytest.raises(CheckpointError, match=message):
         convert(model_folder, tmp_path / "hf", to="hf")
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.partial-*"))
-    result = subprocess.run([sys.executable, str(REPO / "main.py"), "demo", str(model_folder), "--max_tokens", "2"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = in_process("demo", model_folder, "--max_tokens", "2")
     assert result.returncode == 1 and "loaded" not in result.stderr, result.stderr  # refused before the weights
     assert re.search(message, result.stderr.strip().splitlines()[-1])
 
@@ -176,11 +174,7 @@ def test_v1_tokenizer_formats_instruct_turns_as_text():
 
 
 def test_command_line_reads_a_v3_folder(v3_folder):
-    result = subprocess.run(
-        [sys.executable, "-m", "mixtral_infer", "interactive", str(v3_folder), "--instruct", "--max_tokens", "4",
-         "--temperature", "0"],
-        input="Hello\n", capture_output=True, text=True, timeout=120,
-    )
+    result = in_process("interactive", v3_folder, "--instruct", "--max_tokens", "4", "--temperature", "0", stdin="Hello\n")
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from command_line import in_process
 from conftest import random_model, tiny_args
 from test_model import random_prompts
 from test_parallel import free_port
@@ -232,9 +233,7 @@ def test_a_quantized_folder_with_a_group_size_the_kernels_do_not_take_is_refused
 
 
 def test_demo_quantize_on_the_command_line():
-    def run(*args):
-        return subprocess.run([sys.executable, str(REPO / "main.py"), *args], capture_output=True, text=True, timeout=300)
-
+    run = in_process  # main() here, as a subprocess would report it (tests/command_line.py)
     result = run("demo", "--quantize", "int4", "--max_tokens", "8", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert "weights int4 (groups of 32)" in result.stderr and "And the LORD spake unto Moses" in result.stdout
