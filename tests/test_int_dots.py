@@ -193,31 +193,28 @@ def test_compiled_decoding_calls_the_operator_and_equals_eager():
 
 SAVED_MODEL_SCRIPT = """
 import sys, torch
-model = torch.load(sys.argv[1], weights_only=False)
-print(sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)}))
-with torch.inference_mode():
-    cache = model.make_cache(1)
-    cache.start_sequences(1)
-    torch.save(model(torch.arange(1, 12), [11], cache), sys.argv[2])
+for model_file, logits_file in zip(sys.argv[1::2], sys.argv[2::2]):
+    model = torch.load(model_file, weights_only=False)
+    print(sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)}))
+    with torch.inference_mode():
+        cache = model.make_cache(1)
+        cache.start_sequences(1)
+        torch.save(model(torch.arange(1, 12), [11], cache), logits_file)
 """
+SAVED_CASES = [(moe, scheme, dtype) for moe in (False, True)
+               for scheme, dtype in (("int8", torch.float32), ("int4-32", torch.float32), ("int4-32", torch.bfloat16))]  # fmt: skip
 
 
 @needs_kernels
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize(
-    "scheme,dtype", [("int8", torch.float32), ("int4-32", torch.float32), ("int4-32", torch.bfloat16)], ids=["int8", "int4", "int4-bf16"]
-)
-def test_a_saved_model_decodes_in_a_new_process_with_or_without_the_kernels(tmp_path, moe, scheme, dtype):
+def test_a_saved_model_decodes_in_a_new_process_with_or_without_the_kernels(tmp_path):
     """``torch.save`` of a model under ``int_dots``, read in another process: its layers load the
     operators there and give the same logits; where the kernels cannot be loaded
     (``MIXTRAL_INFER_NATIVE=0``) the weights are laid out for the weight-only back-ends (int4 in
-    bfloat16: the CPU kernel's layout) and give the weight-only model's logits."""
+    bfloat16: the CPU kernel's layout) and give the weight-only model's logits. Dense and Mixtral,
+    int8, int4 and int4 in bfloat16: one process reads all six, with the kernels and without."""
     import os
     import subprocess
     import sys
-
-    dots, weight_only = model(moe, scheme, DOTS, dtype), model(moe, scheme, Tuning(), dtype)
-    torch.save(dots, tmp_path / "model.pt")
 
     def logits(m):
         with torch.inference_mode():
@@ -228,15 +225,22 @@ def test_a_saved_model_decodes_in_a_new_process_with_or_without_the_kernels(tmp_
     def backends(m):
         return sorted({type(m).__name__ for m in m.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)})
 
-    for native_on, expected, names in ((True, logits(dots), backends(dots)), (False, logits(weight_only), backends(weight_only))):
+    expected = {True: [], False: []}  # native on: the kernel model's (logits, back-ends); off: the weight-only model's
+    files = []
+    for index, (moe, scheme, dtype) in enumerate(SAVED_CASES):
+        dots, weight_only = model(moe, scheme, DOTS, dtype), model(moe, scheme, Tuning(), dtype)
+        torch.save(dots, tmp_path / f"model{index}.pt")
+        files += [str(tmp_path / f"model{index}.pt"), str(tmp_path / f"logits{index}.pt")]
+        expected[True].append((logits(dots), backends(dots)))
+        expected[False].append((logits(weight_only), backends(weight_only)))
+    for native_on in (True, False):
         env = {**os.environ, native.NATIVE_VARIABLE: "1" if native_on else "0"}
-        run = subprocess.run(
-            [sys.executable, "-c", SAVED_MODEL_SCRIPT, str(tmp_path / "model.pt"), str(tmp_path / "logits.pt")],
-            capture_output=True, text=True, env=env, timeout=300,
-        )  # fmt: skip
+        run = subprocess.run([sys.executable, "-c", SAVED_MODEL_SCRIPT, *files], capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0, run.stderr
-        assert run.stdout.strip() == str(names)
-        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
+        for index, (line, (logits_expected, names)) in enumerate(zip(run.stdout.splitlines(), expected[native_on], strict=True)):
+            case = (SAVED_CASES[index], "native" if native_on else "no native")
+            assert line == str(names), case
+            torch.testing.assert_close(torch.load(tmp_path / f"logits{index}.pt"), logits_expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{case}: {m}")
     assert "native kernels not used: MIXTRAL_INFER_NATIVE=0" in run.stderr
 
 
