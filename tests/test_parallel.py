@@ -26,23 +26,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank, world_size, port, folder, parallel_kind, out_path):
+def worker(rank, world_size, port, jobs):
+    """Each job ``(folder, parallel_kind, out_path)`` in turn, in one process group: what the rank
+    computes of the model in ``folder`` cut by ``parallel_kind``, saved to ``out_path.RANK``."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
-        if parallel_kind == "tensor":
-            parallel = Parallel(tensor_parallel=world_size, rank=rank)
-        else:
-            parallel = Parallel(num_pipeline_ranks=world_size, rank=rank)
-        model = load_model(folder, max_batch_size=3, device="cpu", dtype=torch.float32, parallel=parallel)
-        sequences = random_prompts(LENGTHS, model.args.vocab_size, seed=3)
-        logits = cached_logits(model, sequences, PREFIXES, chunk_size=5)
-        last_logits = last_logits_only(model, sequences)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        cache_bytes = model.make_cache(3, max_seqlen=max(LENGTHS)).nbytes()
-        torch.save({"logits": logits, "last_logits": last_logits, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes}, f"{out_path}.{rank}")
+        for folder, parallel_kind, out_path in jobs:
+            if parallel_kind == "tensor":
+                parallel = Parallel(tensor_parallel=world_size, rank=rank)
+            else:
+                parallel = Parallel(num_pipeline_ranks=world_size, rank=rank)
+            model = load_model(folder, max_batch_size=3, device="cpu", dtype=torch.float32, parallel=parallel)
+            sequences = random_prompts(LENGTHS, model.args.vocab_size, seed=3)
+            logits = cached_logits(model, sequences, PREFIXES, chunk_size=5)
+            last_logits = last_logits_only(model, sequences)
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            cache_bytes = model.make_cache(3, max_seqlen=max(LENGTHS)).nbytes()
+            torch.save({"logits": logits, "last_logits": last_logits, "weight_bytes": weight_bytes, "cache_bytes": cache_bytes}, f"{out_path}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -56,26 +59,42 @@ def last_logits_only(model, sequences):
     return logits  # (B, V)
 
 
-@pytest.fixture(scope="module", params=["mistral", "mixtral", "ministral"])
-def saved_model(request, tmp_path_factory):
-    """3 layers; ``ministral``: its first layer full attention, the others windowed (the pipeline's
-    first stage holds both kinds, the second windowed layers only)."""
-    args = dataclasses.replace(tiny_args(moe=request.param == "mixtral", max_batch_size=3), n_layers=3)
-    if request.param == "ministral":
+MODELS = ["mistral", "mixtral", "ministral"]
+
+
+def model_to_cut(name: str, folder):
+    """3 layers, saved in ``folder``; ``ministral``: its first layer full attention, the others windowed
+    (the pipeline's first stage holds both kinds, the second windowed layers only)."""
+    args = dataclasses.replace(tiny_args(moe=name == "mixtral", max_batch_size=3), n_layers=3)
+    if name == "ministral":
         args = dataclasses.replace(args, sliding_window=[None, WINDOW, WINDOW])
     model = random_model(args, seed=21)
-    folder = tmp_path_factory.mktemp(request.param)
     save_consolidated(model, folder)
-    return folder, model
+    return model
 
 
-@pytest.mark.parametrize("parallel_kind", ["pipeline", "tensor"])
-def test_two_processes_match_one(saved_model, parallel_kind, tmp_path):
-    folder, model = saved_model
-    out_path = tmp_path / "result"
-    mp.start_processes(worker, args=(2, free_port(), str(folder), parallel_kind, str(out_path)), nprocs=2, start_method="spawn")
+@pytest.fixture(scope="module", params=MODELS)
+def saved_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, model_to_cut(request.param, folder)
+
+
+def test_two_processes_match_one(tmp_path):
+    """Each model cut by each kind, in one pair of processes (starting a pair costs seconds): every
+    rank's logits are one process's, and the ranks hold the weights and cache they should."""
+    models = {name: model_to_cut(name, tmp_path / name) for name in MODELS}
+    jobs = [(str(tmp_path / name), kind, str(tmp_path / f"{name}-{kind}")) for name in MODELS for kind in ("pipeline", "tensor")]
+    mp.start_processes(worker, args=(2, free_port(), jobs), nprocs=2, start_method="spawn")
+    for folder, parallel_kind, out_path in jobs:
+        name = folder.rsplit("/", 1)[1]
+        try:
+            check_the_cut(models[name], parallel_kind, [torch.load(f"{out_path}.{rank}") for rank in range(2)])
+        except AssertionError as error:
+            raise AssertionError(f"{name} cut by {parallel_kind}: {error}") from error
+
+
+def check_the_cut(model, parallel_kind, results):
     expected = cached_logits(model, random_prompts(LENGTHS, model.args.vocab_size, seed=3), PREFIXES, chunk_size=5)
-    results = [torch.load(f"{out_path}.{rank}") for rank in range(2)]
     # Every rank sees the same logits. Tensor parallelism adds each product in two halves, so float32
     # sums differ in order: up to 1.0e-5 among logits of magnitude up to ~3 on a 2-core AMD EPYC, hence rtol too.
     for result in results:
