@@ -233,33 +233,28 @@ def test_two_processes_answer_as_one_whole_streamed_and_concurrent(servers):
     assert any("the model cut across 2 processes by tensor parallelism" in line for line in two.lines)
 
 
-def test_a_pipeline_of_two_answers_as_one_process(servers):
+def test_a_pipeline_of_two_answers_as_one_process_and_sigterm_to_rank_0_lets_a_stream_finish_then_stops_every_rank(servers):
+    """A pipeline of two processes answers as one process does; then SIGTERM to its rank 0 while a stream
+    runs: the stream finishes, and every rank stops (one group started for both: it costs seconds)."""
     one, _ = servers
-    two = GroupServer(*OPTIONS, cut=("--num-pipeline-ranks", "2"))
+    two = GroupServer(*OPTIONS, "--shutdown-timeout", "300", cut=("--num-pipeline-ranks", "2"))  # the drain must not cut the stream short on a busy machine
     try:
         for path, body in REQUESTS[:3]:
             assert answers(one, body, path) == answers(two, body, path)
         assert two.health()["pipeline_ranks"] == 2
-    finally:
-        two.stop()
-
-
-def test_sigterm_to_rank_0_lets_a_running_stream_finish_then_stops_every_rank():
-    server = GroupServer(*OPTIONS, "--shutdown-timeout", "300")  # the drain must not cut the stream short on a busy machine
-    try:
-        ranks = server.ranks()
-        connection, response = server.open_stream("/v1/completions", {"model": "tiny-mixtral", "prompt": "And", "max_tokens": 300,
-                                                                     "temperature": 0, "ignore_eos": True})  # fmt: skip
+        ranks = two.ranks()
+        connection, response = two.open_stream("/v1/completions", {"model": "tiny-mixtral", "prompt": "And", "max_tokens": 300,
+                                                                  "temperature": 0, "ignore_eos": True})  # fmt: skip
         first = response.readline()  # the stream has started
         assert first.startswith(b"data: ")
         os.kill(ranks[0], signal.SIGTERM)
         body = first + response.read()
         connection.close()
         assert b'"finish_reason":"length"' in body.replace(b" ", b"") and body.rstrip().endswith(b"data: [DONE]")
-        assert server.process.wait(60) == 0  # torchrun: every rank exited 0
-        assert any(line.startswith("stopping: ") for line in server.lines) and server.lines[-1].startswith("stopped")
+        assert two.process.wait(60) == 0  # torchrun: every rank exited 0
+        assert any(line.startswith("stopping: ") for line in two.lines) and two.lines[-1].startswith("stopped")
     finally:
-        server.stop()
+        two.stop()
 
 
 def test_a_rank_that_hangs_stops_every_process_with_one_line_within_the_timeout():
