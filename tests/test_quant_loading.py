@@ -295,50 +295,49 @@ def test_quantizing_while_loading_peaks_near_the_quantized_size(large_bfloat16_f
     assert peak <= bound * held, f"peak {peak / 1e6:.0f} MB for a quantized model of {held / 1e6:.0f} MB"
 
 
-def parallel_worker(rank, world_size, port, loads, out_path, kind="tensor"):
-    """Loads each ``(folder, quantize)`` of ``loads`` as this rank and saves its logits."""
+def parallel_worker(rank, world_size, port, loads, out_path):
+    """Loads each ``(folder, quantize, kind)`` of ``loads`` as this rank, cut by ``kind`` ("tensor" or
+    "pipeline"), and saves its logits."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
-        parallel = Parallel(**{"tensor_parallel" if kind == "tensor" else "num_pipeline_ranks": world_size}, rank=rank)
-        for index, (folder, quantize) in enumerate(loads):
+        for index, (folder, quantize, kind) in enumerate(loads):
+            parallel = Parallel(**{"tensor_parallel" if kind == "tensor" else "num_pipeline_ranks": world_size}, rank=rank)
             model = load_model(folder, max_batch_size=1, dtype=torch.float32, parallel=parallel, quantize=quantize)
             torch.save(logits(model), f"{out_path}.{index}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["mistral", "mixtral"])
-def test_tensor_parallel_ranks_quantize_their_own_share(tmp_path, moe):
-    """2 gloo ranks, int4 groups of 32: each rank quantizes its rows, its half of wo's and w2's inputs
-    (64 of 128), or its experts, from the float checkpoint; the groups fall alike, so the logits
-    equal one process's int4 model (float32 activations: the reference path). Each rank also reads
-    its share of int8, int4 and nf4 folders (``checkpoint.quantized.stored_select``): = one process."""
-    args = dataclasses.replace(tiny_args(moe=moe, max_batch_size=1), hidden_dim=128)
-    save_consolidated(random_model(args, seed=9), tmp_path / "model")
+def test_ranks_quantize_their_own_share_and_pipeline_stages_read_their_layers(tmp_path):
+    """2 gloo ranks (one pair of processes for every case: starting a pair costs seconds).
+
+    Tensor parallel, Mistral and Mixtral, int4 groups of 32: each rank quantizes its rows, its half of
+    wo's and w2's inputs (64 of 128), or its experts, from the float checkpoint; the groups fall alike,
+    so the logits equal one process's int4 model (float32 activations: the reference path). Each rank
+    also reads its share of int8, int4 and nf4 folders (``checkpoint.quantized.stored_select``): = one
+    process.
+
+    2 pipeline stages, each reading its layers' integers and scales of an int4 folder (and the first
+    the embeddings, the last the output matrix): the logits are one process's."""
+    loads = []
+    for name, moe in (("mistral", False), ("mixtral", True)):
+        args = dataclasses.replace(tiny_args(moe=moe, max_batch_size=1), hidden_dim=128)
+        save_consolidated(random_model(args, seed=9), tmp_path / name)
+        loads.append((str(tmp_path / name), "int4", "tensor"))
+        for scheme in ("int8", "int4", "nf4-32"):  # and the folders convert --quantize writes, each rank reading its share
+            loads.append((str(convert(tmp_path / name, tmp_path / f"{name}-{scheme}", quantize=scheme)), None, "tensor"))
+    save_consolidated(random_model(tiny_args(moe=True, max_batch_size=1), seed=4), tmp_path / "staged")
+    loads.append((str(convert(tmp_path / "staged", tmp_path / "staged-int4", quantize="int4")), None, "pipeline"))
     out_path = tmp_path / "logits"
-    loads = [(str(tmp_path / "model"), "int4")]
-    for scheme in ("int8", "int4", "nf4-32"):  # and the folders convert --quantize writes, each rank reading its share
-        loads.append((str(convert(tmp_path / "model", tmp_path / scheme, quantize=scheme)), None))
     mp.start_processes(parallel_worker, args=(2, free_port(), loads, str(out_path)), nprocs=2, start_method="spawn")
-    for index, (folder, quantize) in enumerate(loads):
+    for index, (folder, quantize, kind) in enumerate(loads):
         # A folder's int8 scales span whole rows, so a rank's share of wo's and w2's inputs keeps its
         # rows' scales: the ranks' sum is one process's int8 model (quantizing on load, each rank
         # would scale its half rows on its own).
         expected = logits(load_model(folder, dtype=torch.float32, quantize=quantize))
         for rank in range(2):
-            torch.testing.assert_close(torch.load(f"{out_path}.{index}.{rank}"), expected, atol=1e-5, rtol=1e-5)
-
-
-def test_pipeline_stages_read_their_layers_of_a_quantized_folder(tmp_path):
-    """2 gloo pipeline stages, each reading its layers' integers and scales of an int4 folder (and
-    the first the embeddings, the last the output matrix): the logits are one process's."""
-    save_consolidated(random_model(tiny_args(moe=True, max_batch_size=1), seed=4), tmp_path / "model")
-    folder = str(convert(tmp_path / "model", tmp_path / "int4", quantize="int4"))
-    out_path = tmp_path / "logits"
-    mp.start_processes(parallel_worker, args=(2, free_port(), [(folder, None)], str(out_path), "pipeline"), nprocs=2, start_method="spawn")
-    expected = logits(load_model(folder, dtype=torch.float32))
-    for rank in range(2):
-        torch.testing.assert_close(torch.load(f"{out_path}.0.{rank}"), expected, atol=1e-5, rtol=1e-5)
+            got = torch.load(f"{out_path}.{index}.{rank}")
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{folder} {quantize} {kind} rank {rank}: {m}")
