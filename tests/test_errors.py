@@ -423,8 +423,7 @@ def test_nan_logits_are_reported_not_sampled():
 # ------------------------------------------------------------------ the command line
 
 
-def run_cli(*args, stdin=""):
-    return in_process(*args, stdin=stdin)  # main() here, as a subprocess would report it (tests/command_line.py)
+run_cli = in_process  # main() here, as a subprocess would report it (tests/command_line.py)
 
 
 @pytest.mark.parametrize(
