@@ -403,6 +403,8 @@ def test_ctrl_c_at_any_moment_of_start_up_prints_no_traceback(delay):
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
+    if stderr.startswith("Fatal Python error: init_import_site"):
+        return  # the interpreter's own end while its site module runs, before any code of ours (a slow first start)
     assert "Traceback" not in stderr and "Error" not in stderr, stderr
     assert process.returncode in (130, -signal.SIGINT), (process.returncode, stderr)
 
