@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import time
+
 import pytest
 import torch
 from conftest import PACKS, WINDOW, random_model, tiny_args
@@ -16,6 +21,7 @@ from mixtral_infer.steps.cpu_aot_step import (
     build_key,
     builds_ahead_of_time,
     inductor_configs,
+    step_signature,
 )
 from mixtral_infer.formats.packing import pack_model
 from mixtral_infer.steps.decode_loop import step_compiler
@@ -114,6 +120,10 @@ def build_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
+def kept_builds(folder) -> list:
+    return [entry for entry in folder.iterdir() if entry.name != BuildCache.SIGNATURES]
+
+
 def no_build(*args, **kwargs):
     raise AssertionError("built, where the kept build should have been loaded")
 
@@ -136,7 +146,7 @@ def test_inductor_s_one_value_constants_are_handed_over_and_copies_of_weights_re
         assert tokens == generate(prompts, model, decode="static", max_tokens=3)[0]  # its own weights read
         monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_build)
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", build)
-    assert len(list(build_cache.iterdir())) == 1
+    assert len(kept_builds(build_cache)) == 1
 
     model = random_model(tiny_args(moe=False, max_batch_size=1), seed=45).to(torch.bfloat16)
     quantize_model(model, "w8a8")
@@ -147,7 +157,7 @@ def test_inductor_s_one_value_constants_are_handed_over_and_copies_of_weights_re
     assert any("(NotAheadOfTime: AOTInductor made" in message for message in messages), messages
     assert steps_built(model) != ["AotStep"]
     assert tokens == generate(prompts, model, decode="static", max_tokens=3)[0]
-    assert len(list(build_cache.iterdir())) == 1  # the refused build was not kept
+    assert len(kept_builds(build_cache)) == 1  # the refused build was not kept
 
 
 class Product(torch.nn.Module):
@@ -217,11 +227,11 @@ def test_cpu_steps_fuse_each_multiply_and_add():
     assert torch.equal(fused, torch.full((64,), 2.0**-26))
 
 
-def test_a_step_aot_cannot_build_falls_back_to_torch_compile_and_says_why(monkeypatch):
+def test_a_step_aot_cannot_build_falls_back_to_torch_compile_and_says_why(monkeypatch, build_cache):
     model = random_model(tiny_args(moe=False, max_batch_size=1), seed=44)
     prompts = random_prompts([4], model.args.vocab_size, seed=11)
 
-    def refuse(self, *args):
+    def refuse(self, *args, **kwargs):
         raise RuntimeError("an op with no C shim\nsecond line")
 
     monkeypatch.setattr(AotStep, "__init__", refuse)
@@ -285,7 +295,7 @@ def test_the_serving_engine_s_cpu_decode_step_is_built_ahead_of_time():
     assert tokens != [[token for token, _ in pairs] for pairs in ahead]
 
 
-def test_auto_decodes_eagerly_while_the_step_is_built_then_hands_over(monkeypatch):
+def test_auto_decodes_eagerly_while_the_step_is_built_then_hands_over(monkeypatch, build_cache):
     """``decode="auto"`` on CPU: the eager loop decodes while AOTInductor builds the step on its own
     thread (the third token's callback waits for the build here, so the hand-over falls mid-way),
     then the static loop takes the rows still decoding on through the built step: the eager loop's
@@ -302,7 +312,7 @@ def test_auto_decodes_eagerly_while_the_step_is_built_then_hands_over(monkeypatc
     eager = generate(prompts, model, decode="eager", max_tokens=12, eos_id=eos_id, **settings)
     assert len(eager[0][1]) == 2 and len(eager[0][0]) == 12
 
-    messages, builds, handed_over = [], [], []
+    messages, builds, handed_over, policies = [], [], [], []
     compiler = step_compiler(model)
     compiler.announce = messages.append
     build = compiler.build_in_background
@@ -314,6 +324,7 @@ def test_auto_decodes_eagerly_while_the_step_is_built_then_hands_over(monkeypatc
     def on_token(row, token):
         seen.append(row)
         if len(seen) == 5:  # two tokens of each row, then row 0's third (row 1's is EOS): wait for the build
+            policies.append(scheduling_policy(builds[0].pid))
             assert builds[0].wait(timeout=600)
 
     auto = generate(prompts, model, decode="auto", max_tokens=12, eos_id=eos_id, on_token=on_token, **settings)
@@ -321,9 +332,93 @@ def test_auto_decodes_eagerly_while_the_step_is_built_then_hands_over(monkeypatc
     torch.testing.assert_close(auto[1], eager[1], rtol=1e-5, atol=1e-5)
     assert steps_built(model) == ["AotStep"] and handed_over[0].tolist() == [True, False], messages
     assert any("in the background" in message for message in messages)
+    assert policies == [os.SCHED_IDLE]  # the child takes only the cores nothing else wants
     builds.clear()
     assert generate(prompts, model, decode="auto", max_tokens=12, eos_id=eos_id, **settings)[0] == eager[0]
     assert builds == [None]  # built already: the static loop from the first token
+
+    # The next start: another model of these shapes (another process's, as a second run of a command
+    # line) finds the build the child kept by its signature, no export, and decodes with it from its
+    # first token, reading its own weights.
+    other = random_model(tiny_args(moe=False, max_batch_size=2), seed=44)
+    own = generate(prompts, other, decode="eager", max_tokens=12, eos_id=eos_id, **settings)
+    messages.clear(), builds.clear()
+    step_compiler(other).announce = messages.append
+    monkeypatch.setattr(torch.export, "export", no_build)
+    build = step_compiler(other).build_in_background
+    monkeypatch.setattr(step_compiler(other), "build_in_background", lambda *a: builds.append(build(*a)) or builds[-1])
+    kept = generate(prompts, other, decode="auto", max_tokens=12, eos_id=eos_id, **settings)
+    assert kept[0] == own[0] and builds == [None] and steps_built(other) == ["AotStep"]
+    torch.testing.assert_close(kept[1], own[1], rtol=1e-5, atol=1e-5)
+    assert any("compiled by an earlier run" in message for message in messages), messages
+
+
+def scheduling_policy(pid: int, wait_s: float = 10.0) -> int:
+    """The scheduling policy of process ``pid`` once the child has set its own (forked, it starts with
+    its parent's)."""
+    deadline = time.monotonic() + wait_s
+    while os.sched_getscheduler(pid) == os.SCHED_OTHER and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.sched_getscheduler(pid)
+
+
+def signature_of(model, known_as=("decode", True), batch: int = 1) -> str:
+    args = (torch.zeros(batch, dtype=torch.long), 0.7)
+    return step_signature(model, args, known_as)
+
+
+def test_a_step_s_signature_is_its_model_s_shapes_and_settings_not_its_weights_values():
+    """The worked example of ``step_signature``: what a kept build is found by without an export."""
+    args = tiny_args(moe=False, max_batch_size=1)
+    signature = signature_of(random_model(args, seed=1))
+    assert signature_of(random_model(args, seed=2)) == signature  # other weights: the same build
+    quantized = random_model(args, seed=1)
+    quantize_model(quantized, "int8")
+    transposed = random_model(args, seed=1)
+    with torch.no_grad():
+        transposed.output.weight = torch.nn.Parameter(transposed.output.weight.T.contiguous().T)
+    others = [
+        signature_of(random_model(dataclasses.replace(args, norm_eps=1e-6), seed=1)),  # a norm's eps
+        signature_of(quantized),  # a format: other tensors, other modules
+        signature_of(transposed),  # a weight laid out otherwise in memory
+        signature_of(random_model(args, seed=1), known_as=("decode", False)),  # the step's options
+        signature_of(random_model(args, seed=1), batch=2),  # its arguments' shapes
+        signature_of(random_model(dataclasses.replace(args, sliding_window=16), seed=1)),  # a window
+    ]
+    assert len({signature, *others}) == 1 + len(others)
+
+
+def test_a_build_found_by_its_signature_reads_the_model_s_tensors_or_is_not_taken(build_cache, monkeypatch):
+    """A build kept by one model is loaded for another of its shapes without an export, and reads
+    that model's weights; a noted tensor that is not at its place with its layout (a note written
+    for other weights) leaves the build to be found by its graph."""
+    prompts = random_prompts([5], 128, seed=3)
+    first = random_model(tiny_args(moe=False, max_batch_size=1), seed=7)
+    generate(prompts, first, decode="compiled", max_tokens=4)
+    (note,) = (build_cache / BuildCache.SIGNATURES).iterdir()
+    second = random_model(tiny_args(moe=False, max_batch_size=1), seed=8)
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.export, "export", no_build)
+        patched.setattr(torch._inductor, "aoti_compile_and_package", no_build)
+        tokens, _ = generate(prompts, second, decode="compiled", max_tokens=4)
+    (step,) = step_compiler(second).steps.values()
+    assert isinstance(step, AotStep) and step.loaded and step.current()
+    assert tokens == generate(prompts, second, decode="static", max_tokens=4)[0]
+
+    entry = json.loads(note.read_text())
+    name = next(iter(entry["constants"]))
+    entry["constants"][name] = entry["constants"][name].replace("(", "(3, ", 1)  # another shape
+    note.write_text(json.dumps(entry))
+    third = random_model(tiny_args(moe=False, max_batch_size=1), seed=9)
+    exports = []
+    export = torch.export.export
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or export(*a, **k))
+        patched.setattr(torch._inductor, "aoti_compile_and_package", no_build)
+        tokens, _ = generate(prompts, third, decode="compiled", max_tokens=4)
+    assert exports == [1] and step_compiler(third).steps  # found by its graph, as before signatures
+    assert json.loads(note.read_text()) != entry  # and noted again as it is
+    assert tokens == generate(prompts, third, decode="static", max_tokens=4)[0]
 
 
 def test_a_kept_build_is_keyed_by_the_threads_it_was_built_for():

@@ -218,7 +218,7 @@ def decode_mode(decode: str, model: Transformer) -> str:
     On CPU, where compiling takes longer than a short generation gains (docs/performance.md,
     "Compiled steps"), it is ``background``: the eager loop decodes while AOTInductor builds the
     compiled step in a child process, which takes over once built (``decode_then_compiled``;
-    kept on disk, so the next run has it after an export); ``eager`` where AOTInductor cannot build
+    kept on disk, so the next run loads it before its first token); ``eager`` where AOTInductor cannot build
     the step (``builds_ahead_of_time``, ``Tuning.ahead_of_time``) or with
     ``MIXTRAL_INFER_BACKGROUND_COMPILE=0``. ``eager`` for a reference model
     (``load_model(..., fast=False)``), which reads its readable path only.
@@ -460,8 +460,8 @@ def decode_then_compiled(
     decodes (``StepCompiler.build_in_background``), then the rest of the tokens through it
     (``decode_static``). The same tokens as either loop alone (both draw one uniform per row per
     step); where it cannot be built, the eager loop to the end. A build on disk from an earlier run
-    (``cpu_aot_step.BuildCache``) is ready in the time of an export, so a second start decodes
-    compiled after a few steps."""
+    (``cpu_aot_step.BuildCache``) is found by its signature and loaded before the first token
+    (``AotStep.kept``), so a second start decodes compiled from its first token."""
     batch, sampling = len(generated), settings.sampling
     options = (sampling.greedy, sampling.filtered, settings.eos_id, False)
     device = model.device

@@ -35,7 +35,8 @@ weights it was built with, so one whose weights were replaced (``quantize_model`
 is built again, and a step built by AOTInductor is checked too (``AotStep.current``: it reads tensors
 by place, where dynamo would guard). Steps built by AOTInductor are kept with the model as well
 (``built_steps``), so that every compiler on a model (``generate``'s, each engine's) shares them:
-finding AOTInductor's build on disk (``cpu_aot_step.BuildCache``) takes an export of the step.
+a build an earlier run kept on disk (``cpu_aot_step.BuildCache``) is found by the step's signature
+without an export (``AotStep.kept``), or else by its exported graph.
 """
 
 from __future__ import annotations
@@ -231,10 +232,14 @@ class StepCompiler:
         the build on disk (``cpu_aot_step.BuildCache``), while this process decodes. A thread could not:
         export and AOTInductor's lowering set torch's is-compiling flag and wrap every module call for
         the whole process while they trace, which an eager pass on another thread runs into. The child
-        runs in a process group of its own at a lower priority (Ctrl-C at the terminal is the parent's),
+        runs in a process group of its own (Ctrl-C at the terminal is the parent's) at the lowest
+        priority (``lowest_priority``: it takes the cores the eager loop leaves idle, which on a machine
+        whose every core the loop uses may be none until this process ends),
         writes its output to a log file (``BackgroundBuild.log``), and is reaped by a thread of this
         process; one that outlives this process finishes its build for the next run. Once it is done,
-        ``BackgroundBuild.step()`` loads the build here (an export, found on disk)."""
+        ``BackgroundBuild.step()`` loads the build here. A build an earlier run kept for this step
+        (found by its signature, ``AotStep.kept``) is loaded here instead, before the first token:
+        then no child, and None."""
         tuning = self.tuning_now()
         key = self._key(kind, cache, options, shape, tuning)
         if key in self.building:  # an earlier call's build, still under way
@@ -245,9 +250,18 @@ class StepCompiler:
         ahead = cache.device.type == "cpu" and kind.ahead_of_time and tuning.ahead_of_time and builds_ahead_of_time(self.model)
         if not ahead or not hasattr(os, "fork") or torch._inductor.config.force_disable_caches:
             return None
+        rows = f"batch {shape[0]}, " if shape else ""
+        loading = time.perf_counter()
+        kept = AotStep.kept(self.model, kind.make(self.model, tuning, *options), args, known_as(kind, options, tuning))
+        if kept is not None:  # an earlier run's build: decode with it from the first token
+            self.steps[key] = built_steps(self.model)[key] = kept
+            seconds = time.perf_counter() - loading
+            self.compile_seconds += seconds
+            self.announce(f"the {kind.name} step for {rows}{slots_text(cache)} cache slots was compiled by an earlier run "
+                          f"(loaded in {seconds:.1f}s)")  # fmt: skip
+            return None
         if any(not b.done() for b in self.building.values()):
             return None
-        rows = f"batch {shape[0]}, " if shape else ""
         log = os.path.join(tempfile.gettempdir(), f"mixtral_infer_build_{os.getpid()}_{len(self.building)}.log")
         self.announce(f"compiling the {kind.name} step for {rows}{slots_text(cache)} cache slots in the background "
                       "(once per shape); decoding eagerly meanwhile")  # fmt: skip
@@ -257,12 +271,12 @@ class StepCompiler:
             code = 1
             try:
                 os.setpgid(0, 0)
-                os.nice(10)
+                lowest_priority()  # the eager loop's cores stay its own
                 output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.dup2(output, 1), os.dup2(output, 2)  # and a pipe the parent writes to is not held open
                 # Python's streams too: a notebook's are sockets served by threads a fork does not copy.
                 sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
-                AotStep(self.model, kind.make(self.model, tuning, *options), args)
+                AotStep(self.model, kind.make(self.model, tuning, *options), args, known_as=known_as(kind, options, tuning))
                 code = 0
             except BaseException:
                 traceback.print_exc()
@@ -302,7 +316,8 @@ class StepCompiler:
         device = cache.device
         step = kind.make(self.model, tuning, *options)
         ahead = device.type == "cpu" and kind.ahead_of_time and tuning.ahead_of_time and builds_ahead_of_time(self.model)
-        built = built_ahead_of_time(self.model, step, args, self._warn) if ahead else None
+        named = known_as(kind, options, tuning)
+        built = built_ahead_of_time(self.model, step, args, self._warn, named) if ahead else None
         if built is None:
             built = compiled(step, device)
         with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
@@ -367,7 +382,10 @@ class BackgroundBuild:
             if self.exit_code != 0:
                 raise RuntimeError(f"the child ended with exit code {self.exit_code}")
             make = self.kind.make(self.compiler.model, self.tuning, *self.options)
-            step = AotStep(self.compiler.model, make, _examples(self.layouts), kept_only=True)
+            examples, named = _examples(self.layouts), known_as(self.kind, self.options, self.tuning)
+            step = AotStep.kept(self.compiler.model, make, examples, named)
+            if step is None:  # not found by its signature (a tensor not where it was noted): by an export
+                step = AotStep(self.compiler.model, make, examples, kept_only=True)
         except Exception as reason:  # its build failed, was cut short (a signal), or is not on disk
             self.failed = True
             self.compiler._warn(f"the background build of the {self.kind.name} step did not finish ({one_line(reason)}; "
@@ -435,11 +453,29 @@ def compiled(step: Callable, device: torch.device) -> Callable:
     return torch.compile(step, fullgraph=True, dynamic=False, options=options)
 
 
-def built_ahead_of_time(model: Transformer, step: Callable, args: Sequence, warn: Callable[[str], None]) -> Optional[AotStep]:
-    """``step`` (a fixed-shape step of ``model`` on CPU) built by AOTInductor for the shapes of
-    ``args`` (``cpu_aot_step``), or None where the build failed, which ``warn`` is told in a line."""
+def lowest_priority() -> None:
+    """Run this process on the cores nothing else wants now (Linux's ``SCHED_IDLE``: any other task
+    that wakes takes the core at once), or where that policy is missing at the lowest niceness."""
     try:
-        return AotStep(model, step, args)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
+def known_as(kind: StepKind, options: tuple, tuning: Tuning) -> tuple:
+    """What makes a step of ``kind`` what it is beside the model and its arguments: what its build is
+    found again by, without an export (``AotStep.kept``)."""
+    return (kind.name, *options, tuning)
+
+
+def built_ahead_of_time(model: Transformer, step: Callable, args: Sequence, warn: Callable[[str], None],
+                        named: Optional[tuple] = None) -> Optional[AotStep]:  # fmt: skip
+    """``step`` (a fixed-shape step of ``model`` on CPU) built by AOTInductor for the shapes of
+    ``args`` (``cpu_aot_step``), or None where the build failed, which ``warn`` is told in a line.
+    ``named``: the step's ``known_as``, by which an earlier run's build is found without an export."""
+    try:
+        kept = AotStep.kept(model, step, args, named) if named is not None else None
+        return kept if kept is not None else AotStep(model, step, args, known_as=named)
     except Exception as reason:  # NotAheadOfTime, or an op export or AOTInductor cannot take
         warn(f"AOTInductor cannot build this step ({one_line(reason)}); using torch.compile")
         return None

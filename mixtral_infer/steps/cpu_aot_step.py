@@ -36,13 +36,24 @@ its exported graph (every op, every value's shape, strides and dtype: the weight
 built in), the torch and package versions and the CPU; so another run, or another model of the same
 shapes, loads it in the time of the export instead of a build's. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
 switches it off, as inductor's.
+
+An export takes seconds on a small model and more on a large one, so a build is also noted by the
+step's *signature* (``step_signature``): a digest of what its graph is made from that is read off the
+model without tracing it (the package's source, the versions, the CPU, the step's kind, options and
+tuning, the arguments' layouts, every module's class and attributes and every tensor's layout). A
+second start finds its build by that and hands it the model's tensors (``AotStep.kept``), checking
+each is at its noted place with its noted layout; where none is noted, or one is not, the export
+finds it by its graph as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -109,7 +120,10 @@ class AotStep:
     writes the cache in place, returns fresh output tensors."""
 
     def __init__(self, model: Transformer, decode_one_token: Callable[..., Tuple[torch.Tensor, ...]], args: Sequence,
-                 kept_only: bool = False):  # fmt: skip
+                 kept_only: bool = False, known_as: Optional[tuple] = None):  # fmt: skip
+        """``known_as``: what the caller knows makes ``decode_one_token`` what it is (the step's kind,
+        options and tuning), so that the build is found again by its signature (``step_signature``),
+        without an export, by ``AotStep.kept``; None: found by its exported graph only."""
         self.module = _StepModule(model, decode_one_token)
         # Export traces on fake tensors: plain tensors of the arguments' shapes (the caller's may be
         # inference tensors, which export may not write); empty_strided touches no memory.
@@ -122,10 +136,45 @@ class AotStep:
             self.loaded = kept is not None
             if kept is None and kept_only:  # a background build that should be on disk is not
                 raise NotAheadOfTime("no build of this step is kept on disk")
-            self.runner, scalars = kept if kept is not None else _build(exported, tensors, cache)
-        self.scalars = _handed_over(self.runner, tensors, scalars)  # inductor's (module docstring)
+            runner, scalars = kept if kept is not None else _build(exported, tensors, cache)
+        self._ready(runner, scalars, tensors)
+        if cache is not None and known_as is not None and self.current():  # each read at its place in the model
+            cache.remember(step_signature(self.module, args, known_as), self.constants)
+
+    @classmethod
+    def kept(cls, model: Transformer, decode_one_token: Callable[..., Tuple[torch.Tensor, ...]], args: Sequence,
+             known_as: tuple) -> Optional["AotStep"]:  # fmt: skip
+        """The step an earlier run built and kept (``BuildCache``) for this model, ``known_as`` and
+        ``args``' layouts, found by its signature (``step_signature``) and loaded without an export:
+        a second start decodes compiled from its first token. None where none is kept, caches are
+        switched off, or a tensor the build reads is not at its place in the model with its layout."""
+        if torch._inductor.config.force_disable_caches:
+            return None
+        step = cls.__new__(cls)
+        step.module = _StepModule(model, decode_one_token)
+        found = BuildCache.by_signature(step_signature(step.module, args, known_as))
+        if found is None:
+            return None
+        cache, layouts = found
+        tensors = {name: _at(step.module, name) for name in layouts}
+        if any(_layout(tensors[name]) != layout for name, layout in layouts.items()):
+            return None  # not this model's weights after all: export and find the build by its graph
+        kept = cache.load()
+        if kept is None:
+            return None
+        runner, scalars = kept
+        if any(name not in tensors and name not in scalars for name in runner.get_constant_fqns()):
+            return None
+        step._ready(runner, scalars, tensors)
+        step.loaded = True
+        return step
+
+    def _ready(self, runner, scalars: Dict[str, torch.Tensor], tensors: Dict[str, torch.Tensor]) -> None:
+        """Hand the library the model's tensors it reads (by place) and inductor's scalars."""
+        self.runner = runner
+        self.scalars = _handed_over(runner, tensors, scalars)  # inductor's (module docstring)
         self.constants: Dict[str, torch.Tensor] = {
-            name: tensors[name] for name in self.runner.get_constant_fqns() if name in tensors
+            name: tensors[name] for name in runner.get_constant_fqns() if name in tensors
         }
         self.runner.load_constants({**self.constants, **self.scalars}, check_full_update=True, user_managed=True)
 
@@ -169,6 +218,7 @@ class BuildCache:
     FOLDER = "mixtral_infer_aot"
     PACKAGE = "decode_step.pt2"
     SCALARS = "scalars.pt"
+    SIGNATURES = "signatures"  # a build by a step's signature (``remember``)
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -197,6 +247,31 @@ class BuildCache:
             return torch._inductor.aoti_load_package(package), scalars
         except Exception:  # cut short, or written by something else: built again
             shutil.rmtree(self.folder, ignore_errors=True)
+            return None
+
+    def remember(self, signature: str, constants: Dict[str, torch.Tensor]) -> None:
+        """Note that the step of ``signature`` (``step_signature``) is this build, reading ``constants``
+        (the model's tensors, by place) with their layouts now: a file in ``SIGNATURES``, written whole
+        (renamed into place). Best effort, as ``save``."""
+        entry = {"build": os.path.basename(self.folder), "constants": {name: _layout(t) for name, t in constants.items()}}
+        folder = os.path.join(self.root(), self.SIGNATURES)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".writing", delete=False) as out:
+                json.dump(entry, out)
+            os.replace(out.name, os.path.join(folder, signature + ".json"))
+        except OSError:
+            pass
+
+    @classmethod
+    def by_signature(cls, signature: str) -> Optional[Tuple["BuildCache", Dict[str, str]]]:
+        """The kept build ``remember`` noted for ``signature`` and the layouts of the tensors it reads,
+        or None (none noted, or not readable)."""
+        try:
+            with open(os.path.join(cls.root(), cls.SIGNATURES, signature + ".json"), encoding="utf-8") as noted:
+                entry = json.load(noted)
+            return cls(os.path.join(cls.root(), os.path.basename(entry["build"]))), dict(entry["constants"])
+        except (OSError, ValueError, KeyError, TypeError):
             return None
 
     def save(self, package: str, scalars: Dict[str, torch.Tensor]) -> None:
@@ -241,6 +316,79 @@ def build_key(exported: torch.export.ExportedProgram) -> str:
         small = isinstance(value, torch.Tensor) and value.numel() <= 1
         add(name, _layout(value), value.tolist() if small else "")
     return digest.hexdigest()[:32]
+
+
+def step_signature(module: torch.nn.Module, args: Sequence, known_as: tuple) -> str:
+    """A digest of what a step's exported graph is made from, read without exporting it: the torch
+    and package versions and the package's source (``_source_digest``), inductor's options, the CPU
+    and threads (as ``build_key``), ``known_as`` (the step's kind, options and tuning), the layouts of
+    ``args``, and every module of ``module``: its place, its class, its attributes (a layer's window,
+    a norm's eps, a LoRA scale, a format's group size) and the layout and class of each tensor it holds.
+
+    Worked example: two float32 models of one shape and config (different weights) have one signature,
+    so the second loads the first's build and hands it its own tensors; the same model with its
+    norms' ``eps`` changed, or its ``wq`` quantized, has another (``tests/test_cpu_aot_step.py``).
+    Attributes whose names start with ``_`` are torch's bookkeeping (hooks excepted: their functions
+    are named) or a cache of steps built, not what the step computes."""
+    digest = hashlib.sha256()
+
+    def add(*parts) -> None:
+        for part in parts:
+            digest.update(str(part).encode())
+            digest.update(b"\0")
+
+    options = {**torch._inductor.config.save_config_portable(), **inductor_configs()}
+    options.pop("aot_inductor.metadata", None)  # as build_key
+    add(torch.__version__, __version__, _source_digest(), sorted(options.items(), key=str), _cpu_description())
+    add(f"threads {torch.get_num_threads()}", _described(known_as), _described(tuple(args)))
+    for name, sub in module.named_modules(remove_duplicate=False):
+        add(name, type(sub).__module__, type(sub).__qualname__)
+        for key, value in sorted(vars(sub).items()):
+            if key.endswith("_hooks"):  # by their functions: their keys count every hook of the process
+                add(key, _described(list(value.values())))
+            elif not key.startswith("_") or key in ("_parameters", "_buffers"):
+                add(key, _described(value))
+    return digest.hexdigest()[:32]
+
+
+def _described(value) -> str:
+    """``value`` as text that is the same in every process: a tensor's class and layout, a module's
+    or function's name, a plain value's repr, containers item by item; other objects by their class."""
+    if isinstance(value, torch.Tensor):
+        return f"{type(value).__qualname__}:{_layout(value)}"
+    if isinstance(value, torch.nn.Module):
+        return f"module {type(value).__qualname__}"
+    if isinstance(value, (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}(" + ",".join(_described(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_described(k)}:{_described(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ",".join(f"{f.name}={_described(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__qualname__}({fields})"
+    if isinstance(value, enum.Enum):
+        return repr(value)
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    return type(value).__qualname__
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of the package's source files (Python and C++): a step's graph is what its code says,
+    and a checkout's code changes with no change of version."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, folders, files in sorted(os.walk(root)):
+        folders.sort()
+        for name in sorted(files):
+            if name.endswith((".py", ".cpp", ".h")):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as source:
+                    digest.update(source.read())
+    return digest.hexdigest()
 
 
 def _layout(value) -> str:
