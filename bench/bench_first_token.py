@@ -10,7 +10,9 @@ it reports, from the moment the process was started: the model loaded, the first
   machine's tuning is measured and nothing is kept yet, as on a new machine;
 * **second**: the caches one earlier run of the same kind left (the tuning, a kept compiled step).
 
-Cases alternate within each round (``--rounds``); medians.
+Cases alternate within each round (``--rounds``); medians. ``--against REV`` adds ``auto second`` and
+``auto fresh`` run from a checkout of revision ``REV`` (``git worktree``), with caches of their own:
+the same starts before a change, in the same run.
 
     .venv/bin/python bench/bench_first_token.py --out bench/results_first_token.json
 """
@@ -49,13 +51,14 @@ print(json.dumps({"loaded_s": loaded, "first_token_s": times[0], "last_token_s":
 CASES = ("eager fresh", "auto fresh", "eager second", "auto second")
 
 
-def run(case: str, model: str, max_tokens: int, caches: Path) -> dict:
-    mode, start = case.split()
-    folder = Path(tempfile.mkdtemp()) if start == "fresh" else caches / mode
+def run(case: str, model: str, max_tokens: int, caches: Path, trees: dict) -> dict:
+    mode, start, *revision = case.split()
+    tree = trees[revision[0]] if revision else ROOT
+    folder = Path(tempfile.mkdtemp()) if start == "fresh" else caches / "-".join([mode, *revision])
     env = {**os.environ, "XDG_CACHE_HOME": str(folder / "xdg"), "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
-           "MIXTRAL_INFER_BACKGROUND_COMPILE": "0" if mode == "eager" else "1"}  # fmt: skip
+           "MIXTRAL_INFER_BACKGROUND_COMPILE": "0" if mode == "eager" else "1", "PYTHONPATH": str(tree)}  # fmt: skip
     started = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, str(started), model, str(max_tokens)], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, str(started), model, str(max_tokens)], cwd=tree, env=env,
                          capture_output=True, text=True, check=True)  # fmt: skip
     wait_for_builds()
     if start == "fresh":
@@ -79,22 +82,33 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-mixtral")
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", help="a git revision whose auto starts run beside these")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     caches = Path(tempfile.mkdtemp())
+    trees, cases = {}, list(CASES)
+    if options.against:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from compare_commits import worktree
+
+        trees[options.against] = worktree(options.against)
+        cases += [f"auto fresh {options.against}", f"auto second {options.against}"]
     try:
-        for mode in ("eager", "auto"):  # the second starts' caches: one run each first
-            run(f"{mode} second", options.model, options.max_tokens, caches)
-        runs = {case: [] for case in CASES}
+        for case in cases:  # the second starts' caches: one run each first
+            if case.split()[1] == "second":
+                run(case, options.model, options.max_tokens, caches, trees)
+        runs = {case: [] for case in cases}
         for round_ in range(options.rounds):
-            for case in CASES if round_ % 2 == 0 else CASES[::-1]:
-                runs[case].append(run(case, options.model, options.max_tokens, caches))
+            for case in cases if round_ % 2 == 0 else cases[::-1]:
+                runs[case].append(run(case, options.model, options.max_tokens, caches, trees))
                 print(case, {k: round(v, 2) for k, v in runs[case][-1].items()}, flush=True)
     finally:
         shutil.rmtree(caches, ignore_errors=True)
+        for tree in trees.values():
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     table = {case: {key: round(statistics.median(r[key] for r in rs), 2) for key in rs[0]} for case, rs in runs.items()}
     for case, row in table.items():
-        print(f"{case:>13}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+        print(f"{case:>21}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     if options.out:
         results = {"machine": machine(), "options": {k: str(v) for k, v in vars(options).items()}, "medians": table,
                    "runs": runs}  # fmt: skip
