@@ -12,6 +12,11 @@ each way:
 * ``onednn``: oneDNN's product of the same plain weight (``fast.cpu_packed.onednn_linear``);
 * ``blocks``: one ``bmm`` block of output rows per thread (``kernels.linear.few_row_blocks``).
 
+``--dtype bfloat16`` times the bfloat16 product instead (``bfloat16_dots``, ``Tuning.bfloat16_dots``:
+bfloat16 weights widened in registers) beside ``F.linear`` and oneDNN in bfloat16 and beside
+``float32``: ``float_dots`` of the layer in float32, what a CPU without bfloat16 arithmetic computes a
+bfloat16 checkpoint in by default (``checkpoint.compute_dtype``), reading twice the bytes.
+
 ``--against REV`` adds ``float_dots@REV``: the kernel's source at git revision ``REV`` (``float_dots.cpp``
 and ``dots.h``), built here under another operator namespace, so a change to the kernel is timed beside
 the kernel before it in one run.
@@ -79,6 +84,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--ways", nargs="+", help="float_dots and these ways only (mkl, onednn, blocks)")
     parser.add_argument("--against", metavar="REV", help="also the kernel's source at this git revision")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", type=Path)
     options = parser.parse_args()
     if not native.loaded():
@@ -87,31 +93,43 @@ def main() -> None:
         options.against = subprocess.run(["git", "rev-parse", "--short", options.against], cwd=Path(__file__).resolve().parents[1],
                                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
     before = kernel_at(options.against) if options.against else None
+    dtype = getattr(torch, options.dtype)
+    kernel = "float_dots" if dtype == torch.float32 else "bfloat16_dots"
     torch.manual_seed(0)
-    weights = [torch.randn(shape) * shape[1] ** -0.5 for shape in SHAPES]
+    weights = [(torch.randn(shape) * shape[1] ** -0.5).to(dtype) for shape in SHAPES]
+    widened = [w.float() for w in weights] if dtype != torch.float32 else []
     size = sum(w.nbytes for w in weights)
     results = {"machine": machine(), "options": {k: str(v) for k, v in vars(options).items()}, "bytes_per_layer": size}
     results["bandwidth_gb_s_before"] = read_bandwidth() / 1e9
     table = {}
     for rows in options.rows:
-        xs = {n: torch.randn(rows, n) for n in (DIM, HIDDEN)}
+        xs = {n: torch.randn(rows, n).to(dtype) for n in (DIM, HIDDEN)}
+        xs_float = {n: x.float() for n, x in xs.items()}
 
-        def each(product):
-            return lambda: [product(xs[w.shape[1]], w) for w in weights]
+        def each(product, matrices=weights, rows_of=xs):
+            return lambda: [product(rows_of[w.shape[1]], w) for w in matrices]
 
         ways = {
-            "float_dots": each(torch.ops.mixtral_infer_dots.float_dots),
+            kernel: each(getattr(torch.ops.mixtral_infer_dots, kernel)),
+            **({"float32": each(torch.ops.mixtral_infer_dots.float_dots, widened, xs_float)} if widened else {}),
             **({f"float_dots@{options.against}": each(before)} if before is not None else {}),
             "mkl": each(F.linear),
             "onednn": each(onednn_linear),
-            "blocks": each(few_row_blocks),
+            **({"blocks": each(few_row_blocks)} if dtype == torch.float32 else {}),
         }
-        keep = {"float_dots", *(options.ways or ways)}  # the others' times are given over float_dots'
+        for way, run in list(ways.items()):
+            try:
+                run()
+            except RuntimeError as reason:  # oneDNN without bfloat16 on this CPU, say
+                print(f"{way}: {str(reason).splitlines()[0][:120]}; left out", flush=True)
+                del ways[way]
+        keep = {kernel, *(options.ways or ways)}  # the others' times are given over the kernel's
         ways = {way: run for way, run in ways.items() if way in keep or way.startswith("float_dots@")}
         ms = {way: seconds * 1e3 for way, seconds in alternated_medians(ways, options.rounds).items()}
-        table[rows] = {way: {"ms": round(v, 2), "GB/s": round(size / v / 1e6, 1), "of_float_dots": round(v / ms["float_dots"], 2)}
+        read = {way: size * (2 if way == "float32" else 1) for way in ms}  # float32's copy is twice the bytes
+        table[rows] = {way: {"ms": round(v, 2), "GB/s": round(read[way] / v / 1e6, 1), f"of_{kernel}": round(v / ms[kernel], 2)}
                        for way, v in ms.items()}  # fmt: skip
-        print(f"rows={rows}", "  ".join(f"{way} {v:7.2f} ms ({v / ms['float_dots']:.2f}x)" for way, v in ms.items()), flush=True)
+        print(f"rows={rows}", "  ".join(f"{way} {v:7.2f} ms ({v / ms[kernel]:.2f}x)" for way, v in ms.items()), flush=True)
     results["rows"] = table
     results["bandwidth_gb_s_after"] = read_bandwidth() / 1e9
     print(f"read bandwidth {results['bandwidth_gb_s_before']:.1f} GB/s before, {results['bandwidth_gb_s_after']:.1f} after")

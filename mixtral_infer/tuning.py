@@ -48,6 +48,11 @@ class Tuning:
     # steps (``kernels.moe.float_experts``). The machine's tuning turns it on where the library builds
     # and it measures faster (``formats.measured``).
     float_dots: bool = False
+    # Op by op, bfloat16 products of up to 8 rows of plain (unpacked) weights on x86 CPUs through the
+    # same kernel (``float_dots.cpp``'s ``bfloat16_dots``: each weight widened in registers, float32
+    # sums, each output rounded once), where the library multiplies them under the speed of reading
+    # them (a CPU without bfloat16 arithmetic). Measured as ``float_dots`` is, where a bfloat16 model loads on CPU.
+    bfloat16_dots: bool = False
     # Compiled few-row products on CPU read a weight's rows in up to this many places at once, one
     # reduction each (``fast.cpu_reductions.row_sums``): more reads in flight where one stream per
     # core does not fill the memory's bandwidth, fewer where more places read slower.

@@ -1,6 +1,7 @@
 """kernels/float_dots.cpp (``Tuning.float_dots``, kernels.linear.plain): float32 products of a few rows
 against the float64 product within float32's rounding, each row the same in any batch, the products it
-takes in a model and those it leaves, and where the machine measures it."""
+takes in a model and those it leaves, and where the machine measures it; its bfloat16 products
+(``Tuning.bfloat16_dots``) against the float32 ones of the widened numbers."""
 
 from __future__ import annotations
 
@@ -186,6 +187,87 @@ def test_a_cpu_without_avx2_or_a_failed_build_keeps_the_choice_off_and_is_not_tr
         assert not measured.machine_tuning(path=path, announce=quiet, floats=True).float_dots
     assert list(json.loads(path.read_text()).values()) == [{"float_dots": False}]
     assert len(asked) == (0 if why == "cpu" else 1)
+
+
+BFLOAT16_DOTS = Tuning(bfloat16_dots=True)
+
+
+def bfloat16_dots(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mixtral_infer_dots.bfloat16_dots(x, weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("shape", [(37, 1030), (10, 13), (6, 5)], ids=["37x1030", "10x13", "6x5"])
+def test_a_bfloat16_product_is_the_float32_one_of_its_widened_numbers_rounded_once(rows, shape):
+    """Widening a bfloat16 number to float32 is exact (its bits are a float32's upper half), so the
+    bfloat16 product is ``float_dots`` of the widened operands, bit for bit, rounded to bfloat16 once:
+    within a bfloat16 rounding (2^-8 relative) of the float32 sum, itself within float32's rounding
+    of the exact product."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, shape[1], generator=g).bfloat16()
+    weight = torch.randn(*shape, generator=g).bfloat16()
+    got = bfloat16_dots(x, weight)
+    assert got.shape == (rows, shape[0]) and got.dtype == torch.bfloat16
+    assert torch.equal(got, float_dots(x.float(), weight.float()).bfloat16())
+    exact = x.double() @ weight.double().T
+    bound = rounding_bound(x.float(), weight.float())
+    assert ((got.double() - exact).abs() <= 2.0**-8 * (exact.abs() + bound) + bound).all()
+
+
+@needs_kernels
+def test_bad_bfloat16_operands_say_what_is_expected():
+    with pytest.raises(RuntimeError, match="bfloat16 x and weight expected"):
+        bfloat16_dots(torch.randn(2, 16), torch.randn(5, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        bfloat16_dots(torch.randn(2, 16).bfloat16(), torch.randn(16, 5).bfloat16().T)
+
+
+@needs_kernels
+def test_a_bfloat16_model_decodes_through_it_and_leaves_prompts_and_other_dtypes_to_torch(monkeypatch):
+    """Under ``Tuning(bfloat16_dots=True)`` a bfloat16 model's decoding products (up to 8 rows) are the
+    kernel's, its prompt's are not, and its logits are those of the same model without it within
+    bfloat16's rounding; float32 rows stay off it."""
+    taken = []
+
+    def counted(x, weight, dtype=torch.float32):
+        took = takes(x, weight, dtype)
+        taken.append((x.shape[0], dtype, took))
+        return took
+
+    takes = plain.takes_float_dots
+    monkeypatch.setattr(plain, "takes_float_dots", counted)
+    reference = random_model(tiny_args(moe=False), seed=5).to(torch.bfloat16)
+    fast = use_formats(copy.deepcopy(reference), BFLOAT16_DOTS)
+    prompts = [torch.randint(0, 128, (12,)) for _ in range(3)]
+    logits = []
+    for model in (fast, reference):
+        with torch.inference_mode():
+            cache = model.make_cache(3)
+            cache.start_sequences(3)
+            model(torch.cat(prompts), [12] * 3, cache)
+            steps = [model(torch.tensor([1, 2, 3]), [1] * 3, cache) for _ in range(3)]
+        logits.append(torch.stack(steps).float())
+    torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=0.02)
+    took = [(rows, dtype) for rows, dtype, took in taken if took]
+    assert took and all(rows <= 8 and dtype == torch.bfloat16 for rows, dtype in took)
+    assert any(rows == 36 and not took for rows, _, took in taken)  # the prompt's 36 rows were asked, not taken
+    x, weight = torch.randn(2, 16), torch.randn(5, 16)
+    assert torch.equal(PlainLinear.product(x, weight, BFLOAT16_DOTS), F.linear(x, weight))
+
+
+def test_the_machine_measures_the_bfloat16_choice_only_for_bfloat16_weights(tmp_path, monkeypatch):
+    """``machine_tuning(bfloat16=True)`` (plain bfloat16 weights on CPU, as ``load_model`` says) adds
+    the ``bfloat16_dots`` choice, measured once and kept; without it the choice is neither measured nor set."""
+    monkeypatch.setenv(measured.MEASURE_VARIABLE, "1")
+    asked = []
+    monkeypatch.setattr(measured, "CHOICES", ())
+    monkeypatch.setattr(measured, "BFLOAT16_DOTS", measured.Choice("bfloat16_dots", measured.BFLOAT16_DOTS.measure))
+    monkeypatch.setattr(measured, "bfloat16_dots_are_faster", lambda tuning: asked.append(tuning) or True)
+    path, quiet = tmp_path / "tuning.json", lambda line: None
+    assert not measured.machine_tuning(path=path, announce=quiet, floats=True).bfloat16_dots and asked == []
+    assert measured.machine_tuning(path=path, announce=quiet, bfloat16=True).bfloat16_dots and len(asked) == 1
+    assert measured.machine_tuning(path=path, announce=quiet, bfloat16=True).bfloat16_dots and len(asked) == 1  # kept
 
 
 def reference_mixture(x, w1, w3, w2, experts, mix):

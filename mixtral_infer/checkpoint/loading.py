@@ -555,7 +555,8 @@ def load_model(
     kept = checkpoint.gguf.kept_scheme(scheme) if checkpoint.gguf is not None else None  # Q4_0 blocks kept as int4
     integers = any(s is not None and s.name in ("int8", "int4") for s in (scheme, stored, kept)) and device.type == "cpu"
     floats = dtype == torch.float32 and device.type == "cpu"
-    tuning = tuning if tuning is not None else machine_tuning(fast, integers=integers, floats=floats)  # measured once per machine, before any weight is read
+    bfloat16 = dtype == torch.bfloat16 and device.type == "cpu" and not any((scheme, stored, kept))
+    tuning = tuning if tuning is not None else machine_tuning(fast, integers=integers, floats=floats, bfloat16=bfloat16)  # measured once per machine, before any weight is read
     if checkpoint.gguf is not None:  # its Q4_0 blocks kept as int4 weights, placed as they are read (checkpoint/gguf_file.py)
         placing = GgufLoading(dtype, device, tuning, scheme, keep_blocks=adapter is None)
         tensors = checkpoint.gguf.published_tensors(progress, select, placing)

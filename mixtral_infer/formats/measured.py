@@ -188,6 +188,28 @@ def float_dots_are_faster(tuning: Tuning) -> bool:
     return medians["otherwise"] >= FLOAT_DOTS_MARGIN * medians["kernel"]
 
 
+BFLOAT16_DOTS_INPUTS = 2048  # 4 weights of 4096 x 2048 in bfloat16: 64 MB, as float_dots' in float32
+
+
+def bfloat16_dots_are_faster(tuning: Tuning) -> bool:
+    """Whether bfloat16 products of a few rows of plain weights run at least ``FLOAT_DOTS_MARGIN`` times
+    faster through the package's kernel (``float_dots.cpp``'s ``bfloat16_dots``) than through
+    ``F.linear``, measured as ``float_dots_are_faster`` (1, 2, 4 and 8 rows, 4 weights of 64 MB in all)."""
+    from mixtral_infer.kernels.linear.plain import PlainLinear
+
+    if not native.loaded():
+        return False
+    weights = [torch.ones(4096, BFLOAT16_DOTS_INPUTS, dtype=torch.bfloat16) for _ in range(4)]
+    rows = [torch.ones(m, BFLOAT16_DOTS_INPUTS, dtype=torch.bfloat16) for m in FLOAT_DOTS_ROWS]
+    otherwise, kernel = replace(tuning, bfloat16_dots=False), replace(tuning, bfloat16_dots=True)
+    ways = {
+        "otherwise": lambda: [PlainLinear.product(x, weight, otherwise) for x in rows for weight in weights],
+        "kernel": lambda: [PlainLinear.product(x, weight, kernel) for x in rows for weight in weights],
+    }
+    medians = alternated_medians(ways, rounds=3)
+    return medians["otherwise"] >= FLOAT_DOTS_MARGIN * medians["kernel"]
+
+
 def native_ready() -> bool:
     """Whether the library may be built or loaded in this process: not under ``MIXTRAL_INFER_NATIVE=0``
     or without a compiler or ninja (nothing kept then). A build that fails is measured as not faster,
@@ -205,6 +227,10 @@ def native_cpu(cpu: CpuInfo) -> bool:
 # after the few-row blocks it is weighed against.
 FLOAT_DOTS = Choice(
     "float_dots", lambda known: float_dots_are_faster(with_choices(Tuning(), known)), native_cpu, ready=native_ready
+)
+# Measured only where a model is loaded with plain bfloat16 weights on CPU (the library is built then).
+BFLOAT16_DOTS = Choice(
+    "bfloat16_dots", lambda known: bfloat16_dots_are_faster(with_choices(Tuning(), known)), native_cpu, ready=native_ready
 )
 # Measured only where a model is loaded with int8 or int4 weights on CPU (the library is built then);
 # the prompts' choice only where the dot products are chosen at all.
@@ -233,17 +259,19 @@ def machine_tuning(
     announce: Optional[Callable[[str], None]] = None,
     integers: bool = False,
     floats: bool = False,
+    bfloat16: bool = False,
 ) -> Tuning:
     """The tuning for this machine (``cpu``, default this one's): ``Tuning.default(fast)`` with the
     measured ``choices`` (default ``CHOICES``) kept in ``path`` (default ``cache_file()``), measuring
     those not kept yet and saying so to ``announce`` (default stderr); ``integers`` (int8 or int4
     weights on CPU) adds ``INT_DOTS`` and ``INT_DOT_PROMPTS``, ``floats`` (float32 weights on CPU)
-    ``FLOAT_DOTS``. The reference (``fast`` False) and ``MIXTRAL_INFER_MEASURE=0`` measure nothing."""
+    ``FLOAT_DOTS``, ``bfloat16`` (plain bfloat16 weights on CPU) ``BFLOAT16_DOTS``. The reference (``fast`` False) and ``MIXTRAL_INFER_MEASURE=0`` measure nothing."""
     tuning = Tuning.default(fast)
     if not tuning.fast or os.environ.get(MEASURE_VARIABLE, "1") == "0":
         return tuning
     if choices is None:
-        choices = (*CHOICES, *((FLOAT_DOTS,) if floats else ()), *((INT_DOTS, INT_DOT_PROMPTS) if integers else ()))
+        choices = (*CHOICES, *((FLOAT_DOTS,) if floats else ()), *((BFLOAT16_DOTS,) if bfloat16 else ()),
+                   *((INT_DOTS, INT_DOT_PROMPTS) if integers else ()))  # fmt: skip
     known = measured_choices(cpu or cpu_info(), path or cache_file(), choices, announce)
     return with_choices(tuning, known)
 
@@ -255,6 +283,7 @@ def with_choices(tuning: Tuning, known: Dict[str, bool]) -> Tuning:
         tuning,
         few_row_blocks=known.get("few_row_blocks", tuning.few_row_blocks),
         float_dots=known.get("float_dots", tuning.float_dots),
+        bfloat16_dots=known.get("bfloat16_dots", tuning.bfloat16_dots),
         onednn_float32=known.get("onednn_float32", tuning.onednn_float32),
         upcast=upcast,
         streams=FEW_STREAMS if known.get("few_streams") else tuning.streams,

@@ -4,7 +4,10 @@
 // fused multiply-adds. kernels/native.py builds it with int_dots.cpp into one library;
 // kernels/linear/plain.py calls it where Tuning.float_dots says (measured faster on the machine).
 // float_experts, below, runs Mixtral's float32 experts on rows of one token each through the same
-// product (kernels/moe/float_experts.py).
+// product (kernels/moe/float_experts.py). bfloat16_dots is the same product of a bfloat16 weight: each
+// weight widened to float32 in registers (its 16 bits moved up, exact), the rows widened once, the
+// sums float32, each output rounded to bfloat16 once; half the bytes read of a float32 weight, where a
+// CPU without bfloat16 arithmetic otherwise multiplies bfloat16 far under the speed of reading it.
 //
 // Why: a library's general matrix product may multiply a few rows far under the speed of reading the
 // weight (MKL's float32 path on some CPUs runs 2-8 rows at the speed of one row each), and decoding
@@ -33,26 +36,35 @@ using dots::MAX_ROWS;
 // Weight rows read at once for M (<= 4) activation rows.
 template <int M> constexpr int places() { return M <= 2 ? 4 : 2; }
 
+// 8 weights from memory as float32 lanes: float32 as they are; bfloat16 widened (its bits are a
+// float32's upper half, so the widening is exact).
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const at::BFloat16* w) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
 // Weight rows r..r+P-1 against the M (<= 4) activation rows of x: y[m, r + p]. Where `ahead` is not 0,
 // each weight cache line read asks for the one `ahead` floats on.
-template <int M, int P>
-void float_rows(const float* x, const float* w, float* y, int64_t out, int64_t in, int64_t r, int64_t ahead) {
+template <int M, int P, typename W>
+void float_rows(const float* x, const W* w, float* y, int64_t out, int64_t in, int64_t r, int64_t ahead) {
+  constexpr int64_t LINE = 64 / sizeof(W);  // weights a cache line
   __m256 acc[P][M];
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) acc[p][m] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= in; k += 8) {
     for (int p = 0; p < P; ++p) {
-      const float* at = w + (r + p) * in + k;
-      if (ahead != 0 && k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + ahead), _MM_HINT_T0);
-      const __m256 wv = _mm256_loadu_ps(at);
+      const W* at = w + (r + p) * in + k;
+      if (ahead != 0 && k % LINE == 0) _mm_prefetch(reinterpret_cast<const char*>(at + ahead), _MM_HINT_T0);
+      const __m256 wv = load8(at);
       for (int m = 0; m < M; ++m) acc[p][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * in + k), acc[p][m]);
     }
   }
   for (int p = 0; p < P; ++p) {
     for (int m = 0; m < M; ++m) {
       float sum = dots::sum8(acc[p][m]);
-      for (int64_t j = k; j < in; ++j) sum += w[(r + p) * in + j] * x[m * in + j];  // IN not a multiple of 8
+      for (int64_t j = k; j < in; ++j) sum += static_cast<float>(w[(r + p) * in + j]) * x[m * in + j];  // IN not a multiple of 8
       y[m * out + r + p] = sum;
     }
   }
@@ -65,8 +77,8 @@ void float_rows(const float* x, const float* w, float* y, int64_t out, int64_t i
 // L2. Each pass holds its rows of x in L1 where they fit (4 rows of 1024 inputs: 16 KiB), where
 // alternating 4 and 4 rows set by set cycled all 8 rows through L1 and read them from L2 for every set.
 // The loops' order changes no sum: a row's output is the same bits in any batch.
-template <int M>
-void every_weight_row(const float* x, const float* w, float* y, int64_t out, int64_t in) {
+template <int M, typename W>
+void every_weight_row(const float* x, const W* w, float* y, int64_t out, int64_t in) {
   constexpr int FIRST = M <= 4 ? M : 4, REST = M - FIRST;
   constexpr int P = places<FIRST>();
   if constexpr (REST == 0) {
@@ -76,7 +88,7 @@ void every_weight_row(const float* x, const float* w, float* y, int64_t out, int
     });
   } else {
     constexpr int P2 = places<REST>();  // the second pass's sets: 4 weight rows for 1 or 2 rows
-    const int64_t panel = dots::panel_rows(out, in * static_cast<int64_t>(sizeof(float)), std::max(P, P2));
+    const int64_t panel = dots::panel_rows(out, in * static_cast<int64_t>(sizeof(W)), std::max(P, P2));
     const int64_t panels = (out + panel - 1) / panel;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -91,10 +103,11 @@ void every_weight_row(const float* x, const float* w, float* y, int64_t out, int
   }
 }
 
-// y (rows, OUT) = x (rows, IN) @ w (OUT, IN).T, every pointer to contiguous float32. More than MAX_ROWS
-// rows go in passes of MAX_ROWS, each reading the weight again (the package sends prompts to the
-// library's product instead).
-void rows_product(const float* x, int64_t rows, const float* w, int64_t out, int64_t in, float* y) {
+// y (rows, OUT) = x (rows, IN) @ w (OUT, IN).T, every pointer to contiguous memory, x and y float32, w
+// float32 or bfloat16. More than MAX_ROWS rows go in passes of MAX_ROWS, each reading the weight again
+// (the package sends prompts to the library's product instead).
+template <typename W>
+void rows_product(const float* x, int64_t rows, const W* w, int64_t out, int64_t in, float* y) {
   dots::in_passes<MAX_ROWS>(rows, [&](int64_t m0, auto m) {
     every_weight_row<decltype(m)::value>(x + m0 * in, w, y + m0 * out, out, in);
   });
@@ -114,6 +127,20 @@ at::Tensor float_dots(const at::Tensor& x_in, const at::Tensor& weight) {
   auto y = at::empty({x.size(0), out}, x.options());
   rows_product(x.data_ptr<float>(), x.size(0), weight.data_ptr<float>(), out, in, y.data_ptr<float>());
   return y;
+}
+
+// y (rows, OUT) = x (rows, IN) @ weight (OUT, IN).T in bfloat16: float32 sums of the widened numbers,
+// rounded once (file comment).
+at::Tensor bfloat16_dots(const at::Tensor& x_in, const at::Tensor& weight) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "bfloat16 x and weight expected, got ", x_in.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "the weight must be a contiguous (OUT, IN) matrix");
+  const int64_t out = weight.size(0), in = weight.size(1);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in, "x must be (rows, ", in, "), got ", x_in.sizes());
+  const auto x = x_in.to(at::kFloat).contiguous();
+  auto y = at::empty({x.size(0), out}, x.options());
+  rows_product(x.data_ptr<float>(), x.size(0), weight.data_ptr<at::BFloat16>(), out, in, y.data_ptr<float>());
+  return y.to(at::kBFloat16);
 }
 
 // Mixtral's feed-forward on rows of one token each: out[b] = sum_j mix[b, j] * expert_{e[b, j]}(x[b]),
@@ -173,10 +200,12 @@ at::Tensor float_experts(const at::Tensor& x_in, const at::Tensor& w1, const at:
 
 TORCH_LIBRARY_FRAGMENT(mixtral_infer_dots, m) {
   m.def("float_dots(Tensor x, Tensor weight) -> Tensor");
+  m.def("bfloat16_dots(Tensor x, Tensor weight) -> Tensor");
   m.def("float_experts(Tensor x, Tensor w1, Tensor w3, Tensor w2, Tensor experts, Tensor mix) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mixtral_infer_dots, CPU, m) {
   m.impl("float_dots", float_dots);
+  m.impl("bfloat16_dots", bfloat16_dots);
   m.impl("float_experts", float_experts);
 }

@@ -14,11 +14,12 @@ Example, 2 threads, weight (OUT=6, IN) and x (1, IN)::
 Ahead of those blocks, where ``Tuning.float_dots`` says so (the machine measured it faster, and the
 package's library builds there: ``kernels.native``), float32 inputs of at most ``MAX_ROWS`` rows go to
 the package's own product, ``kernels/float_dots.cpp``, which reads the weight once for all the rows
-(``float_dots``).
+(``float_dots``); where ``Tuning.bfloat16_dots`` says so, bfloat16 ones too (``bfloat16_dots``: the
+weight widened in registers, float32 sums), on CPUs whose library multiplies bfloat16 under the speed
+of reading it.
 
 Inputs with more rows (prefill) are real matrix products and stay with ``F.linear``, as do CUDA
-tensors. Op by op, bfloat16 and float16 inputs of any size stay with ``F.linear`` too: oneDNN's
-few-row path already streams them from every core.
+tensors. Op by op, other bfloat16 and float16 inputs of any size stay with ``F.linear`` too.
 
 Compiled code on CPU multiplies a *plain* weight (``load_model(..., pack="columns")``, which the
 CLI does for ``--decode compiled``) by a few rows of its dtype (``REDUCTION_ROWS``) as
@@ -68,16 +69,19 @@ class PlainLinear(LinearBackend):
             return float32_linear(x, weight, tuning.onednn_float32)
         if tuning.float_dots and takes_float_dots(x, weight):
             return torch.ops.mixtral_infer_dots.float_dots(x, weight)
+        if tuning.bfloat16_dots and takes_float_dots(x, weight, torch.bfloat16):
+            return torch.ops.mixtral_infer_dots.bfloat16_dots(x, weight)
         if x.device.type != "cpu" or x.dtype != torch.float32 or not tuning.few_row_blocks:
             return F.linear(x, weight)
         return few_row_blocks(x, weight)
 
 
-def takes_float_dots(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``kernels/float_dots.cpp`` multiplies this product: float32 CPU tensors, ``x (M, IN)``
-    with M at most ``MAX_ROWS`` and a contiguous ``weight (OUT, IN)``, outside compiled code, recording
-    no gradient (the operator has no backward), and the library loaded (built on the first call)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+def takes_float_dots(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``kernels/float_dots.cpp`` multiplies this product: CPU tensors of ``dtype`` (float32:
+    ``float_dots``; bfloat16: ``bfloat16_dots``), ``x (M, IN)`` with M at most ``MAX_ROWS`` and a
+    contiguous ``weight (OUT, IN)``, outside compiled code, recording no gradient (the operator has no
+    backward), and the library loaded (built on the first call)."""
+    if x.device.type != "cpu" or x.dtype != dtype or weight.dtype != dtype:
         return False
     if x.dim() != 2 or x.shape[0] > MAX_ROWS or weight.dim() != 2 or not weight.is_contiguous():
         return False
