@@ -128,23 +128,38 @@ def no_build(*args, **kwargs):
     raise AssertionError("built, where the kept build should have been loaded")
 
 
-def test_inductor_s_one_value_constants_are_handed_over_and_copies_of_weights_refused(monkeypatch, build_cache):
+def test_kept_builds_are_found_by_signature_or_graph_with_inductor_s_constants_and_copies_of_weights_refused(monkeypatch, build_cache):
     """int4's product is lowered to a call taking the group size as a one-value tensor, a constant
     AOTInductor adds and does not keep: the build records it (the step then decodes as
     torch.compile's, test above), and keeps it with the build, so a step loaded from the cache has
-    it too. w8a8's lowering adds fbgemm's packed matrices, copies of the weights: the build refuses
-    them, keeps nothing, and the step goes to torch.compile."""
+    it too: another model of the same shapes finds the build by its signature, with no export, and
+    reads its own weights; where the note of a signature names a tensor that is not as noted (a note
+    written for other weights), the export finds the build by its graph and notes it again.
+    w8a8's lowering adds fbgemm's packed matrices, copies of the weights: the build refuses them,
+    keeps nothing, and the step goes to torch.compile."""
     prompts = random_prompts([4], 128, seed=12)
-    build = torch._inductor.aoti_compile_and_package
-    for seed, built in [(45, True), (46, False)]:  # another model of the same shapes loads the first one's build
+    build, export = torch._inductor.aoti_compile_and_package, torch.export.export
+    exports = []
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or export(*a, **k))
+    for seed, found_by in [(45, None), (46, "signature"), (46, "graph")]:  # a new model of those weights: its own compiler
+        if found_by == "graph":
+            (note,) = (build_cache / BuildCache.SIGNATURES).iterdir()
+            entry = json.loads(note.read_text())
+            name = next(iter(entry["constants"]))
+            entry["constants"][name] = entry["constants"][name].replace("(", "(3, ", 1)  # another shape
+            note.write_text(json.dumps(entry))
         model = random_model(tiny_args(moe=False, max_batch_size=1), seed=seed).to(torch.bfloat16)
         quantize_model(model, "int4")
+        exports.clear()
         tokens, _ = generate(prompts, model, decode="compiled", max_tokens=3)
         (step,) = step_compiler(model).steps.values()
-        assert isinstance(step, AotStep) and step.loaded is not built and len(step.scalars) >= 2 * model.args.n_layers
+        assert isinstance(step, AotStep) and step.loaded is (found_by is not None) and step.current()
+        assert exports == ([] if found_by == "signature" else [1])
+        assert len(step.scalars) >= 2 * model.args.n_layers
         assert {int(value) for value in step.scalars.values()} == {32}  # int4's group size, one a product
         assert tokens == generate(prompts, model, decode="static", max_tokens=3)[0]  # its own weights read
         monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_build)
+    assert json.loads(note.read_text()) != entry  # noted again as it is
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", build)
     assert len(kept_builds(build_cache)) == 1
 
@@ -386,39 +401,6 @@ def test_a_step_s_signature_is_its_model_s_shapes_and_settings_not_its_weights_v
         signature_of(random_model(dataclasses.replace(args, sliding_window=16), seed=1)),  # a window
     ]
     assert len({signature, *others}) == 1 + len(others)
-
-
-def test_a_build_found_by_its_signature_reads_the_model_s_tensors_or_is_not_taken(build_cache, monkeypatch):
-    """A build kept by one model is loaded for another of its shapes without an export, and reads
-    that model's weights; a noted tensor that is not at its place with its layout (a note written
-    for other weights) leaves the build to be found by its graph."""
-    prompts = random_prompts([5], 128, seed=3)
-    first = random_model(tiny_args(moe=False, max_batch_size=1), seed=7)
-    generate(prompts, first, decode="compiled", max_tokens=4)
-    (note,) = (build_cache / BuildCache.SIGNATURES).iterdir()
-    second = random_model(tiny_args(moe=False, max_batch_size=1), seed=8)
-    with monkeypatch.context() as patched:
-        patched.setattr(torch.export, "export", no_build)
-        patched.setattr(torch._inductor, "aoti_compile_and_package", no_build)
-        tokens, _ = generate(prompts, second, decode="compiled", max_tokens=4)
-    (step,) = step_compiler(second).steps.values()
-    assert isinstance(step, AotStep) and step.loaded and step.current()
-    assert tokens == generate(prompts, second, decode="static", max_tokens=4)[0]
-
-    entry = json.loads(note.read_text())
-    name = next(iter(entry["constants"]))
-    entry["constants"][name] = entry["constants"][name].replace("(", "(3, ", 1)  # another shape
-    note.write_text(json.dumps(entry))
-    third = random_model(tiny_args(moe=False, max_batch_size=1), seed=9)
-    exports = []
-    export = torch.export.export
-    with monkeypatch.context() as patched:
-        patched.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or export(*a, **k))
-        patched.setattr(torch._inductor, "aoti_compile_and_package", no_build)
-        tokens, _ = generate(prompts, third, decode="compiled", max_tokens=4)
-    assert exports == [1] and step_compiler(third).steps  # found by its graph, as before signatures
-    assert json.loads(note.read_text()) != entry  # and noted again as it is
-    assert tokens == generate(prompts, third, decode="static", max_tokens=4)[0]
 
 
 def test_a_kept_build_is_keyed_by_the_threads_it_was_built_for():
