@@ -382,7 +382,7 @@ def signature_of(model, known_as=("decode", True), batch: int = 1) -> str:
     return step_signature(model, args, known_as)
 
 
-def test_a_step_s_signature_is_its_model_s_shapes_and_settings_not_its_weights_values():
+def test_a_step_s_signature_is_its_model_s_shapes_and_settings_not_its_weights_values(monkeypatch):
     """The worked example of ``step_signature``: what a kept build is found by without an export."""
     args = tiny_args(moe=False, max_batch_size=1)
     signature = signature_of(random_model(args, seed=1))
@@ -400,7 +400,21 @@ def test_a_step_s_signature_is_its_model_s_shapes_and_settings_not_its_weights_v
         signature_of(random_model(args, seed=1), batch=2),  # its arguments' shapes
         signature_of(random_model(dataclasses.replace(args, sliding_window=16), seed=1)),  # a window
     ]
+    tied = random_model(args, seed=1)
+    tied.output.weight = tied.tok_embeddings.weight  # (128, 64) both: export reads one of them
+    others.append(signature_of(tied))
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the suite's conftest sets it where Triton is
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if interpreted else "1")  # read while tracing: the experts' ops on CPU
+    others.append(signature_of(random_model(args, seed=1)))
     assert len({signature, *others}) == 1 + len(others)
+    monkeypatch.undo()
+
+    # Inductor writes a weight of at most 8 numbers into the code by value: its values are in the signature.
+    small, wide = torch.nn.LayerNorm(8), torch.nn.LayerNorm(64)
+    before = signature_of(small), signature_of(wide)
+    with torch.no_grad():
+        small.weight.mul_(2), wide.weight.mul_(2)
+    assert signature_of(small) != before[0] and signature_of(wide) == before[1]
 
 
 def test_a_kept_build_is_keyed_by_the_threads_it_was_built_for():

@@ -10,8 +10,8 @@ a line on stderr saying so, and kept in a JSON file (``cache_file``) under the m
 this one with another torch, measures anew. A choice the CPU's capabilities decide is not timed:
 with one core there are no blocks per thread to share out; without oneDNN, MKL multiplies. The
 choices that build the package's own kernels (``kernels.native``) are timed only where a model needs
-them: ``FLOAT_DOTS`` where float32 weights are loaded on CPU, ``INT_DOTS`` and ``INT_DOT_PROMPTS``
-where int8 or int4 weights are.
+them: ``FLOAT_DOTS`` where float32 weights are loaded on CPU, ``BFLOAT16_DOTS`` where plain bfloat16
+ones are, ``INT_DOTS`` and ``INT_DOT_PROMPTS`` where int8 or int4 weights are.
 
 Example cache file, one machine::
 

@@ -45,7 +45,7 @@ inline __m256 load8(const at::BFloat16* w) {
 }
 
 // Weight rows r..r+P-1 against the M (<= 4) activation rows of x: y[m, r + p]. Where `ahead` is not 0,
-// each weight cache line read asks for the one `ahead` floats on.
+// each weight cache line read asks for the one `ahead` weights on.
 template <int M, int P, typename W>
 void float_rows(const float* x, const W* w, float* y, int64_t out, int64_t in, int64_t r, int64_t ahead) {
   constexpr int64_t LINE = 64 / sizeof(W);  // weights a cache line

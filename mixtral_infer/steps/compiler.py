@@ -252,7 +252,10 @@ class StepCompiler:
             return None
         rows = f"batch {shape[0]}, " if shape else ""
         loading = time.perf_counter()
-        kept = AotStep.kept(self.model, kind.make(self.model, tuning, *options), args, known_as(kind, options, tuning))
+        try:
+            kept = AotStep.kept(self.model, kind.make(self.model, tuning, *options), args, known_as(kind, options, tuning))
+        except Exception:  # a kept build that does not load here: built again in the child
+            kept = None
         if kept is not None:  # an earlier run's build: decode with it from the first token
             self.steps[key] = built_steps(self.model)[key] = kept
             seconds = time.perf_counter() - loading

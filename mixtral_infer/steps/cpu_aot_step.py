@@ -258,10 +258,12 @@ class BuildCache:
         try:
             os.makedirs(folder, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".writing", delete=False) as out:
+                writing = out.name
                 json.dump(entry, out)
-            os.replace(out.name, os.path.join(folder, signature + ".json"))
+            os.replace(writing, os.path.join(folder, signature + ".json"))
         except OSError:
-            pass
+            with contextlib.suppress(OSError, NameError):
+                os.unlink(writing)  # nothing half-written stays
 
     @classmethod
     def by_signature(cls, signature: str) -> Optional[Tuple["BuildCache", Dict[str, str]]]:
@@ -293,8 +295,8 @@ class BuildCache:
 def build_key(exported: torch.export.ExportedProgram) -> str:
     """A digest of everything the library is built from: each node of the exported graph with the
     shape, strides and dtype of its value (inputs and weights included: the library assumes their
-    layout), which inputs it writes, the constants' values where inductor may build them in (one
-    value), inductor's options, the torch and package versions, the CPU (``-march=native``) and the
+    layout), which inputs it writes, the values of the tensors inductor may build in (constants and
+    weights of at most ``SMALL_TENSOR`` numbers), inductor's options, the torch and package versions, the CPU (``-march=native``) and the
     threads torch runs on (inductor writes serial loops for one)."""
     digest = hashlib.sha256()
 
@@ -312,8 +314,8 @@ def build_key(exported: torch.export.ExportedProgram) -> str:
     add(f"threads {torch.get_num_threads()}")
     for node in exported.graph.nodes:
         add(node.format_node(), _layout(node.meta.get("val")))
-    for name, value in sorted(exported.constants.items()):
-        small = isinstance(value, torch.Tensor) and value.numel() <= 1
+    for name, value in sorted({**exported.state_dict, **exported.constants}.items()):
+        small = isinstance(value, torch.Tensor) and value.numel() <= SMALL_TENSOR  # built in by value
         add(name, _layout(value), value.tolist() if small else "")
     return digest.hexdigest()[:32]
 
@@ -323,7 +325,10 @@ def step_signature(module: torch.nn.Module, args: Sequence, known_as: tuple) -> 
     and package versions and the package's source (``_source_digest``), inductor's options, the CPU
     and threads (as ``build_key``), ``known_as`` (the step's kind, options and tuning), the layouts of
     ``args``, and every module of ``module``: its place, its class, its attributes (a layer's window,
-    a norm's eps, a LoRA scale, a format's group size) and the layout and class of each tensor it holds.
+    a norm's eps, a LoRA scale, a format's group size) and the layout and class of each tensor it holds
+    (and the values of one of at most ``SMALL_TENSOR`` numbers, which inductor builds in), the tensors
+    held at two places (tied weights), and the variables read while tracing that choose ops
+    (``TRACED_VARIABLES``).
 
     Worked example: two float32 models of one shape and config (different weights) have one signature,
     so the second loads the first's build and hands it its own tensors; the same model with its
@@ -339,8 +344,14 @@ def step_signature(module: torch.nn.Module, args: Sequence, known_as: tuple) -> 
 
     options = {**torch._inductor.config.save_config_portable(), **inductor_configs()}
     options.pop("aot_inductor.metadata", None)  # as build_key
-    add(torch.__version__, __version__, _source_digest(), sorted(options.items(), key=str), _cpu_description())
+    add(torch.__version__, __version__, SOURCE_DIGEST, sorted(options.items(), key=str), _cpu_description())
+    add(*(f"{name}={os.environ.get(name)}" for name in TRACED_VARIABLES))
     add(f"threads {torch.get_num_threads()}", _described(known_as), _described(tuple(args)))
+    # A tensor at two places (tied weights) is one constant of the build, read at its first name.
+    first: Dict[int, str] = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if first.setdefault(id(tensor), name) != name:
+            add(f"{name} is {first[id(tensor)]}")
     for name, sub in module.named_modules(remove_duplicate=False):
         add(name, type(sub).__module__, type(sub).__qualname__)
         for key, value in sorted(vars(sub).items()):
@@ -355,7 +366,9 @@ def _described(value) -> str:
     """``value`` as text that is the same in every process: a tensor's class and layout, a module's
     or function's name, a plain value's repr, containers item by item; other objects by their class."""
     if isinstance(value, torch.Tensor):
-        return f"{type(value).__qualname__}:{_layout(value)}"
+        small = value.numel() <= SMALL_TENSOR and value.device.type == "cpu" and not value.is_meta
+        # Inductor writes a tensor of a few numbers into the code by value (a norm of 8 channels).
+        return f"{type(value).__qualname__}:{_layout(value)}" + (f"={value.tolist()}" if small else "")
     if isinstance(value, torch.nn.Module):
         return f"module {type(value).__qualname__}"
     if isinstance(value, (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)):
@@ -374,10 +387,10 @@ def _described(value) -> str:
     return type(value).__qualname__
 
 
-@functools.cache
 def _source_digest() -> str:
-    """A digest of the package's source files (Python and C++): a step's graph is what its code says,
-    and a checkout's code changes with no change of version."""
+    """A digest of the package's source files (Python and C++), read when this module is imported (the
+    code that runs): a step's graph is what its code says, and a checkout's code changes with no change
+    of version. A file that cannot be read (an editor's lock link) counts by its name."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256()
     for folder, folders, files in sorted(os.walk(root)):
@@ -386,9 +399,19 @@ def _source_digest() -> str:
             if name.endswith((".py", ".cpp", ".h")):
                 path = os.path.join(folder, name)
                 digest.update(os.path.relpath(path, root).encode() + b"\0")
-                with open(path, "rb") as source:
-                    digest.update(source.read())
+                try:
+                    if os.path.isfile(path):
+                        with open(path, "rb") as source:
+                            digest.update(source.read())
+                except OSError:
+                    pass
     return digest.hexdigest()
+
+
+SOURCE_DIGEST = _source_digest()
+SMALL_TENSOR = 8  # inductor builds in a tensor of at most this many numbers (graph.py's can_inline_constant)
+# Variables read while a step is traced that choose its ops: the Triton interpreter (experts on CPU), the package's library.
+TRACED_VARIABLES = ("TRITON_INTERPRET", "MIXTRAL_INFER_NATIVE")
 
 
 def _layout(value) -> str:
