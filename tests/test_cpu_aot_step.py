@@ -387,6 +387,8 @@ def test_a_step_s_signature_is_its_model_s_shapes_and_settings_not_its_weights_v
     args = tiny_args(moe=False, max_batch_size=1)
     signature = signature_of(random_model(args, seed=1))
     assert signature_of(random_model(args, seed=2)) == signature  # other weights: the same build
+    fed = step_signature(random_model(args, seed=1), (torch.ones(1, dtype=torch.long), 0.7), ("decode", True))
+    assert fed == signature  # other tokens fed (the arguments' values): the same build
     quantized = random_model(args, seed=1)
     quantize_model(quantized, "int8")
     transposed = random_model(args, seed=1)

@@ -346,7 +346,7 @@ def step_signature(module: torch.nn.Module, args: Sequence, known_as: tuple) -> 
     options.pop("aot_inductor.metadata", None)  # as build_key
     add(torch.__version__, __version__, SOURCE_DIGEST, sorted(options.items(), key=str), _cpu_description())
     add(*(f"{name}={os.environ.get(name)}" for name in TRACED_VARIABLES))
-    add(f"threads {torch.get_num_threads()}", _described(known_as), _described(tuple(args)))
+    add(f"threads {torch.get_num_threads()}", _described(known_as), _described(tuple(args), small_values=False))
     # A tensor at two places (tied weights) is one constant of the build, read at its first name.
     first: Dict[int, str] = {}
     for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
@@ -362,11 +362,13 @@ def step_signature(module: torch.nn.Module, args: Sequence, known_as: tuple) -> 
     return digest.hexdigest()[:32]
 
 
-def _described(value) -> str:
+def _described(value, small_values: bool = True) -> str:
     """``value`` as text that is the same in every process: a tensor's class and layout, a module's
-    or function's name, a plain value's repr, containers item by item; other objects by their class."""
+    or function's name, a plain value's repr, containers item by item; other objects by their class.
+    ``small_values``: a tensor of at most ``SMALL_TENSOR`` numbers with its values (a weight inductor
+    builds in); False for a step's arguments, whose values are the call's (the tokens fed)."""
     if isinstance(value, torch.Tensor):
-        small = value.numel() <= SMALL_TENSOR and value.device.type == "cpu" and not value.is_meta
+        small = small_values and value.numel() <= SMALL_TENSOR and value.device.type == "cpu" and not value.is_meta
         # Inductor writes a tensor of a few numbers into the code by value (a norm of 8 channels).
         return f"{type(value).__qualname__}:{_layout(value)}" + (f"={value.tolist()}" if small else "")
     if isinstance(value, torch.nn.Module):
@@ -374,11 +376,11 @@ def _described(value) -> str:
     if isinstance(value, (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)):
         return repr(value)
     if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__}(" + ",".join(_described(v) for v in value) + ")"
+        return f"{type(value).__name__}(" + ",".join(_described(v, small_values) for v in value) + ")"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{_described(k)}:{_described(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{_described(k, small_values)}:{_described(v, small_values)}" for k, v in value.items()) + "}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = ",".join(f"{f.name}={_described(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        fields = ",".join(f"{f.name}={_described(getattr(value, f.name), small_values)}" for f in dataclasses.fields(value))
         return f"{type(value).__qualname__}({fields})"
     if isinstance(value, enum.Enum):
         return repr(value)
