@@ -173,19 +173,7 @@ def float_dots_are_faster(tuning: Tuning) -> bool:
     ``tuning`` multiplies them otherwise (``F.linear``, or ``few_row_blocks``): 1, 2, 4 and 8 rows
     times 4 weights of 4096 x 1024 in turn (64 MB, beyond the caches), alternated, medians of 3
     rounds, the rows' times summed."""
-    from mixtral_infer.kernels.linear.plain import PlainLinear
-
-    if not native.loaded():
-        return False
-    weights = [torch.ones(4096, 1024) for _ in range(4)]
-    rows = [torch.ones(m, 1024) for m in FLOAT_DOTS_ROWS]
-    otherwise, kernel = replace(tuning, float_dots=False), replace(tuning, float_dots=True)
-    ways = {
-        "otherwise": lambda: [PlainLinear.product(x, weight, otherwise) for x in rows for weight in weights],
-        "kernel": lambda: [PlainLinear.product(x, weight, kernel) for x in rows for weight in weights],
-    }
-    medians = alternated_medians(ways, rounds=3)
-    return medians["otherwise"] >= FLOAT_DOTS_MARGIN * medians["kernel"]
+    return _few_rows_faster(tuning, "float_dots", torch.float32, 1024)
 
 
 BFLOAT16_DOTS_INPUTS = 2048  # 4 weights of 4096 x 2048 in bfloat16: 64 MB, as float_dots' in float32
@@ -195,13 +183,19 @@ def bfloat16_dots_are_faster(tuning: Tuning) -> bool:
     """Whether bfloat16 products of a few rows of plain weights run at least ``FLOAT_DOTS_MARGIN`` times
     faster through the package's kernel (``float_dots.cpp``'s ``bfloat16_dots``) than through
     ``F.linear``, measured as ``float_dots_are_faster`` (1, 2, 4 and 8 rows, 4 weights of 64 MB in all)."""
+    return _few_rows_faster(tuning, "bfloat16_dots", torch.bfloat16, BFLOAT16_DOTS_INPUTS)
+
+
+def _few_rows_faster(tuning: Tuning, field: str, dtype: torch.dtype, inputs: int) -> bool:
+    """Whether ``PlainLinear`` with the choice ``field`` on is ``FLOAT_DOTS_MARGIN`` times faster than
+    with it off, on ``FLOAT_DOTS_ROWS`` rows times 4 weights of 4096 x ``inputs`` in ``dtype``."""
     from mixtral_infer.kernels.linear.plain import PlainLinear
 
     if not native.loaded():
         return False
-    weights = [torch.ones(4096, BFLOAT16_DOTS_INPUTS, dtype=torch.bfloat16) for _ in range(4)]
-    rows = [torch.ones(m, BFLOAT16_DOTS_INPUTS, dtype=torch.bfloat16) for m in FLOAT_DOTS_ROWS]
-    otherwise, kernel = replace(tuning, bfloat16_dots=False), replace(tuning, bfloat16_dots=True)
+    weights = [torch.ones(4096, inputs, dtype=dtype) for _ in range(4)]
+    rows = [torch.ones(m, inputs, dtype=dtype) for m in FLOAT_DOTS_ROWS]
+    otherwise, kernel = replace(tuning, **{field: False}), replace(tuning, **{field: True})
     ways = {
         "otherwise": lambda: [PlainLinear.product(x, weight, otherwise) for x in rows for weight in weights],
         "kernel": lambda: [PlainLinear.product(x, weight, kernel) for x in rows for weight in weights],
