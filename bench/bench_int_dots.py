@@ -42,14 +42,15 @@ from mixtral_infer.quant.weights import quantize  # noqa: E402
 SHAPES = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
 
 
-def weights(scheme: QuantScheme, layout: bool):
-    """One layer's matrices, random (N(0, 0.02)), quantized; ``layout``: int4 in the CPU kernel's layout."""
+def weights(scheme: QuantScheme, backend=None):
+    """One layer's matrices, random (N(0, 0.02)), quantized, laid out for ``backend`` (int4: the integer
+    dot products' rows with their scales inline, or the CPU int4 kernel's layout)."""
     torch.manual_seed(0)
     out = []
     for shape in SHAPES:
         weight = quantize(torch.randn(shape) * 0.02, scheme, torch.bfloat16)
-        if layout:
-            Int4Linear.prepare(weight, machine_tuning(), keep_values=True)
+        if backend is not None:
+            backend.prepare(weight, machine_tuning(), keep_values=True)
         out.append(weight)
     return out
 
@@ -72,8 +73,8 @@ def main() -> None:
     results = {"machine": machine(), "options": {k: str(v) for k, v in vars(options).items()}, "schemes": {}}
     for name in options.schemes:
         scheme = QuantScheme("int8") if name == "int8" else QuantScheme("int4", 32)
-        plain = weights(scheme, layout=False)
-        laid_out = plain if name == "int8" else weights(scheme, layout=True)
+        plain = weights(scheme, IntDotsLinear)
+        laid_out = plain if name == "int8" else weights(scheme, Int4Linear)
         size = weight_bytes(plain)
         table = {}
         for rows in options.rows:
@@ -82,7 +83,7 @@ def main() -> None:
             def dots():
                 if name == "int8":
                     return [ops.int8_dots(xs[w.in_features], w.values, w.scales) for w in plain]
-                return [ops.int4_dots(xs[w.in_features], w.values, w.scales, 32) for w in plain]
+                return [ops.int4_dots(xs[w.in_features], w.packed[0], 32) for w in plain]
 
             backend = Int8Linear if name == "int8" else Int4Linear
             ways = {"dots": dots, "kernel": lambda: [backend.product(xs[w.in_features], w, tuning) for w in laid_out]}

@@ -10,11 +10,12 @@ import pytest
 import torch
 from conftest import NATIVE_REASON, eager_and_compiled_decode, needs_kernels, random_model, tiny_args
 
+from mixtral_infer.fast.int4_inline import inline_scale_values, inline_scales, plain_values, row_bytes
 from mixtral_infer.formats import measured
 from mixtral_infer.formats.modules import use_formats
 from mixtral_infer.formats.quantizing import quantize_model
 from mixtral_infer.kernels import native
-from mixtral_infer.kernels.linear import Int8Linear, IntDotsLinear, backend_for
+from mixtral_infer.kernels.linear import Int8Linear, IntDotsLinear, backend_for, prepare_weight
 from mixtral_infer.kernels.linear.int_dots import activation_error_bound, available, quantized_blocks, reference_int_dots
 from mixtral_infer.quant.scheme import QuantScheme
 from mixtral_infer.quant.weights import QuantizedWeight, quantize
@@ -40,6 +41,61 @@ def test_the_docstring_example():
     assert reference_int_dots(x, weight).item() == pytest.approx(0.1 * (130 - 127 - 128) / 127, rel=1e-6)
     if NATIVE_REASON is None and available():
         assert IntDotsLinear.product(x, weight).item() == pytest.approx(0.1 * -125 / 127, rel=1e-6)
+
+
+def test_the_inline_layout_s_worked_example():
+    """``fast.int4_inline``'s example: a row of 320 inputs in groups of 32 with bfloat16 scales is 2
+    chunks of 144 bytes, chunk 0 ``s[0..7]`` and bytes 0-127, chunk 1 ``s[8], s[9]``, six zero scales,
+    bytes 128-159 and 96 zero bytes; the plain values and scales read back as they were."""
+    torch.manual_seed(5)
+    weight = quantize(torch.randn(3, 320), QuantScheme("int4", 32), torch.bfloat16)
+    rows = inline_scales(weight.values, weight.scales, 32)
+    assert rows.shape == (3, 288) and row_bytes(320, 32, 2) == 288
+    first, second = rows[:, :144], rows[:, 144:]
+    assert torch.equal(first[:, :16].contiguous().view(torch.bfloat16), weight.scales[:, :8])
+    assert torch.equal(first[:, 16:], weight.values[:, :128])
+    assert torch.equal(second[:, :4].contiguous().view(torch.bfloat16), weight.scales[:, 8:10]) and (second[:, 4:16] == 0).all()
+    assert torch.equal(second[:, 16:48], weight.values[:, 128:160]) and (second[:, 48:] == 0).all()
+    assert torch.equal(plain_values(rows, 320, 32), weight.values)
+    assert torch.equal(inline_scale_values(rows, 320, 32), weight.scales)
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [32, 64, 256])
+def test_scales_that_are_not_bfloat16_are_kept_as_float32_and_read_so(group):
+    """Scales that bfloat16 cannot hold (a GGUF file's float16 ones) are kept as float32, 4 bytes each:
+    the kernel reads them so (its product is the integer arithmetic with the exact scales, where
+    bfloat16 ones would move it by about 0.2%), and they read back exactly."""
+    torch.manual_seed(6)
+    weight = quantize(torch.randn(40, 512), QuantScheme("int4", group), torch.float32)
+    weight.scales = (weight.scales * (1 + 2**-10)).half().float()  # float16 numbers, most not bfloat16 ones
+    rows = inline_scales(weight.values, weight.scales, group)
+    assert rows.shape == (40, row_bytes(512, group, 4)) and torch.equal(inline_scale_values(rows, 512, group), weight.scales)
+    x = torch.randn(3, 512)
+    got = IntDotsLinear.product(x, weight).double()
+    exact = reference_int_dots(x, weight)
+    assert ((got - exact).abs() <= torch.finfo(torch.float32).eps * exact.abs() + 1e-4).all()
+    rounded = QuantizedWeight(weight.scheme, weight.values, weight.scales.bfloat16().float(), 512)
+    assert ((reference_int_dots(x, rounded) - exact).abs() > 1e-3).any()  # the bound above tells them apart
+
+
+@needs_kernels
+def test_loading_lays_int4_out_with_its_scales_inline_and_the_integers_read_back():
+    """``prepare_weight`` under ``int_dots``: stacked int4 experts become rows with their scales inline,
+    the plain values dropped; the integers read back as they were, and an expert given as a 0-d index
+    multiplies as the weight laid out for the call does, bit for bit. int8 keeps its plain layout."""
+    torch.manual_seed(7)
+    weight = quantize(torch.randn(3, 64, 320), QuantScheme("int4", 64), torch.bfloat16)
+    plain, integers = QuantizedWeight(weight.scheme, weight.values, weight.scales, 320), weight.integers()
+    prepare_weight(weight, DOTS)
+    assert weight.values is None and weight.holds_inline_scales() and weight.packed[0].shape == (3, 64, row_bytes(320, 64, 2))
+    assert torch.equal(weight.integers(), integers) and backend_for(weight, DOTS) is IntDotsLinear
+    x = torch.randn(5, 320, dtype=torch.bfloat16)
+    assert torch.equal(IntDotsLinear.product(x, weight[torch.tensor(1)]), IntDotsLinear.product(x, plain[1]))
+    int8 = quantize(torch.randn(64, 320), QuantScheme("int8"), torch.bfloat16)
+    values = int8.values
+    prepare_weight(int8, DOTS)
+    assert int8.values is values and int8.packed is None
 
 
 @needs_kernels
@@ -161,11 +217,13 @@ def model(moe: bool, scheme: str, tuning: Tuning, dtype: torch.dtype = torch.flo
 @pytest.mark.parametrize("scheme", ["int8", "int4-32"])
 def test_a_model_reads_every_quantized_weight_through_it(moe, scheme):
     """With ``Tuning(int_dots=True)`` every quantized linear layer (and Mixtral's experts) is this
-    back-end, int4 kept in the plain layout; the logits are the weight-only model's within what int8
-    activations move (a few percent of this random model's logits), and not equal to them."""
+    back-end, int4 with its scales inline and no plain values; the logits are the weight-only model's
+    within what int8 activations move (a few percent of this random model's logits), and not equal to them."""
     dots, weight_only = model(moe, scheme, DOTS), model(moe, scheme, Tuning())
     linears = [m for m in dots.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)]
     assert linears and all(isinstance(m, IntDotsLinear) for m in linears)
+    quantized = [m for m in dots.modules() if isinstance(m, QuantizedWeight)]
+    assert all((m.values is None and m.holds_inline_scales()) == (scheme != "int8") for m in quantized)
     if moe:
         assert {b.__name__ for layer in dots.layers.values() for b in layer.feed_forward.expert_backends.values()} == {"IntDotsLinear"}
     tokens = torch.randint(0, 128, (20,))

@@ -10,8 +10,10 @@
 //   x (M, IN), w (OUT, IN) int8, s (OUT,) one scale a row.
 // int4: y[m, r] = sum_b d[m, b] * s[r, g(b)] * sum_{k in b} q[m, k] * (n[r, k] - 8)
 //   n the nibbles as the package stores them (quant/weights.py): byte j of a row holds input 2j in its
-//   low nibble and 2j + 1 in its high one, each the integer plus 8; s (OUT, IN/G) one scale a group
-//   of G inputs (G a multiple of 32).
+//   low nibble and 2j + 1 in its high one, each the integer plus 8; s one scale a group of G inputs
+//   (G a multiple of 32). Each row holds its scales inline (fast/int4_inline.py): chunks of 256 inputs,
+//   a chunk the 256 / G scales of its groups (bfloat16 or float32) then its 128 bytes of nibbles, so a
+//   row read is one stream of memory.
 // q, d: each row of x quantized per block of 32: d = max|x| / 127, q = round(x * 127 / max|x|); a block
 // of zeros, or one so small that 127 / max|x| overflows (max|x| below about 7e-37), has q = 0.
 // int4 computes its sum as sum_b d s (sum_k q n - 8 sum_k q), the two terms rounded to float each: exact
@@ -36,6 +38,7 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;  // inputs per activation scale
+constexpr int64_t CHUNK = 256;  // int4: inputs a chunk of a row (fast/int4_inline.py)
 using dots::AHEAD;
 using dots::MAX_ROWS;  // more rows go in panels (in_panels)
 using dots::every_row;
@@ -204,34 +207,35 @@ SplitRows split_rows(const int8_t* q, int64_t rows, int64_t in) {
   return split;
 }
 
-// The scales of the 8 blocks of inputs c0..c0+255 of one weight row (s[g(b)], g(b) = 32 b / G) as
-// floats: one load where each block has its own scale in bfloat16 or float32 (G = 32), else each read.
+// int4 rows with their scales inline (fast/int4_inline.py): row r starts at w + r * row; its chunk of
+// inputs c..c+255 (c a multiple of 256) `chunk` bytes later each, `head` bytes of scales of type S first.
 template <typename S>
-inline __m256 block_scales8(const S* row, int64_t c0, int64_t group) {
-  if (group == BLOCK) {
-    if constexpr (std::is_same_v<S, c10::BFloat16>) {  // bfloat16: the high 16 bits of a float32
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0 / BLOCK));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-    } else if constexpr (std::is_same_v<S, float>) {
-      return _mm256_loadu_ps(row + c0 / BLOCK);
-    }
-  }
+struct Int4Rows {
+  const uint8_t* w;
+  int64_t row, chunk, head, group;
+};
+
+// The scales of the 8 blocks of a chunk (s[g(b)], g(b) = 32 b / G, from its inline scales) as floats:
+// one load where each block has its own scale (G = 32), else each read.
+template <typename S>
+inline __m256 block_scales8(const S* chunk, int64_t group) {
+  if (group == BLOCK) return load8(chunk);
   alignas(32) float f[8];
-  for (int k = 0; k < 8; ++k) f[k] = static_cast<float>(row[(c0 + k * BLOCK) / group]);
+  for (int k = 0; k < 8; ++k) f[k] = static_cast<float>(chunk[k * BLOCK / group]);
   return _mm256_load_ps(f);
 }
 
-// 64 inputs from c of M activation rows against P weight rows: acc[p][m] + each block's integer sum
-// with the nibbles times its scale, sd[p][m] (8 blocks' d * s from c0) permuted by `order` so that
-// lanes 0-3 hold block c / 32's and lanes 4-7 the next one's.
+// 64 inputs from c of M activation rows against P weight rows, `nibbles[p]` their bytes: acc[p][m] +
+// each block's integer sum with the nibbles times its scale, sd[p][m] (8 blocks' d * s from c0) permuted
+// by `order` so that lanes 0-3 hold block c / 32's and lanes 4-7 the next one's. `ahead`: the bytes
+// from a row to the one the prefetch asks for, or 0.
 template <int M, int P>
-inline void int4_step(const SplitView& x, const uint8_t* w, int64_t half, int64_t c, int64_t r, bool fetch,
+inline void int4_step(const SplitView& x, const uint8_t* const (&nibbles)[P], int64_t half, int64_t c, int64_t ahead,
                       const __m256 (&sd)[P][M], __m256i order, __m256 (&acc)[P][M]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int p = 0; p < P; ++p) {
-    const uint8_t* at = w + (r + p) * half + c / 2;
-    if (fetch && c % 128 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + AHEAD * P * half), _MM_HINT_T0);
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+    if (ahead != 0 && c % 128 == 0) _mm_prefetch(reinterpret_cast<const char*>(nibbles[p] + ahead), _MM_HINT_T0);
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles[p]));
     const __m256i low = _mm256_and_si256(bytes, low4);  // inputs c + 2j
     const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);  // inputs c + 2j + 1
     for (int m = 0; m < M; ++m) {
@@ -244,30 +248,40 @@ inline void int4_step(const SplitView& x, const uint8_t* w, int64_t half, int64_
 }
 
 template <int M, int P, typename S>
-void int4_rows(const SplitView& x, const float* d, const uint8_t* w, const S* s, float* y,
-               int64_t out, int64_t in, int64_t group, int64_t r, bool fetch) {
-  const int64_t blocks = in / BLOCK, groups = in / group, half = in / 2;
+void int4_rows(const SplitView& x, const float* d, const Int4Rows<S>& w, float* y, int64_t out, int64_t in, int64_t r, bool fetch) {
+  const int64_t blocks = in / BLOCK, half = in / 2, group = w.group, ahead = fetch ? AHEAD * P * w.row : 0;
   __m256 acc[P][M], sd[P][M];
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) acc[p][m] = _mm256_setzero_ps();
   // Lanes 0-3 from block 2j of the 8, lanes 4-7 from block 2j + 1, for the j-th 64 inputs of 256.
   const __m256i order[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  const uint8_t* chunk[P];  // each weight row's chunk of the inputs c0..c0+255
+  for (int p = 0; p < P; ++p) chunk[p] = w.w + (r + p) * w.row;
   int64_t c0 = 0;
-  for (; c0 + 256 <= in; c0 += 256) {  // 8 blocks: their scales d * s and offsets once, then 4 steps of 64
+  for (; c0 + CHUNK <= in; c0 += CHUNK) {  // a chunk: its 8 blocks' scales d * s and offsets once, then 4 steps of 64
+    const uint8_t* nibbles[P];
     for (int p = 0; p < P; ++p) {
-      const __m256 sv = block_scales8(s + (r + p) * groups, c0, group);
+      const __m256 sv = block_scales8(reinterpret_cast<const S*>(chunk[p]), group);
+      nibbles[p] = chunk[p] + w.head;
+      chunk[p] += w.chunk;
       for (int m = 0; m < M; ++m) {
         sd[p][m] = _mm256_mul_ps(sv, _mm256_loadu_ps(d + m * blocks + c0 / BLOCK));
         acc[p][m] = _mm256_fmadd_ps(sd[p][m], _mm256_loadu_ps(x.offsets + m * blocks + c0 / BLOCK), acc[p][m]);
       }
     }
-    for (int j = 0; j < 4; ++j) int4_step<M, P>(x, w, half, c0 + 64 * j, r, fetch, sd, order[j], acc);
+    for (int j = 0; j < 4; ++j) {
+      int4_step<M, P>(x, nibbles, half, c0 + 64 * j, ahead, sd, order[j], acc);
+      for (int p = 0; p < P; ++p) nibbles[p] += 32;
+    }
   }
-  for (int64_t c = c0; c < in; c += 64) {  // the last 64-192 inputs where IN is not a multiple of 256
+  for (int64_t c = c0; c < in; c += 64) {  // the last chunk's 64-192 inputs where IN is not a multiple of 256
+    const uint8_t* nibbles[P];
     for (int p = 0; p < P; ++p) {
-      const float s0 = static_cast<float>(s[(r + p) * groups + c / group]);
-      const float s1 = static_cast<float>(s[(r + p) * groups + (c + BLOCK) / group]);
+      const S* scales = reinterpret_cast<const S*>(chunk[p]);
+      const float s0 = static_cast<float>(scales[c % CHUNK / group]);
+      const float s1 = static_cast<float>(scales[(c % CHUNK + BLOCK) / group]);
+      nibbles[p] = chunk[p] + w.head + c % CHUNK / 2;
       for (int m = 0; m < M; ++m) {
         const float* db = d + m * blocks + c / BLOCK;
         const float* ob = x.offsets + m * blocks + c / BLOCK;
@@ -275,7 +289,7 @@ void int4_rows(const SplitView& x, const float* d, const uint8_t* w, const S* s,
         acc[p][m] = _mm256_fmadd_ps(sd[p][m], _mm256_setr_ps(ob[0], ob[1], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f), acc[p][m]);
       }
     }
-    int4_step<M, P>(x, w, half, c, r, fetch, sd, order[0], acc);
+    int4_step<M, P>(x, nibbles, half, c, ahead, sd, order[0], acc);
   }
   for (int p = 0; p < P; ++p)
     for (int m = 0; m < M; ++m) y[m * out + r + p] = sum8(acc[p][m]);
@@ -360,27 +374,37 @@ at::Tensor int8_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scale
   return y.to(x.scalar_type());
 }
 
-at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scales, int64_t group,
-                     const std::optional<at::Tensor>& expert) {
-  pick_expert(expert, values, scales);
-  const int64_t out = values.size(0), in = 2 * values.size(1), rows = x_in.size(0), blocks = in / BLOCK;
+// x (M, IN) against int4 rows (OUT, row bytes) with their scales inline (fast/int4_inline.py), the
+// scales bfloat16 or float32 as the rows' width says.
+at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor rows, int64_t group, const std::optional<at::Tensor>& expert) {
+  if (expert.has_value()) {
+    const int64_t e = expert->item<int64_t>();
+    TORCH_CHECK(e >= 0 && e < rows.size(0), "expert ", e, " of ", rows.size(0));
+    rows = rows.select(0, e);
+  }
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 64 == 0, "x must be (rows, a multiple of 64 inputs), got ", x_in.sizes());
   const auto x = x_in.contiguous();
-  check(x, values, in, 64);
-  TORCH_CHECK(values.scalar_type() == at::kByte, "int4 values expected as bytes (uint8)");
-  TORCH_CHECK(group % BLOCK == 0 && in % group == 0, "groups of a multiple of 32 inputs expected, got ", group);
-  scales = scales.contiguous();
+  const int64_t out = rows.size(0), in = x.size(1), count = x.size(0), blocks = in / BLOCK;
+  TORCH_CHECK(group % BLOCK == 0 && group <= CHUNK && in % group == 0, "groups of a multiple of 32 inputs expected, got ", group);
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.is_contiguous(), "int4 rows expected as contiguous bytes (uint8)");
+  const int64_t chunks = (in + CHUNK - 1) / CHUNK, chunk = rows.size(1) / chunks, head = chunk - CHUNK / 2;
+  const bool wide = head == CHUNK / group * 4;  // float32 scales, else bfloat16
+  TORCH_CHECK(chunk * chunks == rows.size(1) && (wide || head == CHUNK / group * 2),
+              "rows of ", rows.size(1), " bytes are not the inline layout of ", in, " inputs in groups of ", group);
   auto [q, d] = quantized(x);
-  const SplitRows split = split_rows(q.data_ptr<int8_t>(), rows, in);
-  auto y = at::empty({rows, out}, x.options().dtype(at::kFloat));
-  const uint8_t* w = values.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scales.scalar_type(), "int4_dots", [&] {
-    const scalar_t* s = scales.data_ptr<scalar_t>();
+  const SplitRows split = split_rows(q.data_ptr<int8_t>(), count, in);
+  auto y = at::empty({count, out}, x.options().dtype(at::kFloat));
+  const auto run = [&](auto scale) {
+    using S = decltype(scale);
+    const Int4Rows<S> w{rows.data_ptr<uint8_t>(), rows.size(1), chunk, head, group};
     const auto tile = [&](int64_t m0, auto m, int64_t r, auto p, bool fetch) {
-      int4_rows<decltype(m)::value, decltype(p)::value>(view(split, m0, in), d.data_ptr<float>() + m0 * blocks, w, s,
-                                                        y.data_ptr<float>() + m0 * out, out, in, group, r, fetch);
+      int4_rows<decltype(m)::value, decltype(p)::value>(view(split, m0, in), d.data_ptr<float>() + m0 * blocks, w,
+                                                        y.data_ptr<float>() + m0 * out, out, in, r, fetch);
     };
-    every_tile<INT4_TILE_M, INT4_TILE_P>(rows, out, in / 2, tile);
-  });
+    every_tile<INT4_TILE_M, INT4_TILE_P>(count, out, rows.size(1), tile);
+  };
+  if (wide) run(float{});
+  else run(c10::BFloat16{});
   return y.to(x.scalar_type());
 }
 
@@ -388,7 +412,7 @@ at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scale
 
 TORCH_LIBRARY(mixtral_infer_dots, m) {
   m.def("int8_dots(Tensor x, Tensor values, Tensor scales, Tensor? expert=None) -> Tensor");
-  m.def("int4_dots(Tensor x, Tensor values, Tensor scales, int group_size, Tensor? expert=None) -> Tensor");
+  m.def("int4_dots(Tensor x, Tensor rows, int group_size, Tensor? expert=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mixtral_infer_dots, CPU, m) {

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from mixtral_infer.errors import CheckpointError
+from mixtral_infer.fast import int4_inline
 from mixtral_infer.fast.cpu_column_blocks import ColumnBlocks
 from mixtral_infer.quant import nf4
 from mixtral_infer.quant.scheme import QuantScheme
@@ -144,12 +145,25 @@ class QuantizedWeight:
         if self.values is None and self.scheme.name == "nf4" and self.packed is not None:  # bitsandbytes' layouts
             layout = nf4.cuda_layout if nf4.held_layout(self.packed) == "cuda" else nf4.plain_layout
             return nf4.nibbles(layout(self.packed[0])).to(torch.int8)
-        if self.values is None:
+        values = self.values
+        if values is None and self.holds_inline_scales():  # the CPU integer dot products' rows
+            values = int4_inline.plain_values(self.packed[0], self.in_features, self.scheme.group_size)
+        if values is None:
             raise RuntimeError("this weight holds only its kernel layout; quantize again to get the integers")
         if self.scheme.name == "int8":
-            return self.values
-        codes = nf4.nibbles(self.values).to(torch.int8)  # (..., OUT, IN): inputs 2j, 2j+1 side by side
+            return values
+        codes = nf4.nibbles(values).to(torch.int8)  # (..., OUT, IN): inputs 2j, 2j+1 side by side
         return codes if self.scheme.name == "nf4" else codes - 8
+
+    def holds_inline_scales(self) -> bool:
+        """Whether ``packed`` holds int4 rows with their scales inline (``fast.int4_inline``, what the
+        CPU's integer dot products read): ``(rows (..., OUT, bytes) uint8, scales (..., OUT, IN/G))``,
+        where int4's CPU kernel layout has its scales as ``(..., IN/G, OUT, 2)``."""
+        packed = self.packed
+        return (
+            self.scheme.name == "int4" and packed is not None and packed[0].dtype == torch.uint8
+            and packed[1].dim() == packed[0].dim()
+        )  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The readable reference: the weight ``(..., OUT, IN)`` these integers and scales stand for."""

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from mixtral_infer.fast.int4_inline import plain_values
 from mixtral_infer.quant.weights import QuantizedParameter, QuantizedWeight
 from mixtral_infer.tuning import Tuning
 
@@ -90,12 +91,24 @@ def laid_out_for(weight, backend: type, tuning: Tuning = DEFAULT):
     """A quantized weight in the plain layout (``QuantizedParameter``) laid out for ``backend`` as
     loading would have (its ``prepare``): a new holder where ``backend`` has a layout of its own, else
     ``weight``. For a model unpickled where the back-end it was saved with cannot run: the integer dot
-    products without the native library, whose int4 plain bytes int4's CPU kernel wants in its layout."""
+    products without the native library, whose int4 rows with their scales inline (``fast.int4_inline``)
+    are read back to the plain bytes, which int4's CPU kernel wants in its layout."""
+    if not backend.reads(weight):
+        weight = plain_again(weight)
     if not isinstance(weight, QuantizedParameter) or weight.values is None or weight.packed is not None:
         return weight
     plain = QuantizedWeight(weight.scheme, weight.values, weight.scales, weight.in_features)
     backend.prepare(plain, tuning)
     return QuantizedParameter(plain) if plain.packed is not None or plain.values is not weight.values else weight
+
+
+def plain_again(weight):
+    """An int4 weight holder whose rows hold their scales inline (``fast.int4_inline``, the integer dot
+    products' layout) as a holder of the plain layout, read back; any other weight as it is."""
+    if isinstance(weight, QuantizedParameter) and weight.values is None and weight.holds_inline_scales():
+        values = plain_values(weight.packed[0], weight.in_features, weight.scheme.group_size)
+        return QuantizedParameter(QuantizedWeight(weight.scheme, values, weight.scales, weight.in_features))
+    return weight
 
 
 def put_weight(model: nn.Module, name: str, new: nn.Module | nn.Parameter) -> None:

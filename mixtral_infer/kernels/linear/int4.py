@@ -69,8 +69,8 @@ class Int4Linear(LinearBackend):
     """int4 integers and scales (``quant.weights.QuantizedWeight``) (module docstring)."""
 
     @classmethod
-    def reads(cls, weight: object) -> bool:
-        return isinstance(weight, QuantizedWeight) and weight.scheme.name == "int4"
+    def reads(cls, weight: object) -> bool:  # not the integer dot products' rows (laid_out_for reads them back)
+        return isinstance(weight, QuantizedWeight) and weight.scheme.name == "int4" and not weight.holds_inline_scales()
 
     @classmethod
     def prepare(cls, weight: object, tuning: Tuning, keep_values: bool = False) -> bool:

@@ -6,9 +6,10 @@ llama.cpp's Q8_0 and Q4_0 products, each activation row is quantized to int8 per
 (``d = max|x| / 127``, ``q = round(x / d)``), multiplied by the weight's stored bytes in integers
 (int4 nibbles unpacked in registers; VNNI's ``vpdpbusd`` or AVX2's pairwise products, whichever the
 CPU has: ``kernels.native`` compiles the source for it), summed in 32 bits and scaled once a block.
-The weights stay as ``quant.weights`` stores them: int8 with one scale a row, int4 in the plain layout
-with one scale a group (of a multiple of 32 inputs). A row's numbers never depend on the other rows of
-its batch.
+int8 weights stay as ``quant.weights`` stores them, with one scale a row; int4 weights, one scale a group
+(of a multiple of 32 inputs), are laid out with their scales inline (``fast.int4_inline``: a row read
+is then one stream of memory), the plain values dropped. A row's numbers never depend on the other
+rows of its batch.
 
 **What it changes**: the activations lose what int8 per block of 32 cannot hold, at most half a step
 ``d / 2`` each, so a product moves by at most ``sum_blocks d / 2 * sum |w|`` from the weight-only one
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from mixtral_infer.fast.int4_inline import inline_scales
 from mixtral_infer.kernels import native
 from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend, laid_out_for
 from mixtral_infer.kernels.linear.int4 import Int4Linear
@@ -56,8 +58,8 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], values.shape[-2])
 
     @torch.library.register_fake("mixtral_infer_dots::int4_dots")
-    def _(x, values, scales, group_size, expert=None):
-        return x.new_empty(x.shape[0], values.shape[-2])
+    def _(x, rows, group_size, expert=None):
+        return x.new_empty(x.shape[0], rows.shape[-2])
 
 
 def available() -> bool:
@@ -113,19 +115,27 @@ class IntDotsLinear(LinearBackend):
 
     @classmethod
     def reads(cls, weight: object) -> bool:
-        if not isinstance(weight, QuantizedWeight) or weight.values is None or weight.prepacked is not None:
+        if not isinstance(weight, QuantizedWeight) or weight.prepacked is not None:
             return False
         if weight.scheme.name == "int8":
-            return weight.values.dtype == torch.int8 and weight.in_features % BLOCK == 0
+            return weight.values is not None and weight.values.dtype == torch.int8 and weight.in_features % BLOCK == 0
         if weight.scheme.name == "int4":
-            group = weight.scheme.group_size
-            return weight.in_features % 64 == 0 and group % BLOCK == 0 and weight.packed is None
+            plain = weight.values is not None and weight.packed is None
+            fits = weight.in_features % 64 == 0 and weight.scheme.group_size % BLOCK == 0
+            return fits and (plain or weight.holds_inline_scales())
         return False
 
     @classmethod
     def prepare(cls, weight: object, tuning: Tuning, keep_values: bool = False) -> bool:
-        """The plain layout is the kernel's: no other back-end lays these weights out."""
-        return device_is_cpu(weight) and cls.reads(weight)
+        """int8: the plain layout is the kernel's. int4: the rows with their scales inline
+        (``fast.int4_inline``), the plain values dropped unless ``keep_values``."""
+        if not (device_is_cpu(weight) and cls.reads(weight)):
+            return False
+        if weight.scheme.name == "int4" and weight.packed is None:
+            weight.packed = (inline_scales(weight.values, weight.scales, weight.scheme.group_size), weight.scales)
+            if not keep_values:
+                weight.values = None
+        return True
 
     def __setstate__(self, state) -> None:
         """A layer unpickled (``torch.save`` of a model, read in another process): the operators loaded
@@ -147,7 +157,9 @@ class IntDotsLinear(LinearBackend):
                 return Int8Linear.product(x, weight, tuning)
             return torch.ops.mixtral_infer_dots.int8_dots(x, weight.values, weight.scales, weight.expert)
         group = weight.scheme.group_size
-        return torch.ops.mixtral_infer_dots.int4_dots(x, weight.values, weight.scales, group, weight.expert)
+        # A weight not laid out at load (a bare QuantizedWeight) is laid out for the call.
+        rows = weight.packed[0] if weight.holds_inline_scales() else inline_scales(weight.values, weight.scales, group)
+        return torch.ops.mixtral_infer_dots.int4_dots(x, rows, group, weight.expert)
 
 
 def device_is_cpu(weight: object) -> bool:
