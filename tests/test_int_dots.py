@@ -239,6 +239,32 @@ def test_a_model_reads_every_quantized_weight_through_it(moe, scheme):
 
 
 @needs_kernels
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_folder_quantized_to_int4_while_loading_is_laid_out_for_it(tmp_path, moe):
+    """``load_model(quantize="int4")`` under ``int_dots``: each weight laid out as it is read (before the
+    model has its tuning, when int4's back-end holds it), every layer this back-end at the end, with
+    the logits of the same model quantized in memory, bit for bit."""
+    from mixtral_infer.checkpoint.loading import load_model, save_consolidated
+
+    args = dataclasses.replace(tiny_args(moe=moe), dim=128, hidden_dim=192, head_dim=32)
+    save_consolidated(random_model(args, seed=3), tmp_path)
+    loaded = load_model(tmp_path, dtype=torch.float32, quantize="int4", tuning=DOTS)
+    quantized = [m for m in loaded.modules() if isinstance(m, QuantizedWeight)]
+    assert quantized and all(m.values is None and m.holds_inline_scales() for m in quantized)
+    linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)]
+    assert linears and all(isinstance(m, IntDotsLinear) for m in linears)
+    in_memory = model(moe, "int4-32", DOTS)
+    tokens = torch.randint(0, 128, (9,))
+    logits = []
+    for m in (loaded, in_memory):
+        with torch.inference_mode():
+            cache = m.make_cache(1)
+            cache.start_sequences(1)
+            logits.append(m(tokens, [9], cache))
+    assert torch.equal(*logits)
+
+
+@needs_kernels
 def test_compiled_decoding_calls_the_operator_and_equals_eager():
     """A compiled step (torch.compile) calls the operator (its fake implementation gives the shapes) for
     every quantized product, and gives the eager step's logits."""

@@ -39,7 +39,7 @@ from typing import List
 import torch
 from torch import nn
 
-from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend, laid_out_for, plain_again, put_weight
+from mixtral_infer.kernels.linear.backend import DEFAULT, LinearBackend, laid_out_for, put_weight
 from mixtral_infer.kernels.linear.column_blocks import ColumnBlocksLinear
 from mixtral_infer.kernels.linear.gemlite import GemliteLinear
 from mixtral_infer.kernels.linear.int4 import Int4Linear
@@ -87,10 +87,7 @@ def prepare_weight(weight, tuning: Tuning = DEFAULT, keep_values: bool = False):
 
 
 def laid_out_again(weight, tuning: Tuning = DEFAULT):
-    """``laid_out_for`` the back-end that reads ``weight`` under ``tuning`` here (``backend_for``); int4
-    rows laid out for the integer dot products where these cannot run are read back first."""
-    if not any(backend.takes(weight, tuning) for backend in BACKENDS):
-        weight = plain_again(weight)
+    """``laid_out_for`` the back-end that reads ``weight`` under ``tuning`` here (``backend_for``)."""
     return laid_out_for(weight, backend_for(weight, tuning), tuning)
 
 

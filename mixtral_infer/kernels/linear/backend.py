@@ -41,6 +41,7 @@ class LinearBackend(nn.Linear):
     """One weight back-end (module docstring); subclasses fill in the class methods."""
 
     devices: Optional[Tuple[str, ...]] = None  # the device types its kernels run on (None: any)
+    inline_int4 = False  # multiplies int4 rows with their scales inline (fast.int4_inline) by its kernels
     tuning: Tuning = DEFAULT  # set by swapped_in
 
     @classmethod
@@ -93,7 +94,7 @@ def laid_out_for(weight, backend: type, tuning: Tuning = DEFAULT):
     ``weight``. For a model unpickled where the back-end it was saved with cannot run: the integer dot
     products without the native library, whose int4 rows with their scales inline (``fast.int4_inline``)
     are read back to the plain bytes, which int4's CPU kernel wants in its layout."""
-    if not backend.reads(weight):
+    if not backend.inline_int4:
         weight = plain_again(weight)
     if not isinstance(weight, QuantizedParameter) or weight.values is None or weight.packed is not None:
         return weight

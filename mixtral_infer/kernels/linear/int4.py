@@ -58,10 +58,13 @@ def _(x, packed, group_size, scales_and_zeros, expert):
 
 def int4_layout(weight: QuantizedWeight) -> Optional[str]:
     """Which kernel's layout ``weight.packed`` holds: ``"cpu"`` (bytes, as the plain values),
-    ``"cuda"`` (tinygemm's int32 tiles) or None. A model moved between devices keeps its layout,
+    ``"cuda"`` (tinygemm's int32 tiles), ``"inline"`` (the integer dot products' rows with their
+    scales inline, ``fast.int4_inline``) or None. A model moved between devices keeps its layout,
     which the other device's kernel must not read."""
     if weight.packed is None:
         return None
+    if weight.holds_inline_scales():
+        return "inline"
     return "cuda" if weight.packed[0].dtype == torch.int32 else "cpu"
 
 
@@ -69,8 +72,10 @@ class Int4Linear(LinearBackend):
     """int4 integers and scales (``quant.weights.QuantizedWeight``) (module docstring)."""
 
     @classmethod
-    def reads(cls, weight: object) -> bool:  # not the integer dot products' rows (laid_out_for reads them back)
-        return isinstance(weight, QuantizedWeight) and weight.scheme.name == "int4" and not weight.holds_inline_scales()
+    def reads(cls, weight: object) -> bool:
+        """Any int4 weight: its own layouts through its kernels, the integer dot products' rows (as a
+        model is being loaded for them, or moved to CUDA) through the reference."""
+        return isinstance(weight, QuantizedWeight) and weight.scheme.name == "int4"
 
     @classmethod
     def prepare(cls, weight: object, tuning: Tuning, keep_values: bool = False) -> bool:

@@ -108,6 +108,7 @@ class IntDotsLinear(LinearBackend):
     """int8 and int4 weights through integer dot products on x86 CPUs (module docstring)."""
 
     devices = ("cpu",)
+    inline_int4 = True
 
     @classmethod
     def wanted(cls, tuning: Tuning) -> bool:
