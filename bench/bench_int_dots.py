@@ -83,7 +83,7 @@ def main() -> None:
             def dots():
                 if name == "int8":
                     return [ops.int8_dots(xs[w.in_features], w.values, w.scales) for w in plain]
-                return [ops.int4_dots(xs[w.in_features], w.packed[0], 32) for w in plain]
+                return [ops.int4_dots(xs[w.in_features], w.packed[0], w.in_features, 32) for w in plain]
 
             backend = Int8Linear if name == "int8" else Int4Linear
             ways = {"dots": dots, "kernel": lambda: [backend.product(xs[w.in_features], w, tuning) for w in laid_out]}

@@ -99,6 +99,48 @@ def test_loading_lays_int4_out_with_its_scales_inline_and_the_integers_read_back
 
 
 @needs_kernels
+def test_experts_laid_out_with_scales_of_two_widths_stack_and_other_widths_of_x_are_refused():
+    """Experts laid out one by one (a GGUF file's tensors), one with bfloat16 scales and one with
+    float16 ones, stack in one width (float32 scales), each expert's product unchanged; rows of another
+    number of inputs than the weight's (320 against 384, the same chunks) are refused, not multiplied."""
+    from mixtral_infer.checkpoint.quantized import stack
+
+    torch.manual_seed(8)
+    parts = [quantize(torch.randn(16, 384), QuantScheme("int4", 32), torch.float32) for _ in range(2)]
+    parts[1].scales = (parts[1].scales * (1 + 2**-10)).half().float()
+    x = torch.randn(2, 384)
+    alone = [IntDotsLinear.product(x, p) for p in parts]
+    for p in parts:
+        prepare_weight(p, DOTS)
+    assert parts[0].packed[0].shape != parts[1].packed[0].shape
+    stacked = stack(parts)
+    assert stacked.packed[0].shape == (2, 16, row_bytes(384, 32, 4))
+    for e in range(2):
+        assert torch.equal(IntDotsLinear.product(x, stacked[torch.tensor(e)]), alone[e])
+    with pytest.raises(RuntimeError, match=r"x must be \(rows, 384\)"):
+        IntDotsLinear.product(torch.randn(1, 320), parts[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_int4_quantized_under_another_tuning_is_laid_out_once_when_swapped_in(moe):
+    """A model quantized under the default tuning (int4 in the plain layout), then given ``int_dots``
+    (``use_formats``): each int4 weight, Mixtral's stacked experts too, is laid out with its scales
+    inline then, not at every product, and the logits are the model's quantized under ``int_dots``."""
+    swapped = use_formats(model(moe, "int4-32", Tuning()), DOTS)
+    quantized = [m for m in swapped.modules() if isinstance(m, QuantizedWeight)]
+    assert quantized and all(m.values is None and m.holds_inline_scales() for m in quantized)
+    tokens = torch.randint(0, 128, (9,))
+    logits = []
+    for m in (swapped, model(moe, "int4-32", DOTS)):
+        with torch.inference_mode():
+            cache = m.make_cache(1)
+            cache.start_sequences(1)
+            logits.append(m(tokens, [9], cache))
+    assert torch.equal(*logits)
+
+
+@needs_kernels
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 38])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -265,12 +307,14 @@ def test_a_folder_quantized_to_int4_while_loading_is_laid_out_for_it(tmp_path, m
 
 
 @needs_kernels
-def test_compiled_decoding_calls_the_operator_and_equals_eager():
+@pytest.mark.parametrize("scheme", ["int8", "int4-32"])
+def test_compiled_decoding_calls_the_operator_and_equals_eager(scheme):
     """A compiled step (torch.compile) calls the operator (its fake implementation gives the shapes) for
-    every quantized product, and gives the eager step's logits."""
-    dots = model(False, "int8", DOTS)
+    every quantized product, int4 on its rows with their scales inline, and gives the eager step's logits."""
+    dots = model(False, scheme, DOTS)
     expected, got, codes = eager_and_compiled_decode(dots, DOTS)
-    calls = sum(code.count("torch.ops.mixtral_infer_dots.int8_dots.default(") for code in codes)
+    op = "int8_dots" if scheme == "int8" else "int4_dots"
+    calls = sum(code.count(f"torch.ops.mixtral_infer_dots.{op}.default(") for code in codes)
     assert calls == sum(isinstance(m, IntDotsLinear) for m in dots.modules()) > 0  # one call a quantized product
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 

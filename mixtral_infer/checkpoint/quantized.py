@@ -27,6 +27,7 @@ from mixtral_infer.errors import CheckpointError, ConfigError
 from mixtral_infer.memory import release_freed_memory
 from mixtral_infer.checkpoint.shares import Selection
 from mixtral_infer.model.transformer import ModelArgs
+from mixtral_infer.fast.int4_inline import with_float32_scales
 from mixtral_infer.kernels.linear import prepare_weight
 from mixtral_infer.quant.model import (
     check_stored_scales,
@@ -156,6 +157,10 @@ def stack(parts: List) -> torch.Tensor | QuantizedWeight:
     if not isinstance(parts[0], QuantizedWeight):
         return torch.stack(parts)
     first = parts[0]
+    if first.holds_inline_scales() and len({p.packed[0].shape for p in parts}) > 1:  # some experts' scales not bfloat16
+        parts = [QuantizedWeight(p.scheme, p.values, p.scales, p.in_features,
+                                 (with_float32_scales(p.packed[0], p.in_features, p.scheme.group_size), p.packed[1]))
+                 for p in parts]  # fmt: skip
     values = None if first.values is None else torch.stack([p.values for p in parts])
     packed = None if first.packed is None else tuple(torch.stack(ts) for ts in zip(*(p.packed for p in parts)))
     return QuantizedWeight(first.scheme, values, torch.stack([p.scales for p in parts]), first.in_features, packed)

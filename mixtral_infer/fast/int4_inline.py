@@ -22,14 +22,17 @@ plain layout holds 160 bytes of nibbles and 20 of scales.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 CHUNK = 256  # inputs a chunk: 8 blocks of the activations' 32
 CHUNK_NIBBLES = CHUNK // 2  # bytes of nibbles a chunk
 
 
-def scale_dtype(scales: torch.Tensor) -> torch.dtype:
-    """bfloat16 where every scale is one exactly, else float32 (which holds float16's exactly)."""
+def stored_dtype(scales: torch.Tensor) -> torch.dtype:
+    """bfloat16 where every scale is one exactly, else float32 (which holds float16's exactly). It
+    reads the scales: ``inline_scales`` is told the dtype where that cannot be (compiled code)."""
     return torch.bfloat16 if torch.equal(scales.to(torch.bfloat16).to(scales.dtype), scales) else torch.float32
 
 
@@ -39,12 +42,13 @@ def row_bytes(in_features: int, group: int, scale_size: int) -> int:
     return -(-in_features // CHUNK) * (CHUNK // group * scale_size + CHUNK_NIBBLES)
 
 
-def inline_scales(values: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+def inline_scales(values: torch.Tensor, scales: torch.Tensor, group: int, stored: Optional[torch.dtype] = None) -> torch.Tensor:
     """The plain layout ``values (..., OUT, IN/2)`` uint8 and ``scales (..., OUT, IN/G)`` in the
-    inline one: ``(..., OUT, row_bytes)`` uint8 (module docstring)."""
+    inline one: ``(..., OUT, row_bytes)`` uint8 (module docstring), the scales stored as ``stored``
+    (bfloat16 or float32; None: ``stored_dtype``)."""
     *lead, out, half = values.shape
     chunks, per = -(-half // CHUNK_NIBBLES), CHUNK // group
-    kept = scales.to(scale_dtype(scales)).contiguous()
+    kept = scales.to(stored if stored is not None else stored_dtype(scales)).contiguous()
     header = per * kept.element_size()
     rows = torch.zeros(*lead, out, chunks, header + CHUNK_NIBBLES, dtype=torch.uint8, device=values.device)
     whole, rest = divmod(half, CHUNK_NIBBLES)  # chunks of 256 inputs, and the inputs of the last one
@@ -76,3 +80,12 @@ def inline_scale_values(rows: torch.Tensor, in_features: int, group: int) -> tor
     chunked, header = _chunks(rows, in_features, group)
     dtype = torch.bfloat16 if header == 2 * (CHUNK // group) else torch.float32
     return chunked[..., :header].contiguous().view(dtype).flatten(-2)[..., : in_features // group]
+
+
+def with_float32_scales(rows: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
+    """``rows`` with their scales stored as float32 (as they are where already so): experts laid out
+    one by one, some with bfloat16 scales and some not, stacked in one width."""
+    scales = inline_scale_values(rows, in_features, group)
+    if scales.dtype == torch.float32:
+        return rows
+    return inline_scales(plain_values(rows, in_features, group), scales, group, torch.float32)

@@ -374,15 +374,16 @@ at::Tensor int8_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scale
   return y.to(x.scalar_type());
 }
 
-// x (M, IN) against int4 rows (OUT, row bytes) with their scales inline (fast/int4_inline.py), the
-// scales bfloat16 or float32 as the rows' width says.
-at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor rows, int64_t group, const std::optional<at::Tensor>& expert) {
+// x (M, IN) against int4 rows (OUT, row bytes) of IN inputs with their scales inline
+// (fast/int4_inline.py), the scales bfloat16 or float32 as the rows' width says.
+at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor rows, int64_t in_features, int64_t group, const std::optional<at::Tensor>& expert) {
   if (expert.has_value()) {
     const int64_t e = expert->item<int64_t>();
     TORCH_CHECK(e >= 0 && e < rows.size(0), "expert ", e, " of ", rows.size(0));
     rows = rows.select(0, e);
   }
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 64 == 0, "x must be (rows, a multiple of 64 inputs), got ", x_in.sizes());
+  TORCH_CHECK(in_features % 64 == 0, "int4 rows of a multiple of 64 inputs expected, got ", in_features);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "x must be (rows, ", in_features, "), got ", x_in.sizes());
   const auto x = x_in.contiguous();
   const int64_t out = rows.size(0), in = x.size(1), count = x.size(0), blocks = in / BLOCK;
   TORCH_CHECK(group % BLOCK == 0 && group <= CHUNK && in % group == 0, "groups of a multiple of 32 inputs expected, got ", group);
@@ -412,7 +413,7 @@ at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor rows, int64_t group, con
 
 TORCH_LIBRARY(mixtral_infer_dots, m) {
   m.def("int8_dots(Tensor x, Tensor values, Tensor scales, Tensor? expert=None) -> Tensor");
-  m.def("int4_dots(Tensor x, Tensor rows, int group_size, Tensor? expert=None) -> Tensor");
+  m.def("int4_dots(Tensor x, Tensor rows, int in_features, int group_size, Tensor? expert=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mixtral_infer_dots, CPU, m) {

@@ -15,7 +15,7 @@ back-end (file)     weights                                     devices       wh
 ``gemlite``         int8, int4 that GemLite packed at load      CUDA          GemLite installed
 ``w8a8``            int8 packed for fbgemm at load              CPU
 ``nf4``             nf4 (bitsandbytes' layouts)                 any
-``int_dots``        int8, int4 (plain), activations to int8     x86 CPU       ``Tuning.int_dots``
+``int_dots``        int8; int4 with its scales inline           x86 CPU       ``Tuning.int_dots``
 ``int8``            int8 (column blocks on CPU, compiled)       any
 ``int4``            int4 (the device's kernel layout)           any
 ``packed_bf16``     bfloat16 in oneDNN's layout                 CPU           ``load_model(pack=True)``

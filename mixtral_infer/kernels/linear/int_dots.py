@@ -58,7 +58,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], values.shape[-2])
 
     @torch.library.register_fake("mixtral_infer_dots::int4_dots")
-    def _(x, rows, group_size, expert=None):
+    def _(x, rows, in_features, group_size, expert=None):
         return x.new_empty(x.shape[0], rows.shape[-2])
 
 
@@ -138,16 +138,27 @@ class IntDotsLinear(LinearBackend):
                 weight.values = None
         return True
 
+    @classmethod
+    def swapped_in(cls, module: torch.nn.Linear, tuning: Tuning) -> None:
+        """As every back-end; an int4 weight still in the plain layout (quantized under another tuning)
+        is laid out once here, not at every product."""
+        super().swapped_in(module, tuning)
+        laid_out = laid_out_for(module.weight, cls, tuning)
+        if laid_out is not module.weight:
+            module.weight = laid_out
+
     def __setstate__(self, state) -> None:
         """A layer unpickled (``torch.save`` of a model, read in another process): the operators loaded
-        there, as choosing this back-end loaded them in the process that saved it; where they cannot
-        be (the reason said once on stderr), or on another device, the weight-only back-end reads the
-        weight, laid out for it as loading would have."""
+        there, as choosing this back-end loaded them in the process that saved it, an int4 weight in
+        the plain layout (saved by an older version) laid out for them; where they cannot be (the
+        reason said once on stderr), or on another device, the weight-only back-end reads the weight,
+        laid out for it as loading would have."""
         super().__setstate__(state)
+        backend = type(self)
         if not device_is_cpu(self.weight) or not available():  # no compiler, MIXTRAL_INFER_NATIVE=0...
             backend = Int4Linear if self.weight.scheme.name == "int4" else Int8Linear
-            self.weight = laid_out_for(self.weight, backend, self.tuning)
-            self.__class__ = backend
+        self.weight = laid_out_for(self.weight, backend, self.tuning)
+        self.__class__ = backend
 
     @staticmethod
     def product(x: torch.Tensor, weight: QuantizedWeight, tuning: Tuning = DEFAULT) -> torch.Tensor:
@@ -158,9 +169,12 @@ class IntDotsLinear(LinearBackend):
                 return Int8Linear.product(x, weight, tuning)
             return torch.ops.mixtral_infer_dots.int8_dots(x, weight.values, weight.scales, weight.expert)
         group = weight.scheme.group_size
-        # A weight not laid out at load (a bare QuantizedWeight) is laid out for the call.
-        rows = weight.packed[0] if weight.holds_inline_scales() else inline_scales(weight.values, weight.scales, group)
-        return torch.ops.mixtral_infer_dots.int4_dots(x, rows, group, weight.expert)
+        if weight.holds_inline_scales():
+            rows = weight.packed[0]
+        else:  # a bare QuantizedWeight, never laid out (a module's weight is, when it is swapped in)
+            stored = torch.bfloat16 if weight.scales.dtype == torch.bfloat16 else torch.float32  # exact, read nothing
+            rows = inline_scales(weight.values, weight.scales, group, stored)
+        return torch.ops.mixtral_infer_dots.int4_dots(x, rows, weight.in_features, group, weight.expert)
 
 
 def device_is_cpu(weight: object) -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mixtral_infer.fast.cpu_reductions import expert_of
-from mixtral_infer.kernels.linear import backend_for, laid_out_again
+from mixtral_infer.kernels.linear import backend_for, laid_out_again, laid_out_for
 from mixtral_infer.kernels.moe.float_experts import float_experts, takes_rows
 from mixtral_infer.kernels.moe.one_by_one import expert
 from mixtral_infer.kernels.moe.strategy import MoeStrategy
@@ -31,8 +31,16 @@ class FastMoeLayer(MoeLayer):
 
     def swapped_in(self, tuning: Tuning) -> None:
         """Follow ``tuning``: choose the strategy for the weights as they are now (again after a
-        weight is replaced, which swaps the layer in again, or cast, ``_apply``)."""
+        weight is replaced, which swaps the layer in again, or cast, ``_apply``). Stacked int4 experts
+        still in the plain layout where the integer dot products read them (quantized under another
+        tuning) are laid out for those once here, not at every product."""
         self.tuning = tuning
+        for name in ("w1", "w2", "w3"):
+            stacked = getattr(self, name)
+            backend = backend_for(expert_of(stacked, 0), tuning)
+            laid_out = laid_out_for(stacked, backend, tuning) if backend.inline_int4 else stacked
+            if laid_out is not stacked:
+                setattr(self, name, laid_out)
         self.strategy = MoeStrategy.choose(self, tuning)
         # The back-end that reads one expert's matrix of each stacked weight (``kernels.linear``'s table)
         self.expert_backends = {name: backend_for(expert_of(getattr(self, name), 0), tuning) for name in ("w1", "w2", "w3")}
