@@ -131,13 +131,7 @@ def test_int4_quantized_under_another_tuning_is_laid_out_once_when_swapped_in(mo
     quantized = [m for m in swapped.modules() if isinstance(m, QuantizedWeight)]
     assert quantized and all(m.values is None and m.holds_inline_scales() for m in quantized)
     tokens = torch.randint(0, 128, (9,))
-    logits = []
-    for m in (swapped, model(moe, "int4-32", DOTS)):
-        with torch.inference_mode():
-            cache = m.make_cache(1)
-            cache.start_sequences(1)
-            logits.append(m(tokens, [9], cache))
-    assert torch.equal(*logits)
+    assert torch.equal(prompt_logits(swapped, tokens), prompt_logits(model(moe, "int4-32", DOTS), tokens))
 
 
 @needs_kernels
@@ -254,6 +248,14 @@ def model(moe: bool, scheme: str, tuning: Tuning, dtype: torch.dtype = torch.flo
     return use_formats(m, tuning)
 
 
+def prompt_logits(m, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of ``tokens`` as one prompt through ``m`` (a cache of one row)."""
+    with torch.inference_mode():
+        cache = m.make_cache(1)
+        cache.start_sequences(1)
+        return m(tokens, [len(tokens)], cache)
+
+
 @needs_kernels
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("scheme", ["int8", "int4-32"])
@@ -269,12 +271,7 @@ def test_a_model_reads_every_quantized_weight_through_it(moe, scheme):
     if moe:
         assert {b.__name__ for layer in dots.layers.values() for b in layer.feed_forward.expert_backends.values()} == {"IntDotsLinear"}
     tokens = torch.randint(0, 128, (20,))
-    logits = []
-    for m in (dots, weight_only):
-        with torch.inference_mode():
-            cache = m.make_cache(1)
-            cache.start_sequences(1)
-            logits.append(m(tokens, [20], cache).float())
+    logits = [prompt_logits(m, tokens).float() for m in (dots, weight_only)]
     scale = logits[1].abs().max()
     difference = (logits[0] - logits[1]).abs().max()
     assert 0 < difference < 0.1 * scale
@@ -295,15 +292,8 @@ def test_a_folder_quantized_to_int4_while_loading_is_laid_out_for_it(tmp_path, m
     assert quantized and all(m.values is None and m.holds_inline_scales() for m in quantized)
     linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)]
     assert linears and all(isinstance(m, IntDotsLinear) for m in linears)
-    in_memory = model(moe, "int4-32", DOTS)
     tokens = torch.randint(0, 128, (9,))
-    logits = []
-    for m in (loaded, in_memory):
-        with torch.inference_mode():
-            cache = m.make_cache(1)
-            cache.start_sequences(1)
-            logits.append(m(tokens, [9], cache))
-    assert torch.equal(*logits)
+    assert torch.equal(prompt_logits(loaded, tokens), prompt_logits(model(moe, "int4-32", DOTS), tokens))
 
 
 @needs_kernels
@@ -345,10 +335,7 @@ def test_a_saved_model_decodes_in_a_new_process_with_or_without_the_kernels(tmp_
     import sys
 
     def logits(m):
-        with torch.inference_mode():
-            cache = m.make_cache(1)
-            cache.start_sequences(1)
-            return m(torch.arange(1, 12), [11], cache)
+        return prompt_logits(m, torch.arange(1, 12))
 
     def backends(m):
         return sorted({type(m).__name__ for m in m.modules() if isinstance(m, torch.nn.Linear) and not isinstance(m.weight, torch.Tensor)})
