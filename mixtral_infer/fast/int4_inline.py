@@ -60,25 +60,25 @@ def inline_scales(values: torch.Tensor, scales: torch.Tensor, group: int, stored
     return rows.flatten(-2)
 
 
-def _chunks(rows: torch.Tensor, in_features: int, group: int) -> tuple[torch.Tensor, int]:
-    """``rows`` as ``(..., OUT, chunks, chunk bytes)``, and the bytes of a chunk's scales."""
+def _chunks(rows: torch.Tensor, in_features: int, group: int) -> tuple[torch.Tensor, int, torch.dtype]:
+    """``rows`` as ``(..., OUT, chunks, chunk bytes)``, the bytes of a chunk's scales, and their dtype."""
     chunks = -(-in_features // CHUNK)
-    header = rows.shape[-1] // chunks - CHUNK_NIBBLES
-    if header * chunks + CHUNK_NIBBLES * chunks != rows.shape[-1] or header not in (2 * (CHUNK // group), 4 * (CHUNK // group)):
-        raise ValueError(f"rows of {rows.shape[-1]} bytes are not the inline layout of {in_features} inputs in groups of {group}")
-    return rows.unflatten(-1, (chunks, header + CHUNK_NIBBLES)), header
+    for dtype in (torch.bfloat16, torch.float32):
+        if rows.shape[-1] == row_bytes(in_features, group, dtype.itemsize):
+            header = CHUNK // group * dtype.itemsize
+            return rows.unflatten(-1, (chunks, header + CHUNK_NIBBLES)), header, dtype
+    raise ValueError(f"rows of {rows.shape[-1]} bytes are not the inline layout of {in_features} inputs in groups of {group}")
 
 
 def plain_values(rows: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
     """The plain ``values (..., OUT, IN/2)`` back from ``inline_scales``'s rows (a copy)."""
-    chunked, header = _chunks(rows, in_features, group)
+    chunked, header, _ = _chunks(rows, in_features, group)
     return chunked[..., header:].flatten(-2)[..., : in_features // 2].contiguous()
 
 
 def inline_scale_values(rows: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
     """The scales ``(..., OUT, IN/G)`` that ``inline_scales`` wrote, in the dtype it wrote them in."""
-    chunked, header = _chunks(rows, in_features, group)
-    dtype = torch.bfloat16 if header == 2 * (CHUNK // group) else torch.float32
+    chunked, header, dtype = _chunks(rows, in_features, group)
     return chunked[..., :header].contiguous().view(dtype).flatten(-2)[..., : in_features // group]
 
 

@@ -326,13 +326,12 @@ void every_tile(int64_t rows, int64_t out, int64_t row_bytes, const Tile& tile) 
   });
 }
 
-// Expert e of stacked weights (E, ...) where an expert index is given: views, read in place.
-void pick_expert(const std::optional<at::Tensor>& expert, at::Tensor& values, at::Tensor& scales) {
-  if (!expert.has_value()) return;
+// Expert e of a stacked tensor (E, ...) where an expert index is given (a view, read in place), else the tensor.
+at::Tensor picked(const std::optional<at::Tensor>& expert, const at::Tensor& stacked) {
+  if (!expert.has_value()) return stacked;
   const int64_t e = expert->item<int64_t>();
-  TORCH_CHECK(e >= 0 && e < values.size(0), "expert ", e, " of ", values.size(0));
-  values = values.select(0, e);
-  scales = scales.select(0, e);
+  TORCH_CHECK(e >= 0 && e < stacked.size(0), "expert ", e, " of ", stacked.size(0));
+  return stacked.select(0, e);
 }
 
 // x (M, IN) float32, bfloat16 or float16 -> q (M, IN) int8 and d (M, IN/32) float32.
@@ -353,7 +352,8 @@ void check(const at::Tensor& x, const at::Tensor& values, int64_t in, int64_t mu
 }
 
 at::Tensor int8_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scales, const std::optional<at::Tensor>& expert) {
-  pick_expert(expert, values, scales);
+  values = picked(expert, values);
+  scales = picked(expert, scales);
   const int64_t out = values.size(0), in = values.size(1), rows = x_in.size(0), blocks = in / BLOCK;
   const auto x = x_in.contiguous();
   check(x, values, in, BLOCK);
@@ -377,11 +377,7 @@ at::Tensor int8_dots(const at::Tensor& x_in, at::Tensor values, at::Tensor scale
 // x (M, IN) against int4 rows (OUT, row bytes) of IN inputs with their scales inline
 // (fast/int4_inline.py), the scales bfloat16 or float32 as the rows' width says.
 at::Tensor int4_dots(const at::Tensor& x_in, at::Tensor rows, int64_t in_features, int64_t group, const std::optional<at::Tensor>& expert) {
-  if (expert.has_value()) {
-    const int64_t e = expert->item<int64_t>();
-    TORCH_CHECK(e >= 0 && e < rows.size(0), "expert ", e, " of ", rows.size(0));
-    rows = rows.select(0, e);
-  }
+  rows = picked(expert, rows);
   TORCH_CHECK(in_features % 64 == 0, "int4 rows of a multiple of 64 inputs expected, got ", in_features);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "x must be (rows, ", in_features, "), got ", x_in.sizes());
   const auto x = x_in.contiguous();

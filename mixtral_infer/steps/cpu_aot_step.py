@@ -255,6 +255,7 @@ class BuildCache:
         (renamed into place). Best effort, as ``save``."""
         entry = {"build": os.path.basename(self.folder), "constants": {name: _layout(t) for name, t in constants.items()}}
         folder = os.path.join(self.root(), self.SIGNATURES)
+        writing = None
         try:
             os.makedirs(folder, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".writing", delete=False) as out:
@@ -262,8 +263,9 @@ class BuildCache:
                 json.dump(entry, out)
             os.replace(writing, os.path.join(folder, signature + ".json"))
         except OSError:
-            with contextlib.suppress(OSError, NameError):
-                os.unlink(writing)  # nothing half-written stays
+            if writing is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(writing)  # nothing half-written stays
 
     @classmethod
     def by_signature(cls, signature: str) -> Optional[Tuple["BuildCache", Dict[str, str]]]:
@@ -299,18 +301,8 @@ def build_key(exported: torch.export.ExportedProgram) -> str:
     weights of at most ``SMALL_TENSOR`` numbers), inductor's options, the torch and package versions, the CPU (``-march=native``) and the
     threads torch runs on (inductor writes serial loops for one)."""
     digest = hashlib.sha256()
-
-    def add(*parts) -> None:
-        for part in parts:
-            digest.update(str(part).encode())
-            digest.update(b"\0")
-
-    options = {**torch._inductor.config.save_config_portable(), **inductor_configs()}
-    # AOTInductor writes the device it builds for into this option, in place, at a process's first
-    # build: left in, a step's key would change after that build, so the first step built in one
-    # process and a later one in another would never find each other's build (the CPU is below).
-    options.pop("aot_inductor.metadata", None)
-    add(torch.__version__, __version__, sorted(options.items(), key=str), _cpu_description(), exported.graph_signature)
+    add = functools.partial(_add, digest)
+    add(torch.__version__, __version__, _inductor_options(), _cpu_description(), exported.graph_signature)
     add(f"threads {torch.get_num_threads()}")
     for node in exported.graph.nodes:
         add(node.format_node(), _layout(node.meta.get("val")))
@@ -336,15 +328,8 @@ def step_signature(module: torch.nn.Module, args: Sequence, known_as: tuple) -> 
     Attributes whose names start with ``_`` are torch's bookkeeping (hooks excepted: their functions
     are named) or a cache of steps built, not what the step computes."""
     digest = hashlib.sha256()
-
-    def add(*parts) -> None:
-        for part in parts:
-            digest.update(str(part).encode())
-            digest.update(b"\0")
-
-    options = {**torch._inductor.config.save_config_portable(), **inductor_configs()}
-    options.pop("aot_inductor.metadata", None)  # as build_key
-    add(torch.__version__, __version__, SOURCE_DIGEST, sorted(options.items(), key=str), _cpu_description())
+    add = functools.partial(_add, digest)
+    add(torch.__version__, __version__, SOURCE_DIGEST, _inductor_options(), _cpu_description())
     add(*(f"{name}={os.environ.get(name)}" for name in TRACED_VARIABLES))
     add(f"threads {torch.get_num_threads()}", _described(known_as), _described(tuple(args), small_values=False))
     # A tensor at two places (tied weights) is one constant of the build, read at its first name.
@@ -414,6 +399,23 @@ SOURCE_DIGEST = _source_digest()
 SMALL_TENSOR = 8  # inductor builds in a tensor of at most this many numbers (graph.py's can_inline_constant)
 # Variables read while a step is traced that choose its ops: the Triton interpreter (experts on CPU), the package's library.
 TRACED_VARIABLES = ("TRITON_INTERPRET", "MIXTRAL_INFER_NATIVE")
+
+
+def _add(digest, *parts) -> None:
+    """``parts`` into ``digest``, each as its text ended by a NUL (build_key's and step_signature's)."""
+    for part in parts:
+        digest.update(str(part).encode())
+        digest.update(b"\0")
+
+
+def _inductor_options() -> list:
+    """Inductor's options as a step is built with them, sorted. AOTInductor writes the device it
+    builds for into ``aot_inductor.metadata``, in place, at a process's first build: left in, a key
+    would change after that build, so the first step built in one process and a later one in another
+    would never find each other's build (the CPU is keyed apart)."""
+    options = {**torch._inductor.config.save_config_portable(), **inductor_configs()}
+    options.pop("aot_inductor.metadata", None)
+    return sorted(options.items(), key=str)
 
 
 def _layout(value) -> str:

@@ -35,15 +35,14 @@ class FastMoeLayer(MoeLayer):
         still in the plain layout where the integer dot products read them (quantized under another
         tuning) are laid out for those once here, not at every product."""
         self.tuning = tuning
-        for name in ("w1", "w2", "w3"):
-            stacked = getattr(self, name)
-            backend = backend_for(expert_of(stacked, 0), tuning)
-            laid_out = laid_out_for(stacked, backend, tuning) if backend.inline_int4 else stacked
-            if laid_out is not stacked:
-                setattr(self, name, laid_out)
-        self.strategy = MoeStrategy.choose(self, tuning)
         # The back-end that reads one expert's matrix of each stacked weight (``kernels.linear``'s table)
         self.expert_backends = {name: backend_for(expert_of(getattr(self, name), 0), tuning) for name in ("w1", "w2", "w3")}
+        for name, backend in self.expert_backends.items():
+            stacked = getattr(self, name)
+            laid_out = laid_out_for(stacked, backend, tuning) if backend.inline_int4 else stacked
+            if laid_out is not stacked:  # the integer dot products read the laid-out rows too
+                setattr(self, name, laid_out)
+        self.strategy = MoeStrategy.choose(self, tuning)
 
     def __setstate__(self, state) -> None:
         """A layer unpickled (``torch.save`` of a model, read in another process): its strategy chosen
