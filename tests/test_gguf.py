@@ -410,3 +410,31 @@ def test_q4_0_tied_output_and_shares(tmp_path):
     with pytest.raises(ConfigError, match=r"tied\.gguf: layers\.0\.attention\.wq\.weight: this rank's inputs 16:64 cut Q4_0's blocks of 32"):
         cut = lambda name: Selection(None, slice(16, 64)) if name.endswith("wq.weight") else Selection()  # noqa: E731
         dict(file.published_tensors(select=cut, loading=loading))
+
+
+def test_a_file_is_parsed_once_over_plain_slices_and_again_once_written_again(tmp_path, pair, monkeypatch):
+    """Loading a GGUF model and its tokenizer parses the file once (gguf_reader: the model's tensors and
+    its vocabulary read one reader), whose arrays are plain ndarrays over the mapped file; the same
+    path written again with other weights is parsed again and loads those."""
+    from mixtral_infer import gguf_reader
+
+    hf, args = pair
+    parses = []
+    original = gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: (parses.append(a[0]), original(self, *a, **k))[1])
+    path = write_gguf(tmp_path / "model.gguf", hf, args, Q.F32)
+    model = load_model(path, device="cpu", dtype=torch.float32)
+    Tokenizer.from_folder(path)
+    assert len(parses) == 1
+    reader = gguf_reader.open_reader(path)
+    assert len(parses) == 1 and type(reader.data) is np.ndarray and type(reader.tensors[0].data) is np.ndarray
+    assert np.shares_memory(reader.data, reader.tensors[0].data)  # a view of the file, not a copy
+    field = reader.get_field("tokenizer.ggml.tokens")
+    assert field.contents()[:3] == ["<unk>", "<s>", "</s>"]
+
+    path.unlink()  # a new file at the same path (a new inode, another size)
+    write_gguf(path, hf, args, Q.F16)
+    again = load_model(path, device="cpu", dtype=torch.float32)
+    assert len(parses) == 2
+    assert not torch.equal(again.output.weight, model.output.weight)  # float16's weights, read from the new file
+    torch.testing.assert_close(again.output.weight, model.output.weight, atol=1e-3, rtol=0)

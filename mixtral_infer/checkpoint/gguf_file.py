@@ -69,6 +69,7 @@ import torch
 from mixtral_infer.checkpoint.params import checked_args
 from mixtral_infer.checkpoint.weight_shapes import published_shape
 from mixtral_infer.errors import CheckpointError, ConfigError
+from mixtral_infer.gguf_reader import field, open_reader
 from mixtral_infer.kernels.linear import prepare_weight
 from mixtral_infer.model.moe import MoeArgs
 from mixtral_infer.model.transformer import ModelArgs
@@ -102,63 +103,6 @@ _ONE_EXPERT_PART = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
 def is_gguf(path: str | Path) -> bool:
     """Whether ``path`` names a GGUF file (by its suffix; a folder never is)."""
     return str(path).lower().endswith(GGUF_SUFFIX) and not Path(path).is_dir()
-
-
-def open_reader(path: Path):
-    """``gguf.GGUFReader`` over ``path``; CheckpointError in one line where it cannot be read (not a
-    GGUF file, a truncated header, a tensor type the reader does not know)."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:  # pragma: no cover - a dependency
-        raise CheckpointError(f"{path}: reading GGUF files needs the gguf package (pip install gguf)") from None
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        return _named_types_reader(GGUFReader)(path, "r")
-    except CheckpointError as error:
-        raise CheckpointError(f"{path}: {error}") from None
-    except ValueError as error:
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", text)
-        if unknown:  # the reader stops at the first such tensor, before naming it
-            raise CheckpointError(f"{path}: a tensor has unknown type {unknown[1]} (not a GGML type this gguf package reads)") from None
-        raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({text})") from None
-    except (OSError, IndexError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({type(error).__name__}: {error})") from None
-
-
-def _named_types_reader(base: type) -> type:
-    """``GGUFReader`` that names the tensor whose type it does not know: its private ``_build_tensors``
-    gets each tensor's info as (name length, name, dims count, dims, type, offset) first (read in gguf 0.19;
-    info of another shape is left to the reader, whose own error ``open_reader`` turns into one line)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    known = {int(t) for t in GGMLQuantizationType}
-
-    class NamedTypesReader(base):
-        def _build_tensors(self, start_offs, fields):
-            for entry in fields:
-                parts = getattr(entry, "parts", None)
-                if parts is None or len(parts) != 6:
-                    continue
-                name, kind = bytes(parts[1]).decode("utf-8", "replace"), int(parts[4][0])
-                if kind not in known:
-                    raise CheckpointError(f"tensor {name} has unknown type {kind} (not a GGML type this gguf package reads)")
-                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-                end = int(start_offs) + int(parts[5][0]) + int(np.prod(parts[3], dtype=np.int64)) * size // block
-                if end > len(self.data):
-                    raise CheckpointError(f"truncated: tensor {name} ends at byte {end}, the file has {len(self.data)}")
-            return super()._build_tensors(start_offs, fields)
-
-    return NamedTypesReader
-
-
-def field(reader, key: str, default: object = None) -> object:
-    """The value of metadata ``key`` (a number, a string or a list), ``default`` where absent."""
-    entry = reader.get_field(key)
-    if entry is None:
-        return default
-    return entry.contents()
 
 
 def args_from_gguf(reader, source: str) -> ModelArgs:

@@ -15,24 +15,17 @@ import struct
 from pathlib import Path
 
 from mixtral_infer.errors import CheckpointError
+from mixtral_infer.gguf_reader import field, open_reader
 
 _PIECE_TYPES = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6}  # gguf's token_type -> ModelProto.SentencePiece.Type (same numbers)
 
 
 def sentencepiece_proto(path: Path) -> bytes:
     """The serialized sentencepiece ``ModelProto`` of the vocabulary in GGUF file ``path``."""
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path, "r")
-    except ImportError:  # pragma: no cover - a dependency
-        raise CheckpointError(f"{path}: reading GGUF files needs the gguf package (pip install gguf)") from None
-    except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({str(error).splitlines()[0] if str(error) else error!r})") from None
+    reader = open_reader(path)
 
     def value(key: str, default: object = None) -> object:
-        entry = reader.get_field(key)
-        return default if entry is None else entry.contents()
+        return field(reader, key, default)
 
     model = value("tokenizer.ggml.model")
     if model != "llama":
