@@ -323,6 +323,31 @@ def test_q4_0_blocks_are_int4_bit_for_bit():
         assert torch.equal(ours, theirs)
 
 
+def test_large_tensors_convert_in_pieces_side_by_side_as_in_one(monkeypatch):
+    """Tensors of several 1 MB pieces, converted two pieces at a time (gguf_file.by_row_pieces): Q4_0
+    blocks give gguf's own dequantization bit for bit, and other types dequantize as gguf does in one call."""
+    from types import SimpleNamespace
+
+    from mixtral_infer.checkpoint.gguf_file import Q4_0_SCHEME, _to_torch, by_row_pieces, q4_0_as_int4
+    from mixtral_infer.quant.weights import QuantizedWeight
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    seen = []
+    by_row_pieces(lambda start, stop: seen.append((start, stop)), 2500, 1000)  # 1048 rows a piece
+    assert sorted(seen) == [(0, 1048), (1048, 2096), (2096, 2500)]
+
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((2, 1100, 1024)).astype(np.float32)  # (E, OUT, IN): 2200 rows of 576 bytes, 2 MB
+    raw = gguf.quants.quantize(data, Q.Q4_0)
+    values, scales = q4_0_as_int4(raw.reshape(*raw.shape[:-1], -1, 18))
+    theirs = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_0).astype(np.float32))
+    assert torch.equal(QuantizedWeight(Q4_0_SCHEME, values, scales, 1024).dequantize(torch.float32), theirs)
+
+    raw = gguf.quants.quantize(data[1], Q.Q5_1)  # (OUT, IN/32 * 24): a type gguf writes and dequantizes
+    tensor = SimpleNamespace(data=raw, tensor_type=Q.Q5_1, shape=[1024, 1100], name="w")  # ggml's order: IN first
+    assert torch.equal(_to_torch(tensor, "file.gguf"), torch.from_numpy(gguf.quants.dequantize(raw, Q.Q5_1)))
+
+
 def float_model_of(path: Path, dtype=torch.float32):
     """The model of a GGUF file with every weight dequantized by gguf (the path of the other types), for
     comparison with the one that keeps the Q4_0 blocks."""

@@ -59,9 +59,10 @@ from __future__ import annotations
 
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -392,14 +393,36 @@ def q4_0_as_int4(blocks: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
     ``0.5 * (15 - 8) = 3.5``, weight 1 is ``0.5 * (8 - 8) = 0``, weight 16 is ``0.5 * (9 - 8) = 0.5``;
     as int4, byte 0 is ``15 | 8 << 4 = 0x8F`` and byte 8 holds weight 16 in its low nibble."""
     blocks = np.asarray(blocks)
-    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # (..., OUT, IN/32)
-    # Byte k < 8 of the int4 block pairs weights 2k, 2k + 1: the low nibbles of qs[2k], qs[2k + 1];
-    # byte 8 + k pairs weights 16 + 2k, 17 + 2k: their high nibbles.
-    even, odd = blocks[..., 2::2], blocks[..., 3::2]  # (..., OUT, IN/32, 8): qs[2k], qs[2k + 1]
-    values = np.empty((*blocks.shape[:-1], 16), dtype=np.uint8)  # (..., OUT, IN/32, 16)
-    np.bitwise_or(even & 15, odd << 4, out=values[..., :8])
-    np.bitwise_or(even >> 4, odd & 0xF0, out=values[..., 8:])
-    return torch.from_numpy(values.reshape(*blocks.shape[:-2], -1)), torch.from_numpy(scales)
+    rows = blocks.reshape(-1, *blocks.shape[-2:])  # (R, IN/32, 18)
+    values = np.empty((*rows.shape[:2], 16), dtype=np.uint8)  # (R, IN/32, 16)
+    scales = np.empty(rows.shape[:2], dtype=np.float32)  # (R, IN/32)
+
+    def convert(start: int, stop: int) -> None:
+        part = rows[start:stop]
+        scales[start:stop] = part[..., :2].copy().view(np.float16)[..., 0]
+        # Byte k < 8 of the int4 block pairs weights 2k, 2k + 1: the low nibbles of qs[2k], qs[2k + 1];
+        # byte 8 + k pairs weights 16 + 2k, 17 + 2k: their high nibbles.
+        even, odd = part[..., 2::2], part[..., 3::2]  # (rows, IN/32, 8): qs[2k], qs[2k + 1]
+        np.bitwise_or(even & 15, odd << 4, out=values[start:stop, :, :8])
+        np.bitwise_or(even >> 4, odd & 0xF0, out=values[start:stop, :, 8:])
+
+    by_row_pieces(convert, rows.shape[0], rows[0].nbytes if rows.shape[0] else 1)
+    return torch.from_numpy(values.reshape(*blocks.shape[:-2], -1)), torch.from_numpy(scales.reshape(blocks.shape[:-1]))
+
+
+def by_row_pieces(work: Callable[[int, int], None], rows: int, row_bytes: int) -> None:
+    """``work(start, stop)`` over rows ``0..rows`` in pieces of about 1 MB, as many at once as torch
+    has threads: each piece's working copies stay in the cache, and numpy's array operations let go
+    of the GIL while they run. ``work`` writes its rows of results allocated before."""
+    step = max(1, (1 << 20) // max(row_bytes, 1))
+    starts = range(0, rows, step)
+    threads = min(torch.get_num_threads(), len(starts))
+    if threads <= 1:
+        for start in starts:
+            work(start, min(start + step, rows))
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda start: work(start, min(start + step, rows)), starts))  # list: a piece's error is raised
 
 
 def _placed_int4(blocks: np.ndarray, loading: GgufLoading, name: str) -> QuantizedWeight:
@@ -432,8 +455,14 @@ def _to_torch(tensor, source: str) -> torch.Tensor:
     if kind == GGMLQuantizationType.BF16:
         raw = np.ascontiguousarray(data).view(np.int16).reshape(shape).copy()
         return torch.from_numpy(raw).view(torch.bfloat16)
+    rows = data.reshape(-1, data.shape[-1])  # (R, the bytes of IN values)
+    values = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)  # (R, IN)
+
+    def convert(start: int, stop: int) -> None:
+        values[start:stop] = dequantize(rows[start:stop], kind)
+
     try:
-        values = dequantize(data, kind)
+        by_row_pieces(convert, rows.shape[0], values[0].nbytes if rows.shape[0] else 1)
     except NotImplementedError:
         raise CheckpointError(f"{source}: tensor {tensor.name} has type {kind.name}, which gguf cannot dequantize") from None
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
+    return torch.from_numpy(values.reshape(shape))
