@@ -3,8 +3,11 @@ refused in one line where it cannot be read.
 
 Loading a GGUF model reads the file twice over: its tensors (``checkpoint/gguf_file.py``) and its
 vocabulary (``tokenizer/gguf_vocab.py``), the command line's tokenizer a third time. ``open_reader``
-keeps the last file's reader, keyed by the file's identity (its path, size, modification time and
-inode), so each parse after the first is free; a file written again is parsed again.
+gives the reader already open where one is still held (by an open ``GgufFile``: the command line
+holds its checkpoint while it reads the tokenizer and loads the model), keyed by the file's identity
+(its path, size, modification time and inode): a file written again is parsed again. It holds no
+reader itself (a weak reference): the mapped file, whose pages count in the process's resident memory
+once read, goes with the last reader's user.
 
 ``gguf.GGUFReader`` makes its metadata of numpy slices of the file's memory map, two per string
 of a vocabulary (32,000 strings in Mistral 7B's, 131,072 in tekken's). A slice of an ``np.memmap``
@@ -19,6 +22,7 @@ from __future__ import annotations
 import functools
 import re
 import stat
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -37,16 +41,21 @@ def open_reader(path: str | Path):
         found = None
     if found is None or not stat.S_ISREG(found.st_mode):
         raise CheckpointError(f"{path}: file not found")
-    try:
-        return _parsed(str(path.resolve()), found.st_size, found.st_mtime_ns, found.st_ino)
-    except CheckpointError as error:
-        raise CheckpointError(f"{path}: {error}") from None
+    key = (str(path.resolve()), found.st_size, found.st_mtime_ns, found.st_ino)
+    reader = _OPEN.get(key)
+    if reader is None:
+        try:
+            reader = _OPEN[key] = _parsed(key[0])
+        except CheckpointError as error:
+            raise CheckpointError(f"{path}: {error}") from None
+    return reader
 
 
-@functools.lru_cache(maxsize=1)
-def _parsed(path: str, size: int, mtime_ns: int, inode: int):
-    """The reader of ``path`` as it is (size, mtime and inode are the cache's key only); its errors
-    without the file's name, which ``open_reader`` puts first."""
+_OPEN: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # the readers still held
+
+
+def _parsed(path: str):
+    """The reader of ``path``; its errors without the file's name, which ``open_reader`` puts first."""
     try:
         from gguf import GGUFReader
     except ImportError:  # pragma: no cover - a dependency

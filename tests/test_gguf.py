@@ -437,10 +437,12 @@ def test_q4_0_tied_output_and_shares(tmp_path):
         dict(file.published_tensors(select=cut, loading=loading))
 
 
-def test_a_file_is_parsed_once_over_plain_slices_and_again_once_written_again(tmp_path, pair, monkeypatch):
-    """Loading a GGUF model and its tokenizer parses the file once (gguf_reader: the model's tensors and
-    its vocabulary read one reader), whose arrays are plain ndarrays over the mapped file; the same
-    path written again with other weights is parsed again and loads those."""
+def test_a_file_is_parsed_once_while_held_over_plain_slices_and_again_once_written_again(tmp_path, pair, monkeypatch):
+    """As the command line does: the checkpoint opened, then the tokenizer and the model read, parse the
+    file once (gguf_reader); its arrays are plain ndarrays over the mapped file; once nobody holds the
+    reader, its mapping goes. The same path written again with other weights is parsed again."""
+    import gc
+
     from mixtral_infer import gguf_reader
 
     hf, args = pair
@@ -448,14 +450,17 @@ def test_a_file_is_parsed_once_over_plain_slices_and_again_once_written_again(tm
     original = gguf.GGUFReader.__init__
     monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: (parses.append(a[0]), original(self, *a, **k))[1])
     path = write_gguf(tmp_path / "model.gguf", hf, args, Q.F32)
-    model = load_model(path, device="cpu", dtype=torch.float32)
+    checkpoint = open_checkpoint(path)
     Tokenizer.from_folder(path)
+    model = load_model(path, device="cpu", dtype=torch.float32)
     assert len(parses) == 1
     reader = gguf_reader.open_reader(path)
     assert len(parses) == 1 and type(reader.data) is np.ndarray and type(reader.tensors[0].data) is np.ndarray
     assert np.shares_memory(reader.data, reader.tensors[0].data)  # a view of the file, not a copy
-    field = reader.get_field("tokenizer.ggml.tokens")
-    assert field.contents()[:3] == ["<unk>", "<s>", "</s>"]
+    assert reader.get_field("tokenizer.ggml.tokens").contents()[:3] == ["<unk>", "<s>", "</s>"]
+    del checkpoint, reader
+    gc.collect()
+    assert len(gguf_reader._OPEN) == 0  # nothing holds the file mapped
 
     path.unlink()  # a new file at the same path (a new inode, another size)
     write_gguf(path, hf, args, Q.F16)

@@ -314,7 +314,7 @@ class GgufFile:
                             part = _selected_blocks(blocks[j] if experts else blocks, selection, name, str(self.path))
                             yield name, _placed_int4(part, loading, f"{self.path}: tensor {tensor.name}")
                 else:
-                    value = _to_torch(tensor, str(self.path))
+                    value = _to_torch(tensor, str(self.path), _float_dtype(loading))
                     pairs = [(n, value[j]) for j, n in enumerate(names)] if experts else [(names[0], value)]
                     for (name, part), (_, selection) in zip(pairs, wanted):
                         if select is None:
@@ -325,6 +325,13 @@ class GgufFile:
                 done += 1
                 if progress is not None:
                     progress(done, total)
+
+
+def _float_dtype(loading: Optional["GgufLoading"]) -> torch.dtype:
+    """The dtype dequantized tensors come in: the model's where ``load_model`` places them as they are
+    (what it would round them to), else float32 (to quantize again, to merge an adapter, to convert)."""
+    placed_as_is = loading is not None and loading.quantize is None and loading.keep_blocks and loading.dtype.is_floating_point
+    return loading.dtype if placed_as_is else torch.float32
 
 
 @dataclass(frozen=True)
@@ -442,8 +449,9 @@ def _placed_int4(blocks: np.ndarray, loading: GgufLoading, name: str) -> Quantiz
 _AS_STORED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _to_torch(tensor, source: str) -> torch.Tensor:
-    """A tensor's values: F32/F16/BF16 as stored, any other type dequantized by ``gguf`` to float32."""
+def _to_torch(tensor, source: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor's values: F32/F16/BF16 as stored, any other type dequantized by ``gguf`` to float32 and
+    given in ``dtype`` (rounded a piece at a time: no float32 copy of the whole tensor)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -456,13 +464,13 @@ def _to_torch(tensor, source: str) -> torch.Tensor:
         raw = np.ascontiguousarray(data).view(np.int16).reshape(shape).copy()
         return torch.from_numpy(raw).view(torch.bfloat16)
     rows = data.reshape(-1, data.shape[-1])  # (R, the bytes of IN values)
-    values = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)  # (R, IN)
+    values = torch.empty((rows.shape[0], shape[-1]), dtype=dtype)  # (R, IN)
 
     def convert(start: int, stop: int) -> None:
-        values[start:stop] = dequantize(rows[start:stop], kind)
+        values[start:stop] = torch.from_numpy(dequantize(rows[start:stop], kind))
 
     try:
-        by_row_pieces(convert, rows.shape[0], values[0].nbytes if rows.shape[0] else 1)
+        by_row_pieces(convert, rows.shape[0], shape[-1] * 4)
     except NotImplementedError:
         raise CheckpointError(f"{source}: tensor {tensor.name} has type {kind.name}, which gguf cannot dequantize") from None
-    return torch.from_numpy(values.reshape(shape))
+    return values.reshape(shape)
