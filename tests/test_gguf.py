@@ -345,7 +345,9 @@ def test_large_tensors_convert_in_pieces_side_by_side_as_in_one(monkeypatch):
 
     raw = gguf.quants.quantize(data[1], Q.Q5_1)  # (OUT, IN/32 * 24): a type gguf writes and dequantizes
     tensor = SimpleNamespace(data=raw, tensor_type=Q.Q5_1, shape=[1024, 1100], name="w")  # ggml's order: IN first
-    assert torch.equal(_to_torch(tensor, "file.gguf"), torch.from_numpy(gguf.quants.dequantize(raw, Q.Q5_1)))
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q5_1))
+    assert torch.equal(_to_torch(tensor, "file.gguf"), expected)
+    assert torch.equal(_to_torch(tensor, "file.gguf", torch.bfloat16), expected.bfloat16())  # rounded a piece at a time
 
 
 def float_model_of(path: Path, dtype=torch.float32):
