@@ -67,13 +67,18 @@ def main() -> None:
             while f.read(1 << 24):
                 pass
     runs = {(side, path): [] for side in trees for path in args.files}
-    for round_ in range(args.rounds):
-        order = ["old", "new"] if round_ % 2 == 0 else ["new", "old"]
-        for path in args.files:
-            for side in order:
-                result = one_load(trees[side], path, args.dtype, args.quantize)
-                runs[side, path].append(result)
-                print(f"round {round_ + 1} {side} {Path(path).name}: {json.dumps(result)}", flush=True)
+    try:
+        for round_ in range(args.rounds):
+            order = ["old", "new"] if round_ % 2 == 0 else ["new", "old"]
+            for path in args.files:
+                for side in order:
+                    result = one_load(trees[side], path, args.dtype, args.quantize)
+                    runs[side, path].append(result)
+                    print(f"round {round_ + 1} {side} {Path(path).name}: {json.dumps(result)}", flush=True)
+    finally:
+        for side, tree in trees.items():
+            if tree != REPO:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
     summary = {}
     for path in args.files:
         row = {side: {key: statistics.median(r[key] for r in runs[side, path]) for key in ("load_s", "peak_mb", "rss_after_mb")}

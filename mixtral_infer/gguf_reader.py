@@ -1,13 +1,15 @@
 """A GGUF file opened by the ``gguf`` package's reader: parsed once, over plain numpy slices, and
 refused in one line where it cannot be read.
 
-Loading a GGUF model reads the file twice over: its tensors (``checkpoint/gguf_file.py``) and its
-vocabulary (``tokenizer/gguf_vocab.py``), the command line's tokenizer a third time. ``open_reader``
-gives the reader already open where one is still held (by an open ``GgufFile``: the command line
-holds its checkpoint while it reads the tokenizer and loads the model), keyed by the file's identity
-(its path, size, modification time and inode): a file written again is parsed again. It holds no
-reader itself (a weak reference): the mapped file, whose pages count in the process's resident memory
-once read, goes with the last reader's user.
+The command line reads a GGUF file four times over: its checkpoint's metadata, its tokenizer, and in
+``load_model`` the checkpoint again and the vocabulary check (``checkpoint/gguf_file.py``,
+``tokenizer/gguf_vocab.py``). ``open_reader`` gives the reader already open where one is still held
+(by an open ``GgufFile``: the command line holds its checkpoint while it reads the tokenizer and loads
+the model), keyed by the file's identity: its path, size, inode and modification and change times.
+A file written again is parsed again; one rewritten in place while its reader is held, keeping all
+of those (``ctime`` cannot be set back), would not be. It holds no reader itself (a weak
+reference): the mapped file, whose pages count in the process's resident memory once read, goes
+with the last reader's user.
 
 ``gguf.GGUFReader`` makes its metadata of numpy slices of the file's memory map, two per string
 of a vocabulary (32,000 strings in Mistral 7B's, 131,072 in tekken's). A slice of an ``np.memmap``
@@ -29,6 +31,8 @@ import numpy as np
 
 from mixtral_infer.errors import CheckpointError
 
+_OPEN: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # the readers still held
+
 
 def open_reader(path: str | Path):
     """``gguf.GGUFReader`` over ``path`` (parsed once while the file stays as it is, module docstring);
@@ -41,17 +45,14 @@ def open_reader(path: str | Path):
         found = None
     if found is None or not stat.S_ISREG(found.st_mode):
         raise CheckpointError(f"{path}: file not found")
-    key = (str(path.resolve()), found.st_size, found.st_mtime_ns, found.st_ino)
+    key = (str(path.resolve()), found.st_size, found.st_ino, found.st_mtime_ns, found.st_ctime_ns)
     reader = _OPEN.get(key)
     if reader is None:
         try:
-            reader = _OPEN[key] = _parsed(key[0])
+            reader = _OPEN[key] = _parsed(str(path))
         except CheckpointError as error:
             raise CheckpointError(f"{path}: {error}") from None
     return reader
-
-
-_OPEN: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()  # the readers still held
 
 
 def _parsed(path: str):

@@ -332,9 +332,8 @@ def test_large_tensors_convert_in_pieces_side_by_side_as_in_one(monkeypatch):
     from mixtral_infer.quant.weights import QuantizedWeight
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    seen = []
-    by_row_pieces(lambda start, stop: seen.append((start, stop)), 2500, 1000)  # 1048 rows a piece
-    assert sorted(seen) == [(0, 1048), (1048, 2096), (2096, 2500)]
+    pieces = by_row_pieces(lambda start, stop: stop - start, 2500, 1000)  # 1048 rows a piece, in order
+    assert list(pieces) == [(0, 1048, 1048), (1048, 2096, 1048), (2096, 2500, 404)]
 
     rng = np.random.default_rng(1)
     data = rng.standard_normal((2, 1100, 1024)).astype(np.float32)  # (E, OUT, IN): 2200 rows of 576 bytes, 2 MB
@@ -470,3 +469,17 @@ def test_a_file_is_parsed_once_while_held_over_plain_slices_and_again_once_writt
     assert len(parses) == 2
     assert not torch.equal(again.output.weight, model.output.weight)  # float16's weights, read from the new file
     torch.testing.assert_close(again.output.weight, model.output.weight, atol=1e-3, rtol=0)
+
+
+def test_a_weight_past_float16_s_range_is_named_so_and_not_a_damaged_file(tmp_path, pair):
+    """A Q8_0 weight of 1e5 loaded in float16: the range error of check_finite (dequantized tensors stay
+    float32 until the model rounds them), not "the checkpoint is damaged"."""
+    import copy
+
+    hf, args = pair
+    big = copy.deepcopy(hf)
+    with torch.no_grad():
+        next(p for n, p in big.named_parameters() if "down_proj" in n or "w2" in n).view(-1)[0] = 1e5
+    path = write_gguf(tmp_path / "big.gguf", big, args, Q.Q8_0)
+    with pytest.raises(CheckpointError, match=r"beyond torch\.float16's range"):
+        load_model(path, device="cpu", dtype=torch.float16)

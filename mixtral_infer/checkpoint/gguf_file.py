@@ -62,7 +62,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import numpy as np
 import torch
@@ -80,6 +80,7 @@ from mixtral_infer.quant.weights import QuantizedWeight, check_scales_fit
 from mixtral_infer.tuning import Tuning
 
 GGUF_SUFFIX = ".gguf"
+T = TypeVar("T")
 ARCHITECTURE = "llama"  # how llama.cpp's converter writes Mistral and Mixtral
 
 _GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"}
@@ -329,9 +330,11 @@ class GgufFile:
 
 def _float_dtype(loading: Optional["GgufLoading"]) -> torch.dtype:
     """The dtype dequantized tensors come in: the model's where ``load_model`` places them as they are
-    (what it would round them to), else float32 (to quantize again, to merge an adapter, to convert)."""
-    placed_as_is = loading is not None and loading.quantize is None and loading.keep_blocks and loading.dtype.is_floating_point
-    return loading.dtype if placed_as_is else torch.float32
+    (what it would round them to) and it has float32's range, else float32 (to quantize again, to merge
+    an adapter, to convert; and for float16, whose range check, ``check_finite``, tells a weight past
+    its range from a damaged file by the float32 values)."""
+    placed_as_is = loading is not None and loading.quantize is None and loading.keep_blocks
+    return loading.dtype if placed_as_is and loading.dtype in (torch.bfloat16, torch.float32) else torch.float32
 
 
 @dataclass(frozen=True)
@@ -413,23 +416,29 @@ def q4_0_as_int4(blocks: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
         np.bitwise_or(even & 15, odd << 4, out=values[start:stop, :, :8])
         np.bitwise_or(even >> 4, odd & 0xF0, out=values[start:stop, :, 8:])
 
-    by_row_pieces(convert, rows.shape[0], rows[0].nbytes if rows.shape[0] else 1)
+    for _ in by_row_pieces(convert, rows.shape[0], rows[0].nbytes if rows.shape[0] else 1):
+        pass
     return torch.from_numpy(values.reshape(*blocks.shape[:-2], -1)), torch.from_numpy(scales.reshape(blocks.shape[:-1]))
 
 
-def by_row_pieces(work: Callable[[int, int], None], rows: int, row_bytes: int) -> None:
-    """``work(start, stop)`` over rows ``0..rows`` in pieces of about 1 MB, as many at once as torch
-    has threads: each piece's working copies stay in the cache, and numpy's array operations let go
-    of the GIL while they run. ``work`` writes its rows of results allocated before."""
+def by_row_pieces(work: Callable[[int, int], T], rows: int, row_bytes: int) -> Iterator[Tuple[int, int, T]]:
+    """``(start, stop, work(start, stop))`` over rows ``0..rows`` in pieces of about 1 MB, in order. As
+    many pieces run at once as torch has threads, a wave at a time (numpy's array operations let go of
+    the GIL; each piece's working copies stay in the cache), so at most that many results are held.
+    ``work`` runs in the pool's threads: numpy only, where torch's own threads would start a team in
+    each; what the caller does with a result runs in its thread."""
     step = max(1, (1 << 20) // max(row_bytes, 1))
-    starts = range(0, rows, step)
-    threads = min(torch.get_num_threads(), len(starts))
+    bounds = [(start, min(start + step, rows)) for start in range(0, rows, step)]
+    threads = min(torch.get_num_threads(), len(bounds))
     if threads <= 1:
-        for start in starts:
-            work(start, min(start + step, rows))
+        for start, stop in bounds:
+            yield start, stop, work(start, stop)
         return
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda start: work(start, min(start + step, rows)), starts))  # list: a piece's error is raised
+        for first in range(0, len(bounds), threads):
+            wave = bounds[first : first + threads]
+            for (start, stop), result in zip(wave, pool.map(lambda b: work(*b), wave)):  # a piece's error is raised here
+                yield start, stop, result
 
 
 def _placed_int4(blocks: np.ndarray, loading: GgufLoading, name: str) -> QuantizedWeight:
@@ -466,11 +475,10 @@ def _to_torch(tensor, source: str, dtype: torch.dtype = torch.float32) -> torch.
     rows = data.reshape(-1, data.shape[-1])  # (R, the bytes of IN values)
     values = torch.empty((rows.shape[0], shape[-1]), dtype=dtype)  # (R, IN)
 
-    def convert(start: int, stop: int) -> None:
-        values[start:stop] = torch.from_numpy(dequantize(rows[start:stop], kind))
-
     try:
-        by_row_pieces(convert, rows.shape[0], shape[-1] * 4)
+        pieces = by_row_pieces(lambda start, stop: dequantize(rows[start:stop], kind), rows.shape[0], shape[-1] * 4)
+        for start, stop, piece in pieces:  # float32 (stop - start, IN), rounded here
+            values[start:stop] = torch.from_numpy(piece)
     except NotImplementedError:
         raise CheckpointError(f"{source}: tensor {tensor.name} has type {kind.name}, which gguf cannot dequantize") from None
     return values.reshape(shape)

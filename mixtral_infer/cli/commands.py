@@ -356,6 +356,7 @@ def load(
         lora=lora,
         lora_scale=float(lora_scale),
     )
+    del checkpoint  # a GGUF file's reader, and the file mapped with it, go now (gguf_reader)
     if served_adapters:
         from mixtral_infer.checkpoint.lora import attach_served
         from mixtral_infer.formats.adapters import adapter_bytes
