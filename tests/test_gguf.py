@@ -334,6 +334,8 @@ def test_large_tensors_convert_in_pieces_side_by_side_as_in_one(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     pieces = by_row_pieces(lambda start, stop: stop - start, 2500, 1000)  # 1048 rows a piece, in order
     assert list(pieces) == [(0, 1048, 1048), (1048, 2096, 1048), (2096, 2500, 404)]
+    with pytest.raises(ZeroDivisionError):  # a piece's error reaches the caller
+        list(by_row_pieces(lambda start, stop: 1 // start, 2500, 1000))
 
     rng = np.random.default_rng(1)
     data = rng.standard_normal((2, 1100, 1024)).astype(np.float32)  # (E, OUT, IN): 2200 rows of 576 bytes, 2 MB

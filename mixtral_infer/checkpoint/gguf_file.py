@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,10 +424,10 @@ def q4_0_as_int4(blocks: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def by_row_pieces(work: Callable[[int, int], T], rows: int, row_bytes: int) -> Iterator[Tuple[int, int, T]]:
     """``(start, stop, work(start, stop))`` over rows ``0..rows`` in pieces of about 1 MB, in order. As
-    many pieces run at once as torch has threads, a wave at a time (numpy's array operations let go of
-    the GIL; each piece's working copies stay in the cache), so at most that many results are held.
-    ``work`` runs in the pool's threads: numpy only, where torch's own threads would start a team in
-    each; what the caller does with a result runs in its thread."""
+    many pieces run at once as torch has threads (numpy's array operations let go of the GIL; each
+    piece's working copies stay in the cache), while the caller takes the results in its own thread,
+    at most twice as many held as there are threads. ``work`` runs in the pool's threads: numpy only,
+    where torch's own threads would start a team in each."""
     step = max(1, (1 << 20) // max(row_bytes, 1))
     bounds = [(start, min(start + step, rows)) for start in range(0, rows, step)]
     threads = min(torch.get_num_threads(), len(bounds))
@@ -435,10 +436,15 @@ def by_row_pieces(work: Callable[[int, int], T], rows: int, row_bytes: int) -> I
             yield start, stop, work(start, stop)
         return
     with ThreadPoolExecutor(threads) as pool:
-        for first in range(0, len(bounds), threads):
-            wave = bounds[first : first + threads]
-            for (start, stop), result in zip(wave, pool.map(lambda b: work(*b), wave)):  # a piece's error is raised here
-                yield start, stop, result
+        running = deque()
+        for start, stop in bounds:
+            running.append((start, stop, pool.submit(work, start, stop)))
+            if len(running) > 2 * threads:
+                first, last, result = running.popleft()
+                yield first, last, result.result()  # a piece's error is raised here
+        while running:
+            first, last, result = running.popleft()
+            yield first, last, result.result()
 
 
 def _placed_int4(blocks: np.ndarray, loading: GgufLoading, name: str) -> QuantizedWeight:
