@@ -81,7 +81,6 @@ from mixtral_infer.quant.weights import QuantizedWeight, check_scales_fit
 from mixtral_infer.tuning import Tuning
 
 GGUF_SUFFIX = ".gguf"
-T = TypeVar("T")
 ARCHITECTURE = "llama"  # how llama.cpp's converter writes Mistral and Mixtral
 
 _GLOBAL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"}
@@ -420,6 +419,9 @@ def q4_0_as_int4(blocks: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
     for _ in by_row_pieces(convert, rows.shape[0], rows[0].nbytes if rows.shape[0] else 1):
         pass
     return torch.from_numpy(values.reshape(*blocks.shape[:-2], -1)), torch.from_numpy(scales.reshape(blocks.shape[:-1]))
+
+
+T = TypeVar("T")  # what by_row_pieces' work gives
 
 
 def by_row_pieces(work: Callable[[int, int], T], rows: int, row_bytes: int) -> Iterator[Tuple[int, int, T]]:

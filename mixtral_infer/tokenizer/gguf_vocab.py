@@ -11,6 +11,7 @@ Other vocabularies (``gpt2``-style BPE, tekken) are refused in one line.
 
 from __future__ import annotations
 
+import functools
 import struct
 from pathlib import Path
 
@@ -22,11 +23,7 @@ _PIECE_TYPES = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6}  # gguf's token_type -> Mode
 
 def sentencepiece_proto(path: Path) -> bytes:
     """The serialized sentencepiece ``ModelProto`` of the vocabulary in GGUF file ``path``."""
-    reader = open_reader(path)
-
-    def value(key: str, default: object = None) -> object:
-        return field(reader, key, default)
-
+    value = functools.partial(field, open_reader(path))  # value(key, default): the metadata of key
     model = value("tokenizer.ggml.model")
     if model != "llama":
         raise CheckpointError(f"{path}: tokenizer.ggml.model={model!r}; only sentencepiece vocabularies ('llama') are read")
